@@ -1,0 +1,67 @@
+"""Attention for selective batching: torch reference and the metadata every implementation reads.
+
+The batch is one flattened run of tokens. Request i owns queries
+``q[query_start[i]:query_start[i+1]]`` and a contiguous K/V region of the per-layer pool starting at
+slot ``kv_starts[i]``; after this step's K/V is written the region holds ``context_lens[i]`` tokens.
+A prefill request has as many queries as context (causal over its prompt); a decode request has one
+query that sees its whole context. Queries are always the *last* ``n`` positions of the context, so
+query ``t`` of ``n`` may see keys ``0 .. context_len - n + t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    query_start: torch.Tensor  # int32 [B + 1]: offsets of each request's queries in the flat batch
+    context_lens: torch.Tensor  # int32 [B]: K/V tokens of each request after this step's write
+    kv_starts: torch.Tensor  # int32 [B]: first pool slot of each request's K/V region
+    slot_mapping: torch.Tensor  # int64 [T]: pool slot that each new token's K/V is written to
+    max_query_len: int
+    max_context_len: int
+    # Host copies, so the per-request torch loop does not sync a device tensor in every layer.
+    query_start_host: list[int]
+    context_lens_host: list[int]
+    kv_starts_host: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_lens_host)
+
+
+def write_kv_torch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatters new K/V ([T, heads, head_dim]) into the pool ([slots, heads, head_dim]) in place."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, heads, head_dim]; caches: [slots, heads, head_dim]. Returns [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
+    for i in range(meta.num_requests):
+        q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
+        n = q_hi - q_lo
+        qi = q[q_lo:q_hi].transpose(0, 1)  # [heads, n, head_dim]
+        ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+        vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+        mask = None
+        if 1 < n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
+            rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=(n == ctx and n > 1), scale=scale)
+        out[q_lo:q_hi] = oi.transpose(0, 1)
+    return out

@@ -1,0 +1,129 @@
+"""Hugging Face GPT-2 checkpoints: reading them, and writing seeded random ones.
+
+No model hub is reachable at run time, so tests and benchmarks make their own checkpoints. The
+writer produces exactly what `transformers`' GPT2LMHeadModel.save_pretrained would (HF names,
+Conv1D `[in, out]` orientation, tied LM head left out), so `transformers` can load it as the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from orca_backend.config import ModelConfig
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def random_hf_state_dict(config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights under HF GPT-2 names.
+
+    Biases and LayerNorm parameters are random too (HF initialises them to 0/1), so a forward pass
+    that drops or misplaces one of them cannot still match the reference.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    e, inner = config.n_embd, config.n_inner
+
+    def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale + mean).to(dtype)
+
+    sd = {"transformer.wte.weight": normal(config.vocab_size, e), "transformer.wpe.weight": normal(config.n_positions, e)}
+    for i in range(config.n_layer):
+        p = f"transformer.h.{i}."
+        sd |= {
+            p + "ln_1.weight": normal(e, mean=1.0, scale=0.1), p + "ln_1.bias": normal(e, scale=0.1),
+            p + "attn.c_attn.weight": normal(e, 3 * e), p + "attn.c_attn.bias": normal(3 * e),
+            p + "attn.c_proj.weight": normal(e, e), p + "attn.c_proj.bias": normal(e),
+            p + "ln_2.weight": normal(e, mean=1.0, scale=0.1), p + "ln_2.bias": normal(e, scale=0.1),
+            p + "mlp.c_fc.weight": normal(e, inner), p + "mlp.c_fc.bias": normal(inner),
+            p + "mlp.c_proj.weight": normal(inner, e), p + "mlp.c_proj.bias": normal(e),
+        }  # fmt: skip
+    sd |= {"transformer.ln_f.weight": normal(e, mean=1.0, scale=0.1), "transformer.ln_f.bias": normal(e, scale=0.1)}
+    return sd
+
+
+def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Reads model.safetensors (or sharded model-*.safetensors) and normalises key names."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no model.safetensors found (only safetensors checkpoints are supported)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd |= load_file(str(f))
+    # OpenAI's original upload has no "transformer." prefix; old checkpoints carry attention-mask buffers.
+    normalised = {}
+    for key, value in sd.items():
+        if key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if not key.startswith(("transformer.", "lm_head.")):
+            key = "transformer." + key
+        normalised[key] = value
+    return normalised
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "activation_function": "gelu_new",
+        "n_inner": None,
+        "n_ctx": config.n_positions,
+        "bos_token_id": config.eos_token_id,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "torch_dtype": "float32",
+        **asdict(config),
+    }
+
+
+def write_random_checkpoint(path: str | Path, config: ModelConfig, seed: int = 0, tokenizer: bool = True) -> ModelConfig:
+    """Writes config.json + model.safetensors (+ tokenizer.json) to `path`; returns the config written.
+
+    With `tokenizer`, a byte-level BPE is trained on a seeded synthetic corpus with the model's
+    vocab size; the model's vocab is set to exactly the tokenizer's size and its EOS to the
+    tokenizer's end-of-text token, so every id the model can emit decodes to text.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        tok = train_byte_level_bpe(config.vocab_size, seed)
+        tok.save(str(path / "tokenizer.json"))
+        config = replace(config, vocab_size=tok.get_vocab_size(), eos_token_id=tok.token_to_id(EOS_TOKEN))
+    (path / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
+    save_file(random_hf_state_dict(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    return config
+
+
+def train_byte_level_bpe(vocab_size: int, seed: int = 0):
+    """A GPT-2-style byte-level BPE tokenizer trained on seeded pseudo-English."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(seed), trainer=trainer)
+    return tok
+
+
+def _synthetic_corpus(seed: int, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "to", "ra", "su", "vi", "de", "po", "an", "el", "or", "is", "un", "th", "er", "ch", "sh", "qu"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(3000)]
+    words += ["the", "a", "of", "and", "to", "in", "is", "it", "that", "for", "héllo", "naïve", "日本", "😀"]
+    punct = [".", ",", "!", "?", ";", ""]
+    return [" ".join(rng.choices(words, k=rng.randint(4, 16))) + rng.choice(punct) for _ in range(lines)]

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random GPT-2 checkpoints written to disk in the HF format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orca_backend.config import ModelConfig
+from orca_backend.model.checkpoint import write_random_checkpoint
+
+# initializer_range 0.3: random weights with the default 0.02 repeat one token forever, which would
+# let a broken attention pass token-equality tests (see DESIGN.md's testing notes).
+TINY = ModelConfig(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory):
+    """Returns a function writing (once per geometry) a checkpoint dir; yields (path, ModelConfig)."""
+    cache: dict[tuple, tuple[Path, ModelConfig]] = {}
+
+    def make(config: ModelConfig = TINY, seed: int = 0, tokenizer: bool = True) -> tuple[Path, ModelConfig]:
+        key = (config, seed, tokenizer)
+        if key not in cache:
+            path = tmp_path_factory.mktemp("ckpt")
+            cache[key] = (path, write_random_checkpoint(path, config, seed=seed, tokenizer=tokenizer))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint) -> tuple[Path, ModelConfig]:
+    return make_checkpoint()

@@ -1,0 +1,114 @@
+"""Sampling, stopping and incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_backend import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(str(tiny_checkpoint[0]), max_batch_size=16)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
+    alone = llm.generate([[5, 6, 7]], params)[0].output_ids
+    crowd = [[5, 6, 7]] + [[i, i + 1] for i in range(1, 9)]
+    mixed_params = [params] + [SamplingParams(max_tokens=16, temperature=0.8, seed=i) for i in range(8)]
+    together = llm.generate(crowd, mixed_params)
+    assert together[0].output_ids == alone
+    other_seed = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0].output_ids
+    assert other_seed != alone
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=0.0))[0].output_ids
+    assert greedy != alone  # temperature 1 on diverse random weights does not reduce to argmax
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate([[9, 8]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].output_ids
+    k1 = llm.generate([[9, 8]], SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True))[0]
+    p0 = llm.generate([[9, 8]], SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=3, ignore_eos=True))[0]
+    assert k1.output_ids == greedy and p0.output_ids == greedy
+
+
+def test_top_k_restricts_to_the_k_most_likely(llm):
+    # Sample one token many times from the same prompt; every pick must be among the top-3 logits.
+    engine = llm.engine
+    prompt = [3, 1, 4, 1, 5]
+    hf_logits = _last_logits(llm, prompt)
+    top3 = set(hf_logits.topk(3).indices.tolist())
+    picks = {o.output_ids[0] for o in llm.generate([prompt] * 40, [SamplingParams(max_tokens=1, temperature=2.0, top_k=3, seed=s) for s in range(40)])}
+    assert picks <= top3 and len(picks) > 1
+    assert engine.kv.used_tokens == 0
+
+
+def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    from orca_backend.engine.request import Request
+    from orca_backend.engine.scheduler import ScheduledBatch
+
+    engine = llm.engine
+    r = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
+    engine.kv.admit(r)
+    ids, pos, meta, last = engine.runner.prepare_inputs(ScheduledBatch([r], [len(prompt)]))
+    logits = engine.runner.model.forward(ids, pos, meta, engine.runner.kv_caches, last)[0]
+    engine.kv.free(r)
+    return logits
+
+
+def test_eos_stops_unless_ignored_and_never_before_min_tokens(llm):
+    eos = llm.engine.model_config.eos_token_id
+    prompt = [11, 12, 13]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].output_ids
+    # Make the greedy continuation's 4th token a stop token: generation must end right there.
+    stop_tok = greedy[3]
+    first = greedy.index(stop_tok)
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    assert out.finish_reason == "stop" and out.output_ids == greedy[: first + 1]
+    # min_tokens bans the stop token until then, so the output is at least that long.
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, min_tokens=first + 3, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    assert len(out.output_ids) >= first + 3
+    assert stop_tok not in out.output_ids[: first + 3]
+    if eos is not None:
+        out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, min_tokens=30))[0]
+        assert len(out.output_ids) == 30 and eos not in out.output_ids
+
+
+def test_streamed_text_deltas_concatenate_to_the_full_decode(llm):
+    tok = llm.tokenizer
+    engine = llm.engine
+    deltas: list[str] = []
+    ids: list[int] = []
+
+    def collect(out):
+        deltas.append(out.new_text)
+        ids.extend(out.new_token_ids)
+
+    for prompt in (tok.encode("héllo naïve 日本 😀 the"), [5, 200, 17]):
+        deltas.clear()
+        ids.clear()
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True), on_output=collect)
+        while engine.has_work():
+            engine.step()
+        assert "".join(deltas) == tok.decode(ids)
+        # A delta never ends inside a multi-byte character unless it is the final flush.
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1])
+
+
+def test_stop_string_truncates_text(llm):
+    tok = llm.tokenizer
+    prompt = tok.encode("the kalo mine")
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+    assert len(out.output_ids) < len(full.output_ids)
+
+
+def test_text_prompts_round_trip(llm):
+    out = llm.generate("the naïve one", SamplingParams(max_tokens=5, temperature=0.0))[0]
+    ids_out = llm.generate([llm.tokenizer.encode("the naïve one")], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert out.output_ids == ids_out.output_ids and isinstance(out.text, str)

@@ -1,0 +1,98 @@
+"""Bad input raises a clear ValueError and leaves the engine serving everyone else."""
+
+from __future__ import annotations
+
+import pytest
+
+from orca_backend import LLM, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(str(tiny_checkpoint[0]), kv_capacity_tokens=200)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+        (lambda: SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(top_k=-2), "top_k must be"),
+        (lambda: SamplingParams(min_tokens=20, max_tokens=10), "min_tokens must be"),
+        (lambda: SamplingParams.from_dict({"max_tokens": 4, "temprature": 0.5}), "unknown sampling parameter.*temprature"),
+        (lambda: SamplingParams.from_json("{not json"), "not valid JSON"),
+        (lambda: SamplingParams.from_json('{"max_tokens": "ten"}'), "max_tokens must be an integer"),
+        (lambda: SamplingParams.from_json("[1, 2]"), "must be a JSON object"),
+    ],
+)
+def test_bad_sampling_params(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_numeric_strings_are_accepted_as_genai_perf_sends_them():
+    p = SamplingParams.from_json('{"max_tokens": "32", "min_tokens": "32", "temperature": "0", "ignore_eos": "true"}')
+    assert (p.max_tokens, p.min_tokens, p.temperature, p.ignore_eos) == (32, 32, 0.0, True)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "the prompt is empty"),
+        ("", SamplingParams(), "the prompt is empty"),
+        ([1, 2, 10_000], SamplingParams(), "outside the model's vocabulary"),
+        ([1] * 100, SamplingParams(max_tokens=29), "exceeds the model's context length of 128"),
+        ([1] * 100, SamplingParams(max_tokens=20), None),  # fits the context: must be accepted
+        ([1.5, 2], SamplingParams(), "string or a sequence of integer"),
+    ],
+)
+def test_bad_prompts_fail_alone_and_engine_keeps_serving(llm, prompt, params, message):
+    good = [[1, 2, 3]]
+    before = llm.generate(good, SamplingParams(max_tokens=6, temperature=0.0))[0].output_ids
+    if message is None:
+        assert len(llm.generate([prompt], params)[0].output_ids) == params.max_tokens
+    else:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(good + [prompt], [SamplingParams(max_tokens=6, temperature=0.0), params])
+    assert llm.generate(good, SamplingParams(max_tokens=6, temperature=0.0))[0].output_ids == before
+    assert llm.engine.kv.used_tokens == 0 and not llm.engine.has_work()
+
+
+def test_request_that_can_never_fit_the_kv_pool_is_rejected(tiny_checkpoint):
+    small = LLM(str(tiny_checkpoint[0]), kv_capacity_tokens=64)
+    with pytest.raises(ValueError, match="K/V capacity of 64 tokens"):
+        small.generate([[1] * 50], SamplingParams(max_tokens=20))  # within the context of 128
+    assert len(small.generate([[1] * 50], SamplingParams(max_tokens=14))[0].output_ids) == 14
+
+
+def test_text_prompt_without_tokenizer_is_an_error():
+    llm = LLM("gpt2-tiny")
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        llm.generate("hello")
+
+
+def test_duplicate_request_id_is_rejected(tiny_checkpoint):
+    from orca_backend.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="same")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "float64"}, "dtype must be one of"),
+        ({"scheduling": "batch"}, "scheduling must be"),
+        ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
+        ({"model": "/no/such/dir"}, "neither a preset"),
+        ({"device": "cuda"}, "no CUDA device"),
+    ],
+)
+def test_bad_engine_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs).model_config()
