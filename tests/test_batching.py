@@ -114,12 +114,12 @@ def test_max_batch_size_bounds_every_iteration(tiny_checkpoint):
     path, config = tiny_checkpoint
     llm = LLM(str(path), max_batch_size=3)
     sizes = []
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     original = runner.execute
 
-    def spy(batch):
-        sizes.append(len(batch.requests))
-        return original(batch)
+    def spy(meta):
+        sizes.append(len(meta.request_ids))
+        return original(meta)
 
     runner.execute = spy
     outs = llm.generate(random_prompts(10, config.vocab_size, seed=1), GREEDY)
@@ -133,15 +133,15 @@ def test_kv_capacity_limits_admission_without_overcommit(tiny_checkpoint):
     llm = LLM(str(path), kv_capacity_tokens=50, max_batch_size=16)
     engine = llm.engine
     peak = 0
-    original = engine.runner.execute
+    original = engine.executor.runner.execute
 
-    def spy(batch):
+    def spy(meta):
         nonlocal peak
         assert engine.kv.used_tokens <= engine.kv.capacity_tokens
-        peak = max(peak, len(batch.requests))
-        return original(batch)
+        peak = max(peak, len(meta.request_ids))
+        return original(meta)
 
-    engine.runner.execute = spy
+    engine.executor.runner.execute = spy
     prompts = [[i + 1] * 10 for i in range(6)]
     outs = llm.generate(prompts, GREEDY)
     assert peak == 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from orca_backend import LLM, ModelConfig, SamplingParams
+from orca_backend.engine.batch import build_batch_meta
 from orca_backend.engine.request import Request
 from orca_backend.engine.scheduler import ScheduledBatch
 
@@ -57,11 +58,10 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     requests = [Request(f"r{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts)]
     for r in requests:
         engine.kv.admit(r)
-    runner = engine.runner
+    runner = engine.executor.runner
 
     def logits_of(batch: ScheduledBatch) -> torch.Tensor:
-        ids, pos, meta, last = runner.prepare_inputs(batch)
-        return runner.model.forward(ids, pos, meta, runner.kv_caches, last)
+        return runner.run_stage(build_batch_meta(batch, 0, None, []))
 
     # Iteration 1: all prompts prefilled in one flat batch.
     prefill = logits_of(ScheduledBatch(requests, [len(p) for p in prompts]))

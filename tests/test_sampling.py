@@ -45,14 +45,14 @@ def test_top_k_restricts_to_the_k_most_likely(llm):
 
 
 def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    from orca_backend.engine.batch import build_batch_meta
     from orca_backend.engine.request import Request
     from orca_backend.engine.scheduler import ScheduledBatch
 
     engine = llm.engine
     r = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
     engine.kv.admit(r)
-    ids, pos, meta, last = engine.runner.prepare_inputs(ScheduledBatch([r], [len(prompt)]))
-    logits = engine.runner.model.forward(ids, pos, meta, engine.runner.kv_caches, last)[0]
+    logits = engine.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, None, []))[0]
     engine.kv.free(r)
     return logits
 

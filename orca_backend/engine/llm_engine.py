@@ -13,17 +13,21 @@ import itertools
 import logging
 import operator
 import queue
+import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from orca_backend.config import EngineConfig
 from orca_backend.engine import detokenizer
+from orca_backend.engine.batch import build_batch_meta
+from orca_backend.engine.executor import Executor, LocalExecutor, WorkerFailure
 from orca_backend.engine.kv_cache import make_kv_manager
 from orca_backend.engine.model_runner import ModelRunner
 from orca_backend.engine.request import Request, RequestOutput
-from orca_backend.engine.scheduler import Scheduler
+from orca_backend.engine.scheduler import ScheduledBatch, Scheduler
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
 
@@ -46,6 +50,7 @@ class EngineStats:
     num_iterations: int
     num_generated_tokens: int
     last_iteration_seconds: float
+    max_batches_in_flight: int  # > 1 only with pipeline parallelism
 
 
 class RequestStream:
@@ -77,11 +82,16 @@ class LLMEngine:
                 f"tokenizer {tokenizer_path} has {self.tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {self.model_config.vocab_size}"
             )
-        self.runner = ModelRunner(config, self.model_config)
+        self.executor = self._make_executor()
         self.kv = make_kv_manager(config.kv_policy, config.kv_capacity_tokens)
         self.scheduler = Scheduler(
-            self.kv, config.max_batch_size, config.scheduling == "request", self.model_config.eos_token_id
-        )
+            self.kv, config.max_batch_size, config.scheduling == "request", self.model_config.eos_token_id,
+            pipeline_depth=self.executor.max_in_flight,
+        )  # fmt: skip
+        self._in_flight: deque[ScheduledBatch] = deque()
+        self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
+        self._batch_ids = itertools.count()
+        self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
         self._held: list[tuple[OutputSink, RequestOutput]] = []  # request-level mode: released per batch
@@ -94,6 +104,14 @@ class LLMEngine:
         self.num_iterations = 0
         self.num_generated_tokens = 0
         self.last_iteration_seconds = 0.0
+        self.max_batches_in_flight = 0
+
+    def _make_executor(self) -> Executor:
+        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size == 1:
+            return LocalExecutor(ModelRunner(self.config, self.model_config))
+        from orca_backend.parallel.workers import WorkerPoolExecutor
+
+        return WorkerPoolExecutor(self.config, self.model_config)
 
     # ----------------------------------------------------------------- any thread
     @property
@@ -131,6 +149,8 @@ class LLMEngine:
             requests.append(Request(rid, self._prompt_ids(prompt), p, arrival_time=now))
             self._check_fits(requests[-1])
         with self._ids_lock:
+            for r in requests:
+                r.sampling_seed = r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63)
             new_ids = [r.request_id for r in requests]
             clash = (set(new_ids) & self._active_ids) or (len(set(new_ids)) != len(new_ids))
             if clash:
@@ -154,6 +174,7 @@ class LLMEngine:
             num_iterations=self.num_iterations,
             num_generated_tokens=self.num_generated_tokens,
             last_iteration_seconds=self.last_iteration_seconds,
+            max_batches_in_flight=self.max_batches_in_flight,
         )
 
     def start(self) -> None:
@@ -168,6 +189,7 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.executor.shutdown()
 
     # ------------------------------------------------------------ validation (caller's thread)
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -208,14 +230,31 @@ class LLMEngine:
         return self.scheduler.has_work() or not self._inbox.empty()
 
     def step(self) -> None:
-        """One iteration: take in new requests and aborts, schedule, run the model, emit outputs."""
+        """One iteration: take in new requests and aborts, schedule, run the model, emit outputs.
+
+        With pipeline parallelism it first fills the pipeline (up to one batch per stage, each of
+        requests not already in flight), then waits for the oldest batch only.
+        """
         self._drain_inbox(block=False)
-        batch = self.scheduler.schedule()
-        if batch is None:
+        while self.executor.num_in_flight < self.executor.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            released, self._released_ids = self._released_ids, []
+            meta = build_batch_meta(batch, next(self._batch_ids), self.model_config.eos_token_id, released)
+            self.executor.submit(meta)
+            self._in_flight.append(batch)
+            self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
+        if not self._in_flight:
             return
+        batch = self._in_flight.popleft()
         started = time.perf_counter()
         try:
-            sampled = self.runner.execute(batch)
+            sampled = self.executor.collect_oldest()
+        except WorkerFailure as exc:
+            self._in_flight.appendleft(batch)
+            self._die(f"a model worker failed: {exc}")
+            return
         except Exception as exc:  # a failed forward ends its batch, never the engine
             logger.exception("iteration failed; ending its %d requests", len(batch.requests))
             for request in batch.requests:
@@ -300,7 +339,7 @@ class LLMEngine:
         sink = self._sinks[request.request_id]
         if request.finished:
             del self._sinks[request.request_id]
-            self.runner.release(request.request_id)
+            self._released_ids.append(request.request_id)
             with self._ids_lock:
                 self._active_ids.discard(request.request_id)
         if self.scheduler.request_level:
@@ -318,11 +357,15 @@ class LLMEngine:
                 sink(output)
 
     def _die(self, reason: str) -> None:
+        logger.error("engine stops serving: %s", reason)
         self.dead_reason = reason
+        self._stopping = True
         self._drain_inbox(block=False)
+        self._in_flight.clear()
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             request.in_flight = False
             self._finish(request, "error", reason)
         held, self._held = self._held, []
         for sink, output in held:
             sink(output)
+        self.executor.shutdown()

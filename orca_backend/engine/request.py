@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from orca_backend.sampling_params import SamplingParams
 
 
@@ -47,7 +45,7 @@ class Request:
     in_flight: bool = False  # part of a batch that has not returned yet (pipeline parallelism)
     kv_start: int = -1  # first slot of the K/V region reserved for it, -1 while it has none
     num_computed: int = 0  # tokens whose K/V is in the cache
-    generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+    sampling_seed: int = 0  # params.seed, or drawn by the engine at arrival (see Sampler)
     # Incremental detokenization state (see engine/detokenizer.py).
     text: str = ""
     sent_text_len: int = 0

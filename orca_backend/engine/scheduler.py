@@ -30,9 +30,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_batch_size: int, request_level: bool, eos_token_id: int | None) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_batch_size: int, request_level: bool, eos_token_id: int | None,
+        pipeline_depth: int = 1,
+    ) -> None:  # fmt: skip
         self.kv = kv
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size  # requests in one batch
+        # With `pipeline_depth` batches in flight, that many batches' worth of requests may run.
+        self.max_running = max_batch_size * pipeline_depth
         self.request_level = request_level
         self.eos_token_id = eos_token_id
         self.waiting: deque[Request] = deque()
@@ -47,7 +52,7 @@ class Scheduler:
     def _admit(self) -> None:
         if self.request_level and self.running:
             return
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
             if not self.kv.can_admit(request):
                 break  # strict FCFS: a later, smaller request does not overtake the head of the queue
@@ -60,6 +65,8 @@ class Scheduler:
         self._admit()
         requests, num_new = [], []
         for request in self.running:
+            if len(requests) == self.max_batch_size:
+                break
             if request.in_flight or not self.kv.reserve_step(request):
                 continue
             request.in_flight = True

@@ -11,9 +11,11 @@ import json
 import random
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from orca_backend.config import ModelConfig
 
@@ -48,24 +50,46 @@ def random_hf_state_dict(config: ModelConfig, seed: int, dtype: torch.dtype = to
     return sd
 
 
-def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Reads model.safetensors (or sharded model-*.safetensors) and normalises key names."""
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("model*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no model.safetensors found (only safetensors checkpoints are supported)")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd |= load_file(str(f))
-    # OpenAI's original upload has no "transformer." prefix; old checkpoints carry attention-mask buffers.
-    normalised = {}
-    for key, value in sd.items():
-        if key.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        if not key.startswith(("transformer.", "lm_head.")):
-            key = "transformer." + key
-        normalised[key] = value
-    return normalised
+class WeightSource:
+    """HF-named tensors of a checkpoint, read whole or as one slice along a dimension.
+
+    Backed by safetensors files (opened lazily, so a tensor-parallel rank reads only its shard from
+    disk) or by an in-memory state dict (presets). Key names are normalised: OpenAI's original
+    upload has no "transformer." prefix, and old checkpoints carry attention-mask buffers.
+    """
+
+    def __init__(self, entries: dict[str, Any]) -> None:
+        self._entries = entries  # name -> tensor, or safetensors slice handle; both index like tensors
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor]) -> WeightSource:
+        return cls(dict(sd))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> WeightSource:
+        model_dir = Path(model_dir)
+        files = sorted(model_dir.glob("model*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir}: no model.safetensors found (only safetensors checkpoints are supported)")
+        entries: dict[str, Any] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if key.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue
+                name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+                entries[name] = handle.get_slice(key)
+        return cls(entries)
+
+    def get(self, name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        if name not in self._entries:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        entry = self._entries[name]
+        if dim is None:
+            return entry[:]
+        index = [slice(None)] * (dim + 1)
+        index[dim] = slice(lo, hi)
+        return entry[tuple(index)]
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

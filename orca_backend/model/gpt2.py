@@ -1,10 +1,15 @@
-"""GPT-2 forward pass written for selective batching.
+"""GPT-2 forward pass written for selective batching, shardable Megatron-style.
 
 Every scheduled request's new tokens (whole prompts being prefilled and single decode tokens, any
 mix) are one flat ``[num_tokens, hidden]`` tensor for embedding, LayerNorm, QKV, output projection,
 MLP and GeLU: these ops do not care which request a token belongs to. Attention is the one op that
 does, so it alone is split per request via `AttentionMetadata`, each request reading and appending
 its own K/V region of the per-layer pool. Logits are computed only for each request's last token.
+
+Under tensor parallelism a rank holds a slice of the heads (QKV and MLP-in column-parallel) and the
+matching input slice of attention-out and MLP-out (row-parallel, one all-reduce each); embedding
+and LM head are split over the vocabulary. Under pipeline parallelism a rank holds its stage's
+layers; the hidden state and residual travel between stages.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from orca_backend.config import ModelConfig
+from orca_backend.model.checkpoint import WeightSource
+from orca_backend.parallel.comm import TensorParallelGroup
+from orca_backend.parallel.layout import ParallelLayout
 from orca_kernels import AttentionMetadata, KernelOps
 
 
@@ -24,9 +32,9 @@ class LayerWeights:
     # Linear weights are stored [out, in] (torch.nn.Linear's layout), transposed from HF's Conv1D.
     ln1_w: torch.Tensor
     ln1_b: torch.Tensor
-    qkv_w: torch.Tensor
+    qkv_w: torch.Tensor  # this rank's heads of q, k and v, stacked
     qkv_b: torch.Tensor
-    attn_out_w: torch.Tensor
+    attn_out_w: torch.Tensor  # columns of this rank's heads
     attn_out_b: torch.Tensor
     ln2_w: torch.Tensor
     ln2_b: torch.Tensor
@@ -38,72 +46,127 @@ class LayerWeights:
 
 @dataclass
 class GPT2Weights:
-    wte: torch.Tensor  # [vocab, hidden]; also the (tied) LM head
-    wpe: torch.Tensor  # [positions, hidden]
     layers: list[LayerWeights]
-    lnf_w: torch.Tensor
-    lnf_b: torch.Tensor
+    wte: torch.Tensor | None  # [vocab shard, hidden]: embedding on the first stage, tied LM head on the last
+    wpe: torch.Tensor | None  # first stage only
+    lnf_w: torch.Tensor | None  # last stage only
+    lnf_b: torch.Tensor | None
+
+    def num_bytes(self) -> int:
+        tensors = [self.wte, self.wpe, self.lnf_w, self.lnf_b]
+        tensors += [t for layer in self.layers for t in vars(layer).values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @classmethod
-    def from_hf(cls, sd: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype, device: torch.device) -> GPT2Weights:
-        def get(name: str, transpose: bool = False) -> torch.Tensor:
-            if name not in sd:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            t = sd[name].t() if transpose else sd[name]
-            return t.to(device=device, dtype=dtype).contiguous()
+    def load(
+        cls, src: WeightSource, config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
+    ) -> GPT2Weights:
+        e = config.n_embd
+        h_lo, h_hi = layout.shard(e)  # this rank's heads, as a range of hidden channels
+        f_lo, f_hi = layout.shard(config.n_inner)
+
+        def get(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+            return src.get(name, dim, lo, hi).to(device=device, dtype=dtype)
+
+        def linear_w(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+            return get(name, dim, lo, hi).t().contiguous()  # HF Conv1D [in, out] -> [out, in]
 
         layers = []
-        for i in range(config.n_layer):
+        for i in layout.layers(config.n_layer):
             p = f"transformer.h.{i}."
+            # c_attn's output is [q | k | v]: take this rank's heads of each block.
+            qkv_w = torch.cat([linear_w(p + "attn.c_attn.weight", 1, b * e + h_lo, b * e + h_hi) for b in range(3)])
+            qkv_b = torch.cat([get(p + "attn.c_attn.bias", 0, b * e + h_lo, b * e + h_hi) for b in range(3)])
             layers.append(
                 LayerWeights(
-                    get(p + "ln_1.weight"), get(p + "ln_1.bias"),
-                    get(p + "attn.c_attn.weight", True), get(p + "attn.c_attn.bias"),
-                    get(p + "attn.c_proj.weight", True), get(p + "attn.c_proj.bias"),
+                    get(p + "ln_1.weight"), get(p + "ln_1.bias"), qkv_w, qkv_b,
+                    linear_w(p + "attn.c_proj.weight", 0, h_lo, h_hi), get(p + "attn.c_proj.bias"),
                     get(p + "ln_2.weight"), get(p + "ln_2.bias"),
-                    get(p + "mlp.c_fc.weight", True), get(p + "mlp.c_fc.bias"),
-                    get(p + "mlp.c_proj.weight", True), get(p + "mlp.c_proj.bias"),
+                    linear_w(p + "mlp.c_fc.weight", 1, f_lo, f_hi), get(p + "mlp.c_fc.bias", 0, f_lo, f_hi),
+                    linear_w(p + "mlp.c_proj.weight", 0, f_lo, f_hi), get(p + "mlp.c_proj.bias"),
                 )  # fmt: skip
             )
-        weights = cls(get("transformer.wte.weight"), get("transformer.wpe.weight"), layers,
-                      get("transformer.ln_f.weight"), get("transformer.ln_f.bias"))  # fmt: skip
-        expected = (config.vocab_size, config.n_embd)
-        if tuple(weights.wte.shape) != expected:
-            raise ValueError(f"wte has shape {tuple(weights.wte.shape)}, config says {expected}")
+        v_lo, v_hi = layout.vocab_shard(config.vocab_size)
+        needs_wte = layout.is_first_stage or layout.is_last_stage
+        weights = cls(
+            layers,
+            wte=get("transformer.wte.weight", 0, v_lo, v_hi) if needs_wte else None,
+            wpe=get("transformer.wpe.weight") if layout.is_first_stage else None,
+            lnf_w=get("transformer.ln_f.weight") if layout.is_last_stage else None,
+            lnf_b=get("transformer.ln_f.bias") if layout.is_last_stage else None,
+        )
+        if weights.wte is not None and tuple(weights.wte.shape) != (v_hi - v_lo, e):
+            raise ValueError(f"wte shard has shape {tuple(weights.wte.shape)}, config says {(v_hi - v_lo, e)}")
         return weights
 
 
+@dataclass
+class StageInput:
+    """What enters a pipeline stage: token ids on the first, the previous stage's activations after."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
+
+
 class GPT2:
-    def __init__(self, config: ModelConfig, weights: GPT2Weights, ops: KernelOps) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: GPT2Weights, ops: KernelOps,
+        layout: ParallelLayout = ParallelLayout(), tp: TensorParallelGroup | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.weights = weights
         self.ops = ops
+        self.layout = layout
+        self.tp = tp or TensorParallelGroup()
+        self.num_heads = config.n_head // layout.tp_size
+        self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def _linear_row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, w, b)
+        return self.tp.all_reduce(F.linear(x, w)) + b  # the bias once, after the partial sums meet
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        wte = self.weights.wte
+        if self.tp.size == 1:
+            return wte[input_ids]
+        local = input_ids - self.vocab_lo
+        mine = (local >= 0) & (local < wte.shape[0])
+        x = wte[local.clamp(0, wte.shape[0] - 1)] * mine[:, None]
+        return self.tp.all_reduce(x)
 
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T] the new tokens of every scheduled request, flattened
-        positions: torch.Tensor,  # [T]
+        stage_input: StageInput,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: (k, v) pools [slots, heads, head_dim]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, heads, head_dim]
         logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
     ) -> torch.Tensor:
+        """Returns [B, vocab] float32 logits on the last stage, else the [2, T, hidden] activations to pass on."""
         cfg, w, ops = self.config, self.weights, self.ops
-        num_tokens = input_ids.shape[0]
-        x = w.wte[input_ids] + w.wpe[positions]
-        residual = None
+        num_tokens = stage_input.input_ids.shape[0]
+        if self.layout.is_first_stage:
+            x = self._embed(stage_input.input_ids) + w.wpe[stage_input.positions]
+            residual = None
+        else:
+            x, residual = stage_input.hidden.unbind(0)
+        local_hidden = self.num_heads * cfg.head_dim
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(num_tokens, 3, cfg.n_head, cfg.head_dim)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(num_tokens, 3, self.num_heads, cfg.head_dim)
             q, k, v = qkv.unbind(1)
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, cfg.n_embd)
-            x = F.linear(attn, layer.attn_out_w, layer.attn_out_b)
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
+            x = self._linear_row_parallel(attn, layer.attn_out_w, layer.attn_out_b)
             h, residual = ops.add_layernorm(x, residual, layer.ln2_w, layer.ln2_b, cfg.layer_norm_epsilon)
             h = ops.bias_gelu(F.linear(h, layer.fc_w), layer.fc_b)
-            x = F.linear(h, layer.proj_w, layer.proj_b)
+            x = self._linear_row_parallel(h, layer.proj_w, layer.proj_b)
+        if not self.layout.is_last_stage:
+            return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
-        return F.linear(h, w.wte).float()
+        return self.tp.gather_vocab(F.linear(h, w.wte).float(), cfg.vocab_size)

@@ -1,4 +1,5 @@
-"""Builds the model an EngineConfig names: a local HF checkpoint directory or a seeded preset."""
+"""Builds the model slice an EngineConfig and a ParallelLayout name: from a local HF checkpoint
+directory, or a seeded preset."""
 
 from __future__ import annotations
 
@@ -7,19 +8,24 @@ import logging
 import torch
 
 from orca_backend.config import PRESETS, EngineConfig, ModelConfig
-from orca_backend.model.checkpoint import load_hf_state_dict, random_hf_state_dict
+from orca_backend.model.checkpoint import WeightSource, random_hf_state_dict
 from orca_backend.model.gpt2 import GPT2, GPT2Weights
+from orca_backend.parallel.comm import TensorParallelGroup
+from orca_backend.parallel.layout import ParallelLayout
 from orca_kernels import get_ops
 
 logger = logging.getLogger("orca.model")
 
 
-def load_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> GPT2:
+def load_model(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device,
+    layout: ParallelLayout = ParallelLayout(), tp: TensorParallelGroup | None = None,
+) -> GPT2:  # fmt: skip
     if config.model in PRESETS:
         logger.info("model: preset %s with random weights (seed %d)", config.model, config.seed)
-        state_dict = random_hf_state_dict(model_config, config.seed)
+        source = WeightSource.from_state_dict(random_hf_state_dict(model_config, config.seed))
     else:
         logger.info("model: checkpoint %s", config.model)
-        state_dict = load_hf_state_dict(config.model)
-    weights = GPT2Weights.from_hf(state_dict, model_config, config.torch_dtype, device)
-    return GPT2(model_config, weights, get_ops(device, config.kernels))
+        source = WeightSource.from_dir(config.model)
+    weights = GPT2Weights.load(source, model_config, layout, config.torch_dtype, device)
+    return GPT2(model_config, weights, get_ops(device, config.kernels), layout, tp)
