@@ -16,14 +16,14 @@ from orca_backend.engine.sampler import Sampler
 from orca_backend.model.gpt2 import StageInput
 from orca_backend.model.loader import load_model
 from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import ParallelLayout
+from orca_backend.parallel.layout import SINGLE_PROCESS, ParallelLayout
 from orca_kernels import AttentionMetadata
 
 
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, device: torch.device | str | None = None,
-        layout: ParallelLayout = ParallelLayout(), tp: TensorParallelGroup | None = None,
+        layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
         self.device = torch.device(device or config.device)
         self.layout = layout

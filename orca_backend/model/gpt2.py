@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from orca_backend.config import ModelConfig
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import ParallelLayout
+from orca_backend.parallel.layout import SINGLE_PROCESS, ParallelLayout
 from orca_kernels import AttentionMetadata, KernelOps
 
 
@@ -112,7 +112,7 @@ class StageInput:
 class GPT2:
     def __init__(
         self, config: ModelConfig, weights: GPT2Weights, ops: KernelOps,
-        layout: ParallelLayout = ParallelLayout(), tp: TensorParallelGroup | None = None,
+        layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.weights = weights

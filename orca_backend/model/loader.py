@@ -11,7 +11,7 @@ from orca_backend.config import PRESETS, EngineConfig, ModelConfig
 from orca_backend.model.checkpoint import WeightSource, random_hf_state_dict
 from orca_backend.model.gpt2 import GPT2, GPT2Weights
 from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import ParallelLayout
+from orca_backend.parallel.layout import SINGLE_PROCESS, ParallelLayout
 from orca_kernels import get_ops
 
 logger = logging.getLogger("orca.model")
@@ -19,7 +19,7 @@ logger = logging.getLogger("orca.model")
 
 def load_model(
     config: EngineConfig, model_config: ModelConfig, device: torch.device,
-    layout: ParallelLayout = ParallelLayout(), tp: TensorParallelGroup | None = None,
+    layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
 ) -> GPT2:  # fmt: skip
     if config.model in PRESETS:
         logger.info("model: preset %s with random weights (seed %d)", config.model, config.seed)

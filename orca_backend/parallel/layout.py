@@ -48,3 +48,6 @@ class ParallelLayout:
         """[lo, hi) of the vocabulary; chunks of ceil(vocab / tp), the last one shorter."""
         chunk = -(-vocab // self.tp_size)
         return min(self.tp_rank * chunk, vocab), min((self.tp_rank + 1) * chunk, vocab)
+
+
+SINGLE_PROCESS = ParallelLayout()  # the whole model on one rank

@@ -1,0 +1,85 @@
+"""A worker process: one rank of the model (a tensor-parallel shard of one pipeline stage).
+
+It receives every batch's `BatchMeta` on its control pipe (JSON bytes), runs its slice of the
+model, and passes activations to the next stage with point-to-point sends on the tensor data
+plane (torch.distributed: NCCL on GPUs, gloo on CPU). The first tensor-parallel rank of the last
+stage samples and answers the master with the batch's tokens; any failure is reported on the pipe
+before the process exits, so the master never waits on a dead worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.engine.batch import BatchMeta
+from orca_backend.engine.model_runner import ModelRunner
+from orca_backend.parallel.comm import TensorParallelGroup
+from orca_backend.parallel.layout import ParallelLayout
+
+STOP = b"stop"
+logger = logging.getLogger("orca.worker")
+
+
+def send_message(conn: Connection, **message: object) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def worker_main(rank: int, config_json: str, model_config_json: str, init_method: str, conn: Connection) -> None:
+    try:
+        _serve(rank, EngineConfig(**json.loads(config_json)), ModelConfig(**json.loads(model_config_json)), init_method, conn)
+    except Exception:  # noqa: BLE001 - the master must hear why this rank is gone
+        try:
+            send_message(conn, kind="error", rank=rank, message=traceback.format_exc())
+        finally:
+            os._exit(1)
+
+
+def _serve(rank: int, config: EngineConfig, model_config: ModelConfig, init_method: str, conn: Connection) -> None:
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    layout = ParallelLayout(tp_size=tp, pp_size=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+    if config.device.startswith("cuda"):
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
+                            timeout=timedelta(minutes=10))  # fmt: skip
+    # Every rank creates every stage's group, in the same order (torch.distributed requires it).
+    groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(pp)]
+    runner = ModelRunner(config, model_config, device, layout, TensorParallelGroup(tp, groups[layout.pp_rank]))
+    send_message(conn, kind="ready", rank=rank, pid=os.getpid(), weight_bytes=runner.model.weights.num_bytes())
+
+    parent = os.getppid()
+    hidden_shape_tail = (model_config.n_embd,)
+    samples = layout.is_last_stage and layout.tp_rank == 0
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:  # the master is gone: do not linger as an orphan
+                return
+            continue
+        data = conn.recv_bytes()
+        if data == STOP:
+            break
+        meta = BatchMeta.from_bytes(data)
+        hidden = None
+        if not layout.is_first_stage:
+            hidden = torch.empty((2, meta.num_tokens, *hidden_shape_tail), dtype=config.torch_dtype, device=device)
+            dist.recv(hidden, src=rank - tp)
+        out = runner.run_stage(meta, hidden)
+        if not layout.is_last_stage:
+            dist.send(out.contiguous(), dst=rank + tp)
+        elif samples:
+            send_message(conn, kind="tokens", batch_id=meta.batch_id, tokens=runner.sample(out, meta))
+    dist.destroy_process_group()

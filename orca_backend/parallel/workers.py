@@ -1,0 +1,130 @@
+"""The engine master's side of distributed execution: starts tp x pp worker processes and talks
+to them over the control channel (one pipe each: batch metadata out, tokens and errors back).
+
+A worker that raises or dies turns into `WorkerFailure` within one poll interval; every other
+worker is then stopped too, so no process is left behind and nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import socket
+from collections import deque
+from dataclasses import asdict
+from multiprocessing.connection import Connection, wait
+
+from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.engine.batch import BatchMeta
+from orca_backend.engine.executor import WorkerFailure
+from orca_backend.parallel.worker import STOP, worker_main
+
+logger = logging.getLogger("orca.workers")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerPoolExecutor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, start_timeout_s: float = 600.0) -> None:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.world_size = tp * pp
+        self.max_in_flight = pp  # one batch per pipeline stage
+        self._sampler_rank = (pp - 1) * tp  # first tensor-parallel rank of the last stage
+        self._pending: deque[int] = deque()
+        self._closed = False
+        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config_json, model_json = json.dumps(asdict(config)), json.dumps(asdict(model_config))
+        self.conns: list[Connection] = []
+        self.processes: list[mp.process.BaseProcess] = []
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=worker_main, args=(rank, config_json, model_json, init_method, child_end),
+                               name=f"orca-worker-{rank}", daemon=True)  # fmt: skip
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.processes.append(proc)
+        self.weight_bytes = [0] * self.world_size
+        try:
+            for _ in range(self.world_size):
+                msg = self._next_message(timeout_s=start_timeout_s)
+                self.weight_bytes[msg["rank"]] = msg["weight_bytes"]
+        except WorkerFailure:
+            self.shutdown()
+            raise
+        logger.info("started %d workers (tp=%d, pp=%d): pids %s", self.world_size, tp, pp, self.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, meta: BatchMeta) -> None:
+        data = meta.to_bytes()
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as exc:
+            self.shutdown()
+            raise WorkerFailure(f"cannot reach a worker: {exc}") from None
+        self._pending.append(meta.batch_id)
+
+    def collect_oldest(self) -> list[int]:
+        expected = self._pending.popleft()
+        msg = self._next_message()
+        if msg.get("kind") != "tokens" or msg["batch_id"] != expected:
+            self.shutdown()
+            raise WorkerFailure(f"protocol error: expected tokens of batch {expected}, got {msg}")
+        return msg["tokens"]
+
+    def _next_message(self, timeout_s: float | None = None) -> dict:
+        """The next message from any worker; a dead worker or an error report raises WorkerFailure."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        ready = wait(self.conns + list(sentinels), timeout=timeout_s)
+        if not ready:
+            self.shutdown()
+            raise WorkerFailure(f"no answer from the workers within {timeout_s:.0f} s")
+        for obj in ready:  # messages first: a worker that reported an error has also exited
+            if obj in sentinels:
+                continue
+            try:
+                msg = json.loads(obj.recv_bytes())
+            except (EOFError, OSError):
+                continue
+            if msg.get("kind") == "error":
+                self.shutdown()
+                raise WorkerFailure(f"worker {msg['rank']} raised:\n{msg['message']}")
+            return msg
+        rank = sentinels[next(o for o in ready if o in sentinels)]
+        code = self.processes[rank].exitcode
+        self.shutdown()
+        raise WorkerFailure(f"worker {rank} (pid {self.processes[rank].pid}) exited with code {code}")
+
+    def shutdown(self) -> None:
+        """Stops every worker: politely, then by force. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(STOP)
+            except OSError:
+                pass
+        for proc in self.processes:
+            proc.join(timeout=5)
+        for proc in self.processes:
+            if proc.is_alive():  # blocked in a collective with a dead peer
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self._pending.clear()

@@ -1,0 +1,115 @@
+"""Distributed execution on CPU (gloo): worker processes with tensor and pipeline parallelism."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from orca_backend import EngineConfig, ModelConfig, SamplingParams
+from orca_backend.engine.llm_engine import EngineDeadError, LLMEngine
+
+# Heads and MLP width split over tp=2, layers over pp=2; the vocabulary (not a multiple of 2 x 64)
+# exercises the padded vocab-parallel gather.
+GEOMETRY = ModelConfig(vocab_size=301, n_positions=128, n_embd=96, n_layer=4, n_head=6, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint(GEOMETRY, seed=11, tokenizer=False)[0]
+
+
+def staggered_run(engine: LLMEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Adds requests one by one while others decode; short ones leave while long ones go on."""
+    tokens: dict[str, list[int]] = {}
+
+    def collect(out):
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    ids = []
+    for prompt, n in zip(prompts, lengths, strict=True):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        ids.append(engine.add_request(prompt, params, on_output=collect).request_id)
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    assert engine.kv.used_tokens == 0
+    return [tokens[i] for i in ids]
+
+
+def make_prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, GEOMETRY.vocab_size, (int(k),), generator=gen).tolist() for k in torch.randint(1, 20, (n,), generator=gen)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_batch_size=3))
+    prompts = make_prompts(8)
+    lengths = [9, 3, 12, 5, 2, 10, 7, 4]
+    return prompts, lengths, staggered_run(engine, prompts, lengths)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp):
+    prompts, lengths, expected = reference
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_batch_size=3, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    try:
+        assert staggered_run(engine, prompts, lengths) == expected
+        # Pipeline parallelism keeps one batch per stage in flight when enough requests wait.
+        assert engine.stats().max_batches_in_flight == pp
+        # Each rank holds about 1/(tp*pp) of the weights (embeddings are shared by first and last stage).
+        per_rank = engine.executor.weight_bytes
+        full = sum(p.numel() * 4 for p in _full_weights(checkpoint))
+        assert max(per_rank) <= 1.3 * full / (tp * pp), (per_rank, full)
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in engine.executor.processes)
+
+
+def _full_weights(checkpoint) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return list(load_file(str(checkpoint / "model.safetensors")).values())
+
+
+def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoint):
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), tensor_parallel_size=2))
+    engine.start()
+    try:
+        stream = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+        waiting = engine.add_request([4, 5], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+        events = iter(stream)
+        assert not next(events).finished  # generation is under way
+        victim = engine.executor.processes[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        started = time.monotonic()
+        last = list(events)[-1]
+        assert last.finish_reason == "error" and "worker" in last.error
+        assert list(waiting)[-1].finish_reason == "error"
+        assert time.monotonic() - started < 15
+        assert not engine.healthy
+        with pytest.raises(EngineDeadError, match="worker"):
+            engine.add_request([1], SamplingParams(max_tokens=1))
+        deadline = time.monotonic() + 15
+        while any(p.is_alive() for p in engine.executor.processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(p.is_alive() for p in engine.executor.processes)
+    finally:
+        engine.shutdown()
+
+
+def test_worker_exception_is_reported_not_hung(checkpoint):
+    """A rank that raises (here: an unloadable checkpoint path) fails start-up with its traceback."""
+    from orca_backend.engine.executor import WorkerFailure
+
+    bad = EngineConfig(model=str(checkpoint), tensor_parallel_size=2, tokenizer=None)
+    os.rename(checkpoint / "model.safetensors", checkpoint / "moved.safetensors")
+    try:
+        with pytest.raises(WorkerFailure, match="no model.safetensors"):
+            LLMEngine(bad)
+    finally:
+        os.rename(checkpoint / "moved.safetensors", checkpoint / "model.safetensors")
