@@ -1,5 +1,9 @@
-"""Synthetic workloads as ORCA §6 built them: Poisson arrivals, prompt and output lengths from
-seeded distributions, every request generating exactly its length (ignore_eos); or a JSONL trace.
+"""Workloads as ORCA §6 built them: Poisson arrivals, prompt and output lengths from seeded
+distributions, every request generating exactly its length (ignore_eos); or a JSONL trace.
+
+A sweep replays *one* request set at several rates: `synthetic_trace` draws arrivals at the given
+rate, and `at_rate` rescales any trace's arrival times to another mean rate, so every point of a
+throughput–latency curve serves the same requests in the same relative pattern.
 """
 
 from __future__ import annotations
@@ -7,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+DIST_HELP = "uniform:LO:HI, lognormal:MEDIAN:MAX (long-tailed, like chat traffic) or fixed:N"
+ARRIVAL_HELP = "poisson, or gamma:CV (bursty when CV > 1: inter-arrival coefficient of variation)"
 
 
 @dataclass
@@ -16,26 +23,68 @@ class TraceRequest:
     arrival: float  # seconds after the start of the run
     prompt_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # set only by JSONL traces that carry text; sent as text_input then
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
 
 
 def parse_dist(spec: str) -> tuple[str, float, float]:
-    """'uniform:16:256' (inclusive bounds) or 'lognormal:MEDIAN:MAX' (long-tailed, like chat outputs)."""
+    """'uniform:16:256' (inclusive bounds), 'lognormal:MEDIAN:MAX' or 'fixed:N' -> (kind, a, b)."""
+    parts = spec.split(":")
     try:
-        kind, a, b = spec.split(":")
-        lo, hi = float(a), float(b)
+        if len(parts) == 2 and parts[0] == "fixed":
+            kind, lo, hi = "fixed", float(parts[1]), float(parts[1])
+        else:
+            kind, a, b = parts
+            lo, hi = float(a), float(b)
     except ValueError:
-        raise ValueError(f"length distribution must look like uniform:LO:HI or lognormal:MEDIAN:MAX, got {spec!r}") from None
-    if kind not in ("uniform", "lognormal") or lo < 1 or hi < lo:
-        raise ValueError(f"bad length distribution {spec!r}")
+        raise ValueError(f"length distribution must look like {DIST_HELP}; got {spec!r}") from None
+    if kind not in ("uniform", "lognormal", "fixed") or lo < 1 or hi < lo:
+        raise ValueError(f"bad length distribution {spec!r}; use {DIST_HELP}")
     return kind, lo, hi
+
+
+def dist_max(spec: str) -> int:
+    return int(parse_dist(spec)[2])
+
+
+def dist_median(spec: str) -> int:
+    kind, a, b = parse_dist(spec)
+    return round((a + b) / 2) if kind == "uniform" else int(a)
 
 
 def sample_length(spec: str, rng: random.Random) -> int:
     kind, a, b = parse_dist(spec)
+    if kind == "fixed":
+        return int(a)
     if kind == "uniform":
         return rng.randint(int(a), int(b))
     # Log-normal with the given median and sigma 1: median ~a, a long tail clipped at b.
     return max(1, min(int(b), round(rng.lognormvariate(math.log(a), 1.0))))
+
+
+def parse_arrival(spec: str) -> float:
+    """'poisson' -> CV 1.0; 'gamma:CV' -> CV (the inter-arrival coefficient of variation)."""
+    if spec == "poisson":
+        return 1.0
+    kind, _, value = spec.partition(":")
+    try:
+        cv = float(value)
+    except ValueError:
+        cv = -1.0
+    if kind != "gamma" or cv <= 0:
+        raise ValueError(f"arrival process must be {ARRIVAL_HELP}; got {spec!r}")
+    return cv
+
+
+def inter_arrival(rate: float, cv: float, rng: random.Random) -> float:
+    """One gap of a renewal process with mean 1/rate; CV 1 is Poisson (exponential gaps)."""
+    if cv == 1.0:
+        return rng.expovariate(rate)
+    shape = 1.0 / (cv * cv)  # gamma with shape k has CV 1/sqrt(k)
+    return rng.gammavariate(shape, 1.0 / (rate * shape))
 
 
 def synthetic_trace(
@@ -45,32 +94,91 @@ def synthetic_trace(
     vocab_size: int,
     request_rate: float = math.inf,
     seed: int = 0,
+    arrival: str = "poisson",
 ) -> list[TraceRequest]:
-    """request_rate in req/s (Poisson); inf puts every arrival at 0 (an offline batch)."""
+    """request_rate in req/s; inf puts every arrival at 0 (an offline batch or a burst)."""
+    cv = parse_arrival(arrival)
     rng = random.Random(seed)
     t = 0.0
     trace = []
     for _ in range(num_requests):
         if math.isfinite(request_rate):
-            t += rng.expovariate(request_rate)
+            t += inter_arrival(request_rate, cv, rng)
         prompt = [rng.randrange(vocab_size) for _ in range(sample_length(prompt_dist, rng))]
         trace.append(TraceRequest(t, prompt, sample_length(output_dist, rng)))
     return trace
 
 
+def burst_trace(num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> list[TraceRequest]:
+    """Equal-length requests all arriving at 0: the fairness check (nothing for ORCA to win)."""
+    return synthetic_trace(num_requests, f"fixed:{prompt_len}", f"fixed:{max_tokens}", vocab_size, seed=seed)
+
+
+def mean_rate(trace: list[TraceRequest]) -> float:
+    """Requests per second over the span of arrivals (inf for a burst)."""
+    if len(trace) < 2:
+        return math.inf
+    span = trace[-1].arrival - trace[0].arrival
+    return (len(trace) - 1) / span if span > 0 else math.inf
+
+
+def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
+    """The same requests with arrival times scaled so the mean rate is `rate` (inf: all at 0)."""
+    start = trace[0].arrival if trace else 0.0
+    native = mean_rate(trace)
+    if not math.isfinite(rate) or not math.isfinite(native):
+        scale = 0.0 if not math.isfinite(rate) else 1.0
+    else:
+        scale = native / rate
+    return [TraceRequest((r.arrival - start) * scale, r.prompt_ids, r.max_tokens, r.prompt_text) for r in trace]
+
+
+def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int) -> None:
+    """Raises ValueError naming the first request the model would refuse (so a sweep does not
+    discover it as an error rate)."""
+    for i, r in enumerate(trace):
+        if r.max_tokens < 1:
+            raise ValueError(f"request {i}: max_tokens must be >= 1, got {r.max_tokens}")
+        if r.prompt_text is None and (not r.prompt_ids or max(r.prompt_ids) >= vocab_size or min(r.prompt_ids) < 0):
+            raise ValueError(f"request {i}: prompt ids must be non-empty and within the vocabulary [0, {vocab_size})")
+        if r.prompt_len + r.max_tokens > context_len:
+            raise ValueError(
+                f"request {i}: prompt ({r.prompt_len}) + max_tokens ({r.max_tokens}) exceeds the model's context "
+                f"of {context_len} tokens; shorten --prompt-dist/--output-dist"
+            )
+
+
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """JSONL, one request per line: {"arrival": s, "prompt_ids": [...], "max_tokens": n}."""
+    """JSONL, one request per line: {"arrival": s, "prompt_ids": [...] or "prompt": "text", "max_tokens": n}.
+
+    Text prompts are sent as text_input (the model needs a tokenizer); their prompt_len is unknown
+    to the client and counts as 0 in context checks.
+    """
     trace = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
-        missing = {"arrival", "prompt_ids", "max_tokens"} - set(row)
+        missing = {"arrival", "max_tokens"} - set(row)
+        if "prompt_ids" not in row and "prompt" not in row:
+            missing.add("prompt_ids or prompt")
         if missing:
             raise ValueError(f"{path}:{n}: missing {', '.join(sorted(missing))}")
-        trace.append(TraceRequest(float(row["arrival"]), [int(t) for t in row["prompt_ids"]], int(row["max_tokens"])))
+        if "prompt_ids" in row:
+            ids, text = [int(t) for t in row["prompt_ids"]], None
+        else:
+            ids, text = [], str(row["prompt"])
+        trace.append(TraceRequest(float(row["arrival"]), ids, int(row["max_tokens"]), text))
     return sorted(trace, key=lambda r: r.arrival)
 
 
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
-    Path(path).write_text("".join(json.dumps(asdict(r)) + "\n" for r in trace))
+    lines = []
+    for r in trace:
+        row: dict = {"arrival": r.arrival, "max_tokens": r.max_tokens}
+        if r.prompt_text is not None:
+            row["prompt"] = r.prompt_text
+        else:
+            row["prompt_ids"] = r.prompt_ids
+        lines.append(json.dumps(row) + "\n")
+    Path(path).write_text("".join(lines))

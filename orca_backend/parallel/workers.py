@@ -7,6 +7,7 @@ worker is then stopped too, so no process is left behind and nothing waits forev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -115,10 +116,8 @@ class WorkerPoolExecutor:
             return
         self._closed = True
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):  # an already dead worker's pipe is closed
                 conn.send_bytes(STOP)
-            except OSError:
-                pass
         for proc in self.processes:
             proc.join(timeout=5)
         for proc in self.processes:
