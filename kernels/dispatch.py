@@ -1,0 +1,106 @@
+"""Picks the kernel implementation once per device: Triton kernels on CUDA, torch references on CPU.
+
+``ORCA_KERNELS=auto|triton|torch`` forces either side for A/B runs (``triton`` on CPU needs
+``TRITON_INTERPRET=1``, set before the process first imports triton). A forced choice that cannot
+run is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .attention import attention_torch, write_kv_torch
+from .gelu import bias_gelu_torch
+from .layernorm import add_layernorm_torch
+
+logger = logging.getLogger("orca.kernels")
+
+KERNEL_ENV = "ORCA_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str  # "triton" or "torch"
+    add_layernorm: Callable
+    bias_gelu: Callable
+    attention: Callable
+    write_kv: Callable
+
+
+TORCH_OPS = KernelOps("torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch)
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _interpret_requested() -> bool:
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _check_import_mode(interpret: bool) -> None:
+    """triton.language decorates its own helpers (tl.sum, tl.max, ...) with @triton.jit when triton
+    is first imported, so TRITON_INTERPRET cannot change afterwards: kernels would fail obscurely."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    imported_interpreted = not isinstance(tl.sum, JITFunction)
+    if interpret != imported_interpreted:
+        raise RuntimeError(
+            f"TRITON_INTERPRET is {'on' if interpret else 'off'} but was "
+            f"{'on' if imported_interpreted else 'off'} when triton was first imported; set it before "
+            "the process imports triton"
+        )
+
+
+def _triton_ops(device: torch.device) -> KernelOps:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"{KERNEL_ENV}=triton needs the `triton` package, which is not installed") from e
+    interpret = _interpret_requested()
+    if device.type != "cuda" and not interpret:
+        raise RuntimeError(
+            f"Triton kernels cannot run on {device.type} tensors: use a CUDA device, set "
+            f"TRITON_INTERPRET=1 (slow, for tests), or choose {KERNEL_ENV}=torch or auto"
+        )
+    _check_import_mode(interpret)
+    # Imported here so that torch-only runs never import triton.
+    from . import triton_attention, triton_gelu, triton_layernorm
+
+    for module in (triton_attention, triton_gelu, triton_layernorm):
+        # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
+        # have happened with TRITON_INTERPRET set differently (tests toggle it).
+        if interpret != module.INTERPRETED:
+            importlib.reload(module)
+    return KernelOps(
+        "triton",
+        triton_layernorm.add_layernorm_triton,
+        triton_gelu.bias_gelu_triton,
+        triton_attention.attention_triton,
+        triton_attention.write_kv_triton,
+    )
+
+
+def get_ops(device: torch.device | str, choice: str | None = None) -> KernelOps:
+    """choice: "auto" | "triton" | "torch"; defaults to $ORCA_KERNELS, else "auto"."""
+    device = torch.device(device)
+    choice = (choice or os.environ.get(KERNEL_ENV) or "auto").lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"{KERNEL_ENV} must be auto, triton or torch, got {choice!r}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    ops = TORCH_OPS if choice == "torch" else _triton_ops(device)
+    if (device.type, ops.name) not in _logged:
+        _logged.add((device.type, ops.name))
+        logger.info("orca kernels: using %s implementations on %s", ops.name, device.type)
+    return ops

@@ -1,0 +1,336 @@
+"""Triton kernels against their torch references: on the GPU when there is one, else on CPU
+through Triton's interpreter.
+
+How Triton 3.9 picks the interpreter: ``@triton.jit`` reads TRITON_INTERPRET when it decorates a
+function, not at launch. Our kernels are decorated when a ``kernels/triton_*.py`` module is
+imported, and ``get_ops`` re-imports one built in the other mode, so per-test monkeypatching covers
+them. But ``triton.language`` decorates its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``) when
+``triton`` is first imported, so the variable must also be set *before the first import of triton*
+in the process. This module does that itself (and restores the variable right after) when it is
+the first to import triton on a machine without CUDA. If something imported triton earlier in
+compiled mode, these tests re-run this file in a fresh interpreter process instead.
+
+Tolerances: fp32 is checked tightly (1e-5). bf16/fp16 are checked against the fp32 reference on the
+same rounded inputs with a couple of units in the last place; the interpreter also rounds fp32->bf16
+toward zero where GPUs round to nearest even, which costs up to one more bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    _saved = os.environ.get(INTERPRET_ENV)
+    os.environ[INTERPRET_ENV] = "1"
+    try:
+        import triton.language  # noqa: F401  (decorates tl.sum & co. as interpreted functions)
+    except ImportError:
+        pass  # importorskip below reports it
+    finally:
+        if _saved is None:
+            del os.environ[INTERPRET_ENV]
+        else:
+            os.environ[INTERPRET_ENV] = _saved
+
+tl = pytest.importorskip("triton.language")
+
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from orca_kernels import AttentionMetadata, KernelOps, dispatch, get_ops  # noqa: E402
+from orca_kernels.dispatch import TORCH_OPS  # noqa: E402
+
+INTERPRETED = not isinstance(tl.sum, JITFunction)
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+# Triton was imported in compiled mode on a machine without CUDA: nothing can run in this process.
+NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not INTERPRETED
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (atol, rtol) per dtype, see the module docstring.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
+
+
+@pytest.fixture
+def triton_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRITON_INTERPRET as it was when triton was imported: the only mode this process can run."""
+    if NEEDS_FRESH_PROCESS:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_fresh_process covers this")
+    if INTERPRETED:
+        monkeypatch.setenv(INTERPRET_ENV, "1")
+    else:
+        monkeypatch.delenv(INTERPRET_ENV, raising=False)
+
+
+@pytest.fixture
+def ops(triton_env: None) -> KernelOps:
+    ops = get_ops(DEVICE, "triton")
+    assert ops.name == "triton"
+    return ops
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
+def test_in_fresh_process() -> None:
+    env = {**os.environ, INTERPRET_ENV: "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def _randn(*shape: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# --- add + LayerNorm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [50, 96, 200, 768])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_layernorm(ops: KernelOps, dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    x = (_randn(3, hidden, g=g) * 2 + 1).to(dtype)  # a non-zero mean exercises the centring
+    residual = _randn(3, hidden, g=g, dtype=dtype) if with_residual else None
+    weight, bias = _randn(hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+
+    out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-5)
+
+    # fp32 reference over the same rounded sum that the kernel normalises.
+    ref_res = x if residual is None else x + residual
+    ref_out, _ = TORCH_OPS.add_layernorm(ref_res.float(), None, weight.float(), bias.float(), 1e-5)
+    _close(new_res, ref_res, dtype)
+    _close(out, ref_out, dtype)
+    if residual is None:
+        assert new_res is x  # same contract as the reference: no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [50, 200])
+def test_add_layernorm_wide_rows(ops: KernelOps, dtype: torch.dtype, hidden: int) -> None:
+    """Rows wider than the block take the looped three-pass path; max_block=32 forces it."""
+    g = torch.Generator().manual_seed(7)
+    x = (_randn(2, hidden, g=g) + 3).to(dtype)
+    residual = _randn(2, hidden, g=g, dtype=dtype)
+    weight, bias = _randn(hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+
+    out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-5, max_block=32)
+
+    ref_out, ref_res = TORCH_OPS.add_layernorm(
+        x.float(), residual.float(), weight.float(), bias.float(), 1e-5
+    )
+    _close(new_res, ref_res, dtype)
+    _close(out, ref_out, dtype)
+
+
+def test_add_layernorm_strided_rows(ops: KernelOps) -> None:
+    """Rows of a wider tensor (row stride != hidden) are read in place."""
+    g = torch.Generator().manual_seed(3)
+    base = _randn(4, 160, g=g)
+    x, residual = base[:, :96], base[:, 64:]
+    weight, bias = _randn(96, g=g), _randn(96, g=g)
+    out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-6)
+    ref_out, ref_res = TORCH_OPS.add_layernorm(x, residual, weight, bias, 1e-6)
+    _close(new_res, ref_res, torch.float32)
+    _close(out, ref_out, torch.float32)
+
+
+# --- bias + GeLU -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [50, 200, 3072])
+def test_bias_gelu(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
+    g = torch.Generator().manual_seed(inner)
+    x = _randn(3, inner, g=g) * 4
+    x[0, :4] = torch.tensor([-30.0, -9.0, 9.0, 30.0])  # the saturated tails of the tanh
+    x = x.to(dtype)
+    bias = _randn(inner, g=g, dtype=dtype)
+
+    out = ops.bias_gelu(x, bias)
+
+    # fp32 math over the same rounded sum.
+    expected = TORCH_OPS.bias_gelu((x + bias).float(), torch.zeros(inner, device=DEVICE))
+    _close(out, expected, dtype)
+    assert torch.isfinite(out.float()).all()
+
+
+# --- write_kv ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "head_dim"), [(3, 80), (2, 64), (40, 128)])  # 40x128: 2 head blocks
+def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    tokens, slots = 5, 32
+    # k and v as strided views of a fused qkv projection, as the model produces them.
+    qkv = _randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(DEVICE)
+    k_cache = _randn(slots, heads, head_dim, g=g, dtype=dtype)
+    v_cache = _randn(slots, heads, head_dim, g=g, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    TORCH_OPS.write_kv(k, v, k_ref, v_ref, slot_mapping)
+
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+# Each request is (queries, context); the queries are the last positions of the context.
+BATCHES = {
+    # prefill, decode, a 1-token prompt, a partial prefill (1 < n < ctx), a longer decode
+    "mixed": [(20, 20), (1, 37), (1, 1), (5, 30), (1, 50)],
+    "prefill_only": [(17, 17), (33, 33), (2, 2)],
+    "decode_only": [(1, 5), (1, 40), (1, 16), (1, 1)],
+}
+
+
+def _make_meta(requests: list[tuple[int, int]], gap: int = 7) -> AttentionMetadata:
+    """K/V regions laid out back to front with gaps: non-zero, non-adjacent, out of request order."""
+    kv_starts, slot = [0] * len(requests), gap
+    for i in reversed(range(len(requests))):
+        kv_starts[i] = slot
+        slot += requests[i][1] + gap
+    query_start, slot_mapping = [0], []
+    for (n, ctx), start in zip(requests, kv_starts, strict=True):
+        query_start.append(query_start[-1] + n)
+        slot_mapping.extend(range(start + ctx - n, start + ctx))
+    context_lens = [ctx for _, ctx in requests]
+    return AttentionMetadata(
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        kv_starts=torch.tensor(kv_starts, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(n for n, _ in requests),
+        max_context_len=max(context_lens),
+        query_start_host=query_start,
+        context_lens_host=context_lens,
+        kv_starts_host=kv_starts,
+    )
+
+
+def _pool_slots(meta: AttentionMetadata) -> int:
+    return max(s + c for s, c in zip(meta.kv_starts_host, meta.context_lens_host, strict=True)) + 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype) -> None:
+    meta = _make_meta(BATCHES[batch])
+    g = torch.Generator().manual_seed(head_dim)
+    heads, tokens, slots = 2, meta.query_start_host[-1], _pool_slots(meta)
+    # q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool.
+    q = _randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
+    pool = _randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
+    k_cache, v_cache = pool[0, 1], pool[1, 1]
+    scale = head_dim**-0.5
+
+    out = ops.attention(q, k_cache, v_cache, meta, scale)
+
+    expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 64)])
+def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> None:
+    """Other tilings move the causal edge and the unmasked/masked split of the key loop."""
+    meta = _make_meta(BATCHES["mixed"])
+    g = torch.Generator().manual_seed(block_m + block_n)
+    heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], _pool_slots(meta)
+    q = _randn(tokens, heads, head_dim, g=g)
+    k_cache, v_cache = _randn(slots, heads, head_dim, g=g), _randn(slots, heads, head_dim, g=g)
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125, block_m=block_m, block_n=block_n)
+
+    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+
+
+def test_write_then_attend(ops: KernelOps) -> None:
+    """One model step: scatter this step's K/V by slot_mapping, then attend over the pool."""
+    meta = _make_meta(BATCHES["mixed"])
+    g = torch.Generator().manual_seed(11)
+    heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], _pool_slots(meta)
+    q, k, v = _randn(3, tokens, heads, head_dim, g=g).unbind(0)
+    caches = _randn(2, slots, heads, head_dim, g=g)
+    k_cache, v_cache = caches.clone().unbind(0)
+    k_ref, v_ref = caches.clone().unbind(0)
+
+    ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = ops.attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    TORCH_OPS.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
+    expected = TORCH_OPS.attention(q, k_ref, v_ref, meta, head_dim**-0.5)
+
+    _close(out, expected, torch.float32)
+
+
+def test_block_table_covers_every_query_once(ops: KernelOps) -> None:
+    from orca_kernels.triton_attention import _block_table
+
+    meta = _make_meta(BATCHES["mixed"])
+    table = _block_table(meta, 16, torch.device("cpu"))
+    sizes = [n for n, _ in BATCHES["mixed"]]
+    covered = sorted(
+        (req, m0 + j) for req, m0 in table.t().tolist() for j in range(16) if m0 + j < sizes[req]
+    )
+    assert covered == [(i, t) for i, n in enumerate(sizes) for t in range(n)]
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+
+def test_dispatch_auto_uses_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ORCA_KERNELS", raising=False)
+    assert get_ops("cpu") is TORCH_OPS
+    monkeypatch.setenv("ORCA_KERNELS", "torch")
+    assert get_ops("cpu").name == "torch"
+
+
+def test_dispatch_env_selects_triton(triton_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCA_KERNELS", "triton")
+    assert get_ops(DEVICE).name == "triton"
+
+
+def test_dispatch_auto_uses_triton_on_cuda(triton_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Building the ops needs no GPU; only launching them does.
+    monkeypatch.delenv("ORCA_KERNELS", raising=False)
+    assert get_ops("cuda").name == "triton"
+
+
+def test_dispatch_rejects_interpreter_switched_after_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INTERPRET_ENV, "0" if INTERPRETED else "1")
+    with pytest.raises(RuntimeError, match="first imported"):
+        get_ops("cuda", "triton")
+
+
+def test_dispatch_forced_triton_on_cpu_without_interpreter_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        get_ops("cpu", "triton")
+
+
+def test_dispatch_rejects_unknown_choice() -> None:
+    with pytest.raises(ValueError, match="ORCA_KERNELS"):
+        get_ops("cpu", "cutlass")
+
+
+def test_dispatch_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(dispatch, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="orca.kernels"):
+        get_ops("cpu", "torch")
+        get_ops("cpu", "torch")
+    assert [r.getMessage() for r in caplog.records] == ["orca kernels: using torch implementations on cpu"]
