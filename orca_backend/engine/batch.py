@@ -45,21 +45,26 @@ class BatchMeta:
 
 
 def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | None, released_ids: list[str]) -> BatchMeta:
+    """Flattens a scheduled batch. This runs every iteration for every request, so it stays lean:
+    a decode request (the common case) costs a handful of list appends."""
     meta = BatchMeta(batch_id, [], [], [], [], [0], [], [], [], [], [], [], [], released_ids)
+    input_ids, positions, slots, query_start = meta.input_ids, meta.positions, meta.slot_mapping, meta.query_start
+    end = 0
     for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
         first = request.num_computed  # position of the first new token
-        prompt_len = request.num_prompt_tokens
-        if first >= prompt_len:  # decode: only generated tokens are new
-            meta.input_ids += request.output_ids[first - prompt_len : first - prompt_len + num_new]
-        elif first + num_new <= prompt_len:
-            meta.input_ids += request.prompt_ids[first : first + num_new]
+        kv_start = request.kv_start
+        if num_new == 1:
+            input_ids.append(request.output_ids[-1] if request.output_ids else request.prompt_ids[first])
+            positions.append(first)
+            slots.append(kv_start + first)
         else:
-            meta.input_ids += request.all_token_ids()[first : first + num_new]
-        meta.positions += range(first, first + num_new)
-        meta.slot_mapping += range(request.kv_start + first, request.kv_start + first + num_new)
-        meta.query_start.append(meta.query_start[-1] + num_new)
+            input_ids += request.all_token_ids()[first : first + num_new]
+            positions += range(first, first + num_new)
+            slots += range(kv_start + first, kv_start + first + num_new)
+        end += num_new
+        query_start.append(end)
         meta.context_lens.append(first + num_new)
-        meta.kv_starts.append(request.kv_start)
+        meta.kv_starts.append(kv_start)
 
         params = request.params
         meta.request_ids.append(request.request_id)

@@ -146,8 +146,7 @@ class LLMEngine:
         requests = []
         for prompt, p, rid in zip(prompts, params_list, ids, strict=True):
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
-            requests.append(Request(rid, self._prompt_ids(prompt), p, arrival_time=now))
-            self._check_fits(requests[-1])
+            requests.append(Request(rid, self.validate(prompt, p), p, arrival_time=now))
         with self._ids_lock:
             for r in requests:
                 r.sampling_seed = r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63)
@@ -192,6 +191,12 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ------------------------------------------------------------ validation (caller's thread)
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a ValueError saying why this engine would refuse the request."""
+        request = Request("validate", self._prompt_ids(prompt), params, arrival_time=0.0)
+        self._check_fits(request)
+        return request.prompt_ids
+
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

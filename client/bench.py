@@ -1,0 +1,685 @@
+"""`orca-bench`: the A/B of iteration-level (`orca`) vs request-level (`baseline`) serving on one Triton server.
+
+    orca-bench                                  # GPT-2-small preset on CPU, auto rate sweep -> bench_results/
+    orca-bench --model gpt2-mini --rates 0.5,1,2,4 --num-requests 32
+    orca-bench --trace my_trace.jsonl --rates native
+    orca-bench --echo                           # only the load generator's own overhead, against `echo`
+    orca-bench --url host:8001 --baseline-models baseline   # a server that is already running
+
+Steps: start tritonserver with `orca`, one `baseline` copy per --baseline-batch-sizes and `echo`;
+warm every model up; measure the unloaded per-token latency (one typical request alone on orca)
+and set the SLO to --slo-factor times it; run a burst of equal-length requests on orca and on the
+baseline (the fairness check, which also estimates orca's capacity for the auto rate grid); sweep
+the request rates (each rate: orca, then every baseline, same requests and arrival pattern); run the
+same trace against `echo` to measure the load generator's overhead; write bench.json, summary.md,
+curve.png. A model stops climbing the rate grid after its first point that misses the SLO (its
+curve has turned up; higher rates would only queue longer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from orca_client import bench_server
+from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
+from orca_client.bench_server import ServedModel
+from orca_client.loadgen import LoadOptions, RunResult, run_trace
+from orca_client.report import write_all
+from orca_client.workload import (
+    ARRIVAL_HELP,
+    DIST_HELP,
+    TraceRequest,
+    at_rate,
+    burst_trace,
+    check_fits,
+    dist_median,
+    load_trace,
+    mean_rate,
+    save_trace,
+    synthetic_trace,
+)
+
+# ORCA §6 drew prompts from U(32, 512) and outputs from U(1, 128). On a 2-core CPU a 512-token
+# prefill of GPT-2-small takes about a second, so the default prompts are shorter; outputs keep
+# ORCA's range (their spread is what request-level batching pays for).
+DEFAULT_PROMPT_DIST = "uniform:16:128"
+DEFAULT_OUTPUT_DIST = "uniform:1:128"
+# Auto rates: fractions of orca's measured burst capacity. Low fractions are where a request-level
+# server can still meet the SLO; the top ones find where orca stops meeting it.
+AUTO_FRACTIONS = (0.1, 0.25, 0.45, 0.65, 0.85, 1.05)
+AUTO_START = 1  # the auto sweep starts at the second fraction and goes lower only for models that need it
+FAIRNESS_TOLERANCE = 0.2  # |baseline / orca makespan - 1| within this counts as "about the same"
+OVERHEAD_TARGET = 0.05  # DESIGN.md: load generator overhead per token < 5% of measured latency
+
+
+# ---------------------------------------------------------------------------- model geometry
+@dataclass
+class Geometry:
+    vocab_size: int
+    context_len: int
+
+
+def model_geometry(model: str) -> Geometry:
+    """Vocabulary and context of a preset or HF checkpoint dir (to draw valid prompt ids)."""
+    from orca_backend.config import PRESETS, ModelConfig
+
+    if model in PRESETS:
+        config = PRESETS[model]
+    else:
+        path = Path(model) / "config.json"
+        if not path.is_file():
+            raise SystemExit(f"orca-bench: --model {model!r} is neither a preset ({', '.join(PRESETS)}) "
+                             "nor a checkpoint directory with config.json")
+        config = ModelConfig.from_hf_json(path)
+    return Geometry(config.vocab_size, config.n_positions)
+
+
+# ---------------------------------------------------------------------------------- progress
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal, printed per step otherwise."""
+
+    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+        self.total = total_steps
+        self.step = 0
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.label = ""
+        self.started = time.monotonic()
+        self.step_started = self.started
+        self._last_print = 0.0
+
+    def begin(self, label: str) -> None:
+        self.step += 1
+        self.label = label
+        self.step_started = self._last_print = time.monotonic()
+        self._write(f"{label} …", final=not self.tty)
+
+    def update(self, done: int, total: int, errors: int) -> None:
+        now = time.monotonic()
+        text = f"{self.label}: {done}/{total} done" + (f", {errors} errors" if errors else "") + \
+            f", {now - self.step_started:.0f} s"
+        if self.tty:
+            self._write(text)
+        elif now - self._last_print > 15:
+            self._last_print = now
+            self._write(text, final=True)
+
+    def end(self, summary: str) -> None:
+        self._write(f"{self.label}: {summary} ({time.monotonic() - self.step_started:.1f} s)", final=True)
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stderr.write("\r\033[K")
+            print(f"orca-bench: {text}", file=sys.stderr, flush=True)
+
+    def _write(self, text: str, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.started
+        line = f"[{self.step}/{self.total} {elapsed:4.0f}s] {text}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line + ("\n" if final else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------- workload
+@dataclass
+class Workload:
+    """One request set, replayed at every rate: a rate's run takes its first n requests."""
+
+    base: list[TraceRequest]
+    native_rate: float  # the base trace's mean rate (synthetic: 1 req/s by construction)
+    description: str
+    typical: TraceRequest  # the unloaded probe: median prompt and output lengths
+
+    def at(self, rate: float | None, n: int) -> list[TraceRequest]:
+        prefix = self.base[:n]
+        if rate is None:  # "native": as recorded
+            return prefix
+        if not math.isfinite(rate):
+            return at_rate(prefix, math.inf)
+        scale = self.native_rate / rate
+        start = prefix[0].arrival if prefix else 0.0
+        return [TraceRequest((r.arrival - start) * scale, r.prompt_ids, r.max_tokens, r.prompt_text) for r in prefix]
+
+    @property
+    def mean_output(self) -> float:
+        return statistics.fmean(r.max_tokens for r in self.base)
+
+
+def make_workload(args: argparse.Namespace, geometry: Geometry, max_requests: int) -> Workload:
+    rng = random.Random(args.seed + 1)
+    if args.trace:
+        base = load_trace(args.trace)
+        if not base:
+            raise SystemExit(f"orca-bench: {args.trace} holds no requests")
+        check_fits(base, geometry.context_len, geometry.vocab_size)
+        by_len = sorted(base, key=lambda r: (r.max_tokens, r.prompt_len))
+        typical = by_len[len(by_len) // 2]
+        typical = TraceRequest(0.0, typical.prompt_ids, typical.max_tokens, typical.prompt_text)
+        return Workload(base, mean_rate(base), f"trace {args.trace} ({len(base)} requests, {mean_rate(base):.3f} req/s as recorded)",
+                        typical)
+    base = synthetic_trace(max_requests, args.prompt_dist, args.output_dist, geometry.vocab_size,
+                           request_rate=1.0, seed=args.seed, arrival=args.arrival)
+    check_fits(base, geometry.context_len, geometry.vocab_size)
+    typical = TraceRequest(0.0, [rng.randrange(geometry.vocab_size) for _ in range(dist_median(args.prompt_dist))],
+                           dist_median(args.output_dist))
+    arrival = "Poisson" if args.arrival == "poisson" else args.arrival
+    return Workload(base, 1.0, f"{arrival} arrivals, prompt {args.prompt_dist}, output {args.output_dist} tokens "
+                               f"(ignore_eos), seed {args.seed}", typical)
+
+
+def requests_for(args: argparse.Namespace, rate: float | None, workload: Workload) -> int:
+    if args.num_requests:
+        n = args.num_requests
+    elif rate is None or not math.isfinite(rate):
+        n = len(workload.base)
+    else:
+        n = max(args.min_requests, math.ceil(rate * args.duration))
+    return min(n, len(workload.base)) if args.trace else n
+
+
+# ------------------------------------------------------------------------------------- bench
+class Bench:
+    def __init__(self, args: argparse.Namespace, url: str, metrics_url: str | None, models: list[ServedModel],
+                 geometry: Geometry, progress: Progress) -> None:
+        self.args = args
+        self.url = url
+        self.metrics_url = metrics_url
+        self.models = models
+        self.geometry = geometry
+        self.progress = progress
+        self.result: dict[str, Any] = {"runs": [], "notes": []}
+        self.batched = {m.name: m.kind == "baseline" for m in models}
+        self._dirty = False
+
+    # -- helpers
+    def model(self, kind: str) -> list[ServedModel]:
+        return [m for m in self.models if m.kind == kind]
+
+    def run(self, model: ServedModel, trace: list[TraceRequest], label: str, rate: float | None = None,
+            slo: float | None = None) -> tuple[RunResult, RunMetrics]:
+        self.progress.begin(label)
+        # Engines must be empty before a run starts; after a cancelled run that can take a while.
+        names = [m.name for m in self.models]
+        if not bench_server.wait_idle(self.metrics_url, names, timeout_s=120 if self._dirty else 10):
+            self.progress.info("warning: an engine still reports queued/running requests; measuring anyway")
+        self._dirty = False
+        before = bench_server.execution_count(self.url, model.name) if model.kind == "baseline" else None
+        span = trace[-1].arrival if trace else 0.0
+        options = LoadOptions(num_channels=self.args.channels, deadline_s=span + self.args.run_timeout,
+                              stream=not self.args.no_stream, progress=self.progress.update)
+        result = run_trace(self.url, model.name, trace, options, batched=self.batched[model.name],
+                           rate=mean_rate(trace) if rate is None else rate)
+        metrics = summarize(result, slo)
+        if before is not None:
+            after = bench_server.execution_count(self.url, model.name)
+            metrics.batches = None if after is None else after - before
+        self._dirty = result.truncated  # cancelled requests must leave the engine before the next run
+        errors = f", {metrics.errors} errors ({metrics.first_error})" if metrics.errors else ""
+        self.progress.end(f"{metrics.completed}/{metrics.num_requests} in {metrics.duration_s:.1f} s, "
+                          f"{metrics.request_throughput:.3f} req/s, median normalized {metrics.normalized_ms.median:.1f} ms/token"
+                          + errors)
+        return result, metrics
+
+    # -- steps
+    def warm_up(self, workload: Workload) -> None:
+        probe = TraceRequest(0.0, workload.typical.prompt_ids, min(4, workload.typical.max_tokens),
+                             workload.typical.prompt_text)
+        for model in self.models:
+            _, m = self.run(model, [probe, probe], f"warm-up {model.label}")
+            if m.errors:
+                raise RuntimeError(f"warm-up of {model.name} failed: {m.first_error}")
+
+    def unloaded(self, workload: Workload) -> float:
+        orca = self.model("orca")[0]
+        values, tpots = [], []
+        for i in range(self.args.unloaded_repeats):
+            _, m = self.run(orca, [workload.typical], f"unloaded latency {i + 1}/{self.args.unloaded_repeats}")
+            if m.errors:
+                raise RuntimeError(f"unloaded probe failed: {m.first_error}")
+            values.append(m.normalized_ms.median)
+            tpots.append(m.tpot_ms.median)
+        median = statistics.median(values)
+        self.result["unloaded"] = {
+            "model": orca.name, "prompt_len": workload.typical.prompt_len, "max_tokens": workload.typical.max_tokens,
+            "normalized_ms": values, "median_ms_per_token": median, "tpot_ms": statistics.median(tpots),
+        }  # fmt: skip
+        return median
+
+    def fairness(self, workload: Workload) -> float | None:
+        """Equal-length burst on orca and on the baseline: both should take about as long.
+
+        Returns orca's output tokens/s in the burst (the auto rate grid's capacity estimate).
+        """
+        orca = self.model("orca")[0]
+        baselines = self.model("baseline")
+        size = orca.max_batch_size or 32
+        if baselines:
+            size = min(size, max(b.max_batch_size or 1 for b in baselines))
+        baseline = min((b for b in baselines if (b.max_batch_size or 0) >= size), key=lambda b: b.max_batch_size or 0,
+                       default=None)
+        prompt_len = max(1, workload.typical.prompt_len)
+        tokens = min(self.args.fairness_tokens, self.geometry.context_len - prompt_len)
+        trace = burst_trace(size, prompt_len, tokens, self.geometry.vocab_size, seed=self.args.seed + 2)
+        rows, runs = [], {}
+        for model in [orca] + ([baseline] if baseline and not self.args.skip_fairness else []):
+            raw, m = self.run(model, trace, f"burst of {size}×({prompt_len}+{tokens}) on {model.label}", rate=math.inf)
+            sends = [r.send_time for r in raw.records if r.send_time is not None]
+            runs[model.name] = m
+            rows.append({"model": model.name, "label": model.label, "requests": size, "makespan_s": m.duration_s,
+                         "e2e_median_ms": m.e2e_ms.median, "token_throughput": m.output_token_throughput,
+                         "batches": m.batches, "send_spread_ms": 1000 * (max(sends) - min(sends)) if sends else None,
+                         "errors": m.errors, "metrics": m})
+        capacity = runs[orca.name].output_token_throughput if not runs[orca.name].errors else None
+        if baseline is not None and baseline.name in runs:
+            b, o = runs[baseline.name], runs[orca.name]
+            rel = ratio(b.duration_s, o.duration_s)
+            ok = abs(rel - 1) <= FAIRNESS_TOLERANCE and not (b.errors or o.errors)
+            spread = rows[-1]["send_spread_ms"]
+            delay = baseline.max_queue_delay_us
+            summary = (f"{size} requests of {prompt_len} prompt + {tokens} output tokens sent together "
+                       f"(within {spread:.1f} ms): orca took {o.duration_s:.2f} s, {baseline.label} {b.duration_s:.2f} s "
+                       f"in {b.batches if b.batches is not None else '?'} batch(es) → baseline/orca = {rel:.2f} "
+                       f"({'about the same: fair' if ok else 'NOT within ±' + str(int(FAIRNESS_TOLERANCE * 100)) + '%'}).")
+            if delay is not None and spread is not None and spread > delay / 1000:
+                summary += (f" The sends spread over more than the batcher's max_queue_delay ({delay} µs), so the "
+                            "baseline may have split the burst.")
+            self.result["fairness"] = {"summary": summary, "ratio_baseline_over_orca": rel, "fair": ok,
+                                       "tolerance": FAIRNESS_TOLERANCE, "runs": rows}
+        return capacity
+
+    def echo_overhead(self, workload: Workload, top_rate: float | None, unloaded_ms: float | None,
+                      model_peak_tokens_s: float | None) -> None:
+        echo = self.model("echo")
+        if not echo:
+            return
+        echo_model = echo[0]
+        runs: dict[str, RunMetrics] = {}
+        rate = top_rate if top_rate is not None and math.isfinite(top_rate) else None
+        # The overhead per token hardly depends on how many requests there are: a capped run is enough.
+        n = min(requests_for(self.args, rate, workload), 32)
+        if rate is not None or self.args.trace:
+            _, runs["rate"] = self.run(echo_model, workload.at(rate, n), f"echo at {rate or 'native'} req/s (load generator overhead)",
+                                       rate=rate)
+        burst_n = max(n, 64) if not self.args.trace else n
+        burst = workload.at(math.inf, burst_n) if len(workload.base) >= burst_n else \
+            synthetic_trace(burst_n, self.args.prompt_dist, self.args.output_dist, self.geometry.vocab_size, seed=self.args.seed)
+        _, runs["burst"] = self.run(echo_model, burst, f"echo burst of {len(burst)} (load generator capacity)", rate=math.inf)
+        rate_run = runs.get("rate")
+        parts = []
+        fraction = None
+        if rate_run is not None:
+            echo_ms = rate_run.normalized_ms.median
+            what = "The sweep's top-rate trace" if unloaded_ms else "The workload trace"
+            parts.append(f"{what} ({_fmt_rate(rate)} req/s, {rate_run.num_requests} requests) "
+                         f"against `echo`, which answers at once: median normalized latency {echo_ms:.3f} ms/token "
+                         f"(p99 {rate_run.normalized_ms.p99:.3f}); client CPU {rate_run.client_cpu_us_per_response:.0f} µs "
+                         f"per response; sends late by {rate_run.send_lag_ms.median:.2f} ms median, "
+                         f"{rate_run.send_lag_ms.p99:.2f} ms p99.")
+            if unloaded_ms:
+                fraction = echo_ms / unloaded_ms
+                parts.append(f"That is **{100 * fraction:.2f}%** of the unloaded per-token latency ({unloaded_ms:.1f} ms): "
+                             f"{'within' if fraction < OVERHEAD_TARGET else 'ABOVE'} the {100 * OVERHEAD_TARGET:.0f}% target.")
+        b = runs["burst"]
+        parts.append(f"All {b.num_requests} requests at once: the load generator and Triton delivered "
+                     f"{b.output_token_throughput:.0f} tokens/s ({b.client_cpu_us_per_response:.0f} µs client CPU per response)"
+                     + (f", {b.output_token_throughput / model_peak_tokens_s:.0f}× the most any model run produced "
+                        f"({model_peak_tokens_s:.1f} tokens/s)." if model_peak_tokens_s else "."))
+        self.result["loadgen_overhead"] = {
+            "summary": " ".join(parts), "fraction_of_unloaded": fraction, "target": OVERHEAD_TARGET,
+            "rate_run": rate_run, "burst_run": b,
+        }  # fmt: skip
+
+    def sweep(self, workload: Workload, rates: list[float | None], slo: float,
+              start: int = 0) -> dict[str, list[RunMetrics]]:
+        """For each rate from rates[start] up: orca, then every baseline, on the same trace.
+
+        A model stops climbing after its first point that misses the SLO (unless --no-early-stop).
+        Models that already miss it at rates[start] then walk down the rates below it until one
+        passes: low rates are the longest runs, so they are spent only where they tell something.
+        """
+        curves: dict[str, list[RunMetrics]] = {m.name: [] for m in self.models if m.kind != "echo"}
+        serving = [m for m in self.models if m.kind != "echo"]
+        early_stop = not self.args.no_early_stop
+        start = 0 if not early_stop else start
+        stopped: set[str] = set()
+        missed_first: list[ServedModel] = []
+        for i in range(start, len(rates)):
+            for model in serving:
+                if model.name in stopped:
+                    self.progress.step += 1
+                    continue
+                m = self._point(model, workload, rates[i], slo, curves)
+                if not m.slo_met and early_stop:
+                    stopped.add(model.name)
+                    if i == start and start > 0:
+                        missed_first.append(model)
+                    self.progress.info(f"{model.label} missed the SLO at {_fmt_rate(rates[i])} req/s; "
+                                       "skipping its higher rates")
+        for i in reversed(range(start)):
+            for model in list(missed_first):
+                if self._point(model, workload, rates[i], slo, curves).slo_met:
+                    missed_first.remove(model)
+        return curves
+
+    def _point(self, model: ServedModel, workload: Workload, rate: float | None, slo: float,
+               curves: dict[str, list[RunMetrics]]) -> RunMetrics:
+        n = requests_for(self.args, rate, workload)
+        trace = workload.at(rate, n)
+        raw, m = self.run(model, trace, f"{model.label} at {_fmt_rate(rate)} req/s ({n} requests)",
+                          rate=rate if rate is not None else mean_rate(trace), slo=slo)
+        curves[model.name].append(m)
+        self.result["runs"].append({"metrics": m, "raw": raw})
+        return m
+
+
+def _fmt_rate(rate: float | None) -> str:
+    if rate is None:
+        return "native"
+    return "burst" if not math.isfinite(rate) else f"{rate:.3g}"
+
+
+def headline(sustained: dict[str, Sustained], models: list[ServedModel], baseline_rates: list[float]) -> dict[str, Any]:
+    kinds = {m.name: m.kind for m in models}
+    orca = next((s for name, s in sustained.items() if kinds.get(name) == "orca"), None)
+    baselines = {name: s for name, s in sustained.items() if kinds.get(name) == "baseline"}
+    if orca is None or not baselines:
+        return {}
+    best_name, best = max(baselines.items(), key=lambda kv: kv[1].max_throughput)
+    out: dict[str, Any] = {
+        "orca_rps": orca.max_throughput, "best_baseline": best_name, "best_baseline_rps": best.max_throughput,
+        "ratio": ratio(orca.max_throughput, best.max_throughput),
+    }  # fmt: skip
+    o_i = orca.interpolated or orca.max_throughput
+    b_i = best.interpolated or best.max_throughput
+    out["ratio_interpolated"] = ratio(o_i, b_i) if (orca.interpolated or best.interpolated) and b_i > 0 else None
+    qualifiers = []
+    if best.max_throughput == 0 and baseline_rates:
+        low = min(baseline_rates)
+        out["ratio_lower_bound"] = ratio(orca.max_throughput, low)
+        qualifiers.append(f"No baseline point met the SLO, down to {low:.3g} req/s: the ratio is at least "
+                          f"{out['ratio_lower_bound']:.1f}× (add lower --rates to pin it)")
+    if best.above_grid:
+        qualifiers.append(f"{best_name} met the SLO at every rate tried: add higher --rates to find its maximum")
+    if orca.above_grid:
+        qualifiers.append("orca met the SLO at the highest rate tried, so its maximum (and the ratio) may be higher")
+    if orca.max_throughput == 0:
+        qualifiers.append("orca met the SLO at no rate tried: lower the --rates")
+    out["qualifier"] = "; ".join(qualifiers)
+    return out
+
+
+# ------------------------------------------------------------------------------------ server
+@contextlib.contextmanager
+def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator[tuple[str, str | None, list[ServedModel]]]:
+    """Yields (gRPC url, metrics url, models): a server of our own, or the one at --url."""
+    if args.url:
+        names = [] if args.echo else ["orca", *[n.strip() for n in args.baseline_models.split(",") if n.strip()]]
+        if args.echo or not args.no_echo:
+            names.append("echo")
+        models = []
+        for name in names:
+            try:
+                models.append(bench_server.describe_model(args.url, name))
+            except Exception as exc:
+                if name == "echo":
+                    progress.info(f"no echo model at {args.url} ({exc}); skipping the overhead check")
+                    continue
+                raise SystemExit(f"orca-bench: model {name!r} is not served at {args.url}: {exc}") from None
+        yield args.url, args.metrics_url, models
+        return
+
+    from orca_backend.serve import ServerOptions, TritonServer
+
+    sizes = [] if args.echo else args.baseline_batch_sizes
+    run_dir = Path(tempfile.mkdtemp(prefix="orca-bench-"))
+    names = bench_server.build_repository(run_dir / "repository", sizes, echo=args.echo or not args.no_echo,
+                                          orca=not args.echo, max_queue_delay_us=args.max_queue_delay_us)
+    params: dict[str, str] = {}
+    if not args.echo:
+        model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+        params = {"model": model, "device": args.device, "dtype": args.dtype}
+        if args.kv_capacity_tokens:
+            params["kv_capacity_tokens"] = str(args.kv_capacity_tokens)
+    per_model = {"orca": {"max_batch_size": str(args.max_batch_size)}} if args.max_batch_size else {}
+    options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
+                            parameters={} if args.echo else params,
+                            model_parameters={} if args.echo else per_model,
+                            log_file=out / "server.log", run_dir=run_dir / "run")
+    (run_dir / "run").mkdir(parents=True, exist_ok=True)
+    (out / "server.log").unlink(missing_ok=True)  # this run's log only
+    progress.info(f"starting tritonserver with {', '.join(names)} (log: {out / 'server.log'})")
+    started = time.monotonic()
+    server = TritonServer(options)
+    server.start()
+    try:
+        server.wait_ready(timeout_s=args.ready_timeout)
+        progress.info(f"server ready in {time.monotonic() - started:.0f} s at {server.grpc_url}")
+        models = [bench_server.describe_model(server.grpc_url, name) for name in names]
+        yield server.grpc_url, server.metrics_url, models
+    finally:
+        server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------- main
+def _rate_list(text: str) -> list[float] | str:
+    if text in ("auto", "native"):
+        return text
+    try:
+        rates = [math.inf if t.strip() in ("inf", "burst") else float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates takes auto, native or comma-separated req/s, got {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"--rates must be positive, got {text!r}")
+    return sorted(rates)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model and server")
+    g.add_argument("--model", default="gpt2-small", help="preset name or HF checkpoint directory (default: gpt2-small)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--baseline-batch-sizes", type=_int_list, default=[8, 32],
+                   help="dynamic-batcher max_batch_size of each baseline copy (default 8,32)")
+    g.add_argument("--max-batch-size", type=int, help="orca's engine max_batch_size (default: its config.pbtxt, 32)")
+    g.add_argument("--max-queue-delay-us", type=int, help="baseline max_queue_delay_microseconds (default: config.pbtxt)")
+    g.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size of every engine (default: config.pbtxt)")
+    g.add_argument("--url", help="use the tritonserver at this gRPC address instead of starting one")
+    g.add_argument("--metrics-url", help="with --url: its metrics endpoint (to wait for idle engines between runs)")
+    g.add_argument("--baseline-models", default="baseline", help="with --url: baseline model names (comma-separated)")
+    g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="JSONL trace (arrival, prompt_ids or prompt, max_tokens) instead of a synthetic one")
+    w.add_argument("--prompt-dist", default=DEFAULT_PROMPT_DIST, help=f"prompt lengths: {DIST_HELP}")
+    w.add_argument("--output-dist", default=DEFAULT_OUTPUT_DIST, help=f"output lengths: {DIST_HELP}")
+    w.add_argument("--arrival", default="poisson", help=f"arrival process: {ARRIVAL_HELP}")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--rates", type=_rate_list, default="auto",
+                   help="request rates in req/s, comma-separated; 'auto' (default): fractions of orca's measured "
+                        "capacity; 'native': a --trace as recorded")
+    w.add_argument("--num-requests", type=int, help="requests per run (default: --duration worth, at least --min-requests)")
+    w.add_argument("--duration", type=float, default=16.0, help="seconds of arrivals per run (default 16)")
+    w.add_argument("--min-requests", type=int, default=8)
+    s = p.add_argument_group("SLO and checks")
+    s.add_argument("--slo-factor", type=float, default=6.0, help="SLO = this × the unloaded per-token latency (default 6)")
+    s.add_argument("--slo-ms", type=float, help="an absolute SLO in ms/token instead")
+    s.add_argument("--unloaded-repeats", type=int, default=3)
+    s.add_argument("--fairness-tokens", type=int, default=32, help="output tokens of each fairness-burst request")
+    s.add_argument("--skip-fairness", action="store_true", help="no equal-length burst on the baseline")
+    s.add_argument("--no-echo", action="store_true", help="skip the load generator overhead check")
+    s.add_argument("--echo", action="store_true", help="only measure the load generator's overhead against `echo`")
+    s.add_argument("--no-early-stop", action="store_true", help="run every rate even after a model missed the SLO")
+    r = p.add_argument_group("run")
+    r.add_argument("--no-stream", action="store_true",
+                   help="ask orca for one response per request instead of one per token (the baseline always answers once)")
+    r.add_argument("--run-timeout", type=float, default=90.0, help="seconds a run may take after its last arrival")
+    r.add_argument("--channels", type=int, default=4, help="gRPC connections the streams are spread over")
+    r.add_argument("--out", default="bench_results", help="output directory (default bench_results/)")
+    r.add_argument("--save-trace", action="store_true", help="also write the workload as trace.jsonl")
+    r.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.echo and args.no_echo:
+        raise SystemExit("orca-bench: --echo and --no-echo exclude each other")
+    if args.rates == "native" and not args.trace:
+        raise SystemExit("orca-bench: --rates native needs --trace")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    geometry = model_geometry(args.model) if not args.echo or not args.trace else Geometry(1 << 30, 1 << 30)
+    explicit_rates = args.rates if isinstance(args.rates, list) else None
+    max_rate = max((r for r in explicit_rates or [] if math.isfinite(r)), default=0.0)
+    max_requests = max(args.num_requests or 0, args.min_requests, math.ceil(max_rate * args.duration), 64)
+    # Auto rates are unknown until the capacity probe; leave room for a fast machine.
+    if explicit_rates is None and not args.num_requests:
+        max_requests = max(max_requests, 2000)
+    workload = make_workload(args, geometry, max_requests)
+    if args.save_trace:
+        save_trace(workload.base, out / "trace.jsonl")
+
+    n_baselines = 0 if args.echo else (len(args.baseline_batch_sizes) if not args.url else len(args.baseline_models.split(",")))
+    n_rates = len(explicit_rates) if explicit_rates else (1 if args.rates == "native" else len(AUTO_FRACTIONS))
+    steps = (2 if args.echo else (1 + n_baselines) * (1 + n_rates) + args.unloaded_repeats + 2 + (0 if args.no_echo else 3))
+    progress = Progress(steps, enabled=not args.quiet)
+    started_wall, started = datetime.now(timezone.utc), time.monotonic()
+    result: dict[str, Any] = {}
+    served: dict[str, str] = {}
+    interrupted = False
+    with serving(args, out, progress) as (url, metrics_url, models):
+        bench = Bench(args, url, metrics_url, models, geometry, progress)
+        result = bench.result
+        result["labels"] = {m.name: m.label for m in models}
+        result["models"] = [asdict(m) for m in models]
+        served = {}
+        if bench.model("orca"):  # what the server really runs (with --url it need not match our flags)
+            with contextlib.suppress(Exception):
+                served = bench_server.engine_parameters(url, "orca")
+        try:
+            _run_all(args, bench, workload, explicit_rates)
+        except KeyboardInterrupt:
+            interrupted = True
+            result["notes"].append("interrupted: partial results")
+    result.update({
+        "command": "orca-bench " + shlex.join(argv),
+        "started": started_wall.isoformat(timespec="seconds"),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.monotonic() - started,
+        "setup": {
+            "model": "echo (load generator check)" if args.echo else _model_name(served.get("model") or args.model),
+            "device": served.get("device") or args.device, "dtype": served.get("dtype") or args.dtype,
+            "server_parameters": served, "workload": workload.description,
+            "host": f"Client and server on {platform.node()} ({os.cpu_count()} CPUs, load average at the end "
+                    f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
+            "arguments": vars(args),
+        },
+    })  # fmt: skip
+    paths = write_all(result, out)
+    progress.info("wrote " + ", ".join(str(p) for p in paths.values()))
+    if not args.quiet and (out / "summary.md").is_file():
+        text = (out / "summary.md").read_text()
+        head = text.split("## Throughput", 1)[0]
+        print(head.strip(), file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def _model_name(model: str) -> str:
+    """A preset's name, or a checkpoint directory's last component (paths are noise in a report)."""
+    return Path(model).name if Path(model).exists() else model
+
+
+def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explicit_rates: list[float] | None) -> None:
+    result = bench.result
+    if args.echo:
+        rate = max((r for r in explicit_rates or [] if math.isfinite(r)), default=None)
+        bench.echo_overhead(workload, rate if rate is not None else 4.0, None, None)
+        return
+    bench.warm_up(workload)
+    unloaded_ms = bench.unloaded(workload)
+    slo = args.slo_ms if args.slo_ms else args.slo_factor * unloaded_ms
+    result["slo"] = {"factor": args.slo_factor if not args.slo_ms else None, "ms_per_token": slo,
+                     "definition": "median normalized latency (end-to-end / output tokens) of a run ≤ this"}
+    capacity_tokens = bench.fairness(workload)
+    if explicit_rates is not None:
+        rates: list[float | None] = list(explicit_rates)
+    elif args.rates == "native":
+        rates = [None]
+    else:
+        if not capacity_tokens:
+            raise RuntimeError("the capacity probe on orca failed; pass --rates explicitly")
+        capacity = capacity_tokens / workload.mean_output
+        rates = [round(f * capacity, 3) for f in AUTO_FRACTIONS]
+        result["capacity_estimate"] = {
+            "orca_burst_tokens_per_s": capacity_tokens, "mean_output_tokens": workload.mean_output,
+            "requests_per_s": capacity, "fractions": list(AUTO_FRACTIONS), "rates": rates,
+        }  # fmt: skip
+        bench.progress.info(f"orca's burst capacity ≈ {capacity:.3f} req/s for this workload; rates: "
+                            + ", ".join(f"{r:g}" for r in rates))
+    result["rates"] = rates
+    curves = bench.sweep(workload, rates, slo, start=AUTO_START if explicit_rates is None and len(rates) > 1 else 0)
+    sustained = {name: sustained_throughput(points, slo) for name, points in curves.items() if points}
+    result["sustained"] = sustained
+    baseline_rates = [m.offered_rate for name, points in curves.items() for m in points
+                      if name != "orca" and math.isfinite(m.offered_rate)]
+    result["headline"] = headline(sustained, bench.models, baseline_rates)
+    if not args.no_echo:
+        top = max((r for r in rates if r is not None and math.isfinite(r)), default=None)
+        peak = max((m.output_token_throughput for points in curves.values() for m in points), default=None)
+        bench.echo_overhead(workload, top, unloaded_ms, peak)
+    result["notes"] += sweep_notes([run["metrics"] for run in result["runs"]], bench.models)
+
+
+def sweep_notes(points: list[RunMetrics], models: list[ServedModel]) -> list[str]:
+    """What a reader needs to trust (or discount) the sweep's numbers."""
+    notes = []
+    if any(m.kind == "baseline" for m in models):
+        notes.append("The baseline answers once per request (request-level, not streamed): its TTFT is its "
+                     "end-to-end latency and it has no TPOT or inter-token latency. Normalized latency is comparable.")
+    lags = [m.send_lag_ms for m in points if m.send_lag_ms.count]
+    if lags:
+        notes.append(f"Open-loop fidelity: requests left a median {max(s.median for s in lags):.2f} ms (worst run) "
+                     f"after their scheduled time; worst p99 {max(s.p99 for s in lags):.1f} ms.")
+    shares = [m.client_cpu_share for m in points if math.isfinite(m.client_cpu_share)]
+    if shares:
+        notes.append(f"The load generator used at most {100 * max(shares):.1f}% of one CPU during a run "
+                     f"(it shares the machine with the server).")
+    return notes
+
+
+if __name__ == "__main__":
+    sys.exit(main())

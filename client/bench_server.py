@@ -1,0 +1,148 @@
+"""The server side of `orca-bench`: one tritonserver holding `orca`, one `baseline` copy per
+dynamic-batcher max batch size, and the `echo` model; plus the few control-plane reads the
+benchmark needs (model configs, execution counts, engine gauges).
+
+Why one server with several baseline copies rather than a server per batch size: every model
+then runs in the same process tree, start-up is paid once, and an A/B point is two runs a few
+seconds apart on the same machine state. The copies only differ in `name` and `max_batch_size`;
+weights come from the same preset/checkpoint and seed. Idle copies cost memory, not CPU (their
+engine threads block on an empty inbox).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ECHO_REPOSITORY = Path(__file__).resolve().parents[1] / "benchmarks" / "echo_repository"
+
+
+@dataclass
+class ServedModel:
+    name: str
+    kind: str  # "orca" | "baseline" | "echo"
+    max_batch_size: int | None = None  # baseline: Triton's dynamic-batcher max_batch_size; orca: engine's
+    max_queue_delay_us: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "baseline" and self.max_batch_size is not None:
+            return f"baseline (batch {self.max_batch_size})"
+        return self.kind
+
+
+def baseline_name(batch_size: int) -> str:
+    return f"baseline_bs{batch_size}"
+
+
+def build_repository(target: Path, baseline_batch_sizes: list[int], echo: bool = True, orca: bool = True,
+                     source: Path | None = None, max_queue_delay_us: int | None = None) -> list[str]:
+    """Writes a repository of orca + baseline_bs<N> copies (+ echo) to `target`; returns model names."""
+    from orca_backend.serve import default_model_repository, render_config
+
+    source = Path(source or default_model_repository())
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    names = []
+    if orca:
+        shutil.copytree(source / "orca", target / "orca", ignore=shutil.ignore_patterns("__pycache__"))
+        names.append("orca")
+    for size in baseline_batch_sizes:
+        name = baseline_name(size)
+        shutil.copytree(source / "baseline", target / name, ignore=shutil.ignore_patterns("__pycache__"))
+        config = target / name / "config.pbtxt"
+        text = re.sub(r'(?m)^name:\s*"[^"]*"', f'name: "{name}"', config.read_text(), count=1)
+        top_level = {"max_batch_size": size}
+        if max_queue_delay_us is not None:
+            top_level["max_queue_delay_microseconds"] = max_queue_delay_us
+        config.write_text(render_config(text, {}, top_level))
+        names.append(name)
+    if echo:
+        shutil.copytree(ECHO_REPOSITORY / "echo", target / "echo", ignore=shutil.ignore_patterns("__pycache__"))
+        names.append("echo")
+    return names
+
+
+def _grpc_client(url: str) -> Any:
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(url)
+
+
+def describe_model(url: str, name: str) -> ServedModel:
+    """Kind and batch settings of a served model, from its config as Triton loaded it."""
+    client = _grpc_client(url)
+    try:
+        config = client.get_model_config(name, as_json=True)
+    finally:
+        client.close()
+    config = config.get("config", config)
+    max_batch = int(config.get("max_batch_size", 0))
+    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+    if name == "echo":
+        return ServedModel(name, "echo")
+    if max_batch > 0:
+        delay = (config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds")
+        return ServedModel(name, "baseline", max_batch, int(delay) if delay is not None else None)
+    engine_batch = params.get("max_batch_size")
+    return ServedModel(name, "orca", int(engine_batch) if engine_batch else None)
+
+
+def engine_parameters(url: str, name: str) -> dict[str, str]:
+    client = _grpc_client(url)
+    try:
+        config = client.get_model_config(name, as_json=True)
+    finally:
+        client.close()
+    config = config.get("config", config)
+    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+def execution_count(url: str, name: str) -> int | None:
+    """Triton's execution count for a model: for the baseline, the number of batches it ran."""
+    client = _grpc_client(url)
+    try:
+        stats = client.get_inference_statistics(name, as_json=True)
+        model_stats = stats.get("model_stats", [])
+        return int(model_stats[0].get("execution_count", 0)) if model_stats else None
+    except Exception:
+        return None
+    finally:
+        client.close()
+
+
+_GAUGE_RE = re.compile(r'^(orca_requests_waiting|orca_requests_running|orca_kv_used_tokens)\{([^}]*)\}\s+(\S+)', re.M)
+
+
+def engine_busy(metrics_url: str, models: list[str]) -> dict[str, float] | None:
+    """Sum of waiting + running requests and used K/V per model, from the engine gauges (None: unreadable)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    busy: dict[str, float] = {}
+    for _name, labels, value in _GAUGE_RE.findall(text):
+        model = re.search(r'model="([^"]*)"', labels)
+        if model and model.group(1) in models:
+            busy[model.group(1)] = busy.get(model.group(1), 0.0) + float(value)
+    return busy
+
+
+def wait_idle(metrics_url: str | None, models: list[str], timeout_s: float = 60.0) -> bool:
+    """Waits until no engine holds requests or K/V (after a cancelled run); True when idle."""
+    if not metrics_url:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = engine_busy(metrics_url, models)
+        if busy is None or not any(busy.values()):
+            return True
+        time.sleep(0.25)
+    return False

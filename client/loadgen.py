@@ -1,0 +1,266 @@
+"""Open-loop trace replay over gRPC streams (tritonclient.grpc.aio), many streams from one process.
+
+Every request is sent at its trace arrival time whether or not earlier ones finished (open loop:
+a slow server builds a queue, it does not slow the arrivals), on a stream of its own, as
+independent clients would. Per request it records the send time, each response's arrival and
+token count, completion and errors, all in seconds after the run's start (time.perf_counter).
+
+Why it is not the bottleneck: the request tensors are built before the clock starts; one event
+loop only awaits sockets; streams are spread over several gRPC channels (separate HTTP/2
+connections) so no connection's stream limit queues requests client-side. Its remaining cost per
+token is measured against the echo model (`orca-bench --echo`), and each run reports how late
+sends left against the schedule and the client's CPU time per response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orca_client.workload import TraceRequest
+
+Progress = Callable[[int, int, int], None]  # (finished, total, errors)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    scheduled: float  # the trace's arrival time: when the request should have been sent
+    prompt_len: int
+    max_tokens: int
+    send_time: float | None = None  # when the request left (its stream's first message was handed to gRPC)
+    response_times: list[float] = field(default_factory=list)
+    response_tokens: list[int] = field(default_factory=list)  # output ids per response
+    done_time: float | None = None  # arrival of the final response
+    finish_reason: str = ""
+    reported_output_tokens: int = 0  # num_output_tokens of the last response
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.response_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.done_time is not None
+
+
+@dataclass
+class RunResult:
+    model: str
+    rate: float  # the trace's mean arrival rate (inf: a burst)
+    records: list[RequestRecord]
+    duration_s: float  # run start (trace time 0) to the last completion or the deadline
+    client_cpu_s: float  # this process's CPU time during the run, all threads (gRPC's included)
+    truncated: bool = False  # the deadline passed and outstanding requests were cancelled
+    unix_start: float = 0.0  # wall-clock time of trace time 0, to line runs up with server logs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "rate": self.rate, "duration_s": self.duration_s, "client_cpu_s": self.client_cpu_s,
+            "truncated": self.truncated, "unix_start": self.unix_start,
+            "requests": [vars(r) for r in self.records],
+        }  # fmt: skip
+
+
+@dataclass
+class LoadOptions:
+    num_channels: int = 4  # gRPC channels (TCP connections) the streams are spread over
+    deadline_s: float | None = None  # cancel whatever is outstanding after this long
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 0, "ignore_eos": True})
+    stream: bool = True  # ask for per-token responses (the baseline answers once regardless)
+    progress: Progress | None = None
+    progress_interval_s: float = 0.5
+
+
+def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> list[Any]:
+    """InferInputs per DESIGN.md's contract: input_ids (or text_input) + sampling_parameters JSON
+    (max_tokens, temperature 0, ignore_eos so output length is the trace's) + stream."""
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**options.sampling, "max_tokens": req.max_tokens}
+    arrays: list[tuple[str, np.ndarray, str]] = []
+    if req.prompt_text is not None:
+        arrays.append(("text_input", np.array([req.prompt_text.encode()], dtype=np.object_), "BYTES"))
+    else:
+        arrays.append(("input_ids", np.array(req.prompt_ids, dtype=np.int32), "INT32"))
+    arrays.append(("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"))
+    arrays.append(("stream", np.array([options.stream], dtype=np.bool_), "BOOL"))
+    inputs = []
+    for name, value, dtype in arrays:
+        if batched:  # Triton's implicit batch dimension (max_batch_size > 0)
+            value = value[np.newaxis, ...]
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def _client(url: str, channel: int) -> Any:
+    import tritonclient.grpc.aio as aioclient
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
+
+    # A channel argument of its own makes gRPC open a separate connection instead of sharing one
+    # subchannel between clients with the same target.
+    args = [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("orca_bench.channel", channel),
+    ]
+    return aioclient.InferenceServerClient(url, channel_args=args)
+
+
+async def model_is_batched(url: str, model: str) -> bool:
+    """Whether `model` has Triton's implicit batch dimension (baseline: yes; orca, echo: no)."""
+    client = _client(url, 0)
+    try:
+        config = await client.get_model_config(model, as_json=True)
+    finally:
+        await client.close()
+    config = config.get("config", config)
+    return int(config.get("max_batch_size", 0)) > 0
+
+
+async def model_config(url: str, model: str) -> dict[str, Any]:
+    client = _client(url, 0)
+    try:
+        config = await client.get_model_config(model, as_json=True)
+    finally:
+        await client.close()
+    return config.get("config", config)
+
+
+def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
+    """Records one response; returns whether it was the final one (it carries finish_reason).
+
+    Reads the protobuf's raw output bytes directly: InferResult.as_numpy costs ~30 µs a call, and
+    three calls per token were a third of the client's CPU per response. Layouts (Triton's raw
+    tensor encoding): INT32 little-endian, BYTES elements as a 4-byte length + the bytes.
+    """
+    response = result.get_response()
+    record.response_times.append(now)
+    tokens = 0
+    finish = ""
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=False):
+        if output.name == "output_ids":
+            tokens = len(raw) // 4
+        elif output.name == "num_output_tokens" and len(raw) >= 4:
+            record.reported_output_tokens = int.from_bytes(raw[:4], "little", signed=True)
+        elif output.name == "finish_reason" and len(raw) > 4:
+            size = int.from_bytes(raw[:4], "little")
+            finish = raw[4:4 + size].decode()
+    record.response_tokens.append(tokens)
+    if finish:
+        record.finish_reason = finish
+        record.done_time = now
+        return True
+    return False
+
+
+async def _one_request(client: Any, model: str, inputs: list[Any], record: RequestRecord, t0: float) -> None:
+    """One request on a stream of its own, from send to its final response (or an error)."""
+    finished = asyncio.Event()
+
+    async def request_iterator():
+        record.send_time = time.perf_counter() - t0
+        yield {"model_name": model, "inputs": inputs, "request_id": str(record.index)}
+        # Keep our side open until the answer is complete: the stream then ends on our terms.
+        await finished.wait()
+
+    responses = client.stream_infer(request_iterator())
+    try:
+        async for result, error in responses:
+            now = time.perf_counter() - t0
+            if error is not None:
+                record.error = str(error)
+                record.done_time = None
+                break
+            if _read_response(result, record, now):
+                break
+        else:
+            if not record.ok:
+                record.error = record.error or "the stream ended before a final response"
+    except asyncio.CancelledError:
+        record.error = record.error or "cancelled by the load generator (run deadline)"
+        responses.cancel()
+        raise
+    except Exception as exc:  # a transport error ends this request, not the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        finished.set()
+        if record.error is not None:
+            responses.cancel()
+
+
+async def replay(url: str, model: str, trace: list[TraceRequest], options: LoadOptions | None = None,
+                 batched: bool | None = None, rate: float | None = None) -> RunResult:
+    """Replays `trace` open-loop against `model`; returns every request's record."""
+    from orca_client.workload import mean_rate
+
+    options = options or LoadOptions()
+    if batched is None:
+        batched = await model_is_batched(url, model)
+    records = [RequestRecord(i, r.arrival, r.prompt_len, r.max_tokens) for i, r in enumerate(trace)]
+    payloads = [request_inputs(r, batched, options) for r in trace]  # built before the clock starts
+    clients = [_client(url, c) for c in range(max(1, options.num_channels))]
+    tasks: list[asyncio.Task] = []
+    try:
+        # Open the connections first, so the first requests do not pay for TCP/HTTP2 setup.
+        await asyncio.gather(*(c.is_server_live() for c in clients))
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        unix0 = time.time()
+        ticker = asyncio.create_task(_ticker(records, options)) if options.progress else None
+        deadline = t0 + options.deadline_s if options.deadline_s else None
+        for i, req in enumerate(trace):
+            delay = t0 + req.arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            tasks.append(asyncio.create_task(
+                _one_request(clients[i % len(clients)], model, payloads[i], records[i], t0)))
+        truncated = len(tasks) < len(trace)
+        if tasks:
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            if pending:
+                truncated = True
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        for record in records[len(tasks):]:
+            record.error = "not sent: the run deadline passed first"
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+            options.progress(len(records), len(records), sum(r.error is not None for r in records))
+        end = max((r.done_time for r in records if r.done_time is not None), default=0.0)
+        duration = (time.perf_counter() - t0) if truncated else end
+        return RunResult(model, mean_rate(trace) if rate is None else rate, records, duration,
+                         time.process_time() - cpu0, truncated, unix0)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+async def _ticker(records: list[RequestRecord], options: LoadOptions) -> None:
+    assert options.progress is not None
+    while True:
+        done = sum(r.done_time is not None or r.error is not None for r in records)
+        options.progress(done, len(records), sum(r.error is not None for r in records))
+        await asyncio.sleep(options.progress_interval_s)
+
+
+def run_trace(url: str, model: str, trace: list[TraceRequest], options: LoadOptions | None = None,
+              batched: bool | None = None, rate: float | None = None) -> RunResult:
+    """Synchronous wrapper: one event loop per run, so nothing carries over between runs."""
+    return asyncio.run(replay(url, model, trace, options, batched, rate))

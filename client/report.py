@@ -1,0 +1,215 @@
+"""`orca-bench` outputs: bench.json (everything, raw records included), summary.md, curve.png.
+
+The markdown and the plot are views of the JSON: `render_markdown(json.load(...))` and
+`plot_curves(...)` regenerate them from a saved result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+JSON_NAME, MARKDOWN_NAME, PLOT_NAME = "bench.json", "summary.md", "curve.png"
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null / "inf" strings."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(result: dict[str, Any], out_dir: Path) -> Path:
+    path = out_dir / JSON_NAME
+    plain = json.loads(json.dumps(result, default=_json_default, allow_nan=True))
+    path.write_text(json.dumps(_clean(plain), indent=1))
+    return path
+
+
+def _num(value: Any) -> float:
+    if value is None:
+        return math.nan
+    if value == "inf":
+        return math.inf
+    return float(value)
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    x = _num(value)
+    if math.isnan(x):
+        return "–"
+    if math.isinf(x):
+        return "∞"
+    return f"{x:.{digits}f}"
+
+
+def _rate(value: Any) -> str:
+    x = _num(value)
+    return "burst" if math.isinf(x) else _f(x, 3)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    lines = ["# orca-bench: iteration-level (orca) vs request-level (baseline) on one Triton server", ""]
+    setup = result.get("setup", {})
+    if setup:
+        lines += [
+            f"Model `{setup.get('model')}` on {setup.get('device')} ({setup.get('dtype')}); workload: "
+            f"{setup.get('workload')}. {setup.get('host', '')}",
+            "",
+        ]
+    headline = result.get("headline")
+    if headline:
+        lines += ["## Headline", "", _headline_text(result), ""]
+        table = ["| model | max req/s under SLO | at offered req/s | interpolated req/s | points met |",
+                 "|---|---|---|---|---|"]
+        for name, s in result.get("sustained", {}).items():
+            label = result.get("labels", {}).get(name, name)
+            flag = " (below the lowest rate)" if s.get("below_grid") else (" (≥: top rate met)" if s.get("above_grid") else "")
+            table.append(f"| {label} | {_f(s['max_throughput'], 3)}{flag} | {_rate(s.get('at_rate'))} | "
+                         f"{_f(s.get('interpolated'), 3)} | {s['points_met']}/{s['points']} |")
+        lines += table + [""]
+    unloaded = result.get("unloaded")
+    if unloaded:
+        lines += [
+            "## SLO",
+            "",
+            f"Unloaded per-token latency (one request alone on `orca`: prompt {unloaded['prompt_len']} tokens, "
+            f"{unloaded['max_tokens']} output tokens; median of {len(unloaded['normalized_ms'])}): "
+            f"**{_f(unloaded['median_ms_per_token'], 2)} ms/token** (TPOT {_f(unloaded.get('tpot_ms'), 2)} ms). "
+            f"SLO: median normalized latency ≤ {_f(result['slo']['factor'], 1)}× that = "
+            f"**{_f(result['slo']['ms_per_token'], 1)} ms/token**.",
+            "",
+        ]
+    runs = [r["metrics"] for r in result.get("runs", [])]
+    if runs:
+        lines += [
+            "## Throughput–latency points",
+            "",
+            "Latencies in ms; normalized = end-to-end / output tokens (ms/token); goodput = share of requests "
+            "whose normalized latency met the SLO.",
+            "",
+            "| model | offered req/s | reqs | achieved req/s | out tok/s | norm. median | norm. p90 | norm. p99 | "
+            "e2e median | TTFT median | TPOT median | ITL p99 | goodput | batches | SLO |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m in runs:
+            label = result.get("labels", {}).get(m["model"], m["model"])
+            status = "✅" if m.get("slo_met") else ("❌ truncated" if m.get("truncated") else "❌")
+            if m.get("errors"):
+                status += f" {m['errors']} errors"
+            good = m.get("goodput_fraction")
+            lines.append(
+                f"| {label} | {_rate(m['offered_rate'])} | {m['num_requests']} | {_f(m['request_throughput'], 3)} | "
+                f"{_f(m['output_token_throughput'])} | {_f(m['normalized_ms']['median'])} | {_f(m['normalized_ms']['p90'])} | "
+                f"{_f(m['normalized_ms']['p99'])} | {_f(m['e2e_ms']['median'], 0)} | {_f(m['ttft_ms']['median'], 0)} | "
+                f"{_f(m['tpot_ms']['median'])} | {_f(m['itl_ms']['p99'])} | "
+                f"{'–' if good is None else f'{100 * good:.0f}%'} | {m.get('batches') if m.get('batches') is not None else '–'} | {status} |"
+            )
+        lines.append("")
+    fairness = result.get("fairness")
+    if fairness:
+        lines += ["## Fairness: a burst of equal-length requests", "", fairness["summary"], "",
+                  "| model | requests | makespan s | e2e median ms | out tok/s | batches |", "|---|---|---|---|---|---|"]
+        for row in fairness["runs"]:
+            lines.append(f"| {row['label']} | {row['requests']} | {_f(row['makespan_s'], 2)} | {_f(row['e2e_median_ms'], 0)} | "
+                         f"{_f(row['token_throughput'])} | {row.get('batches') if row.get('batches') is not None else '–'} |")
+        lines.append("")
+    overhead = result.get("loadgen_overhead")
+    if overhead:
+        lines += ["## Load generator overhead (echo model)", "", overhead["summary"], ""]
+    if result.get("notes"):
+        lines += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
+    lines += ["## Command", "", "```", result.get("command", ""), "```", ""]
+    if result.get("wall_s") is not None:
+        lines.append(f"Finished {result.get('finished', '')} after {_f(result['wall_s'], 0)} s.")
+    return "\n".join(lines) + "\n"
+
+
+def _headline_text(result: dict[str, Any]) -> str:
+    h = result["headline"]
+    ratio = _num(h.get("ratio"))
+    best = result.get("labels", {}).get(h.get("best_baseline"), h.get("best_baseline"))
+    text = (f"Max request throughput with median normalized latency ≤ {_f(result['slo']['ms_per_token'], 1)} ms/token: "
+            f"**orca {_f(h['orca_rps'], 3)} req/s** vs best baseline **{best} {_f(h['best_baseline_rps'], 3)} req/s** "
+            f"→ **{'∞' if math.isinf(ratio) else _f(ratio, 2)}×**")
+    if h.get("ratio_interpolated") is not None:
+        text += f" (interpolated at the SLO crossing: {_f(h['ratio_interpolated'], 2)}×)"
+    if h.get("qualifier"):
+        text += f". {h['qualifier']}"
+    return text + "."
+
+
+def write_markdown(result: dict[str, Any], out_dir: Path) -> Path:
+    path = out_dir / MARKDOWN_NAME
+    plain = json.loads(json.dumps(_clean(json.loads(json.dumps(result, default=_json_default)))))
+    path.write_text(render_markdown(plain))
+    return path
+
+
+def plot_curves(result: dict[str, Any], out_dir: Path) -> Path | None:
+    """Median normalized latency vs achieved throughput per model, like ORCA's Figure 8-10."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r["metrics"] for r in result.get("runs", [])]
+    if not runs:
+        return None
+    labels = result.get("labels", {})
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    markers = iter("os^Dv<>p")
+    all_y = []
+    for model in dict.fromkeys(m["model"] for m in runs):
+        points = sorted((m for m in runs if m["model"] == model), key=lambda m: _num(m["offered_rate"]))
+        xs = [_num(m["request_throughput"]) for m in points]
+        ys = [_num(m["normalized_ms"]["median"]) for m in points]
+        all_y += [y for y in ys if math.isfinite(y)]
+        style = "-" if model == "orca" else "--"
+        ax.plot(xs, ys, style, marker=next(markers, "o"), label=labels.get(model, model), linewidth=2 if model == "orca" else 1.3)
+    slo = result.get("slo", {}).get("ms_per_token")
+    if slo:
+        ax.axhline(_num(slo), color="grey", linestyle=":", label=f"SLO {_f(slo, 0)} ms/token")
+        all_y.append(_num(slo))
+    if all_y and max(all_y) / max(min(all_y), 1e-9) > 30:
+        ax.set_yscale("log")
+    ax.set_xlabel("throughput (req/s)")
+    ax.set_ylabel("median normalized latency (ms/token)")
+    setup = result.get("setup", {})
+    ax.set_title(f"{setup.get('model', '')} on {setup.get('device', '')}: orca vs request-level baseline", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / PLOT_NAME
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_all(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_json(result, out_dir), "markdown": write_markdown(result, out_dir)}
+    plot = plot_curves(json.loads(paths["json"].read_text()), out_dir)
+    if plot is not None:
+        paths["plot"] = plot
+    return paths

@@ -1,0 +1,443 @@
+"""`orca-serve`: run a real tritonserver on this project's model repository.
+
+The reusable piece is `TritonServer` (a context manager): tests and the benchmark start a server on
+free ports with it, `orca-serve` is a thin CLI around it. Without a `tritonserver` on PATH (or in
+$TRITONSERVER) it prepares the one shipped in the `nvidia-pytriton` wheel, as DESIGN.md describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ALL_MODELS = ("orca", "baseline")
+
+
+def default_model_repository() -> Path:
+    """The repository checked in next to this package (editable install), else ./model_repository."""
+    beside_package = Path(__file__).resolve().parents[1] / "model_repository"
+    return beside_package if beside_package.is_dir() else Path.cwd() / "model_repository"
+
+
+@dataclass
+class TritonBinary:
+    """Where the server binary is and how to run it (extra args and environment)."""
+
+    path: Path
+    backend_directory: Path | None = None  # None: the binary's built-in default (/opt/tritonserver/backends)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def find_tritonserver(work_dir: Path) -> TritonBinary:
+    """$TRITONSERVER, then `tritonserver` on PATH, else the nvidia-pytriton wheel's binary."""
+    explicit = os.environ.get("TRITONSERVER")
+    if explicit:
+        if not Path(explicit).is_file():
+            raise FileNotFoundError(f"$TRITONSERVER={explicit} is not a file")
+        return TritonBinary(Path(explicit), env=dict(os.environ))
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonBinary(Path(on_path), env=dict(os.environ))
+    return prepare_pytriton_binary(work_dir)
+
+
+def prepare_pytriton_binary(work_dir: Path) -> TritonBinary:
+    """Makes the nvidia-pytriton wheel's tritonserver runnable with this Python.
+
+    The wheel keeps one Python backend stub per Python version apart from the backend; the stub
+    must sit in `backends/python/`, so the backends are copied to a run directory of our own.
+    """
+    try:
+        import pytriton
+    except ImportError:
+        raise FileNotFoundError(
+            "no tritonserver found: set $TRITONSERVER, put tritonserver on PATH, or "
+            "`pip install nvidia-pytriton` (pip install -e '.[serve]')"
+        ) from None
+    package_dir = Path(pytriton.__file__).resolve().parent
+    server_dir = package_dir / "tritonserver"
+    binary = server_dir / "bin" / "tritonserver"
+    py_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server_dir / "python_backend_stubs" / py_version / "triton_python_backend_stub"
+    if not binary.is_file() or not stub.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton at {package_dir} lacks tritonserver or a Python {py_version} stub")
+
+    backends = work_dir / "backends"
+    if not (backends / "python" / "triton_python_backend_stub").is_file():
+        shutil.copytree(server_dir / "backends", backends, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+
+    env = dict(os.environ)
+    lib_dirs = []
+    # The stub links libpython3.X.so.1.0 and embeds whichever the loader finds first. A system
+    # libpython of another patch level than this interpreter breaks multiprocessing inside the
+    # model ('_thread.RLock' object has no attribute '_recursion_count'), so this interpreter's own
+    # shared libpython goes first.
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir:
+            lib_dirs.append(libdir)
+    # The stub's RPATH is relative to its original location, which the copy breaks.
+    lib_dirs.append(str(package_dir.parent / "nvidia_pytriton.libs"))
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(lib_dirs)
+    return TritonBinary(binary, backend_directory=backends, env=env)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+_PARAM_RE = re.compile(
+    r'parameters\s*\{\s*key:\s*"(?P<key>[^"]+)"\s*value:\s*\{\s*string_value:\s*"(?P<value>[^"]*)"\s*\}\s*\}'
+)
+
+
+def render_config(text: str, overrides: dict[str, str], top_level: dict[str, int] | None = None) -> str:
+    """Rewrites `parameters` string values (adding missing keys) and top-level integer fields."""
+    remaining = dict(overrides)
+
+    def replace(match: re.Match[str]) -> str:
+        key = match.group("key")
+        if key not in remaining:
+            return match.group(0)
+        return _param_block(key, remaining.pop(key))
+
+    text = _PARAM_RE.sub(replace, text)
+    for key, value in remaining.items():
+        text = text.rstrip("\n") + "\n" + _param_block(key, value) + "\n"
+    for key, number in (top_level or {}).items():
+        pattern = re.compile(rf"(?m)^(\s*{re.escape(key)}\s*:\s*)\d+")
+        if not pattern.search(text):
+            raise ValueError(f"config.pbtxt has no top-level {key} to override")
+        text = pattern.sub(rf"\g<1>{int(number)}", text, count=1)
+    return text
+
+
+def _param_block(key: str, value: str) -> str:
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{escaped}" }}\n}}'
+
+
+@dataclass
+class ServerOptions:
+    models: tuple[str, ...] = ALL_MODELS
+    model_repository: Path | None = None  # default: default_model_repository()
+    parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameter overrides, every model
+    model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)  # per-model overrides
+    max_batch_size: int | None = None  # engine batch size, and the baseline's dynamic-batcher batch size
+    max_queue_delay_us: int | None = None  # baseline's dynamic_batching max_queue_delay_microseconds
+    host: str = "127.0.0.1"
+    http_port: int = 0  # 0: a free port
+    grpc_port: int = 0
+    metrics_port: int = 0
+    log_verbose: int = 0
+    log_file: Path | None = None  # None: inherit stdout/stderr
+    run_dir: Path | None = None  # None: a temporary directory, removed on stop()
+    exit_timeout_s: int = 10
+    extra_args: tuple[str, ...] = ()
+    # Linux: Triton gets SIGTERM when the thread that started it exits (a killed test run leaves
+    # no orphan server holding ports). Start from a long-lived thread, or turn this off.
+    die_with_parent: bool = True
+
+
+class TritonServer:
+    """A tritonserver process on a rendered run copy of the model repository.
+
+    >>> with TritonServer(ServerOptions(parameters={"model": "gpt2-tiny"})) as server:
+    ...     server.grpc_url  # "127.0.0.1:PORT"
+    """
+
+    def __init__(self, options: ServerOptions | None = None) -> None:
+        self.options = options or ServerOptions()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._own_run_dir = self.options.run_dir is None
+        self.run_dir = Path(self.options.run_dir or tempfile.mkdtemp(prefix="orca-serve-"))
+        host = self.options.host
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.connect_host = connect_host
+        self.http_port = self.options.http_port or free_port(connect_host)
+        self.grpc_port = self.options.grpc_port or free_port(connect_host)
+        self.metrics_port = self.options.metrics_port or free_port(connect_host)
+        self._log_handle = None
+
+    # Endpoints as clients want them.
+    @property
+    def http_url(self) -> str:
+        return f"{self.connect_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.connect_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.connect_host}:{self.metrics_port}/metrics"
+
+    def render_repository(self) -> Path:
+        source = Path(self.options.model_repository or default_model_repository())
+        target = self.run_dir / "model_repository"
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        for name in self.options.models:
+            if name not in ALL_MODELS and not (source / name).is_dir():
+                raise ValueError(f"unknown model {name!r}; the repository has: {', '.join(ALL_MODELS)}")
+            shutil.copytree(source / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+            config_path = target / name / "config.pbtxt"
+            overrides = {**self.options.parameters, **self.options.model_parameters.get(name, {})}
+            top_level: dict[str, int] = {}
+            if self.options.max_batch_size is not None:
+                if name == "baseline":
+                    # The baseline's engine batch size is Triton's max_batch_size: one knob.
+                    top_level["max_batch_size"] = self.options.max_batch_size
+                else:
+                    overrides["max_batch_size"] = str(self.options.max_batch_size)
+            if self.options.max_queue_delay_us is not None and name == "baseline":
+                top_level["max_queue_delay_microseconds"] = self.options.max_queue_delay_us
+            config_path.write_text(render_config(config_path.read_text(), overrides, top_level))
+        return target
+
+    def command(self, binary: TritonBinary, repository: Path) -> list[str]:
+        o = self.options
+        cmd = [
+            str(binary.path),
+            f"--model-repository={repository}",
+            f"--http-address={o.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={o.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={o.host}", f"--metrics-port={self.metrics_port}",
+            # Explicit control loads only the chosen models and lets a model whose engine died
+            # unload itself, which is how readiness turns false on Triton 2.51.
+            "--model-control-mode=explicit",
+            *(f"--load-model={name}" for name in o.models),
+            f"--exit-timeout-secs={o.exit_timeout_s}",
+            f"--log-verbose={o.log_verbose}",
+        ]
+        if binary.backend_directory is not None:
+            cmd.append(f"--backend-directory={binary.backend_directory}")
+        return cmd + list(o.extra_args)
+
+    def start(self) -> TritonServer:
+        if self.process is not None:
+            raise RuntimeError("server already started")
+        binary = find_tritonserver(self.run_dir)
+        repository = self.render_repository()
+        env = dict(binary.env)
+        # The Python backend stub runs `python` packages from PATH's environment: this venv first.
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        stdout = None
+        if self.options.log_file is not None:
+            self._log_handle = open(self.options.log_file, "ab")  # noqa: SIM115 - closed in stop()
+            stdout = self._log_handle
+        # Own session: Ctrl-C in a terminal reaches us, and we shut Triton down in order.
+        self.process = subprocess.Popen(
+            self.command(binary, repository), env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+            start_new_session=True, preexec_fn=_parent_death_signal() if self.options.die_with_parent else None,
+        )
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.options.log_file is None or not Path(self.options.log_file).is_file():
+            return ""
+        return Path(self.options.log_file).read_text(errors="replace")[-chars:]
+
+    def _get(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def is_ready(self) -> bool:
+        return self._get("/v2/health/ready") == 200 and all(
+            self._get(f"/v2/models/{name}/ready") == 200 for name in self.options.models
+        )
+
+    def is_live(self) -> bool:
+        return self._get("/v2/health/live") == 200
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise RuntimeError(f"tritonserver exited (code {code}) before becoming ready\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGINT (Triton drains in-flight requests up to --exit-timeout-secs), then SIGKILL the group."""
+        code = None
+        if self.process is not None:
+            wait_s = timeout_s if timeout_s is not None else self.options.exit_timeout_s + 15
+            if self.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait()
+            # Stubs left behind by a crash belong to the server's session: end them too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            code = self.process.returncode
+            self.process = None
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return code
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux for SIGTERM when the parent goes away (None elsewhere).
+
+    prctl is looked up here, in the parent: between fork and exec the child must not import.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _parse_key_values(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"orca-serve: --param expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orca-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated models to load (orca,baseline)")
+    p.add_argument("--model-repository", type=Path, default=None, help="default: the checked-in model_repository")
+    p.add_argument("--model", help="preset name (gpt2-small, gpt2-tiny, ...) or HF checkpoint directory")
+    p.add_argument("--tokenizer", help="tokenizer.json or a directory holding one")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-batch-size", type=int, help="engine batch size (and the baseline batcher's max_batch_size)")
+    p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
+    p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other config.pbtxt parameter, for every model (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve the network)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in ALL_MODELS]
+    if unknown or not models:
+        raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
+    params = _parse_key_values(args.param)
+    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            params[flag] = str(Path(value).resolve()) if flag in ("model", "tokenizer") and Path(value).exists() else str(value)
+    return ServerOptions(
+        models=models, model_repository=args.model_repository, parameters=params,
+        max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        log_verbose=args.log_verbose,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    server = TritonServer(options_from_args(args))
+    stop_requested = False
+
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        server.start()
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"orca-serve: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
+    try:
+        deadline = time.monotonic() + args.ready_timeout
+        while not stop_requested and not server.is_ready():
+            if server.process is None or server.process.poll() is not None:
+                print(f"orca-serve: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print(f"orca-serve: models not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+        if not stop_requested:
+            print(
+                f"orca-serve: ready — models {', '.join(server.options.models)}\n"
+                f"  gRPC     {server.grpc_url}\n"
+                f"  HTTP     http://{server.http_url}  (e.g. POST /v2/models/orca/generate_stream)\n"
+                f"  metrics  {server.metrics_url}",
+                flush=True,
+            )
+        while not stop_requested and server.process is not None and server.process.poll() is None:
+            time.sleep(0.25)
+        if not stop_requested:
+            print(f"orca-serve: tritonserver exited with code {server.process.returncode}", file=sys.stderr)
+            return server.process.returncode or 1
+        print("orca-serve: shutting down", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

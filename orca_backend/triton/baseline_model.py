@@ -1,0 +1,149 @@
+"""The `baseline` model: request-level serving behind Triton's dynamic batcher.
+
+The same engine, weights and kernels as `orca`, in scheduling="request" mode: execute() receives
+the batch Triton's dynamic batcher formed, admits it as one batch (`add_requests`), runs it until
+its last request finished, and answers each request once. Nobody joins a running batch; that is
+the request-level reference ORCA is compared against.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from orca_backend.triton.io import (
+    EngineUnavailable,
+    ParsedRequest,
+    ResponseBuilder,
+    engine_config_from_model_config,
+    error_response,
+    make_response,
+    read_request,
+    request_failure,
+    response_builder,
+)
+from orca_backend.triton.metrics import EngineMetrics, MetricsPoller
+
+WAIT_POLL_S = 0.1  # how often a waiting execute() checks engine health and cancellation
+
+
+class BaselineModel:
+    """TritonPythonModel for model_repository/baseline (dynamic_batching, max_batch_size > 0)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        from orca_backend.engine.llm_engine import LLMEngine
+
+        self.model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        if pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(f"{self.model_name}: the baseline answers once per request; "
+                                                "remove the decoupled transaction policy")
+        max_batch_size = int(self.model_config.get("max_batch_size", 0))
+        if max_batch_size < 1:
+            raise pb_utils.TritonModelException(f"{self.model_name}: set max_batch_size >= 1 and dynamic_batching "
+                                                "in config.pbtxt; Triton's batcher forms the baseline's batches")
+        # Triton's max_batch_size is the only batch-size knob: the engine must take any batch it forms.
+        config = engine_config_from_model_config(self.model_config, scheduling="request",
+                                                 max_batch_size=max_batch_size)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+        self.engine.start()
+        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        self._batch_ids = 0
+        pb_utils.Logger.log_info(
+            f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
+            f"max_batch_size={max_batch_size}, kv_capacity_tokens={config.kv_capacity_tokens})"
+        )
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        parsed: dict[int, ParsedRequest] = {}
+        builders: dict[int, ResponseBuilder] = {}
+        for index, request in enumerate(requests):
+            try:
+                parsed[index] = read_request(request, batched=True)
+                # One answer per request: `stream` cannot apply, so it holds everything.
+                builders[index] = response_builder(parsed[index], self.tokenizer, stream=False, batched=True)
+            except Exception as exc:  # this request alone fails; the rest of the batch runs
+                responses[index] = error_response(exc)
+                parsed.pop(index, None)
+        if parsed:
+            self._run_batch(requests, parsed, builders, responses)
+        return responses
+
+    def _run_batch(self, requests: list[Any], parsed: dict[int, ParsedRequest],
+                   builders: dict[int, ResponseBuilder], responses: list[Any]) -> None:
+        self._batch_ids += 1
+        ids = {index: f"batch{self._batch_ids}-{index}" for index in parsed}
+        index_of = {request_id: index for index, request_id in ids.items()}
+        admitted = self._admit(parsed, responses)
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        if admitted:
+            try:
+                self.engine.add_requests([parsed[i].prompt for i in admitted], [parsed[i].params for i in admitted],
+                                         request_ids=[ids[i] for i in admitted], on_output=events.put)
+            except Exception as exc:
+                for index in admitted:
+                    responses[index] = error_response(exc)
+                return
+        remaining = set(admitted)
+        cancelled: set[int] = set()
+        while remaining:
+            try:
+                event = events.get(timeout=WAIT_POLL_S)
+            except queue.Empty:
+                if not self.engine.healthy:
+                    for index in remaining:
+                        responses[index] = error_response(EngineUnavailable(_dead_reason(self.engine)))
+                    return
+                for index in remaining - cancelled:
+                    if _is_cancelled(requests[index]):
+                        cancelled.add(index)
+                        self.engine.abort_request(ids[index])
+                continue
+            index = index_of[event.request_id]
+            builders[index].add(event)
+            if event.finished:
+                remaining.discard(index)
+                builder = builders[index]
+                self.metrics.request_finished(builder.finish_reason)
+                if builder.error is not None:
+                    responses[index] = error_response(request_failure(builder.error, self.engine.healthy))
+                else:
+                    responses[index] = make_response(builder.flush())
+
+    def _admit(self, parsed: dict[int, ParsedRequest], responses: list[Any]) -> list[int]:
+        """The requests the engine accepts; the others get their validation error."""
+        if not self.engine.healthy:
+            for index in parsed:
+                responses[index] = error_response(EngineUnavailable(_dead_reason(self.engine)))
+            return []
+        admitted = []
+        for index, request in parsed.items():
+            try:
+                # add_requests() is all-or-none and does not say which request was bad: check each first.
+                self.engine.validate(request.prompt, request.params)
+                admitted.append(index)
+            except ValueError as exc:
+                responses[index] = error_response(exc)
+        return admitted
+
+    def finalize(self) -> None:
+        self._poller.stop()
+        self.engine.shutdown()
+
+
+def _dead_reason(engine: Any) -> str:
+    return f"the engine loop stopped ({getattr(engine, 'dead_reason', None) or 'unknown reason'}); reload the model"
+
+
+def _is_cancelled(request: Any) -> bool:
+    try:
+        return bool(request.is_cancelled())
+    except Exception:
+        return False
+

@@ -1,0 +1,295 @@
+"""The request/response contract of the `orca` and `baseline` models (DESIGN.md), in one place.
+
+Parsing works on plain numpy arrays and dicts so it is unit-testable without Triton; the adapters
+only collect a request's tensors (`read_request`) and wrap the arrays built here into responses.
+Every parse problem is a ValueError whose message tells the client what to send instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from orca_backend.engine.request import RequestOutput
+from orca_backend.sampling_params import SamplingParams
+
+INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output")
+OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+_SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input: bool = True  # as in Triton's vLLM backend: the prompt is left out unless asked for
+
+
+def parse_inputs(
+    tensors: Mapping[str, np.ndarray | None],
+    parameters: Mapping[str, Any] | str | None = None,
+    batched: bool = False,
+) -> ParsedRequest:
+    """Validates one request's input tensors and its request-level parameters.
+
+    `batched`: the model has max_batch_size > 0 (baseline), so every tensor carries a leading
+    batch dimension, which must be 1 (one prompt per request).
+    Sampling values are merged with this precedence: the `max_tokens` input, then the
+    `sampling_parameters` JSON, then request parameters (HTTP generate's top-level keys).
+    """
+    arrays = {name: _unbatch(name, value, batched) for name, value in tensors.items() if value is not None}
+    unknown = sorted(set(arrays) - set(INPUT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown input(s) {', '.join(unknown)}; inputs are {', '.join(INPUT_NAMES)}")
+
+    prompt = _parse_prompt(arrays.get("text_input"), arrays.get("input_ids"))
+
+    values: dict[str, Any] = {k: v for k, v in _parameters_dict(parameters).items() if k in _SAMPLING_KEYS}
+    if "sampling_parameters" in arrays:
+        values.update(_parse_sampling_json(_scalar_string("sampling_parameters", arrays["sampling_parameters"])))
+    if "max_tokens" in arrays:
+        values["max_tokens"] = _scalar_int("max_tokens", arrays["max_tokens"])
+    params = SamplingParams.from_dict(values)  # ValueError with the offending key and value
+
+    stream = _scalar_bool("stream", arrays["stream"]) if "stream" in arrays else False
+    exclude = _scalar_bool("exclude_input_in_output", arrays["exclude_input_in_output"]) \
+        if "exclude_input_in_output" in arrays else True
+    return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude)
+
+
+def _unbatch(name: str, value: np.ndarray, batched: bool) -> np.ndarray:
+    value = np.asarray(value)
+    if not batched:
+        return value
+    if value.ndim == 0 or value.shape[0] != 1:
+        raise ValueError(f"{name}: send one prompt per request (batch dimension 1), got shape {list(value.shape)}")
+    return value[0]
+
+
+def _parse_prompt(text: np.ndarray | None, ids: np.ndarray | None) -> str | list[int]:
+    if text is not None and ids is not None:
+        raise ValueError("send either text_input or input_ids, not both")
+    if text is None and ids is None:
+        raise ValueError("no prompt: send text_input (a string) or input_ids (INT32 token ids)")
+    if text is not None:
+        prompt = _scalar_string("text_input", text)
+        if not prompt:
+            raise ValueError("text_input is empty; send a non-empty prompt")
+        return prompt
+    assert ids is not None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be INT32 token ids, got {ids.dtype}")
+    flat = ids.reshape(-1)
+    if flat.size == 0:
+        raise ValueError("input_ids is empty; send at least one token id")
+    if (flat < 0).any():
+        raise ValueError(f"input_ids must be non-negative token ids, got {int(flat.min())}")
+    return [int(t) for t in flat]
+
+
+def _single(name: str, value: np.ndarray) -> Any:
+    if value.size != 1:
+        raise ValueError(f"{name} must hold exactly one element, got shape {list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def _scalar_string(name: str, value: np.ndarray) -> str:
+    item = _single(name, value)
+    if isinstance(item, bytes | np.bytes_):
+        try:
+            return bytes(item).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{name} is not valid UTF-8") from None
+    if isinstance(item, str):
+        return item
+    raise ValueError(f"{name} must be a string (TYPE_STRING/BYTES), got {value.dtype}")
+
+
+def _scalar_int(name: str, value: np.ndarray) -> int:
+    if not np.issubdtype(value.dtype, np.integer) or value.dtype == np.bool_:
+        raise ValueError(f"{name} must be an INT32, got {value.dtype}")
+    return int(_single(name, value))
+
+
+def _scalar_bool(name: str, value: np.ndarray) -> bool:
+    if value.dtype != np.bool_:
+        raise ValueError(f"{name} must be a BOOL, got {value.dtype}")
+    return bool(_single(name, value))
+
+
+def _parse_sampling_json(text: str) -> dict[str, Any]:
+    if not text.strip():
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters is not valid JSON ({exc}); send e.g. "
+                         '{"temperature": 0, "max_tokens": 16}') from None
+    if not isinstance(values, dict):
+        raise ValueError(f"sampling_parameters must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def _parameters_dict(parameters: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """Request parameters: Triton's Python backend hands them over as a JSON string.
+
+    Keys that are not sampling parameters are ignored: Triton and its clients add their own
+    (e.g. gRPC's triton_enable_empty_final_response), so strictness here would break them.
+    """
+    if parameters is None:
+        return {}
+    if isinstance(parameters, str):
+        if not parameters.strip():
+            return {}
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError:
+            return {}
+    return dict(parameters) if isinstance(parameters, Mapping) else {}
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns a request's engine events into response payloads (numpy arrays by output name).
+
+    Streaming: each flush holds what is new since the previous one (several events may be merged
+    when responses fall behind the engine); the first also carries the prompt when it is not
+    excluded, so the concatenated deltas equal the non-streaming answer. Non-streaming: one
+    payload holding everything, ready once the request finished.
+    """
+
+    stream: bool
+    prefix_ids: list[int] = field(default_factory=list)  # the prompt, when exclude_input_in_output is false
+    prefix_text: str = ""
+    batched: bool = False
+    _ids: list[int] = field(default_factory=list)
+    _text: list[str] = field(default_factory=list)
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    _prefix_sent: bool = False
+
+    def add(self, event: RequestOutput) -> None:
+        self._ids.extend(event.new_token_ids)
+        if event.new_text:
+            self._text.append(event.new_text)
+        self.num_input_tokens = event.num_input_tokens
+        self.num_output_tokens = event.num_output_tokens
+        if event.finished:
+            self.finished = True
+            self.finish_reason = event.finish_reason
+            if event.finish_reason == "error":
+                self.error = event.error or "the engine failed this request"
+
+    @property
+    def ready(self) -> bool:
+        """Whether a flush has something to send now."""
+        if self.finished:
+            return True
+        return self.stream and bool(self._ids or self._text)
+
+    def flush(self) -> dict[str, np.ndarray]:
+        ids, text = self._ids, "".join(self._text)
+        if not self._prefix_sent:
+            ids, text = self.prefix_ids + ids, self.prefix_text + text
+            self._prefix_sent = True
+        self._ids, self._text = [], []
+        return output_arrays(ids, text, self.finish_reason if self.finished else "",
+                             self.num_input_tokens, self.num_output_tokens, self.batched)
+
+
+def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False) -> ResponseBuilder:
+    """The builder for one parsed request; with exclude_input_in_output false it echoes the prompt."""
+    prefix_ids: list[int] = []
+    prefix_text = ""
+    if not request.exclude_input:
+        if isinstance(request.prompt, str):
+            if tokenizer is None:
+                raise ValueError("text_input needs a tokenizer, and this model has none: send input_ids instead")
+            prefix_ids, prefix_text = list(tokenizer.encode(request.prompt)), request.prompt
+        else:
+            prefix_ids = list(request.prompt)
+            prefix_text = tokenizer.decode(prefix_ids) if tokenizer is not None else ""
+    return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched)
+
+
+def output_arrays(
+    ids: list[int], text: str, finish_reason: str, num_input_tokens: int, num_output_tokens: int, batched: bool,
+) -> dict[str, np.ndarray]:
+    arrays = {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.array(ids, dtype=np.int32),
+        "finish_reason": np.array([(finish_reason or "").encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([num_output_tokens], dtype=np.int32),
+    }
+    if batched:  # the baseline's outputs carry the batch dimension too
+        arrays = {name: value[np.newaxis, ...] for name, value in arrays.items()}
+    return arrays
+
+
+def read_request(request: Any, batched: bool = False) -> ParsedRequest:
+    """Collects a pb_utils.InferenceRequest's tensors and parameters and parses them."""
+    import triton_python_backend_utils as pb_utils  # only importable inside the Python backend stub
+
+    tensors = {}
+    for name in INPUT_NAMES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            tensors[name] = tensor.as_numpy()
+    return parse_inputs(tensors, request.parameters(), batched=batched)
+
+
+def make_response(arrays: Mapping[str, np.ndarray]) -> Any:
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in arrays.items()])
+
+
+def error_response(exc: BaseException) -> Any:
+    """An InferenceResponse carrying `exc` as a TritonError with a fitting status code."""
+    import triton_python_backend_utils as pb_utils
+
+    code, message = error_code(exc)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take or finish requests (it died or the model is shutting down)."""
+
+
+def request_failure(message: str, engine_healthy: bool) -> Exception:
+    """The exception for a request the engine ended with finish_reason "error".
+
+    When the engine loop itself died the request may be retried elsewhere (UNAVAILABLE);
+    otherwise its batch failed inside a running engine (INTERNAL).
+    """
+    return RuntimeError(message) if engine_healthy else EngineUnavailable(message)
+
+
+def error_code(exc: BaseException) -> tuple[str, str]:
+    """(TritonError code name, message) for an exception raised while handling a request."""
+    from orca_backend.engine.llm_engine import EngineDeadError
+
+    if isinstance(exc, EngineDeadError | EngineUnavailable):
+        return "UNAVAILABLE", f"the ORCA engine is unavailable: {exc}"
+    if isinstance(exc, ValueError):
+        return "INVALID_ARG", str(exc)
+    return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
+
+
+def engine_config_from_model_config(model_config: Mapping[str, Any], **forced: Any) -> Any:
+    """EngineConfig from config.pbtxt `parameters`, with the fields the adapter must own forced."""
+    import dataclasses
+
+    from orca_backend.config import EngineConfig
+
+    config = EngineConfig.from_parameters(model_config.get("parameters", {}) or {})
+    return dataclasses.replace(config, **forced) if forced else config

@@ -1,0 +1,120 @@
+"""Engine gauges and counters exported on Triton's metrics port (pb_utils.MetricFamily).
+
+Each setter is an IPC round trip to the Triton process, so values are written only when they
+changed, from the adapter's response thread (never from the engine loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# name -> (kind, help). Counters are monotonic engine totals exported as increments.
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "orca_requests_waiting": ("GAUGE", "Requests queued in the engine, not yet scheduled"),
+    "orca_requests_running": ("GAUGE", "Requests admitted to the engine's running batch"),
+    "orca_kv_used_tokens": ("GAUGE", "K/V cache token slots in use (reserved by admitted requests)"),
+    "orca_kv_capacity_tokens": ("GAUGE", "K/V cache token slots in total"),
+    "orca_iteration_seconds": ("GAUGE", "Wall time of the engine's latest iteration"),
+    "orca_iterations_total": ("COUNTER", "Engine iterations run"),
+    "orca_generated_tokens_total": ("COUNTER", "Output tokens generated"),
+    "orca_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason"),
+}
+_STAT_OF = {
+    "orca_requests_waiting": "num_waiting",
+    "orca_requests_running": "num_running",
+    "orca_kv_used_tokens": "kv_used_tokens",
+    "orca_kv_capacity_tokens": "kv_capacity_tokens",
+    "orca_iteration_seconds": "last_iteration_seconds",
+    "orca_iterations_total": "num_iterations",
+    "orca_generated_tokens_total": "num_generated_tokens",
+}
+
+
+@dataclass
+class _Exported:
+    metric: Any
+    counter: bool
+    value: float = 0.0
+
+
+class EngineMetrics:
+    """The gauges of one model instance, labelled with the model name and version."""
+
+    def __init__(self, pb_utils: Any, model_name: str, model_version: str = "1") -> None:
+        self._pb_utils = pb_utils
+        self._labels = {"model": model_name, "version": str(model_version)}
+        self._families = {
+            name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(pb_utils.MetricFamily, kind))
+            for name, (kind, text) in _FAMILIES.items()
+        }
+        self._metrics = {
+            name: _Exported(self._families[name].Metric(labels=self._labels), _FAMILIES[name][0] == "COUNTER")
+            for name in _STAT_OF
+        }
+        self._finished: dict[str, _Exported] = {}
+
+    def update(self, stats: Any) -> None:
+        """Exports an EngineStats snapshot."""
+        for name, attr in _STAT_OF.items():
+            self._write(self._metrics[name], float(getattr(stats, attr)))
+
+    def zero_gauges(self) -> None:
+        """After the engine stopped nothing is running or reserved any more."""
+        for exported in self._metrics.values():
+            if not exported.counter:
+                self._write(exported, 0.0)
+
+    def request_finished(self, finish_reason: str | None) -> None:
+        reason = finish_reason or "unknown"
+        exported = self._finished.get(reason)
+        if exported is None:
+            metric = self._families["orca_requests_finished_total"].Metric(labels={**self._labels, "reason": reason})
+            exported = self._finished[reason] = _Exported(metric, counter=True)
+        exported.metric.increment(1.0)
+        exported.value += 1.0
+
+    @staticmethod
+    def _write(exported: _Exported, value: float) -> None:
+        if value == exported.value:
+            return
+        if exported.counter:
+            if value > exported.value:  # engine totals only grow; never export a negative increment
+                exported.metric.increment(value - exported.value)
+                exported.value = value
+        else:
+            exported.metric.set(value)
+            exported.value = value
+
+
+class MetricsPoller:
+    """Exports engine.stats() every `interval_s` from its own thread until stop()."""
+
+    def __init__(self, engine: Any, metrics: EngineMetrics, interval_s: float = 0.05) -> None:
+        import threading
+
+        self._engine = engine
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orca-metrics", daemon=True)
+
+    def start(self) -> MetricsPoller:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                if self._engine.healthy:
+                    self._metrics.update(self._engine.stats())
+                else:
+                    self._metrics.zero_gauges()
+            except Exception:  # metrics must never take serving down; the next tick retries
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._metrics.zero_gauges()

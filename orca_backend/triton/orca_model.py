@@ -1,0 +1,277 @@
+"""The `orca` model: a decoupled Python-backend adapter in front of the iteration-level engine.
+
+Three threads meet here:
+- Triton's execute() thread parses and validates each request, hands it to the engine and returns
+  at once (nothing waits for tokens);
+- the engine thread runs iterations and reports every event through `on_output`, which only puts
+  it on a queue, so the iteration loop never blocks on Triton;
+- the response thread (this module) drains that queue, sends responses through each request's
+  response sender, polls cancellation and watches engine health (metrics have their own poller).
+Who removes a request from `_pending` owns its sender's final response: no double finals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from orca_backend.triton.io import (
+    EngineUnavailable,
+    ResponseBuilder,
+    engine_config_from_model_config,
+    error_response,
+    make_response,
+    read_request,
+    request_failure,
+    response_builder,
+)
+from orca_backend.triton.metrics import EngineMetrics, MetricsPoller
+
+CANCEL_POLL_S = 0.1  # how often pending requests are asked whether their client cancelled
+CANCEL_CHECKS_PER_POLL = 64  # is_cancelled() is an IPC round trip: at most this many per poll
+HEALTH_POLL_S = 0.1
+MAX_DRAIN = 8192  # events taken from the queue before responses go out
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    request: Any
+    sender: Any
+    builder: ResponseBuilder
+    abort_requested: bool = False
+
+
+class OrcaModel:
+    """TritonPythonModel for model_repository/orca (decoupled, max_batch_size 0)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        from orca_backend.engine.llm_engine import LLMEngine
+
+        self.model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(
+                f"{self.model_name}: set model_transaction_policy {{ decoupled: true }} in config.pbtxt; "
+                "the orca adapter streams tokens as the engine produces them"
+            )
+        if int(self.model_config.get("max_batch_size", 0)) != 0:
+            raise pb_utils.TritonModelException(
+                f"{self.model_name}: max_batch_size must be 0 — the engine batches; set max_batch_size "
+                "in `parameters` instead"
+            )
+        config = engine_config_from_model_config(self.model_config, scheduling="iteration")
+        _set_gil_switch_interval(self.model_config)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead_reason: str | None = None
+        self._cancel_cursor = 0
+        self._stopping = threading.Event()
+        self.engine.start()
+        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        self._thread = threading.Thread(target=self._response_loop, name="orca-responses", daemon=True)
+        self._thread.start()
+        pb_utils.Logger.log_info(
+            f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
+            f"max_batch_size={config.max_batch_size}, kv_capacity_tokens={config.kv_capacity_tokens})"
+        )
+
+    # ---- Triton's thread -------------------------------------------------------------------
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except Exception as exc:  # the request alone fails; the engine and other requests go on
+                _send_final(sender, error_response(exc))
+        return None
+
+    def _submit(self, request: Any, sender: Any) -> None:
+        if self._dead_reason is not None:
+            raise EngineUnavailable(self._dead_reason)
+        parsed = read_request(request)
+        builder = response_builder(parsed, self.tokenizer, stream=parsed.stream)
+        request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
+        pending = _Pending(request_id, request, sender, builder)
+        # Registered before the engine sees it: its first event may come before add_request returns.
+        with self._lock:
+            self._pending[request_id] = pending
+        try:
+            self.engine.add_request(parsed.prompt, parsed.params, request_id=request_id, on_output=self._events.put)
+        except Exception:
+            with self._lock:
+                owned = self._pending.pop(request_id, None) is not None
+            if owned:
+                raise
+            # The response thread already answered it (engine died meanwhile).
+
+    # ---- response thread -------------------------------------------------------------------
+    def _response_loop(self) -> None:
+        last_cancel = last_health = 0.0
+        while not self._stopping.is_set():
+            try:
+                events = [self._events.get(timeout=0.02)]
+            except queue.Empty:
+                events = []
+            while events and len(events) < MAX_DRAIN:
+                try:
+                    events.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._deliver(events)
+                now = time.monotonic()
+                if now - last_cancel >= CANCEL_POLL_S:
+                    last_cancel = now
+                    self._poll_cancelled()
+                if now - last_health >= HEALTH_POLL_S:
+                    last_health = now
+                    self._check_health()
+            except Exception as exc:  # never let one bad send end the thread that serves everyone
+                pb_utils.Logger.log_error(f"{self.model_name}: response thread: {type(exc).__name__}: {exc}")
+
+    def _deliver(self, events: list[Any]) -> None:
+        touched: dict[str, _Pending] = {}
+        for event in events:
+            pending = self._pending.get(event.request_id)
+            if pending is None:  # already answered (error, engine death)
+                continue
+            pending.builder.add(event)
+            touched[event.request_id] = pending
+        for request_id, pending in touched.items():
+            if pending.builder.ready:
+                try:
+                    self._respond(request_id, pending)
+                except Exception as exc:  # e.g. an output that cannot be built: fail this request only
+                    with self._lock:
+                        owned = self._pending.pop(request_id, None) is not None
+                    if owned:
+                        _send_final(pending.sender, error_response(exc))
+                        self._abort(pending)
+
+    def _respond(self, request_id: str, pending: _Pending) -> None:
+        builder = pending.builder
+        if not builder.finished:
+            if not _send(pending.sender, make_response(builder.flush())) and not pending.abort_requested:
+                self._abort(pending)  # nobody can receive this stream any more: stop generating it
+            return
+        with self._lock:
+            if self._pending.pop(request_id, None) is None:
+                return
+        self.metrics.request_finished(builder.finish_reason)
+        if builder.error is not None:
+            _send_final(pending.sender, error_response(request_failure(builder.error, self.engine.healthy)))
+        else:
+            _send_final(pending.sender, make_response(builder.flush()))
+
+    def _poll_cancelled(self) -> None:
+        """Checks a bounded round-robin slice of the pending requests.
+
+        Sending to a cancelled request does not fail, so cancellation is only seen by asking,
+        and each question is an IPC round trip: a cap keeps a large crowd from starving sends.
+        """
+        with self._lock:
+            request_ids = list(self._pending)
+        if not request_ids:
+            return
+        start = self._cancel_cursor % len(request_ids)
+        chosen = (request_ids[start:] + request_ids[:start])[:CANCEL_CHECKS_PER_POLL]
+        self._cancel_cursor = start + len(chosen)
+        for request_id in chosen:
+            pending = self._pending.get(request_id)
+            if pending is not None and not pending.abort_requested and _is_cancelled(pending):
+                self._abort(pending)
+
+    def _abort(self, pending: _Pending) -> None:
+        # The engine ends it with a final "cancelled" event and frees its K/V; that event's
+        # response releases the request inside Triton.
+        pending.abort_requested = True
+        try:
+            self.engine.abort_request(pending.request_id)
+        except Exception as exc:
+            pb_utils.Logger.log_warn(f"{self.model_name}: abort {pending.request_id}: {exc}")
+
+    def _check_health(self) -> None:
+        if self._dead_reason is not None or self.engine.healthy:
+            return
+        self._dead_reason = (f"the engine loop stopped ({getattr(self.engine, 'dead_reason', None) or 'unknown reason'}); "
+                             "the model is being unloaded")
+        pb_utils.Logger.log_error(f"{self.model_name}: {self._dead_reason}")
+        self._fail_all(EngineUnavailable(self._dead_reason))
+        # Triton 2.51's Python backend has no readiness hook: unloading (explicit model control,
+        # as orca-serve runs it) makes /v2/models/<name>/ready fail. From its own thread, since
+        # unloading calls finalize(), which waits for this one.
+        threading.Thread(target=self._unload_self, name="orca-unload", daemon=True).start()
+
+    def _unload_self(self) -> None:
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as exc:
+            pb_utils.Logger.log_error(
+                f"{self.model_name}: could not unload itself ({exc}); the model stays loaded but answers "
+                "UNAVAILABLE — restart the server (run tritonserver with --model-control-mode=explicit)"
+            )
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            failed = list(self._pending.values())
+            self._pending.clear()
+        for pending in failed:
+            _send_final(pending.sender, error_response(exc))
+
+    def finalize(self) -> None:
+        if self._dead_reason is None:
+            self._dead_reason = "the model is shutting down"
+        self._stopping.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+        self._fail_all(EngineUnavailable(self._dead_reason))
+        self._poller.stop()
+
+
+def _set_gil_switch_interval(model_config: dict[str, Any]) -> None:
+    """Shortens the GIL switch interval of this stub process (parameter gil_switch_interval_us).
+
+    Every send() and is_cancelled() is an IPC round trip that releases the GIL; taking it back
+    from the busy engine thread costs up to one switch interval (5 ms by default), which would
+    cap a stream at ~200 responses/s while the engine iterates.
+    """
+    raw = model_config.get("parameters", {}).get("gil_switch_interval_us", {})
+    value = raw.get("string_value", "") if isinstance(raw, dict) else str(raw)
+    if value.strip():
+        sys.setswitchinterval(float(value) / 1e6)
+
+
+def _send(sender: Any, response: Any, flags: int = 0) -> bool:
+    try:
+        sender.send(response, flags=flags)
+        return True
+    except Exception:  # the client went away, or Triton already released the request
+        return False
+
+
+def _send_final(sender: Any, response: Any) -> bool:
+    return _send(sender, response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _is_cancelled(pending: _Pending) -> bool:
+    try:
+        return bool(pending.sender.is_cancelled())
+    except Exception:
+        try:
+            return bool(pending.request.is_cancelled())
+        except Exception:
+            return False

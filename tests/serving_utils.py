@@ -1,0 +1,210 @@
+"""Helpers for tests (and scripts) that talk to a real tritonserver started by orca_backend.serve."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from orca_backend.serve import ServerOptions, TritonServer
+from orca_client.cli import Delta, build_inputs, response_fields
+
+
+def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orca", "baseline"),
+                 timeout_s: float = 300.0, **options: Any) -> TritonServer:
+    """A ready server on free ports serving `model_dir`; its log is run_dir/tritonserver.log.
+
+    Extra keyword arguments are ServerOptions fields; `parameters` merge over the model path.
+    """
+    parameters = {"model": str(model_dir), **options.pop("parameters", {})}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server = TritonServer(ServerOptions(models=models, parameters=parameters, run_dir=run_dir,
+                                        log_file=run_dir / "tritonserver.log", **options))
+    server.start()
+    try:
+        server.wait_ready(timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@dataclass
+class StreamResult:
+    request_id: str
+    sent_at: float
+    deltas: list[Delta] = field(default_factory=list)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for d in self.deltas for t in d.ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.deltas[-1].finish_reason if self.deltas else ""
+
+    @property
+    def finished_at(self) -> float:
+        return self.deltas[-1].time
+
+    @property
+    def first_at(self) -> float:
+        return self.deltas[0].time
+
+
+class StreamSession:
+    """One gRPC stream carrying any number of concurrent requests, told apart by request id.
+
+    Triton's stream errors carry no request id, so send a request that may fail on a session of
+    its own (errors are attributed to the only outstanding request).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.results: dict[str, StreamResult] = {}
+        self.stray_errors: list[str] = []
+        self._lock = threading.Lock()
+        self._batched: dict[str, bool] = {}
+        self._closing = False
+        self.client.start_stream(callback=self._on_response)
+
+    def send(self, model: str, request_id: str | None = None, **request: Any) -> StreamResult:
+        """Sends one request; `request` are orca_client.cli.build_inputs keywords."""
+        return self.send_inputs(model, build_inputs(batched=self.is_batched(model), **request), request_id)
+
+    def send_inputs(self, model: str, inputs: list[Any], request_id: str | None = None) -> StreamResult:
+        request_id = request_id or f"r{len(self.results)}"
+        result = StreamResult(request_id, time.perf_counter())
+        with self._lock:
+            self.results[request_id] = result
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        return result
+
+    def is_batched(self, model: str) -> bool:
+        if model not in self._batched:
+            config = self.client.get_model_config(model, as_json=True)["config"]
+            self._batched[model] = int(config.get("max_batch_size", 0)) > 0
+        return self._batched[model]
+
+    def _on_response(self, result: Any, error: Any) -> None:
+        with self._lock:
+            if error is not None and self._closing:
+                return  # our own cancellation of the stream
+            if error is not None:
+                open_ = [r for r in self.results.values() if not r.done.is_set()]
+                if len(open_) == 1:
+                    open_[0].error = str(error)
+                    open_[0].done.set()
+                else:
+                    self.stray_errors.append(str(error))
+                return
+            entry = self.results.get(result.get_response().id)
+        if entry is None:
+            return
+        delta = response_fields(result)
+        if delta.ids or delta.text or delta.finish_reason or not delta.final:
+            entry.deltas.append(delta)
+        if delta.final:
+            entry.done.set()
+
+    def wait(self, timeout_s: float = 120.0) -> list[StreamResult]:
+        deadline = time.monotonic() + timeout_s
+        for result in list(self.results.values()):
+            if not result.done.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"request {result.request_id} unfinished after {timeout_s} s "
+                                   f"({len(result.ids)} tokens so far); stray errors: {self.stray_errors}")
+        return list(self.results.values())
+
+    def close(self, cancel: bool = False) -> None:
+        self._closing = True
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+    def __enter__(self) -> StreamSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel=True)
+
+
+def one_request(url: str, model: str, timeout_s: float = 120.0, **request: Any) -> StreamResult:
+    """Streams a single request on its own session and waits for its end (or error)."""
+    with StreamSession(url) as session:
+        session.send(model, **request)
+        return session.wait(timeout_s)[0]
+
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+
+
+def read_metrics(server: TritonServer) -> dict[tuple[str, frozenset], float]:
+    """Prometheus samples from the metrics port: {(name, frozenset(labels)): value}."""
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        body = response.read().decode()
+    samples = {}
+    for line in body.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or line.startswith("#"):
+            continue
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group("labels") or ""))
+        samples[(match.group("name"), labels)] = float(match.group("value"))
+    return samples
+
+
+def metric(server: TritonServer, name: str, model: str, **labels: str) -> float:
+    """Sum of `name` samples of `model` matching `labels` (0 when absent)."""
+    wanted = {("model", model), *labels.items()}
+    return sum(v for (n, ls), v in read_metrics(server).items() if n == name and wanted <= ls)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def model_statistics(server: TritonServer, model: str) -> tuple[int, int]:
+    """(inference_count, execution_count) of `model` from Triton's statistics extension."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        stats = client.get_inference_statistics(model)["model_stats"]
+    finally:
+        client.close()
+    entry = next(s for s in stats if s["name"] == model)
+    return int(entry.get("inference_count", 0)), int(entry.get("execution_count", 0))
+
+
+def http_generate(server: TritonServer, model: str, body: dict[str, Any], stream: bool = False,
+                  timeout_s: float = 60.0) -> tuple[int, list[dict[str, Any]]]:
+    """POSTs to generate (or generate_stream, parsing the SSE events); returns (status, events)."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/{endpoint}",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read().decode()
+    if not stream:
+        return status, [json.loads(raw)]
+    events = [json.loads(line[len("data:"):]) for line in raw.splitlines() if line.startswith("data:")]
+    return status, events

@@ -1,0 +1,257 @@
+"""The request/response contract (orca_backend.triton.io) without a server, and the repository
+and orca-serve rendering that carry it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_backend.config import EngineConfig
+from orca_backend.engine.request import RequestOutput
+from orca_backend.serve import ServerOptions, TritonServer, render_config
+from orca_backend.triton.io import (
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    ResponseBuilder,
+    engine_config_from_model_config,
+    error_code,
+    output_arrays,
+    parse_inputs,
+)
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def sampling(values: object) -> np.ndarray:
+    return text(values if isinstance(values, str) else json.dumps(values))
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def test_text_prompt_and_defaults():
+    parsed = parse_inputs({"text_input": text("héllo wörld")})
+    assert parsed.prompt == "héllo wörld"
+    assert parsed.stream is False and parsed.exclude_input is True
+    assert parsed.params.max_tokens == 16
+
+
+def test_token_prompt():
+    assert parse_inputs({"input_ids": ids(5, 6, 7)}).prompt == [5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({}, "no prompt"),
+        ({"max_tokens": ids(4)}, "no prompt"),
+        ({"text_input": text("a"), "input_ids": ids(1)}, "either text_input or input_ids, not both"),
+        ({"text_input": text("")}, "text_input is empty"),
+        ({"input_ids": ids()}, "input_ids is empty"),
+        ({"input_ids": ids(3, -1)}, "non-negative"),
+        ({"input_ids": np.array([1.5], dtype=np.float32)}, "INT32"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "UTF-8"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one element"),
+        ({"text_input": np.array([3], dtype=np.int32)}, "must be a string"),
+        ({"text_input": text("a"), "prompt": text("b")}, "unknown input"),
+    ],
+)
+def test_bad_prompts(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        parse_inputs(tensors)
+
+
+# ---- sampling parameters -------------------------------------------------------------------
+def test_numeric_strings_as_genai_perf_sends_them():
+    parsed = parse_inputs({"text_input": text("a"),
+                           "sampling_parameters": sampling({"max_tokens": "32", "min_tokens": "32", "temperature": "0"})})
+    assert (parsed.params.max_tokens, parsed.params.min_tokens, parsed.params.temperature) == (32, 32, 0.0)
+
+
+def test_max_tokens_input_beats_json_beats_request_parameters():
+    tensors = {"input_ids": ids(1), "sampling_parameters": sampling({"max_tokens": 8, "top_k": 3})}
+    params = {"max_tokens": 2, "top_k": 9, "temperature": 0.5}
+    parsed = parse_inputs(tensors, json.dumps(params))
+    assert (parsed.params.max_tokens, parsed.params.top_k, parsed.params.temperature) == (8, 3, 0.5)
+    parsed = parse_inputs({**tensors, "max_tokens": ids(4)}, params)
+    assert parsed.params.max_tokens == 4
+
+
+def test_request_parameters_ignore_foreign_keys():
+    # HTTP generate's top-level keys and client-added ones (gRPC's triton_* flags) share this dict.
+    parsed = parse_inputs({"input_ids": ids(1)}, '{"triton_enable_empty_final_response": true, "seed": 7}')
+    assert parsed.params.seed == 7
+    assert parse_inputs({"input_ids": ids(1)}, "").params.seed is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"max_tokens": "many"}, "max_tokens must be an integer"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"temprature": 0}, "unknown sampling parameter"),
+        ({"ignore_eos": "maybe"}, "ignore_eos must be a boolean"),
+    ],
+)
+def test_bad_sampling_parameters(payload, message):
+    with pytest.raises(ValueError, match=message):
+        parse_inputs({"input_ids": ids(1), "sampling_parameters": sampling(payload)})
+
+
+def test_wrong_dtypes_of_scalars():
+    with pytest.raises(ValueError, match="max_tokens must be an INT32"):
+        parse_inputs({"input_ids": ids(1), "max_tokens": np.array([2.0], dtype=np.float32)})
+    with pytest.raises(ValueError, match="stream must be a BOOL"):
+        parse_inputs({"input_ids": ids(1), "stream": ids(1)})
+
+
+def test_flags():
+    parsed = parse_inputs({"input_ids": ids(1), "stream": np.array([True]),
+                           "exclude_input_in_output": np.array([False])})
+    assert parsed.stream is True and parsed.exclude_input is False
+
+
+# ---- the baseline's batch dimension ----------------------------------------------------------
+def test_batched_inputs_lose_their_batch_dimension():
+    parsed = parse_inputs({"input_ids": ids(1, 2)[None], "max_tokens": ids(3)[None], "text_input": None},
+                          batched=True)
+    assert parsed.prompt == [1, 2] and parsed.params.max_tokens == 3
+
+
+def test_batched_input_with_two_prompts_is_refused():
+    with pytest.raises(ValueError, match="one prompt per request"):
+        parse_inputs({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)}, batched=True)
+
+
+# ---- responses -------------------------------------------------------------------------------
+def event(new_ids, new_text="", finished=False, reason=None, n_out=0, error=None) -> RequestOutput:
+    return RequestOutput("r", list(new_ids), new_text, finished, reason, 3, n_out, 0.0, error)
+
+
+def decode(arrays):
+    return (arrays["text_output"][0].decode(), arrays["output_ids"].tolist(), arrays["finish_reason"][0].decode(),
+            int(arrays["num_input_tokens"][0]), int(arrays["num_output_tokens"][0]))
+
+
+def test_stream_deltas_with_prompt_prefix_concatenate_to_the_full_answer():
+    builder = ResponseBuilder(stream=True, prefix_ids=[7, 8], prefix_text="ab")
+    assert not builder.ready
+    builder.add(event([1], "x", n_out=1))
+    assert builder.ready
+    assert decode(builder.flush()) == ("abx", [7, 8, 1], "", 3, 1)
+    assert not builder.ready
+    builder.add(event([2], "y", n_out=2))
+    builder.add(event([3], "z", finished=True, reason="length", n_out=3))  # merged when sending lags
+    assert builder.finished and builder.ready
+    assert decode(builder.flush()) == ("yz", [2, 3], "length", 3, 3)
+
+
+def test_non_stream_answers_once_with_everything():
+    builder = ResponseBuilder(stream=False)
+    builder.add(event([1], "x", n_out=1))
+    assert not builder.ready
+    builder.add(event([2], "y", finished=True, reason="stop", n_out=2))
+    assert decode(builder.flush()) == ("xy", [1, 2], "stop", 3, 2)
+
+
+def test_error_event_is_kept_for_an_error_response():
+    builder = ResponseBuilder(stream=True)
+    builder.add(event([], finished=True, reason="error", error="model execution failed: boom"))
+    assert builder.finished and builder.error == "model execution failed: boom"
+
+
+def test_output_arrays_types_and_batch_dimension():
+    arrays = output_arrays([1, 2], "hi", "length", 4, 2, batched=False)
+    assert list(arrays) == list(OUTPUT_NAMES)
+    assert arrays["output_ids"].dtype == np.int32 and arrays["num_output_tokens"].dtype == np.int32
+    assert arrays["text_output"].dtype == np.object_
+    batched = output_arrays([1, 2], "hi", "length", 4, 2, batched=True)
+    assert batched["output_ids"].shape == (1, 2) and batched["text_output"].shape == (1, 1)
+
+
+def test_error_codes():
+    from orca_backend.engine.llm_engine import EngineDeadError
+
+    assert error_code(ValueError("bad"))[0] == "INVALID_ARG"
+    assert error_code(EngineDeadError("gone"))[0] == "UNAVAILABLE"
+    assert error_code(KeyError("x"))[0] == "INTERNAL"
+
+
+# ---- the model repository and orca-serve's rendering of it -------------------------------------
+def _declared(config_text: str, section: str) -> dict[str, str]:
+    block = re.search(rf"{section}\s*\[(.*?)\n\]", config_text, re.S).group(1)
+    return dict(re.findall(r'name:\s*"(\w+)",\s*data_type:\s*(TYPE_\w+)', block))
+
+
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+def test_repository_declares_the_contract(model):
+    config = (REPO / model / "config.pbtxt").read_text()
+    assert set(_declared(config, "input")) == set(INPUT_NAMES)
+    assert set(_declared(config, "output")) == set(OUTPUT_NAMES)
+    assert _declared(config, "input")["input_ids"] == "TYPE_INT32"
+    params = {k: v for k, v in re.findall(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config)}
+    engine = EngineConfig.from_parameters(params)
+    assert (engine.model, engine.device, engine.dtype) == ("gpt2-small", "cpu", "float32")
+    shim = (REPO / model / "1" / "model.py").read_text()
+    assert "import" in shim and "TritonPythonModel" in shim and len(shim.splitlines()) < 10
+
+
+def test_orca_is_decoupled_and_baseline_batches_ragged_prompts():
+    orca = (REPO / "orca" / "config.pbtxt").read_text()
+    baseline = (REPO / "baseline" / "config.pbtxt").read_text()
+    assert re.search(r"decoupled:\s*true", orca) and re.search(r"(?m)^max_batch_size:\s*0", orca)
+    assert "decoupled" not in re.sub(r"#.*", "", baseline)
+    assert re.search(r"(?m)^max_batch_size:\s*[1-9]", baseline)
+    assert re.search(r"max_queue_delay_microseconds:\s*\d+", baseline)
+    assert re.search(r'name:\s*"input_ids"[^}]*allow_ragged_batch:\s*true', baseline)
+
+
+def test_engine_config_forced_fields():
+    model_config = {"parameters": {"model": {"string_value": "gpt2-tiny"}, "scheduling": {"string_value": "iteration"},
+                                   "max_batch_size": {"string_value": "4"}}}
+    config = engine_config_from_model_config(model_config, scheduling="request", max_batch_size=8)
+    assert (config.model, config.scheduling, config.max_batch_size) == ("gpt2-tiny", "request", 8)
+
+
+def test_render_config_overrides_adds_and_escapes():
+    source = (REPO / "baseline" / "config.pbtxt").read_text()
+    out = render_config(source, {"model": '/ckpt/"x"', "kv_capacity_tokens": "64", "extra": "1"},
+                        {"max_batch_size": 4, "max_queue_delay_microseconds": 0})
+    params = dict(re.findall(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', out))
+    assert params["model"] == '/ckpt/\\"x\\"' and params["kv_capacity_tokens"] == "64" and params["extra"] == "1"
+    assert re.search(r"(?m)^max_batch_size:\s*4$", out) and "max_queue_delay_microseconds: 0" in out
+    assert out.count('key: "model"') == 1
+
+
+def test_rendered_repository_holds_only_the_chosen_models(tmp_path):
+    server = TritonServer(ServerOptions(models=("orca",), parameters={"model": "gpt2-tiny"}, max_batch_size=3,
+                                        run_dir=tmp_path))
+    repository = server.render_repository()
+    assert sorted(p.name for p in repository.iterdir()) == ["orca"]
+    config = (repository / "orca" / "config.pbtxt").read_text()
+    assert 'string_value: "gpt2-tiny"' in config and 'string_value: "3"' in config
+    command = server.command(server_binary_stub(), repository)
+    assert "--load-model=orca" in command and "--model-control-mode=explicit" in command
+    assert f"--grpc-port={server.grpc_port}" in command and "--http-address=127.0.0.1" in command
+
+
+def server_binary_stub():
+    from orca_backend.serve import TritonBinary
+
+    return TritonBinary(Path("/bin/true"))

@@ -1,0 +1,278 @@
+"""The two TritonPythonModel adapters against a stand-in `triton_python_backend_utils` (no server).
+
+What a real server cannot show cheaply lives here: the engine loop dying under pending requests,
+and the response thread's bookkeeping (one final response per request, never two).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from orca_backend.llm import LLM
+from orca_backend.sampling_params import SamplingParams
+
+FINAL = 1
+
+
+@dataclass
+class FakeTensor:
+    name: str
+    array: np.ndarray
+
+    def as_numpy(self) -> np.ndarray:
+        return self.array
+
+
+@dataclass
+class FakeResponse:
+    output_tensors: list[FakeTensor] = field(default_factory=list)
+    error: Any = None
+
+    def output(self, name: str) -> np.ndarray:
+        return next(t.array for t in self.output_tensors if t.name == name)
+
+
+class FakeError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        self.message, self.code = message, code
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[FakeResponse | None, int]] = []
+        self.cancelled = False
+        self.finished = threading.Event()
+
+    def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
+        assert not self.finished.is_set(), "a response after the final one"
+        self.sent.append((response, flags))
+        if flags & FINAL:
+            self.finished.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def ids(self) -> list[int]:
+        return [int(t) for r, _ in self.sent if r is not None and r.error is None
+                for t in r.output("output_ids").reshape(-1)]
+
+
+class FakeRequest:
+    def __init__(self, parameters: str = "", **tensors: np.ndarray) -> None:
+        self.tensors = tensors
+        self._parameters = parameters
+        self.sender = FakeSender()
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+    def request_id(self) -> str:
+        return ""
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return self.sender.cancelled
+
+
+class FakeMetric:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def increment(self, value: float) -> None:
+        self.value += value
+
+
+class FakeFamily:
+    GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+    registry: dict[str, dict[frozenset, FakeMetric]] = {}
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name = name
+        FakeFamily.registry.setdefault(name, {})
+
+    def Metric(self, labels: dict[str, str]) -> FakeMetric:  # noqa: N802 - pb_utils' spelling
+        return FakeFamily.registry[self.name].setdefault(frozenset(labels.items()), FakeMetric())
+
+
+def make_pb_utils() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.Tensor = FakeTensor
+    pb.InferenceResponse = FakeResponse
+    pb.TritonError = FakeError
+    pb.TritonModelException = RuntimeError
+    pb.MetricFamily = FakeFamily
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    pb.Logger = types.SimpleNamespace(log_info=lambda m: None, log_warn=lambda m: None, log_error=lambda m: None)
+    pb.get_input_tensor_by_name = lambda request, name: (
+        FakeTensor(name, request.tensors[name]) if name in request.tensors else None)
+    pb.using_decoupled_model_transaction_policy = lambda config: config.get(
+        "model_transaction_policy", {}).get("decoupled", False)
+    pb.unloaded = []
+    pb.unload_model = pb.unloaded.append
+    return pb
+
+
+@pytest.fixture
+def pb_utils(monkeypatch):
+    pb = make_pb_utils()
+    FakeFamily.registry = {}
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    for name in ("orca_backend.triton.orca_model", "orca_backend.triton.baseline_model"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return pb
+
+
+PARAMETERS = {"model": {"string_value": "gpt2-tiny"}, "kv_capacity_tokens": {"string_value": "2048"}}
+
+
+def load(kind: str, **config: Any) -> Any:
+    module = importlib.import_module(f"orca_backend.triton.{kind}_model")
+    model = (module.OrcaModel if kind == "orca" else module.BaselineModel)()
+    model_config = {"parameters": PARAMETERS, **config}
+    model.initialize({"model_config": json.dumps(model_config), "model_name": kind, "model_version": "1"})
+    return model
+
+
+def ids_request(ids: list[int], max_tokens: int, batched: bool = False, **extra: np.ndarray) -> FakeRequest:
+    tensors = {"input_ids": np.array(ids, dtype=np.int32), "max_tokens": np.array([max_tokens], dtype=np.int32),
+               "stream": np.array([True]), **extra}
+    if batched:
+        tensors = {k: v[np.newaxis] for k, v in tensors.items()}
+    return FakeRequest('{"temperature": 0}', **tensors)
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    return LLM("gpt2-tiny").generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].output_ids
+
+
+def finish(request: FakeRequest, timeout_s: float = 30.0) -> FakeSender:
+    assert request.sender.finished.wait(timeout_s), "no final response"
+    return request.sender
+
+
+class Crash(BaseException):
+    """Kills the engine loop (its per-batch guard only catches Exception)."""
+
+
+def crash_engine(model: Any) -> None:
+    """The next iteration kills the engine loop."""
+
+    def boom() -> None:
+        raise Crash("simulated loss of the engine")
+
+    model.engine.step = boom
+
+
+def test_orca_streams_exact_tokens_and_returns_from_execute_at_once(pb_utils):
+    model = load("orca", model_transaction_policy={"decoupled": True})
+    try:
+        requests = [ids_request([1, 2, 3], 12), ids_request([9], 5), FakeRequest(input_ids=np.array([], np.int32))]
+        started = time.perf_counter()
+        assert model.execute(requests) is None
+        assert time.perf_counter() - started < 1.0
+        for request, prompt, n in ((requests[0], [1, 2, 3], 12), (requests[1], [9], 5)):
+            sender = finish(request)
+            assert sender.ids() == expected(prompt, n)
+            assert [flags for _, flags in sender.sent].count(FINAL) == 1 and sender.sent[-1][1] == FINAL
+            final = sender.sent[-1][0]
+            assert final.output("finish_reason")[0] == b"length" and final.output("num_output_tokens")[0] == n
+        (error, flags), = finish(requests[2]).sent
+        assert flags == FINAL and error.error.code == FakeError.INVALID_ARG and "empty" in error.error.message
+    finally:
+        model.finalize()
+
+
+def test_orca_cancellation_aborts_and_frees_kv(pb_utils):
+    model = load("orca", model_transaction_policy={"decoupled": True})
+    try:
+        request = ids_request([4, 5], 200)
+        model.execute([request])
+        assert wait_for(lambda: len(request.sender.sent) >= 2)
+        request.sender.cancelled = True
+        sender = finish(request)
+        assert sender.sent[-1][0].output("finish_reason")[0] == b"cancelled"
+        assert len(sender.ids()) < 200
+        assert wait_for(lambda: model.engine.stats().kv_used_tokens == 0)
+    finally:
+        model.finalize()
+
+
+def test_orca_engine_death_fails_pending_and_new_requests_unavailable(pb_utils):
+    model = load("orca", model_transaction_policy={"decoupled": True})
+    try:
+        warm = ids_request([1], 3)
+        model.execute([warm])
+        finish(warm)
+        crash_engine(model)
+        pending = [ids_request([1, 2], 50), ids_request([3], 50)]
+        model.execute(pending)
+        for request in pending:
+            response, flags = finish(request).sent[-1]
+            assert flags == FINAL and response.error.code == FakeError.UNAVAILABLE
+        assert wait_for(lambda: pb_utils.unloaded == ["orca"])  # readiness turns false
+        late = ids_request([1], 3)
+        model.execute([late])
+        (response, flags), = finish(late).sent
+        assert flags == FINAL and response.error.code == FakeError.UNAVAILABLE
+    finally:
+        model.finalize()
+
+
+def test_orca_refuses_a_non_decoupled_config(pb_utils):
+    with pytest.raises(RuntimeError, match="decoupled"):
+        load("orca")
+
+
+def test_baseline_runs_the_batch_and_fails_only_the_bad_request(pb_utils):
+    model = load("baseline", max_batch_size=4)
+    try:
+        good = [ids_request([1, 2, 3], 12, batched=True), ids_request([9], 5, batched=True)]
+        too_long = ids_request([1] * 10, 500, batched=True)  # beyond gpt2-tiny's 256-token context
+        responses = model.execute([good[0], too_long, good[1]])
+        assert [r.error is None for r in responses] == [True, False, True]
+        assert responses[1].error.code == FakeError.INVALID_ARG and "context length" in responses[1].error.message
+        for response, prompt, n in ((responses[0], [1, 2, 3], 12), (responses[2], [9], 5)):
+            assert response.output("output_ids").shape == (1, n)
+            assert response.output("output_ids")[0].tolist() == expected(prompt, n)
+        assert not any(r.sender.sent for r in (*good, too_long))  # non-decoupled: answers are returned
+        assert model.engine.config.max_batch_size == 4 and model.engine.config.scheduling == "request"
+    finally:
+        model.finalize()
+
+
+def test_baseline_engine_death_answers_unavailable(pb_utils):
+    model = load("baseline", max_batch_size=4)
+    try:
+        crash_engine(model)
+        responses = model.execute([ids_request([1, 2], 8, batched=True)])
+        assert responses[0].error.code == FakeError.UNAVAILABLE
+        responses = model.execute([ids_request([1, 2], 8, batched=True)])
+        assert responses[0].error.code == FakeError.UNAVAILABLE
+    finally:
+        model.finalize()
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
