@@ -52,16 +52,23 @@ def attention_torch(
     """q: [T, heads, head_dim]; caches: [slots, heads, head_dim]. Returns [T, heads, head_dim]."""
     out = torch.empty_like(q)
     qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
+    q_scaled = q * scale  # for the decode path, once for the whole batch
     for i in range(meta.num_requests):
         q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
         n = q_hi - q_lo
-        qi = q[q_lo:q_hi].transpose(0, 1)  # [heads, n, head_dim]
-        ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+        ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)  # [heads, ctx, head_dim]
         vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+        if n == 1:
+            # Decode: one query over its whole context. Two matmuls and a softmax cost a third of
+            # SDPA's CPU dispatch here (which picks its unfused math path for these strided views).
+            scores = torch.matmul(q_scaled[q_lo:q_hi].transpose(0, 1), ki.transpose(1, 2))  # [heads, 1, ctx]
+            out[q_lo:q_hi] = torch.matmul(scores.softmax(dim=-1), vi).transpose(0, 1)
+            continue
+        qi = q[q_lo:q_hi].transpose(0, 1)  # [heads, n, head_dim]
         mask = None
-        if 1 < n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
+        if n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
             rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=(n == ctx and n > 1), scale=scale)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=(n == ctx), scale=scale)
         out[q_lo:q_hi] = oi.transpose(0, 1)
     return out

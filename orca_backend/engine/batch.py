@@ -73,7 +73,7 @@ def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | N
         meta.top_p.append(params.top_p)
         meta.seeds.append(request.sampling_seed)
         banned: list[int] = []
-        if len(request.output_ids) < params.min_tokens:
+        if params.min_tokens and len(request.output_ids) < params.min_tokens:
             banned = list(params.stop_token_ids)
             if eos_token_id is not None and not params.ignore_eos:
                 banned.append(eos_token_id)

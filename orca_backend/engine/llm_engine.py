@@ -26,7 +26,7 @@ from orca_backend.engine.batch import build_batch_meta
 from orca_backend.engine.executor import Executor, LocalExecutor, WorkerFailure
 from orca_backend.engine.kv_cache import make_kv_manager
 from orca_backend.engine.model_runner import ModelRunner
-from orca_backend.engine.request import Request, RequestOutput
+from orca_backend.engine.request import Request, RequestOutput, RequestStatus
 from orca_backend.engine.scheduler import ScheduledBatch, Scheduler
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
@@ -326,27 +326,27 @@ class LLMEngine:
         self._emit(request, time.perf_counter(), error)
 
     def _emit(self, request: Request, now: float, error: str | None = None) -> None:
-        new_ids = request.output_ids[request.sent_ids_len :]
-        request.sent_ids_len = len(request.output_ids)
-        new_text = detokenizer.releasable_text(request)
-        request.sent_text_len += len(new_text)
+        # Runs for every request in every iteration: kept to plain attribute reads.
+        output_ids = request.output_ids
+        num_output = len(output_ids)
+        new_ids = output_ids[request.sent_ids_len :]
+        request.sent_ids_len = num_output
+        new_text = ""
+        if request.text:
+            new_text = detokenizer.releasable_text(request)
+            request.sent_text_len += len(new_text)
+        finished = request.status is RequestStatus.FINISHED
         output = RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            num_input_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_ids),
-            time=now,
-            error=error,
-        )
-        sink = self._sinks[request.request_id]
-        if request.finished:
-            del self._sinks[request.request_id]
-            self._released_ids.append(request.request_id)
+            request.request_id, new_ids, new_text, finished, request.finish_reason, len(request.prompt_ids),
+            num_output, now, error,
+        )  # fmt: skip
+        rid = request.request_id
+        sink = self._sinks[rid]
+        if finished:
+            del self._sinks[rid]
+            self._released_ids.append(rid)
             with self._ids_lock:
-                self._active_ids.discard(request.request_id)
+                self._active_ids.discard(rid)
         if self.scheduler.request_level:
             self._held.append((sink, output))
         else:

@@ -14,7 +14,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
 class RequestOutput:
     """One event on a request's stream: what is new since the previous event.
 
