@@ -364,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, help="engine batch size (and the baseline batcher's max_batch_size)")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
+    p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
+    p.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages (layers split), one batch in flight each")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config.pbtxt parameter, for every model (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve the network)")
@@ -381,7 +383,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     if unknown or not models:
         raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
     params = _parse_key_values(args.param)
-    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens"):
+    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
         value = getattr(args, flag)
         if value is not None:
             params[flag] = str(Path(value).resolve()) if flag in ("model", "tokenizer") and Path(value).exists() else str(value)

@@ -1,0 +1,52 @@
+"""`orca` with tensor_parallel_size=2 on a real tritonserver: the engine inside Triton's Python
+backend spawns its worker processes (gloo on CPU), and the served tokens equal one process's."""
+
+from __future__ import annotations
+
+import pytest
+
+from orca_backend.config import ModelConfig
+from orca_backend.llm import LLM
+from orca_backend.sampling_params import SamplingParams
+
+pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
+
+from serving_utils import StreamSession, metric, start_server, wait_until  # noqa: E402 - after the skip
+
+pytestmark = pytest.mark.integration
+
+# Four heads and an even vocabulary so that tp=2 splits both.
+MODEL = ModelConfig(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint(MODEL)[0]
+
+
+@pytest.fixture(scope="module")
+def tp2_server(checkpoint, tmp_path_factory):
+    server = start_server(
+        tmp_path_factory.mktemp("triton-tp2"), checkpoint, models=("orca",),
+        parameters={"tensor_parallel_size": "2", "kv_capacity_tokens": "4096"},
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_tp2_served_greedy_streams_equal_single_process_generate(tp2_server, checkpoint):
+    prompts = [[5, 17, 99, 3], [200] * 30, list(range(1, 60)), [7]]
+    max_tokens = [24, 8, 40, 16]  # different lengths: requests leave while others decode
+    with StreamSession(tp2_server.grpc_url) as session:
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            session.send("orca", f"tp{i}", input_ids=prompt, max_tokens=n, sampling={"temperature": 0}, stream=True)
+        results = session.wait()
+    expected = LLM(str(checkpoint)).generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens])
+    for result, want in zip(results, expected, strict=True):
+        assert result.error is None
+        assert result.ids == want.output_ids
+        assert len(result.deltas) > 1  # streamed as generated, not in one answer
+    assert wait_until(lambda: metric(tp2_server, "orca_kv_used_tokens", "orca") == 0, timeout_s=30)
+    assert tp2_server.is_ready()
