@@ -153,8 +153,7 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
     path, _ = tiny_checkpoint
     from orca_backend.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=str(path)))
-    engine.start()
+    engine = LLMEngine.launch(EngineConfig(model=str(path)))
     try:
         long = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         short = engine.add_request([4, 5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))

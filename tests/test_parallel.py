@@ -77,8 +77,7 @@ def _full_weights(checkpoint) -> list[torch.Tensor]:
 
 
 def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), tensor_parallel_size=2))
-    engine.start()
+    engine = LLMEngine.launch(EngineConfig(model=str(checkpoint), tensor_parallel_size=2))
     try:
         stream = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         waiting = engine.add_request([4, 5], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))

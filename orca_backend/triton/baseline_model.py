@@ -48,10 +48,9 @@ class BaselineModel:
         # Triton's max_batch_size is the only batch-size knob: the engine must take any batch it forms.
         config = engine_config_from_model_config(self.model_config, scheduling="request",
                                                  max_batch_size=max_batch_size)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
-        self.engine.start()
         self._poller = MetricsPoller(self.engine, self.metrics).start()
         self._batch_ids = 0
         pb_utils.Logger.log_info(

@@ -70,7 +70,7 @@ class OrcaModel:
             )
         config = engine_config_from_model_config(self.model_config, scheduling="iteration")
         _set_gil_switch_interval(self.model_config)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
         self.tokenizer = self.engine.tokenizer
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -80,7 +80,6 @@ class OrcaModel:
         self._dead_reason: str | None = None
         self._cancel_cursor = 0
         self._stopping = threading.Event()
-        self.engine.start()
         self._poller = MetricsPoller(self.engine, self.metrics).start()
         self._thread = threading.Thread(target=self._response_loop, name="orca-responses", daemon=True)
         self._thread.start()
