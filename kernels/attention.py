@@ -64,11 +64,16 @@ def attention_torch(
             scores = torch.matmul(q_scaled[q_lo:q_hi].transpose(0, 1), ki.transpose(1, 2))  # [heads, 1, ctx]
             out[q_lo:q_hi] = torch.matmul(scores.softmax(dim=-1), vi).transpose(0, 1)
             continue
-        qi = q[q_lo:q_hi].transpose(0, 1)  # [heads, n, head_dim]
-        mask = None
-        if n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
-            rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=(n == ctx), scale=scale)
-        out[q_lo:q_hi] = oi.transpose(0, 1)
+        out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
     return out
+
+
+def prefill_attention(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's n queries ([n, heads, head_dim]) over its context ([heads, ctx, head_dim])."""
+    n, ctx = qi.shape[0], ki.shape[1]
+    mask = None
+    if n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
+        rows = torch.arange(n, device=qi.device)[:, None] + (ctx - n)
+        mask = torch.arange(ctx, device=qi.device)[None, :] <= rows
+    oi = F.scaled_dot_product_attention(qi.transpose(0, 1), ki, vi, attn_mask=mask, is_causal=(n == ctx), scale=scale)
+    return oi.transpose(0, 1)

@@ -1,8 +1,11 @@
-"""Picks the kernel implementation once per device: Triton kernels on CUDA, torch references on CPU.
+"""Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU the torch
+references with the C decode-attention kernel (``cpu``).
 
-``ORCA_KERNELS=auto|triton|torch`` forces either side for A/B runs (``triton`` on CPU needs
-``TRITON_INTERPRET=1``, set before the process first imports triton). A forced choice that cannot
-run is an error, never a silent fallback.
+``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
+``TRITON_INTERPRET=1``, set before the process first imports triton; ``torch`` is the plain
+references). A forced choice that cannot run is an error. Under ``auto`` on CPU, a machine with no
+C compiler gets the torch references with a logged warning naming the reason — the one documented
+fallback, since the result is the same and only slower.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .attention import attention_torch, write_kv_torch
+from .cpu_attention import attention_cpu, load_decode_kernel
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
 
@@ -26,7 +31,7 @@ KERNEL_ENV = "ORCA_KERNELS"
 
 @dataclass(frozen=True)
 class KernelOps:
-    name: str  # "triton" or "torch"
+    name: str  # "triton", "cpu" or "torch"
     add_layernorm: Callable
     bias_gelu: Callable
     attention: Callable
@@ -34,6 +39,7 @@ class KernelOps:
 
 
 TORCH_OPS = KernelOps("torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch)
+CPU_OPS = KernelOps("cpu", add_layernorm_torch, bias_gelu_torch, attention_cpu, write_kv_torch)
 
 _logged: set[tuple[str, str]] = set()
 
@@ -91,15 +97,32 @@ def _triton_ops(device: torch.device) -> KernelOps:
     )
 
 
+def _cpu_ops(device: torch.device, forced: bool) -> KernelOps:
+    if device.type != "cpu":
+        raise RuntimeError(f"{KERNEL_ENV}=cpu runs on CPU tensors only, not {device.type}")
+    try:
+        load_decode_kernel()
+    except (native.NativeBuildError, OSError) as e:
+        if forced:
+            raise RuntimeError(f"{KERNEL_ENV}=cpu: {e}") from e
+        logger.warning("orca kernels: the C decode-attention kernel is unavailable (%s); using the slower torch "
+                       "reference on CPU", e)  # fmt: skip
+        return TORCH_OPS
+    return CPU_OPS
+
+
 def get_ops(device: torch.device | str, choice: str | None = None) -> KernelOps:
-    """choice: "auto" | "triton" | "torch"; defaults to $ORCA_KERNELS, else "auto"."""
+    """choice: "auto" | "triton" | "cpu" | "torch"; defaults to $ORCA_KERNELS, else "auto"."""
     device = torch.device(device)
     choice = (choice or os.environ.get(KERNEL_ENV) or "auto").lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"{KERNEL_ENV} must be auto, triton or torch, got {choice!r}")
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
-    ops = TORCH_OPS if choice == "torch" else _triton_ops(device)
+    if choice not in ("auto", "triton", "cpu", "torch"):
+        raise ValueError(f"{KERNEL_ENV} must be auto, triton, cpu or torch, got {choice!r}")
+    if choice == "torch":
+        ops = TORCH_OPS
+    elif choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        ops = _triton_ops(device)
+    else:
+        ops = _cpu_ops(device, forced=choice == "cpu")
     if (device.type, ops.name) not in _logged:
         _logged.add((device.type, ops.name))
         logger.info("orca kernels: using %s implementations on %s", ops.name, device.type)

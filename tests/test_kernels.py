@@ -41,9 +41,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 tl = pytest.importorskip("triton.language")
 
+from attention_cases import BATCHES, make_meta, pool_slots  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from orca_kernels import AttentionMetadata, KernelOps, dispatch, get_ops  # noqa: E402
+from orca_kernels import KernelOps, dispatch, get_ops  # noqa: E402
 from orca_kernels.dispatch import TORCH_OPS  # noqa: E402
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
@@ -190,50 +191,13 @@ def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int)
 
 # --- attention ---------------------------------------------------------------------------------
 
-# Each request is (queries, context); the queries are the last positions of the context.
-BATCHES = {
-    # prefill, decode, a 1-token prompt, a partial prefill (1 < n < ctx), a longer decode
-    "mixed": [(20, 20), (1, 37), (1, 1), (5, 30), (1, 50)],
-    "prefill_only": [(17, 17), (33, 33), (2, 2)],
-    "decode_only": [(1, 5), (1, 40), (1, 16), (1, 1)],
-}
-
-
-def _make_meta(requests: list[tuple[int, int]], gap: int = 7) -> AttentionMetadata:
-    """K/V regions laid out back to front with gaps: non-zero, non-adjacent, out of request order."""
-    kv_starts, slot = [0] * len(requests), gap
-    for i in reversed(range(len(requests))):
-        kv_starts[i] = slot
-        slot += requests[i][1] + gap
-    query_start, slot_mapping = [0], []
-    for (n, ctx), start in zip(requests, kv_starts, strict=True):
-        query_start.append(query_start[-1] + n)
-        slot_mapping.extend(range(start + ctx - n, start + ctx))
-    context_lens = [ctx for _, ctx in requests]
-    return AttentionMetadata(
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        kv_starts=torch.tensor(kv_starts, dtype=torch.int32, device=DEVICE),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(n for n, _ in requests),
-        max_context_len=max(context_lens),
-        query_start_host=query_start,
-        context_lens_host=context_lens,
-        kv_starts_host=kv_starts,
-    )
-
-
-def _pool_slots(meta: AttentionMetadata) -> int:
-    return max(s + c for s, c in zip(meta.kv_starts_host, meta.context_lens_host, strict=True)) + 3
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype) -> None:
-    meta = _make_meta(BATCHES[batch])
+    meta = make_meta(DEVICE, BATCHES[batch])
     g = torch.Generator().manual_seed(head_dim)
-    heads, tokens, slots = 2, meta.query_start_host[-1], _pool_slots(meta)
+    heads, tokens, slots = 2, meta.query_start_host[-1], pool_slots(meta)
     # q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool.
     q = _randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
     pool = _randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
@@ -249,9 +213,9 @@ def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype
 @pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 64)])
 def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> None:
     """Other tilings move the causal edge and the unmasked/masked split of the key loop."""
-    meta = _make_meta(BATCHES["mixed"])
+    meta = make_meta(DEVICE, BATCHES["mixed"])
     g = torch.Generator().manual_seed(block_m + block_n)
-    heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], _pool_slots(meta)
+    heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], pool_slots(meta)
     q = _randn(tokens, heads, head_dim, g=g)
     k_cache, v_cache = _randn(slots, heads, head_dim, g=g), _randn(slots, heads, head_dim, g=g)
 
@@ -262,9 +226,9 @@ def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> No
 
 def test_write_then_attend(ops: KernelOps) -> None:
     """One model step: scatter this step's K/V by slot_mapping, then attend over the pool."""
-    meta = _make_meta(BATCHES["mixed"])
+    meta = make_meta(DEVICE, BATCHES["mixed"])
     g = torch.Generator().manual_seed(11)
-    heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], _pool_slots(meta)
+    heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], pool_slots(meta)
     q, k, v = _randn(3, tokens, heads, head_dim, g=g).unbind(0)
     caches = _randn(2, slots, heads, head_dim, g=g)
     k_cache, v_cache = caches.clone().unbind(0)
@@ -281,7 +245,7 @@ def test_write_then_attend(ops: KernelOps) -> None:
 def test_block_table_covers_every_query_once(ops: KernelOps) -> None:
     from orca_kernels.triton_attention import _block_table
 
-    meta = _make_meta(BATCHES["mixed"])
+    meta = make_meta(DEVICE, BATCHES["mixed"])
     table = _block_table(meta, 16, torch.device("cpu"))
     sizes = [n for n, _ in BATCHES["mixed"]]
     covered = sorted(
@@ -291,13 +255,6 @@ def test_block_table_covers_every_query_once(ops: KernelOps) -> None:
 
 
 # --- dispatch ----------------------------------------------------------------------------------
-
-
-def test_dispatch_auto_uses_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ORCA_KERNELS", raising=False)
-    assert get_ops("cpu") is TORCH_OPS
-    monkeypatch.setenv("ORCA_KERNELS", "torch")
-    assert get_ops("cpu").name == "torch"
 
 
 def test_dispatch_env_selects_triton(triton_env: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,66 @@
+"""Selective-batching attention on CPU: decode requests in one C call per layer, prefills by SDPA.
+
+The torch reference (`attention_torch`) loops over requests in Python; at 64 decoding requests
+that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
+is ~6 small ops. The C kernel (csrc/decode_attention.c) does every one-query request of the batch
+in one call; prefill requests have enough queries per request for SDPA to be efficient, so they
+stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from orca_kernels import native
+from orca_kernels.attention import AttentionMetadata, attention_torch, prefill_attention
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+_I32P = ctypes.POINTER(ctypes.c_int32)
+
+
+def load_decode_kernel() -> ctypes.CDLL:
+    """Builds (once per machine) and loads the kernel; raises NativeBuildError with the reason."""
+    lib = native.load("decode_attention")
+    fn = lib.orca_decode_attention_f32
+    i64 = ctypes.c_int64
+    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64,
+                   ctypes.c_float, _F32P, ctypes.c_int]  # fmt: skip
+    fn.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
+    return ctypes.cast(t.data_ptr(), kind)
+
+
+def attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Same contract as `attention_torch`."""
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        return attention_torch(q, k_cache, v_cache, meta, scale)
+    tokens, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
+    for index in (meta.query_start, meta.context_lens, meta.kv_starts):
+        if index.dtype != torch.int32 or not index.is_contiguous():
+            raise ValueError("attention_cpu needs contiguous int32 query_start, context_lens and kv_starts")
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+    threads = torch.get_num_threads()
+    scratch = torch.empty((threads, heads, meta.max_context_len), dtype=torch.float32)
+    load_decode_kernel().orca_decode_attention_f32(
+        _ptr(q, _F32P), q.stride(0), q.stride(1), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), _ptr(out, _F32P),
+        _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(meta.kv_starts, _I32P),
+        meta.num_requests, heads, head_dim, meta.max_context_len, scale, _ptr(scratch, _F32P), threads,
+    )  # fmt: skip
+    if meta.max_query_len > 1:
+        qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
+        for i in range(meta.num_requests):
+            q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
+            if q_hi - q_lo > 1:
+                ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+                vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+                out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
+    return out

@@ -1,0 +1,76 @@
+"""Builds and loads the project's small C kernels for CPU (kernels/csrc) with the system C compiler.
+
+A kernel is compiled once per machine into a cache directory (``$ORCA_CACHE_DIR``, else
+``$XDG_CACHE_HOME/orca``, else ``~/.cache/orca``), keyed by its source, the compiler and the CPU's
+feature flags (it is built with ``-march=native``), and loaded with ctypes: no Python headers, no
+torch headers, about a second to build. Several processes may build at once; the last rename wins
+and every one loads a complete file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ORCA_CACHE_DIR"):
+        return Path(os.environ["ORCA_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orca"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeBuildError(
+            "no C compiler found (set $CC or install gcc, e.g. `apt-get install gcc`); it builds the CPU "
+            "decode-attention kernel"
+        )
+    return compiler
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL:
+    """The shared library built from csrc/<name>.c, compiling it on first use on this machine."""
+    source = CSRC / f"{name}.c"
+    compiler = _compiler()
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            result = subprocess.run(
+                [compiler, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
+            )
+            if result.returncode != 0:
+                raise NativeBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr.strip()}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
