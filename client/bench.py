@@ -61,8 +61,9 @@ from orca_client.workload import (
 DEFAULT_PROMPT_DIST = "uniform:16:128"
 DEFAULT_OUTPUT_DIST = "uniform:1:128"
 # Auto rates: fractions of orca's measured burst capacity. Low fractions are where a request-level
-# server can still meet the SLO; the top ones find where orca stops meeting it.
-AUTO_FRACTIONS = (0.1, 0.25, 0.45, 0.65, 0.85, 1.05)
+# server can still meet the SLO; the top ones find where orca stops meeting it (a burst estimates
+# capacity low: orca met the SLO at 1.05x of it, so the grid goes on; each model stops at its first miss).
+AUTO_FRACTIONS = (0.1, 0.25, 0.45, 0.65, 0.85, 1.05, 1.3, 1.6, 2.0)
 AUTO_START = 1  # the auto sweep starts at the second fraction and goes lower only for models that need it
 FAIRNESS_TOLERANCE = 0.2  # |baseline / orca makespan - 1| within this counts as "about the same"
 OVERHEAD_TARGET = 0.05  # DESIGN.md: load generator overhead per token < 5% of measured latency
