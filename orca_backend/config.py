@@ -88,7 +88,7 @@ class EngineConfig:
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    kernels: str = "auto"  # "auto" | "triton" | "torch" (see orca_kernels.dispatch)
+    kernels: str = "auto"  # "auto" | "triton" | "cpu" | "torch" (see orca_kernels.dispatch)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -97,8 +97,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
         if self.kv_policy != "reserve":
             raise ValueError(f"kv_policy must be 'reserve' (the only policy implemented), got {self.kv_policy!r}")
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+        if self.kernels not in ("auto", "triton", "cpu", "torch"):
+            raise ValueError(f"kernels must be auto, triton, cpu or torch, got {self.kernels!r}")
         for name in ("max_batch_size", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
