@@ -225,7 +225,7 @@ class Bench:
         if not bench_server.wait_idle(self.metrics_url, names, timeout_s=120 if self._dirty else 10):
             self.progress.info("warning: an engine still reports queued/running requests; measuring anyway")
         self._dirty = False
-        before = bench_server.execution_count(self.url, model.name) if model.kind == "baseline" else None
+        before = bench_server.inference_counts(self.url, model.name) if model.kind == "baseline" else None
         span = trace[-1].arrival if trace else 0.0
         options = LoadOptions(num_channels=self.args.channels, deadline_s=span + self.args.run_timeout,
                               stream=not self.args.no_stream, progress=self.progress.update)
@@ -233,8 +233,7 @@ class Bench:
                            rate=mean_rate(trace) if rate is None else rate)
         metrics = summarize(result, slo)
         if before is not None:
-            after = bench_server.execution_count(self.url, model.name)
-            metrics.batches = None if after is None else after - before
+            metrics.batches = bench_server.batches_since(self.url, model.name, before, metrics.completed)
         self._dirty = result.truncated  # cancelled requests must leave the engine before the next run
         errors = f", {metrics.errors} errors ({metrics.first_error})" if metrics.errors else ""
         self.progress.end(f"{metrics.completed}/{metrics.num_requests} in {metrics.duration_s:.1f} s, "

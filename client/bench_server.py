@@ -104,17 +104,35 @@ def engine_parameters(url: str, name: str) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
 
 
-def execution_count(url: str, name: str) -> int | None:
-    """Triton's execution count for a model: for the baseline, the number of batches it ran."""
+def inference_counts(url: str, name: str) -> tuple[int, int] | None:
+    """Triton's (inference_count, execution_count) for a model: requests it answered, and for the
+    baseline the number of batches it ran (None: statistics unreadable)."""
     client = _grpc_client(url)
     try:
         stats = client.get_inference_statistics(name, as_json=True)
         model_stats = stats.get("model_stats", [])
-        return int(model_stats[0].get("execution_count", 0)) if model_stats else None
+        if not model_stats:
+            return None
+        return int(model_stats[0].get("inference_count", 0)), int(model_stats[0].get("execution_count", 0))
     except Exception:
         return None
     finally:
         client.close()
+
+
+def batches_since(url: str, name: str, before: tuple[int, int], requests: int, timeout_s: float = 5.0) -> int | None:
+    """Batches the model ran since `before`, once its statistics count all `requests` answered.
+
+    Triton records a batch's statistics after execute() returns, so a client that already has every
+    response can read the counts before the last batch is in them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = inference_counts(url, name)
+        if after is None:
+            return None
+        if after[0] - before[0] >= requests or time.monotonic() > deadline:
+            return after[1] - before[1]
+        time.sleep(0.02)
 
 
 _GAUGE_RE = re.compile(r'^(orca_requests_waiting|orca_requests_running|orca_kv_used_tokens)\{([^}]*)\}\s+(\S+)', re.M)
