@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from orca_backend.engine.request import Request
 from orca_backend.engine.scheduler import ScheduledBatch
 
 
@@ -46,11 +47,16 @@ class BatchMeta:
 
 def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | None, released_ids: list[str]) -> BatchMeta:
     """Flattens a scheduled batch. This runs every iteration for every request, so it stays lean:
-    a decode request (the common case) costs a handful of list appends."""
-    meta = BatchMeta(batch_id, [], [], [], [], [0], [], [], [], [], [], [], [], released_ids)
-    input_ids, positions, slots, query_start = meta.input_ids, meta.positions, meta.slot_mapping, meta.query_start
+    per-request fields are list comprehensions, and a decode request (the common case) adds three
+    appends to the flat token lists."""
+    requests = batch.requests
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
     end = 0
-    for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+    for request, num_new in zip(requests, batch.num_new_tokens, strict=True):
         first = request.num_computed  # position of the first new token
         kv_start = request.kv_start
         if num_new == 1:
@@ -63,19 +69,32 @@ def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | N
             slots += range(kv_start + first, kv_start + first + num_new)
         end += num_new
         query_start.append(end)
-        meta.context_lens.append(first + num_new)
-        meta.kv_starts.append(kv_start)
+        context_lens.append(first + num_new)
+    params = [request.params for request in requests]
+    return BatchMeta(
+        batch_id=batch_id,
+        request_ids=[request.request_id for request in requests],
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_start=query_start,
+        context_lens=context_lens,
+        kv_starts=[request.kv_start for request in requests],
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k if p.top_k > 0 else 0 for p in params],
+        top_p=[p.top_p for p in params],
+        seeds=[request.sampling_seed for request in requests],
+        banned_ids=[_banned_ids(request, eos_token_id) for request in requests],
+        released_ids=released_ids,
+    )
 
-        params = request.params
-        meta.request_ids.append(request.request_id)
-        meta.temperature.append(params.temperature)
-        meta.top_k.append(params.top_k if params.top_k > 0 else 0)
-        meta.top_p.append(params.top_p)
-        meta.seeds.append(request.sampling_seed)
-        banned: list[int] = []
-        if params.min_tokens and len(request.output_ids) < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if eos_token_id is not None and not params.ignore_eos:
-                banned.append(eos_token_id)
-        meta.banned_ids.append(banned)
-    return meta
+
+def _banned_ids(request: Request, eos_token_id: int | None) -> list[int]:
+    """Before min_tokens, EOS (unless ignored) and the stop ids cannot be sampled."""
+    params = request.params
+    if not params.min_tokens or len(request.output_ids) >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        banned.append(eos_token_id)
+    return banned
