@@ -10,6 +10,7 @@ stay on the torch path. float32 only: other dtypes use the reference (a document
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -20,15 +21,16 @@ _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 
-def load_decode_kernel() -> ctypes.CDLL:
-    """Builds (once per machine) and loads the kernel; raises NativeBuildError with the reason."""
-    lib = native.load("decode_attention")
-    fn = lib.orca_decode_attention_f32
+@functools.cache
+def load_decode_kernel() -> ctypes._CFuncPtr:
+    """The kernel's entry point with its signature declared: built once per machine, loaded and
+    declared once per process (every layer calls it). Raises NativeBuildError with the reason."""
+    fn = native.load("decode_attention").orca_decode_attention_f32
     i64 = ctypes.c_int64
     fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64,
                    ctypes.c_float, _F32P, ctypes.c_int]  # fmt: skip
     fn.restype = None
-    return lib
+    return fn
 
 
 def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
@@ -50,7 +52,7 @@ def attention_cpu(
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
     scratch = torch.empty((threads, heads, meta.max_context_len), dtype=torch.float32)
-    load_decode_kernel().orca_decode_attention_f32(
+    load_decode_kernel()(
         _ptr(q, _F32P), q.stride(0), q.stride(1), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), _ptr(out, _F32P),
         _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(meta.kv_starts, _I32P),
         meta.num_requests, heads, head_dim, meta.max_context_len, scale, _ptr(scratch, _F32P), threads,

@@ -12,7 +12,7 @@ from attention_cases import BATCHES, make_meta, pool_slots
 
 from orca_kernels import dispatch, get_ops, native
 from orca_kernels.attention import attention_torch
-from orca_kernels.cpu_attention import attention_cpu
+from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel
 
 
 def _inputs(meta, heads: int, head_dim: int, seed: int, dtype=torch.float32):
@@ -78,8 +78,10 @@ def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
     native.load.cache_clear()
+    load_decode_kernel.cache_clear()
     yield
     native.load.cache_clear()
+    load_decode_kernel.cache_clear()
 
 
 def test_forced_cpu_without_compiler_is_an_error(no_compiler: None) -> None:
