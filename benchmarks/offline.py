@@ -66,7 +66,7 @@ def write_checkpoint(path: Path) -> Path:
 
 # ----------------------------------------------------------------------------------------- suites
 def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
-    llm = LLM(str(ckpt), max_batch_size=len(trace), kv_capacity_tokens=len(trace) * 520)
+    llm = LLM(str(ckpt), max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
     result = {"orca": timed_generate(llm, trace, args.repeat)}
     print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
           f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
@@ -85,7 +85,7 @@ def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
 def suite_modes(args, model: str, trace: list[TraceRequest]) -> dict:
     result = {}
     for mode in ("iteration", "request"):
-        llm = LLM(model, max_batch_size=args.modes_batch_size, kv_capacity_tokens=len(trace) * 520, scheduling=mode)
+        llm = LLM(model, max_num_seqs=args.modes_batch_size, kv_capacity_tokens=len(trace) * 520, scheduling=mode)
         result[mode] = timed_generate(llm, trace, args.repeat)
         print(f"{mode:>9}-level scheduling, max batch {args.modes_batch_size}: {result[mode]['tokens_per_s']:.1f} tok/s")
         del llm
@@ -109,8 +109,8 @@ def _timeit(fn) -> float:
 
 
 def suite_roofline(args, model: str) -> dict:
-    engine = LLMEngine(EngineConfig(model=model, max_batch_size=1, kv_capacity_tokens=2048))
-    weights = engine.executor.runner.model.weights
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=2048))
+    weights = engine.core.executor.runner.model.weights
     # A decode step reads every weight once, except the position table (one row).
     weight_bytes = weights.num_bytes() - weights.wpe.numel() * weights.wpe.element_size()
     engine.add_request(list(range(1, 33)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
@@ -132,8 +132,8 @@ def suite_roofline(args, model: str) -> dict:
 def suite_overhead(args) -> dict:
     result = {}
     for running in (64, 256):
-        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_batch_size=running, kv_capacity_tokens=running * 100))
-        model = engine.executor.runner.model
+        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=running, kv_capacity_tokens=running * 100))
+        model = engine.core.executor.runner.model
         forward_s = 0.0
         inner = model.forward
 

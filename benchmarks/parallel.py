@@ -3,7 +3,7 @@
     python benchmarks/parallel.py --configs 1x1,1x2,2x1 --model gpt2-mini
 
 Each config is TPxPP. With PP, the engine keeps one batch per stage in flight; the workload has
-more requests than --max-batch-size so the pipeline can fill.
+more requests than --max-num-seqs so the pipeline can fill.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--configs", default="1x1,1x2,2x1")
     ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     rates = {}
     for spec in args.configs.split(","):
         tp, pp = (int(x) for x in spec.split("x"))
-        llm = LLM(args.model, device=args.device, max_batch_size=args.max_batch_size,
+        llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                   tensor_parallel_size=tp, pipeline_parallel_size=pp)  # fmt: skip
         trace = synthetic_trace(args.num_requests, "uniform:16:128", "uniform:16:64", llm.engine.model_config.vocab_size)
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orca_client import bench_server
+from orca_client import bench_server, protocol
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import ServedModel
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
@@ -66,7 +66,7 @@ DEFAULT_OUTPUT_DIST = "uniform:1:128"
 AUTO_FRACTIONS = (0.1, 0.25, 0.45, 0.65, 0.85, 1.05, 1.3, 1.6, 2.0)
 AUTO_START = 1  # the auto sweep starts at the second fraction and goes lower only for models that need it
 FAIRNESS_TOLERANCE = 0.2  # |baseline / orca makespan - 1| within this counts as "about the same"
-OVERHEAD_TARGET = 0.05  # DESIGN.md: load generator overhead per token < 5% of measured latency
+OVERHEAD_TARGET = 0.05  # docs/architecture.md, Performance targets: load generator overhead per token < 5% of measured latency
 
 
 # ---------------------------------------------------------------------------- model geometry
@@ -273,7 +273,7 @@ class Bench:
         """
         orca = self.model("orca")[0]
         baselines = self.model("baseline")
-        size = orca.max_batch_size or 32
+        size = orca.max_num_seqs or 32
         if baselines:
             size = min(size, max(b.max_batch_size or 1 for b in baselines))
         baseline = min((b for b in baselines if (b.max_batch_size or 0) >= size), key=lambda b: b.max_batch_size or 0,
@@ -461,7 +461,8 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         params = {"model": model, "device": args.device, "dtype": args.dtype}
         if args.kv_capacity_tokens:
             params["kv_capacity_tokens"] = str(args.kv_capacity_tokens)
-    per_model = {"orca": {"max_batch_size": str(args.max_batch_size)}} if args.max_batch_size else {}
+    # Only orca's engine takes max_num_seqs; each baseline copy's batch is its Triton max_batch_size.
+    per_model = {"orca": {"max_num_seqs": str(args.max_num_seqs)}} if args.max_num_seqs else {}
     options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
                             parameters={} if args.echo else params,
                             model_parameters={} if args.echo else per_model,
@@ -514,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--baseline-batch-sizes", type=_int_list, default=[8, 32],
                    help="dynamic-batcher max_batch_size of each baseline copy (default 8,32)")
-    g.add_argument("--max-batch-size", type=int, help="orca's engine max_batch_size (default: its config.pbtxt, 32)")
+    g.add_argument("--max-num-seqs", type=int,
+                   help="orca's engine batch limit, its max_num_seqs parameter (default: its config.pbtxt, 32)")
     g.add_argument("--max-queue-delay-us", type=int, help="baseline max_queue_delay_microseconds (default: config.pbtxt)")
     g.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size of every engine (default: config.pbtxt)")
     g.add_argument("--url", help="use the tritonserver at this gRPC address instead of starting one")
@@ -589,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         served = {}
         if bench.model("orca"):  # what the server really runs (with --url it need not match our flags)
             with contextlib.suppress(Exception):
-                served = bench_server.engine_parameters(url, "orca")
+                served = protocol.string_parameters(bench_server.fetch_model_config(url, "orca"))
         try:
             _run_all(args, bench, workload, explicit_rates)
         except KeyboardInterrupt:

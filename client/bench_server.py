@@ -15,9 +15,12 @@ import re
 import shutil
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from orca_client import protocol
 
 ECHO_REPOSITORY = Path(__file__).resolve().parents[1] / "benchmarks" / "echo_repository"
 
@@ -26,8 +29,9 @@ ECHO_REPOSITORY = Path(__file__).resolve().parents[1] / "benchmarks" / "echo_rep
 class ServedModel:
     name: str
     kind: str  # "orca" | "baseline" | "echo"
-    max_batch_size: int | None = None  # baseline: Triton's dynamic-batcher max_batch_size; orca: engine's
-    max_queue_delay_us: int | None = None
+    max_batch_size: int | None = None  # baseline: Triton's dynamic-batcher max_batch_size
+    max_queue_delay_us: int | None = None  # baseline: the batcher's max_queue_delay_microseconds
+    max_num_seqs: int | None = None  # orca: the engine's batch limit (its `max_num_seqs` parameter)
 
     @property
     def label(self) -> str:
@@ -75,33 +79,31 @@ def _grpc_client(url: str) -> Any:
     return grpcclient.InferenceServerClient(url)
 
 
-def describe_model(url: str, name: str) -> ServedModel:
-    """Kind and batch settings of a served model, from its config as Triton loaded it."""
+def fetch_model_config(url: str, name: str) -> dict[str, Any]:
+    """A served model's config as Triton loaded it."""
     client = _grpc_client(url)
     try:
-        config = client.get_model_config(name, as_json=True)
+        return protocol.get_model_config(client, name)
     finally:
         client.close()
-    config = config.get("config", config)
-    max_batch = int(config.get("max_batch_size", 0))
-    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+def served_model(name: str, config: Mapping[str, Any]) -> ServedModel:
+    """Kind and batch settings of a served model, from its config: a model with Triton's batch
+    dimension is a baseline, `echo` is the load generator check, anything else an orca engine."""
     if name == "echo":
         return ServedModel(name, "echo")
-    if max_batch > 0:
+    if protocol.is_batched(config):
         delay = (config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds")
-        return ServedModel(name, "baseline", max_batch, int(delay) if delay is not None else None)
-    engine_batch = params.get("max_batch_size")
-    return ServedModel(name, "orca", int(engine_batch) if engine_batch else None)
+        return ServedModel(name, "baseline", protocol.triton_max_batch_size(config),
+                           int(delay) if delay is not None else None)
+    max_num_seqs = protocol.string_parameters(config).get("max_num_seqs")
+    return ServedModel(name, "orca", max_num_seqs=int(max_num_seqs) if max_num_seqs else None)
 
 
-def engine_parameters(url: str, name: str) -> dict[str, str]:
-    client = _grpc_client(url)
-    try:
-        config = client.get_model_config(name, as_json=True)
-    finally:
-        client.close()
-    config = config.get("config", config)
-    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+def describe_model(url: str, name: str) -> ServedModel:
+    """served_model() of a model on the server at `url`."""
+    return served_model(name, fetch_model_config(url, name))
 
 
 def inference_counts(url: str, name: str) -> tuple[int, int] | None:

@@ -1,112 +1,23 @@
 """`orca-client`: stream one prompt from the `orca` (or `baseline`) model over gRPC.
 
-Tokens print as they arrive. The helpers (`build_inputs`, `is_batched`, `response_fields`) hold
-the client side of DESIGN.md's contract, so tests and other clients build requests one way.
+Tokens print as they arrive. Requests and responses go through `orca_client.protocol`, the one
+client-side encoding of the request/response contract (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import queue
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
+from orca_client import protocol
 
 
-def is_batched(client: Any, model: str) -> bool:
-    """Whether `model` has Triton's implicit batch dimension (baseline: yes, orca: no)."""
-    config = client.get_model_config(model, as_json=True)
-    config = config.get("config", config)
-    return int(config.get("max_batch_size", 0)) > 0
-
-
-def build_inputs(
-    *,
-    text: str | None = None,
-    input_ids: list[int] | None = None,
-    max_tokens: int | None = None,
-    sampling: dict[str, Any] | str | None = None,
-    stream: bool | None = None,
-    exclude_input_in_output: bool | None = None,
-    batched: bool = False,
-    module: Any = None,
-) -> list[Any]:
-    """InferInputs for one request; `module` is tritonclient.grpc (default) or tritonclient.http.
-
-    `sampling` is a dict (sent as JSON) or a string sent verbatim as `sampling_parameters`.
-    """
-    if module is None:
-        import tritonclient.grpc as module
-    arrays: list[tuple[str, np.ndarray, str]] = []
-    if text is not None:
-        arrays.append(("text_input", np.array([text.encode("utf-8")], dtype=np.object_), "BYTES"))
-    if input_ids is not None:
-        arrays.append(("input_ids", np.array(input_ids, dtype=np.int32), "INT32"))
-    if max_tokens is not None:
-        arrays.append(("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"))
-    if sampling:
-        payload = sampling if isinstance(sampling, str) else json.dumps(sampling)
-        arrays.append(("sampling_parameters", np.array([payload.encode()], dtype=np.object_), "BYTES"))
-    if stream is not None:
-        arrays.append(("stream", np.array([stream], dtype=np.bool_), "BOOL"))
-    if exclude_input_in_output is not None:
-        arrays.append(("exclude_input_in_output", np.array([exclude_input_in_output], dtype=np.bool_), "BOOL"))
-    inputs = []
-    for name, value, dtype in arrays:
-        if batched:
-            value = value[np.newaxis, ...]
-        tensor = module.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
-
-
-@dataclass
-class Delta:
-    """The fields of one response, batch dimension removed."""
-
-    text: str
-    ids: list[int]
-    finish_reason: str
-    num_input_tokens: int
-    num_output_tokens: int
-    final: bool
-    time: float = field(default_factory=time.perf_counter)
-
-
-def response_fields(result: Any) -> Delta:
-    """Reads an InferResult of either model into a Delta."""
-
-    def get(name: str) -> np.ndarray | None:
-        value = result.as_numpy(name)
-        return None if value is None else value.reshape(-1)
-
-    text = get("text_output")
-    ids = get("output_ids")
-    reason = get("finish_reason")
-    n_in = get("num_input_tokens")
-    n_out = get("num_output_tokens")
-    finish = reason[0].decode() if reason is not None and reason.size else ""
-    final = bool(finish)
-    with contextlib.suppress(AttributeError, KeyError, TypeError):
-        # Set on the final response of a decoupled stream with enable_empty_final_response.
-        final = final or result.get_response().parameters["triton_final_response"].bool_param
-    return Delta(
-        text=b"".join(text).decode("utf-8") if text is not None else "",
-        ids=[int(t) for t in ids] if ids is not None else [],
-        finish_reason=finish,
-        num_input_tokens=int(n_in[0]) if n_in is not None and n_in.size else 0,
-        num_output_tokens=int(n_out[0]) if n_out is not None and n_out.size else 0,
-        final=final,
-    )
-
-
-def stream_one(client: Any, model: str, inputs: list[Any], timeout_s: float = 600.0):
+def stream_one(client: Any, model: str, inputs: list[Any],
+               timeout_s: float = 600.0) -> Iterator[protocol.Delta]:
     """Yields the Deltas of one streamed request as they arrive; raises on an error response."""
     responses: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -117,7 +28,7 @@ def stream_one(client: Any, model: str, inputs: list[Any], timeout_s: float = 60
             result, error = responses.get(timeout=max(0.0, deadline - time.monotonic()))
             if error is not None:
                 raise RuntimeError(str(error))
-            delta = response_fields(result)
+            delta = protocol.decode_response(result)
             if delta.final and not (delta.ids or delta.text or delta.finish_reason):
                 return  # the empty final response
             yield delta
@@ -168,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     client = grpcclient.InferenceServerClient(args.url)
     try:
-        inputs = build_inputs(
+        inputs = protocol.build_inputs(
             text=args.prompt, input_ids=ids, max_tokens=args.max_tokens, sampling=sampling,
             stream=not args.no_stream, exclude_input_in_output=not args.include_input,
-            batched=is_batched(client, args.model),
+            batched=protocol.is_batched(protocol.get_model_config(client, args.model)),
         )
         start = time.perf_counter()
         first = last = None

@@ -15,14 +15,12 @@ sends left against the schedule and the client's CPU time per response.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from orca_client import protocol
 from orca_client.workload import TraceRequest
 
 Progress = Callable[[int, int, int], None]  # (finished, total, errors)
@@ -80,26 +78,12 @@ class LoadOptions:
 
 
 def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> list[Any]:
-    """InferInputs per DESIGN.md's contract: input_ids (or text_input) + sampling_parameters JSON
-    (max_tokens, temperature 0, ignore_eos so output length is the trace's) + stream."""
-    import tritonclient.grpc as grpcclient
-
+    """InferInputs of one trace request: its prompt (text or ids) and sampling_parameters JSON carrying
+    max_tokens (with options.sampling's temperature 0 and ignore_eos, so output length is the trace's)."""
     sampling = {**options.sampling, "max_tokens": req.max_tokens}
-    arrays: list[tuple[str, np.ndarray, str]] = []
-    if req.prompt_text is not None:
-        arrays.append(("text_input", np.array([req.prompt_text.encode()], dtype=np.object_), "BYTES"))
-    else:
-        arrays.append(("input_ids", np.array(req.prompt_ids, dtype=np.int32), "INT32"))
-    arrays.append(("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"))
-    arrays.append(("stream", np.array([options.stream], dtype=np.bool_), "BOOL"))
-    inputs = []
-    for name, value, dtype in arrays:
-        if batched:  # Triton's implicit batch dimension (max_batch_size > 0)
-            value = value[np.newaxis, ...]
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    ids = req.prompt_ids if req.prompt_text is None else None  # a text prompt is sent as text alone
+    return protocol.build_inputs(text=req.prompt_text, input_ids=ids, sampling=sampling,
+                                 stream=options.stream, batched=batched)
 
 
 def _client(url: str, channel: int) -> Any:
@@ -117,48 +101,15 @@ def _client(url: str, channel: int) -> Any:
     return aioclient.InferenceServerClient(url, channel_args=args)
 
 
-async def model_is_batched(url: str, model: str) -> bool:
-    """Whether `model` has Triton's implicit batch dimension (baseline: yes; orca, echo: no)."""
-    client = _client(url, 0)
-    try:
-        config = await client.get_model_config(model, as_json=True)
-    finally:
-        await client.close()
-    config = config.get("config", config)
-    return int(config.get("max_batch_size", 0)) > 0
-
-
-async def model_config(url: str, model: str) -> dict[str, Any]:
-    client = _client(url, 0)
-    try:
-        config = await client.get_model_config(model, as_json=True)
-    finally:
-        await client.close()
-    return config.get("config", config)
-
-
 def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
-    """Records one response; returns whether it was the final one (it carries finish_reason).
-
-    Reads the protobuf's raw output bytes directly: InferResult.as_numpy costs ~30 µs a call, and
-    three calls per token were a third of the client's CPU per response. Layouts (Triton's raw
-    tensor encoding): INT32 little-endian, BYTES elements as a 4-byte length + the bytes.
-    """
-    response = result.get_response()
+    """Records one response; returns whether it was the final one (it carries finish_reason)."""
+    counts = protocol.read_response_counts(result.get_response())
     record.response_times.append(now)
-    tokens = 0
-    finish = ""
-    for output, raw in zip(response.outputs, response.raw_output_contents, strict=False):
-        if output.name == "output_ids":
-            tokens = len(raw) // 4
-        elif output.name == "num_output_tokens" and len(raw) >= 4:
-            record.reported_output_tokens = int.from_bytes(raw[:4], "little", signed=True)
-        elif output.name == "finish_reason" and len(raw) > 4:
-            size = int.from_bytes(raw[:4], "little")
-            finish = raw[4:4 + size].decode()
-    record.response_tokens.append(tokens)
-    if finish:
-        record.finish_reason = finish
+    record.response_tokens.append(counts.output_ids)
+    if counts.num_output_tokens is not None:
+        record.reported_output_tokens = counts.num_output_tokens
+    if counts.finish_reason:
+        record.finish_reason = counts.finish_reason
         record.done_time = now
         return True
     return False
@@ -205,13 +156,13 @@ async def replay(url: str, model: str, trace: list[TraceRequest], options: LoadO
     from orca_client.workload import mean_rate
 
     options = options or LoadOptions()
-    if batched is None:
-        batched = await model_is_batched(url, model)
     records = [RequestRecord(i, r.arrival, r.prompt_len, r.max_tokens) for i, r in enumerate(trace)]
-    payloads = [request_inputs(r, batched, options) for r in trace]  # built before the clock starts
     clients = [_client(url, c) for c in range(max(1, options.num_channels))]
     tasks: list[asyncio.Task] = []
     try:
+        if batched is None:
+            batched = protocol.is_batched(await protocol.get_model_config_async(clients[0], model))
+        payloads = [request_inputs(r, batched, options) for r in trace]  # built before the clock starts
         # Open the connections first, so the first requests do not pay for TCP/HTTP2 setup.
         await asyncio.gather(*(c.is_server_live() for c in clients))
         cpu0 = time.process_time()

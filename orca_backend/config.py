@@ -2,19 +2,20 @@
 
 Every knob a deployment tunes is also a config.pbtxt `parameters` entry (see
 `EngineConfig.from_parameters`), so the offline API and the Triton model share one definition.
+Plain data only: importing this module must not import torch (the client and orca-serve read it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class EngineConfig:
     tokenizer: str | None = None  # tokenizer.json or a directory holding one; default: the model dir's
     device: str = "cpu"
     dtype: str = "float32"
-    max_batch_size: int = 32  # requests in one iteration
+    max_num_seqs: int = 32  # requests in one iteration (Triton's max_batch_size is the baseline batcher's)
     kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer
     kv_policy: str = "reserve"  # ORCA: reserve prompt + max_tokens slots at admission
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
@@ -99,15 +100,11 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be 'reserve' (the only policy implemented), got {self.kv_policy!r}")
         if self.kernels not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(f"kernels must be auto, triton, cpu or torch, got {self.kernels!r}")
-        for name in ("max_batch_size", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("max_num_seqs", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but torch sees no CUDA device")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     def model_config(self) -> ModelConfig:
         if self.model in PRESETS:
@@ -131,19 +128,19 @@ class EngineConfig:
         return None
 
     @classmethod
-    def from_parameters(cls, parameters: dict[str, Any]) -> EngineConfig:
-        """Builds a config from config.pbtxt parameters ({key: {"string_value": ...}} or plain strings).
+    def from_parameters(cls, parameters: Mapping[str, Any]) -> EngineConfig:
+        """Builds a config from config.pbtxt parameters (see `parameter_values`).
 
-        Keys that are not engine fields are left for the caller; `${ENV}` values expand.
+        Keys that are not engine fields are left for the caller; empty values keep the default.
         """
         known = {f.name: f for f in fields(cls)}
+        values = parameter_values(parameters)
+        if "max_batch_size" in values:
+            raise ValueError("parameter max_batch_size is now max_num_seqs (the engine's batch); Triton's own "
+                             "top-level max_batch_size stays the baseline batcher's setting")
         kwargs: dict[str, Any] = {}
-        for key, raw in parameters.items():
-            if key not in known:
-                continue
-            value = raw.get("string_value", "") if isinstance(raw, dict) else str(raw)
-            value = os.path.expandvars(value).strip()
-            if value == "":
+        for key, value in values.items():
+            if key not in known or value == "":
                 continue
             default = known[key].default
             if isinstance(default, bool):
@@ -156,3 +153,17 @@ class EngineConfig:
             else:
                 kwargs[key] = value
         return cls(**kwargs)
+
+
+def parameter_values(parameters: Mapping[str, Any], expand_env: bool = True) -> dict[str, str]:
+    """config.pbtxt `parameters` as plain strings: the one reader of them (server and client).
+
+    Triton hands a model its parameters as {key: {"string_value": ...}}; `orca-serve` and tests may
+    pass plain strings. Inside the server `${ENV}` references expand (the compose file sets the
+    model that way); surrounding whitespace goes.
+    """
+    out = {}
+    for key, raw in parameters.items():
+        value = raw.get("string_value", "") if isinstance(raw, Mapping) else str(raw)
+        out[key] = (os.path.expandvars(value) if expand_env else value).strip()
+    return out

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca_backend.config import EngineConfig
-from orca_backend.engine.llm_engine import LLMEngine, Prompt
-from orca_backend.engine.request import RequestOutput
+from orca_backend.engine.llm_engine import LLMEngine, Prompt, RequestOutput
 from orca_backend.sampling_params import SamplingParams
 
 
@@ -38,12 +37,12 @@ class LLM:
         tokenizer: str | None = None,
         device: str = "cpu",
         dtype: str = "float32",
-        max_batch_size: int = 32,
+        max_num_seqs: int = 32,
         kv_capacity_tokens: int = 16384,
         **engine_options: Any,
     ) -> None:
         config = EngineConfig(
-            model=model, tokenizer=tokenizer, device=device, dtype=dtype, max_batch_size=max_batch_size,
+            model=model, tokenizer=tokenizer, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             kv_capacity_tokens=kv_capacity_tokens, **engine_options,
         )  # fmt: skip
         self.engine = LLMEngine(config)
@@ -67,6 +66,8 @@ class LLM:
 
         streams = self.engine.add_requests(list(prompts), params, on_output=collect)
         while any(not (events.get(s.request_id) and events[s.request_id][-1].finished) for s in streams):
+            self.engine.step()
+        while self.engine.has_work():  # aborts of requests a stop string ended: their K/V is freed now
             self.engine.step()
         return [self._completion(events[s.request_id]) for s in streams]
 

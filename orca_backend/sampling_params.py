@@ -55,12 +55,20 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
-        _check(isinstance(values, dict), "sampling_parameters must be a JSON object")
-        return cls.from_dict(values)
+        return cls.from_dict(parse_sampling_json(text))
+
+
+def parse_sampling_json(text: str) -> dict[str, Any]:
+    """A `sampling_parameters` JSON object as a dict (empty text: no parameters)."""
+    if not text.strip():
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters is not valid JSON ({exc}); send e.g. "
+                         '{"temperature": 0, "max_tokens": 16}') from None
+    _check(isinstance(values, dict), f"sampling_parameters must be a JSON object, got {type(values).__name__}")
+    return values
 
 
 _INT_KEYS = {"max_tokens", "min_tokens", "top_k", "seed"}

@@ -2,7 +2,8 @@
 
 The reusable piece is `TritonServer` (a context manager): tests and the benchmark start a server on
 free ports with it, `orca-serve` is a thin CLI around it. Without a `tritonserver` on PATH (or in
-$TRITONSERVER) it prepares the one shipped in the `nvidia-pytriton` wheel, as DESIGN.md describes.
+$TRITONSERVER) it prepares the one shipped in the `nvidia-pytriton` wheel (docs/architecture.md,
+"Where tritonserver comes from").
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from orca_backend.net import free_port
 
 ALL_MODELS = ("orca", "baseline")
 
@@ -101,12 +103,6 @@ def prepare_pytriton_binary(work_dir: Path) -> TritonBinary:
     return TritonBinary(binary, backend_directory=backends, env=env)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 _PARAM_RE = re.compile(
     r'parameters\s*\{\s*key:\s*"(?P<key>[^"]+)"\s*value:\s*\{\s*string_value:\s*"(?P<value>[^"]*)"\s*\}\s*\}'
 )
@@ -144,7 +140,8 @@ class ServerOptions:
     model_repository: Path | None = None  # default: default_model_repository()
     parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameter overrides, every model
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)  # per-model overrides
-    max_batch_size: int | None = None  # engine batch size, and the baseline's dynamic-batcher batch size
+    max_num_seqs: int | None = None  # orca's engine batch (config.pbtxt parameter max_num_seqs)
+    max_batch_size: int | None = None  # the baseline's Triton max_batch_size (its dynamic batcher and engine)
     max_queue_delay_us: int | None = None  # baseline's dynamic_batching max_queue_delay_microseconds
     host: str = "127.0.0.1"
     http_port: int = 0  # 0: a free port
@@ -206,12 +203,10 @@ class TritonServer:
             config_path = target / name / "config.pbtxt"
             overrides = {**self.options.parameters, **self.options.model_parameters.get(name, {})}
             top_level: dict[str, int] = {}
-            if self.options.max_batch_size is not None:
-                if name == "baseline":
-                    # The baseline's engine batch size is Triton's max_batch_size: one knob.
-                    top_level["max_batch_size"] = self.options.max_batch_size
-                else:
-                    overrides["max_batch_size"] = str(self.options.max_batch_size)
+            if self.options.max_batch_size is not None and name == "baseline":
+                top_level["max_batch_size"] = self.options.max_batch_size
+            if self.options.max_num_seqs is not None and name == "orca":
+                overrides["max_num_seqs"] = str(self.options.max_num_seqs)
             if self.options.max_queue_delay_us is not None and name == "baseline":
                 top_level["max_queue_delay_microseconds"] = self.options.max_queue_delay_us
             config_path.write_text(render_config(config_path.read_text(), overrides, top_level))
@@ -361,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer.json or a directory holding one")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--max-batch-size", type=int, help="engine batch size (and the baseline batcher's max_batch_size)")
+    p.add_argument("--max-num-seqs", type=int, help="orca: requests per engine iteration")
+    p.add_argument("--max-batch-size", type=int, help="baseline: Triton's dynamic-batcher max_batch_size")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
     p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
@@ -389,7 +385,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
             params[flag] = str(Path(value).resolve()) if flag in ("model", "tokenizer") and Path(value).exists() else str(value)
     return ServerOptions(
         models=models, model_repository=args.model_repository, parameters=params,
-        max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
+        max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,
     )

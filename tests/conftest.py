@@ -10,7 +10,7 @@ from orca_backend.config import ModelConfig
 from orca_backend.model.checkpoint import write_random_checkpoint
 
 # initializer_range 0.3: random weights with the default 0.02 repeat one token forever, which would
-# let a broken attention pass token-equality tests (see DESIGN.md's testing notes).
+# let a broken attention pass token-equality tests (see docs/architecture.md, Testing).
 TINY = ModelConfig(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 
 

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from orca_backend.serve import ServerOptions, TritonServer
-from orca_client.cli import Delta, build_inputs, response_fields
+from orca_client.protocol import Delta, build_inputs, decode_response, get_model_config, is_batched
 
 
 def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orca", "baseline"),
@@ -85,7 +85,7 @@ class StreamSession:
         self.client.start_stream(callback=self._on_response)
 
     def send(self, model: str, request_id: str | None = None, **request: Any) -> StreamResult:
-        """Sends one request; `request` are orca_client.cli.build_inputs keywords."""
+        """Sends one request; `request` are orca_client.protocol.build_inputs keywords."""
         return self.send_inputs(model, build_inputs(batched=self.is_batched(model), **request), request_id)
 
     def send_inputs(self, model: str, inputs: list[Any], request_id: str | None = None) -> StreamResult:
@@ -98,8 +98,7 @@ class StreamSession:
 
     def is_batched(self, model: str) -> bool:
         if model not in self._batched:
-            config = self.client.get_model_config(model, as_json=True)["config"]
-            self._batched[model] = int(config.get("max_batch_size", 0)) > 0
+            self._batched[model] = is_batched(get_model_config(self.client, model))
         return self._batched[model]
 
     def _on_response(self, result: Any, error: Any) -> None:
@@ -117,7 +116,7 @@ class StreamSession:
             entry = self.results.get(result.get_response().id)
         if entry is None:
             return
-        delta = response_fields(result)
+        delta = decode_response(result)
         if delta.ids or delta.text or delta.finish_reason or not delta.final:
             entry.deltas.append(delta)
         if delta.final:

@@ -113,7 +113,7 @@ def test_sustained_throughput_and_interpolation():
 def test_headline_ratio_and_qualifiers():
     from orca_client.bench_server import ServedModel
 
-    models = [ServedModel("orca", "orca", 32), ServedModel("b8", "baseline", 8), ServedModel("b32", "baseline", 32)]
+    models = [ServedModel("orca", "orca", max_num_seqs=32), ServedModel("b8", "baseline", 8), ServedModel("b32", "baseline", 32)]
     sustained = {
         "orca": bench_metrics.Sustained("orca", 2.0, 2.0, None, 3, 4),
         "b8": bench_metrics.Sustained("b8", 0.2, 0.2, None, 1, 2),

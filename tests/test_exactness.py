@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from orca_backend import LLM, ModelConfig, SamplingParams
-from orca_backend.engine.batch import build_batch_meta
-from orca_backend.engine.request import Request
-from orca_backend.engine.scheduler import ScheduledBatch
+from orca_backend.core.batch_builder import build_batch_meta
+from orca_backend.core.request import Request
+from orca_backend.core.scheduler import ScheduledBatch
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +31,7 @@ def prompts_for(vocab: int, seed: int) -> list[list[int]]:
 def test_greedy_tokens_equal_transformers(make_checkpoint, geometry):
     path, config = make_checkpoint(geometry, seed=7)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
-    llm = LLM(str(path), max_batch_size=8)
+    llm = LLM(str(path), max_num_seqs=8)
     prompts = prompts_for(config.vocab_size, seed=1)
     max_tokens = 20
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -43,7 +43,7 @@ def test_greedy_tokens_equal_transformers(make_checkpoint, geometry):
             )[0, len(prompt):].tolist()  # fmt: skip
         assert out.output_ids == ref, f"prompt {prompt}"
         assert out.finish_reason == "length"
-    assert llm.engine.kv.used_tokens == 0
+    assert llm.engine.core.kv.used_tokens == 0
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES[:2], ids=lambda g: f"h{g.n_embd}-nh{g.n_head}")
@@ -57,8 +57,8 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     params = SamplingParams(max_tokens=4, temperature=0.0)
     requests = [Request(f"r{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts)]
     for r in requests:
-        engine.kv.admit(r)
-    runner = engine.executor.runner
+        engine.core.kv.admit(r)
+    runner = engine.core.executor.runner
 
     def logits_of(batch: ScheduledBatch) -> torch.Tensor:
         return runner.run_stage(build_batch_meta(batch, 0, None, []))
@@ -72,7 +72,7 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     # Iteration 2: decode for the first three, while two fresh copies of prompts are prefilled beside them.
     fresh = [Request(f"f{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts[:2])]
     for r in fresh:
-        engine.kv.admit(r)
+        engine.core.kv.admit(r)
     mixed = logits_of(ScheduledBatch(requests[:3] + fresh, [1, 1, 1] + [len(p) for p in prompts[:2]]))
 
     with torch.no_grad():

@@ -19,8 +19,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [100, 50, 25]]
 SCRIPT = """
 import json, sys
 from orca_backend import LLM, SamplingParams
-llm = LLM(sys.argv[1], kernels="triton", max_batch_size=4)
-assert llm.engine.executor.runner.model.ops.name == "triton"
+llm = LLM(sys.argv[1], kernels="triton", max_num_seqs=4)
+assert llm.engine.core.executor.runner.model.ops.name == "triton"
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
 print(json.dumps([o.output_ids for o in outs]))
 """
@@ -28,7 +28,7 @@ print(json.dumps([o.output_ids for o in outs]))
 
 def test_engine_tokens_with_triton_kernels_equal_torch_references(make_checkpoint):
     path, _ = make_checkpoint(GEOMETRY, seed=5, tokenizer=False)
-    expected = LLM(str(path), kernels="torch", max_batch_size=4).generate(
+    expected = LLM(str(path), kernels="torch", max_num_seqs=4).generate(
         PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     )
     env = os.environ | {"TRITON_INTERPRET": "1"}

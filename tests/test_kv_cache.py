@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from orca_backend.engine.kv_cache import ReservationKVManager
-from orca_backend.engine.request import Request
+from orca_backend.core.kv_cache_manager import ReservationKVManager
+from orca_backend.core.request import Request
 from orca_backend.sampling_params import SamplingParams
 
 

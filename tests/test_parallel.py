@@ -36,7 +36,7 @@ def staggered_run(engine: LLMEngine, prompts: list[list[int]], lengths: list[int
         engine.step()
     while engine.has_work():
         engine.step()
-    assert engine.kv.used_tokens == 0
+    assert engine.core.kv.used_tokens == 0
     return [tokens[i] for i in ids]
 
 
@@ -47,7 +47,7 @@ def make_prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_batch_size=3))
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3))
     prompts = make_prompts(8)
     lengths = [9, 3, 12, 5, 2, 10, 7, 4]
     return prompts, lengths, staggered_run(engine, prompts, lengths)
@@ -56,18 +56,18 @@ def reference(checkpoint):
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp):
     prompts, lengths, expected = reference
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_batch_size=3, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=tp, pipeline_parallel_size=pp))
     try:
         assert staggered_run(engine, prompts, lengths) == expected
         # Pipeline parallelism keeps one batch per stage in flight when enough requests wait.
         assert engine.stats().max_batches_in_flight == pp
         # Each rank holds about 1/(tp*pp) of the weights (embeddings are shared by first and last stage).
-        per_rank = engine.executor.weight_bytes
+        per_rank = engine.core.executor.weight_bytes
         full = sum(p.numel() * 4 for p in _full_weights(checkpoint))
         assert max(per_rank) <= 1.3 * full / (tp * pp), (per_rank, full)
     finally:
         engine.shutdown()
-    assert not any(p.is_alive() for p in engine.executor.processes)
+    assert not any(p.is_alive() for p in engine.core.executor.processes)
 
 
 def _full_weights(checkpoint) -> list[torch.Tensor]:
@@ -83,7 +83,7 @@ def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoin
         waiting = engine.add_request([4, 5], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         events = iter(stream)
         assert not next(events).finished  # generation is under way
-        victim = engine.executor.processes[1]
+        victim = engine.core.executor.processes[1]
         os.kill(victim.pid, signal.SIGKILL)
         started = time.monotonic()
         last = list(events)[-1]
@@ -94,16 +94,16 @@ def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoin
         with pytest.raises(EngineDeadError, match="worker"):
             engine.add_request([1], SamplingParams(max_tokens=1))
         deadline = time.monotonic() + 15
-        while any(p.is_alive() for p in engine.executor.processes) and time.monotonic() < deadline:
+        while any(p.is_alive() for p in engine.core.executor.processes) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(p.is_alive() for p in engine.executor.processes)
+        assert not any(p.is_alive() for p in engine.core.executor.processes)
     finally:
         engine.shutdown()
 
 
 def test_worker_exception_is_reported_not_hung(checkpoint):
     """A rank that raises (here: an unloadable checkpoint path) fails start-up with its traceback."""
-    from orca_backend.engine.executor import WorkerFailure
+    from orca_backend.executor.base import WorkerFailure
 
     bad = EngineConfig(model=str(checkpoint), tensor_parallel_size=2, tokenizer=None)
     os.rename(checkpoint / "model.safetensors", checkpoint / "moved.safetensors")

@@ -1,4 +1,4 @@
-"""The request/response contract (orca_backend.triton.io) without a server, and the repository
+"""The request/response contract (orca_backend.server.protocol) without a server, and the repository
 and orca-serve rendering that carry it."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from orca_backend.config import EngineConfig
-from orca_backend.engine.request import RequestOutput
+from orca_backend.engine.output_processor import RequestOutput
 from orca_backend.serve import ServerOptions, TritonServer, render_config
-from orca_backend.triton.io import (
+from orca_backend.server.protocol import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     ResponseBuilder,
-    engine_config_from_model_config,
+    engine_config_from_triton_config,
     error_code,
     output_arrays,
     parse_inputs,
@@ -223,10 +223,15 @@ def test_orca_is_decoupled_and_baseline_batches_ragged_prompts():
 
 
 def test_engine_config_forced_fields():
-    model_config = {"parameters": {"model": {"string_value": "gpt2-tiny"}, "scheduling": {"string_value": "iteration"},
-                                   "max_batch_size": {"string_value": "4"}}}
-    config = engine_config_from_model_config(model_config, scheduling="request", max_batch_size=8)
-    assert (config.model, config.scheduling, config.max_batch_size) == ("gpt2-tiny", "request", 8)
+    triton_config = {"parameters": {"model": {"string_value": "gpt2-tiny"}, "scheduling": {"string_value": "iteration"},
+                                    "max_num_seqs": {"string_value": "4"}}}
+    config = engine_config_from_triton_config(triton_config, scheduling="request", max_num_seqs=8)
+    assert (config.model, config.scheduling, config.max_num_seqs) == ("gpt2-tiny", "request", 8)
+
+
+def test_old_max_batch_size_parameter_is_refused_with_its_new_name():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig.from_parameters({"max_batch_size": {"string_value": "4"}})
 
 
 def test_render_config_overrides_adds_and_escapes():
@@ -240,7 +245,7 @@ def test_render_config_overrides_adds_and_escapes():
 
 
 def test_rendered_repository_holds_only_the_chosen_models(tmp_path):
-    server = TritonServer(ServerOptions(models=("orca",), parameters={"model": "gpt2-tiny"}, max_batch_size=3,
+    server = TritonServer(ServerOptions(models=("orca",), parameters={"model": "gpt2-tiny"}, max_num_seqs=3,
                                         run_dir=tmp_path))
     repository = server.render_repository()
     assert sorted(p.name for p in repository.iterdir()) == ["orca"]

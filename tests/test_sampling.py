@@ -10,7 +10,7 @@ from orca_backend import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(str(tiny_checkpoint[0]), max_batch_size=16)
+    return LLM(str(tiny_checkpoint[0]), max_num_seqs=16)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
@@ -41,19 +41,19 @@ def test_top_k_restricts_to_the_k_most_likely(llm):
     top3 = set(hf_logits.topk(3).indices.tolist())
     picks = {o.output_ids[0] for o in llm.generate([prompt] * 40, [SamplingParams(max_tokens=1, temperature=2.0, top_k=3, seed=s) for s in range(40)])}
     assert picks <= top3 and len(picks) > 1
-    assert engine.kv.used_tokens == 0
+    assert engine.core.kv.used_tokens == 0
 
 
 def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    from orca_backend.engine.batch import build_batch_meta
-    from orca_backend.engine.request import Request
-    from orca_backend.engine.scheduler import ScheduledBatch
+    from orca_backend.core.batch_builder import build_batch_meta
+    from orca_backend.core.request import Request
+    from orca_backend.core.scheduler import ScheduledBatch
 
     engine = llm.engine
     r = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
-    engine.kv.admit(r)
-    logits = engine.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, None, []))[0]
-    engine.kv.free(r)
+    engine.core.kv.admit(r)
+    logits = engine.core.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, None, []))[0]
+    engine.core.kv.free(r)
     return logits
 
 

@@ -58,7 +58,7 @@ def test_bad_prompts_fail_alone_and_engine_keeps_serving(llm, prompt, params, me
         with pytest.raises(ValueError, match=message):
             llm.generate(good + [prompt], [SamplingParams(max_tokens=6, temperature=0.0), params])
     assert llm.generate(good, SamplingParams(max_tokens=6, temperature=0.0))[0].output_ids == before
-    assert llm.engine.kv.used_tokens == 0 and not llm.engine.has_work()
+    assert llm.engine.core.kv.used_tokens == 0 and not llm.engine.has_work()
 
 
 def test_request_that_can_never_fit_the_kv_pool_is_rejected(tiny_checkpoint):
@@ -88,11 +88,20 @@ def test_duplicate_request_id_is_rejected(tiny_checkpoint):
     [
         ({"dtype": "float64"}, "dtype must be one of"),
         ({"scheduling": "batch"}, "scheduling must be"),
-        ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
         ({"model": "/no/such/dir"}, "neither a preset"),
-        ({"device": "cuda"}, "no CUDA device"),
+        ({"device": "tpu"}, "device must be cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_engine_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs).model_config()
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused():
+    """One past the last CUDA device (cuda:0 on a CPU machine): refused before anything loads."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="CUDA device"):
+        LLM("gpt2-tiny", device=f"cuda:{count}")

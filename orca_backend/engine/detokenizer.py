@@ -1,4 +1,4 @@
-"""Exact incremental detokenization and stop strings.
+"""Exact incremental detokenization and stop strings, on the output processor's per-request state.
 
 Streamed text deltas must concatenate to exactly the final text and never split a multi-byte
 character (genai-perf re-tokenizes them to count tokens). Byte-level BPE tokens can end inside a
@@ -8,45 +8,59 @@ tokens of left context are re-decoded so merges across the boundary come out rig
 
 from __future__ import annotations
 
-from orca_backend.engine.request import Request
+from dataclasses import dataclass, field
+
 from orca_backend.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
 
 
-def start_offsets(request: Request) -> None:
-    request.read_offset = request.num_prompt_tokens
-    request.prefix_offset = max(request.num_prompt_tokens - _CONTEXT_TOKENS, 0)
+@dataclass
+class DetokenizerState:
+    token_ids: list[int]  # the prompt, then every output token as it arrives
+    stop: list[str]
+    text: str = ""  # output text decoded so far (without an incomplete trailing character)
+    sent_text_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    max_stop_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(len(self.token_ids) - _CONTEXT_TOKENS, 0)
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
 
-def update_text(tokenizer: Tokenizer, request: Request, final: bool = False) -> None:
-    """Appends the text of the request's newest tokens to `request.text` once it is complete.
+def update_text(tokenizer: Tokenizer, state: DetokenizerState, final: bool = False) -> None:
+    """Appends the text of the newest tokens to `state.text` once it is complete.
 
     With `final` (the request has ended) whatever is left is appended, even an incomplete character.
     """
-    ids = request.all_token_ids()
-    prefix_text = tokenizer.decode(ids[request.prefix_offset : request.read_offset])
-    full_text = tokenizer.decode(ids[request.prefix_offset :])
+    ids = state.token_ids
+    prefix_text = tokenizer.decode(ids[state.prefix_offset : state.read_offset])
+    full_text = tokenizer.decode(ids[state.prefix_offset :])
     if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
-        request.text += full_text[len(prefix_text) :]
-        request.prefix_offset = request.read_offset
-        request.read_offset = len(ids)
+        state.text += full_text[len(prefix_text) :]
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(ids)
 
 
-def find_stop(request: Request) -> int | None:
-    """Index in `request.text` where the earliest stop string begins, if one appeared in new text."""
-    stops = request.params.stop
-    if not stops:
+def find_stop(state: DetokenizerState) -> int | None:
+    """Index in `state.text` where the earliest stop string begins, if one appeared in new text."""
+    if not state.stop:
         return None
     # Only text not yet released can hold a new match; step back so a stop spanning the boundary counts.
-    window = max(request.sent_text_len - max(len(s) for s in stops), 0)
-    hits = [i for i in (request.text.find(s, window) for s in stops) if i >= 0]
+    window = max(state.sent_text_len - state.max_stop_len, 0)
+    hits = [i for i in (state.text.find(s, window) for s in state.stop) if i >= 0]
     return min(hits) if hits else None
 
 
-def releasable_text(request: Request) -> str:
-    """Text safe to send now: while a stop string may still be completing, its possible prefix is held back."""
-    end = len(request.text)
-    if request.params.stop and not request.finished:
-        end = max(end - (max(len(s) for s in request.params.stop) - 1), request.sent_text_len)
-    return request.text[request.sent_text_len : end]
+def take_releasable_text(state: DetokenizerState, finished: bool) -> str:
+    """Text safe to send now, marked as sent: while a stop string may still be completing, its
+    possible prefix is held back."""
+    end = len(state.text)
+    if state.stop and not finished:
+        end = max(end - (state.max_stop_len - 1), state.sent_text_len)
+    new_text = state.text[state.sent_text_len : end]
+    state.sent_text_len += len(new_text)
+    return new_text

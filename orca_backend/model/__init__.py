@@ -1,1 +1,1 @@
-"""model"""
+"""Model families with selective batching, checkpoints, and sharded loading."""

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from orca_backend.config import ModelConfig
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
-from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import SINGLE_PROCESS, ParallelLayout
 from orca_kernels import AttentionMetadata, KernelOps
 
 

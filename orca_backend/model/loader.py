@@ -8,10 +8,11 @@ import logging
 import torch
 
 from orca_backend.config import PRESETS, EngineConfig, ModelConfig
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model.checkpoint import WeightSource, random_hf_state_dict
+from orca_backend.model.device import torch_dtype
 from orca_backend.model.gpt2 import GPT2, GPT2Weights
-from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import SINGLE_PROCESS, ParallelLayout
 from orca_kernels import get_ops
 
 logger = logging.getLogger("orca.model")
@@ -27,5 +28,5 @@ def load_model(
     else:
         logger.info("model: checkpoint %s", config.model)
         source = WeightSource.from_dir(config.model)
-    weights = GPT2Weights.load(source, model_config, layout, config.torch_dtype, device)
+    weights = GPT2Weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
     return GPT2(model_config, weights, get_ops(device, config.kernels), layout, tp)

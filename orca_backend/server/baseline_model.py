@@ -8,55 +8,46 @@ the request-level reference ORCA is compared against.
 
 from __future__ import annotations
 
-import json
 import queue
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca_backend.triton.io import (
+from orca_backend.server.adapter import EngineAdapter, is_cancelled
+from orca_backend.server.protocol import (
     EngineUnavailable,
     ParsedRequest,
     ResponseBuilder,
-    engine_config_from_model_config,
     error_response,
     make_response,
     read_request,
     request_failure,
     response_builder,
 )
-from orca_backend.triton.metrics import EngineMetrics, MetricsPoller
 
 WAIT_POLL_S = 0.1  # how often a waiting execute() checks engine health and cancellation
 
 
-class BaselineModel:
+class BaselineModel(EngineAdapter):
     """TritonPythonModel for model_repository/baseline (dynamic_batching, max_batch_size > 0)."""
 
-    def initialize(self, args: dict[str, str]) -> None:
-        from orca_backend.engine.llm_engine import LLMEngine
+    scheduling = "request"
 
-        self.model_config = json.loads(args["model_config"])
-        self.model_name = args["model_name"]
-        if pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+    def check_triton_config(self) -> None:
+        if pb_utils.using_decoupled_model_transaction_policy(self.triton_config):
             raise pb_utils.TritonModelException(f"{self.model_name}: the baseline answers once per request; "
                                                 "remove the decoupled transaction policy")
-        max_batch_size = int(self.model_config.get("max_batch_size", 0))
-        if max_batch_size < 1:
+        if int(self.triton_config.get("max_batch_size", 0)) < 1:
             raise pb_utils.TritonModelException(f"{self.model_name}: set max_batch_size >= 1 and dynamic_batching "
                                                 "in config.pbtxt; Triton's batcher forms the baseline's batches")
+
+    def owned_engine_fields(self) -> dict[str, Any]:
         # Triton's max_batch_size is the only batch-size knob: the engine must take any batch it forms.
-        config = engine_config_from_model_config(self.model_config, scheduling="request",
-                                                 max_batch_size=max_batch_size)
-        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
-        self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
-        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        return {"max_num_seqs": int(self.triton_config["max_batch_size"])}
+
+    def initialize(self, args: dict[str, str]) -> None:
         self._batch_ids = 0
-        pb_utils.Logger.log_info(
-            f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
-            f"max_batch_size={max_batch_size}, kv_capacity_tokens={config.kv_capacity_tokens})"
-        )
+        super().initialize(args)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
@@ -97,10 +88,10 @@ class BaselineModel:
             except queue.Empty:
                 if not self.engine.healthy:
                     for index in remaining:
-                        responses[index] = error_response(EngineUnavailable(_dead_reason(self.engine)))
+                        responses[index] = error_response(EngineUnavailable(self._dead_reason()))
                     return
                 for index in remaining - cancelled:
-                    if _is_cancelled(requests[index]):
+                    if is_cancelled(requests[index]):
                         cancelled.add(index)
                         self.engine.abort_request(ids[index])
                 continue
@@ -119,7 +110,7 @@ class BaselineModel:
         """The requests the engine accepts; the others get their validation error."""
         if not self.engine.healthy:
             for index in parsed:
-                responses[index] = error_response(EngineUnavailable(_dead_reason(self.engine)))
+                responses[index] = error_response(EngineUnavailable(self._dead_reason()))
             return []
         admitted = []
         for index, request in parsed.items():
@@ -131,18 +122,5 @@ class BaselineModel:
                 responses[index] = error_response(exc)
         return admitted
 
-    def finalize(self) -> None:
-        self._poller.stop()
-        self.engine.shutdown()
-
-
-def _dead_reason(engine: Any) -> str:
-    return f"the engine loop stopped ({getattr(engine, 'dead_reason', None) or 'unknown reason'}); reload the model"
-
-
-def _is_cancelled(request: Any) -> bool:
-    try:
-        return bool(request.is_cancelled())
-    except Exception:
-        return False
-
+    def _dead_reason(self) -> str:
+        return f"{self.dead_reason()}; reload the model"

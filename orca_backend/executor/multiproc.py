@@ -11,23 +11,17 @@ import contextlib
 import json
 import logging
 import multiprocessing as mp
-import socket
 from collections import deque
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 
 from orca_backend.config import EngineConfig, ModelConfig
-from orca_backend.engine.batch import BatchMeta
-from orca_backend.engine.executor import WorkerFailure
-from orca_backend.parallel.worker import STOP, worker_main
+from orca_backend.executor.base import WorkerFailure
+from orca_backend.net import free_port
+from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerPoolExecutor:
@@ -39,7 +33,7 @@ class WorkerPoolExecutor:
         self._pending: deque[int] = deque()
         self._closed = False
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         config_json, model_json = json.dumps(asdict(config)), json.dumps(asdict(model_config))
         self.conns: list[Connection] = []
         self.processes: list[mp.process.BaseProcess] = []
@@ -69,15 +63,15 @@ class WorkerPoolExecutor:
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def submit(self, meta: BatchMeta) -> None:
-        data = meta.to_bytes()
+    def submit(self, batch_meta: BatchMeta) -> None:
+        data = batch_meta.to_bytes()
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as exc:
             self.shutdown()
             raise WorkerFailure(f"cannot reach a worker: {exc}") from None
-        self._pending.append(meta.batch_id)
+        self._pending.append(batch_meta.batch_id)
 
     def collect_oldest(self) -> list[int]:
         expected = self._pending.popleft()

@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and the output events the engine emits for it."""
+"""A request's scheduling state inside the engine core, and what the core reports about it."""
 
 from __future__ import annotations
 
@@ -14,44 +14,21 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
-class RequestOutput:
-    """One event on a request's stream: what is new since the previous event.
-
-    Every request gets at least one event; the last has ``finished`` set and a ``finish_reason``
-    of "length" | "stop" | "cancelled" | "error" (with ``error`` holding the message).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str  # exact incremental detokenization ("" without a tokenizer)
-    finished: bool
-    finish_reason: str | None
-    num_input_tokens: int
-    num_output_tokens: int
-    time: float  # time.perf_counter() when the engine produced this event
-    error: str | None = None
-
-
 @dataclass
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    sampling_seed: int = 0  # params.seed, or drawn by the engine at arrival (see worker/sampler.py)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    in_flight: bool = False  # part of a batch that has not returned yet (pipeline parallelism)
+    # Written by the scheduler alone: part of a batch that has not returned yet (pipeline parallelism).
+    in_flight: bool = False
     kv_start: int = -1  # first slot of the K/V region reserved for it, -1 while it has none
     num_computed: int = 0  # tokens whose K/V is in the cache
-    sampling_seed: int = 0  # params.seed, or drawn by the engine at arrival (see Sampler)
-    # Incremental detokenization state (see engine/detokenizer.py).
-    text: str = ""
-    sent_text_len: int = 0
-    sent_ids_len: int = 0
-    prefix_offset: int = 0
-    read_offset: int = 0
+    num_reported: int = 0  # output tokens already handed out in a CoreOutput
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,3 +49,18 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+@dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
+class CoreOutput:
+    """What one iteration (or an abort) did to one request: its new tokens, and whether it ended.
+
+    `finish_reason` is "length" | "stop" | "cancelled" | "error" (with `error` holding the message),
+    or the reason an abort named.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None

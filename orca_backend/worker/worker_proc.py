@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from orca_backend.config import EngineConfig, ModelConfig
-from orca_backend.engine.batch import BatchMeta
-from orca_backend.engine.model_runner import ModelRunner
-from orca_backend.parallel.comm import TensorParallelGroup
-from orca_backend.parallel.layout import ParallelLayout
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import ParallelLayout
+from orca_backend.model.device import torch_dtype
+from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.model_runner import ModelRunner
 
 STOP = b"stop"
 logger = logging.getLogger("orca.worker")
@@ -72,14 +73,14 @@ def _serve(rank: int, config: EngineConfig, model_config: ModelConfig, init_meth
         data = conn.recv_bytes()
         if data == STOP:
             break
-        meta = BatchMeta.from_bytes(data)
+        batch_meta = BatchMeta.from_bytes(data)
         hidden = None
         if not layout.is_first_stage:
-            hidden = torch.empty((2, meta.num_tokens, *hidden_shape_tail), dtype=config.torch_dtype, device=device)
+            hidden = torch.empty((2, batch_meta.num_tokens, *hidden_shape_tail), dtype=torch_dtype(config.dtype), device=device)
             dist.recv(hidden, src=rank - tp)
-        out = runner.run_stage(meta, hidden)
+        out = runner.run_stage(batch_meta, hidden)
         if not layout.is_last_stage:
             dist.send(out.contiguous(), dst=rank + tp)
         elif samples:
-            send_message(conn, kind="tokens", batch_id=meta.batch_id, tokens=runner.sample(out, meta))
+            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=runner.sample(out, batch_meta))
     dist.destroy_process_group()

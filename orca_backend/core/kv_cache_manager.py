@@ -1,4 +1,4 @@
-"""Attention K/V management: the bookkeeping (master side) and the preallocated pool (model side).
+"""K/V bookkeeping: which slots of the pool each request holds (the pool itself is worker/kv_pool.py).
 
 `KVCacheManager` is the interface the scheduler talks to. `ReservationKVManager` is ORCA's policy:
 at admission a request gets one contiguous region of ``prompt + max_tokens`` slots, so a running
@@ -11,9 +11,7 @@ from __future__ import annotations
 import bisect
 from abc import ABC, abstractmethod
 
-import torch
-
-from orca_backend.engine.request import Request
+from orca_backend.core.request import Request
 
 
 class KVCacheManager(ABC):
@@ -105,14 +103,3 @@ def make_kv_manager(policy: str, capacity_tokens: int) -> KVCacheManager:
     if policy == "reserve":
         return ReservationKVManager(capacity_tokens)
     raise ValueError(f"unknown K/V policy {policy!r}")
-
-
-def allocate_kv_pool(
-    num_layers: int, capacity_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The preallocated per-layer K/V pools, [slots, heads, head_dim] each."""
-    shape = (capacity_tokens, num_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]

@@ -1,10 +1,10 @@
 """The `orca` model: a decoupled Python-backend adapter in front of the iteration-level engine.
 
-Three threads meet here:
+Four threads meet here:
 - Triton's execute() thread parses and validates each request, hands it to the engine and returns
   at once (nothing waits for tokens);
-- the engine thread runs iterations and reports every event through `on_output`, which only puts
-  it on a queue, so the iteration loop never blocks on Triton;
+- the engine's core thread runs iterations; its output thread detokenizes and reports every event
+  through `on_output`, which only puts it on a queue, so neither ever blocks on Triton;
 - the response thread (this module) drains that queue, sends responses through each request's
   response sender, polls cancellation and watches engine health (metrics have their own poller).
 Who removes a request from `_pending` owns its sender's final response: no double finals.
@@ -13,9 +13,7 @@ Who removes a request from `_pending` owns its sender's final response: no doubl
 from __future__ import annotations
 
 import itertools
-import json
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -23,17 +21,16 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca_backend.triton.io import (
+from orca_backend.server.adapter import EngineAdapter, is_cancelled
+from orca_backend.server.protocol import (
     EngineUnavailable,
     ResponseBuilder,
-    engine_config_from_model_config,
     error_response,
     make_response,
     read_request,
     request_failure,
     response_builder,
 )
-from orca_backend.triton.metrics import EngineMetrics, MetricsPoller
 
 CANCEL_POLL_S = 0.1  # how often pending requests are asked whether their client cancelled
 CANCEL_CHECKS_PER_POLL = 64  # is_cancelled() is an IPC round trip: at most this many per poll
@@ -50,29 +47,24 @@ class _Pending:
     abort_requested: bool = False
 
 
-class OrcaModel:
+class OrcaModel(EngineAdapter):
     """TritonPythonModel for model_repository/orca (decoupled, max_batch_size 0)."""
 
-    def initialize(self, args: dict[str, str]) -> None:
-        from orca_backend.engine.llm_engine import LLMEngine
+    scheduling = "iteration"
 
-        self.model_config = json.loads(args["model_config"])
-        self.model_name = args["model_name"]
-        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+    def check_triton_config(self) -> None:
+        if not pb_utils.using_decoupled_model_transaction_policy(self.triton_config):
             raise pb_utils.TritonModelException(
                 f"{self.model_name}: set model_transaction_policy {{ decoupled: true }} in config.pbtxt; "
                 "the orca adapter streams tokens as the engine produces them"
             )
-        if int(self.model_config.get("max_batch_size", 0)) != 0:
+        if int(self.triton_config.get("max_batch_size", 0)) != 0:
             raise pb_utils.TritonModelException(
-                f"{self.model_name}: max_batch_size must be 0 — the engine batches; set max_batch_size "
+                f"{self.model_name}: max_batch_size must be 0 — the engine batches; set max_num_seqs "
                 "in `parameters` instead"
             )
-        config = engine_config_from_model_config(self.model_config, scheduling="iteration")
-        _set_gil_switch_interval(self.model_config)
-        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
-        self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+
+    def initialize(self, args: dict[str, str]) -> None:
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -80,13 +72,9 @@ class OrcaModel:
         self._dead_reason: str | None = None
         self._cancel_cursor = 0
         self._stopping = threading.Event()
-        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        super().initialize(args)
         self._thread = threading.Thread(target=self._response_loop, name="orca-responses", daemon=True)
         self._thread.start()
-        pb_utils.Logger.log_info(
-            f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
-            f"max_batch_size={config.max_batch_size}, kv_capacity_tokens={config.kv_capacity_tokens})"
-        )
 
     # ---- Triton's thread -------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -191,7 +179,7 @@ class OrcaModel:
         self._cancel_cursor = start + len(chosen)
         for request_id in chosen:
             pending = self._pending.get(request_id)
-            if pending is not None and not pending.abort_requested and _is_cancelled(pending):
+            if pending is not None and not pending.abort_requested and is_cancelled(pending.request, pending.sender):
                 self._abort(pending)
 
     def _abort(self, pending: _Pending) -> None:
@@ -206,8 +194,7 @@ class OrcaModel:
     def _check_health(self) -> None:
         if self._dead_reason is not None or self.engine.healthy:
             return
-        self._dead_reason = (f"the engine loop stopped ({getattr(self.engine, 'dead_reason', None) or 'unknown reason'}); "
-                             "the model is being unloaded")
+        self._dead_reason = f"{self.dead_reason()}; the model is being unloaded"
         pb_utils.Logger.log_error(f"{self.model_name}: {self._dead_reason}")
         self._fail_all(EngineUnavailable(self._dead_reason))
         # Triton 2.51's Python backend has no readiness hook: unloading (explicit model control,
@@ -236,22 +223,8 @@ class OrcaModel:
             self._dead_reason = "the model is shutting down"
         self._stopping.set()
         self._thread.join(timeout=10)
-        self.engine.shutdown()
+        super().finalize()
         self._fail_all(EngineUnavailable(self._dead_reason))
-        self._poller.stop()
-
-
-def _set_gil_switch_interval(model_config: dict[str, Any]) -> None:
-    """Shortens the GIL switch interval of this stub process (parameter gil_switch_interval_us).
-
-    Every send() and is_cancelled() is an IPC round trip that releases the GIL; taking it back
-    from the busy engine thread costs up to one switch interval (5 ms by default), which would
-    cap a stream at ~200 responses/s while the engine iterates.
-    """
-    raw = model_config.get("parameters", {}).get("gil_switch_interval_us", {})
-    value = raw.get("string_value", "") if isinstance(raw, dict) else str(raw)
-    if value.strip():
-        sys.setswitchinterval(float(value) / 1e6)
 
 
 def _send(sender: Any, response: Any, flags: int = 0) -> bool:
@@ -264,13 +237,3 @@ def _send(sender: Any, response: Any, flags: int = 0) -> bool:
 
 def _send_final(sender: Any, response: Any) -> bool:
     return _send(sender, response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-
-def _is_cancelled(pending: _Pending) -> bool:
-    try:
-        return bool(pending.sender.is_cancelled())
-    except Exception:
-        try:
-            return bool(pending.request.is_cancelled())
-        except Exception:
-            return False

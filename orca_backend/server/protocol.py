@@ -1,4 +1,4 @@
-"""The request/response contract of the `orca` and `baseline` models (DESIGN.md), in one place.
+"""The request/response contract of the `orca` and `baseline` models, in one place (docs/architecture.md).
 
 Parsing works on plain numpy arrays and dicts so it is unit-testable without Triton; the adapters
 only collect a request's tensors (`read_request`) and wrap the arrays built here into responses.
@@ -7,6 +7,7 @@ Every parse problem is a ValueError whose message tells the client what to send 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -14,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from orca_backend.engine.request import RequestOutput
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.config import EngineConfig
+from orca_backend.core.engine_core import EngineDeadError
+from orca_backend.engine.output_processor import RequestOutput
+from orca_backend.sampling_params import SamplingParams, parse_sampling_json
 
 INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output")
 OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
@@ -51,7 +54,7 @@ def parse_inputs(
 
     values: dict[str, Any] = {k: v for k, v in _parameters_dict(parameters).items() if k in _SAMPLING_KEYS}
     if "sampling_parameters" in arrays:
-        values.update(_parse_sampling_json(_scalar_string("sampling_parameters", arrays["sampling_parameters"])))
+        values.update(parse_sampling_json(_scalar_string("sampling_parameters", arrays["sampling_parameters"])))
     if "max_tokens" in arrays:
         values["max_tokens"] = _scalar_int("max_tokens", arrays["max_tokens"])
     params = SamplingParams.from_dict(values)  # ValueError with the offending key and value
@@ -120,19 +123,6 @@ def _scalar_bool(name: str, value: np.ndarray) -> bool:
     if value.dtype != np.bool_:
         raise ValueError(f"{name} must be a BOOL, got {value.dtype}")
     return bool(_single(name, value))
-
-
-def _parse_sampling_json(text: str) -> dict[str, Any]:
-    if not text.strip():
-        return {}
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters is not valid JSON ({exc}); send e.g. "
-                         '{"temperature": 0, "max_tokens": 16}') from None
-    if not isinstance(values, dict):
-        raise ValueError(f"sampling_parameters must be a JSON object, got {type(values).__name__}")
-    return values
 
 
 def _parameters_dict(parameters: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -276,8 +266,6 @@ def request_failure(message: str, engine_healthy: bool) -> Exception:
 
 def error_code(exc: BaseException) -> tuple[str, str]:
     """(TritonError code name, message) for an exception raised while handling a request."""
-    from orca_backend.engine.llm_engine import EngineDeadError
-
     if isinstance(exc, EngineDeadError | EngineUnavailable):
         return "UNAVAILABLE", f"the ORCA engine is unavailable: {exc}"
     if isinstance(exc, ValueError):
@@ -285,11 +273,7 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
 
 
-def engine_config_from_model_config(model_config: Mapping[str, Any], **forced: Any) -> Any:
+def engine_config_from_triton_config(triton_config: Mapping[str, Any], **forced: Any) -> EngineConfig:
     """EngineConfig from config.pbtxt `parameters`, with the fields the adapter must own forced."""
-    import dataclasses
-
-    from orca_backend.config import EngineConfig
-
-    config = EngineConfig.from_parameters(model_config.get("parameters", {}) or {})
+    config = EngineConfig.from_parameters(triton_config.get("parameters", {}) or {})
     return dataclasses.replace(config, **forced) if forced else config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from orca_backend.engine.batch import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta
 
 
 class Sampler:
@@ -26,22 +26,22 @@ class Sampler:
             gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
         return gen
 
-    def sample(self, logits: torch.Tensor, meta: BatchMeta) -> list[int]:
+    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> list[int]:
         """logits: [B, vocab] float32, one row per request. Returns one token id per request."""
-        for row, banned in enumerate(meta.banned_ids):
+        for row, banned in enumerate(batch_meta.banned_ids):
             if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
                 logits[row, banned] = float("-inf")
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, t in enumerate(meta.temperature) if t > 0]
+        random_rows = [i for i, t in enumerate(batch_meta.temperature) if t > 0]
         if random_rows:
-            tokens[random_rows] = self._sample_random(logits[random_rows], meta, random_rows)
+            tokens[random_rows] = self._sample_random(logits[random_rows], batch_meta, random_rows)
         return tokens.tolist()
 
-    def _sample_random(self, logits: torch.Tensor, meta: BatchMeta, rows: list[int]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, batch_meta: BatchMeta, rows: list[int]) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[1]
-        temperature = torch.tensor([meta.temperature[i] for i in rows], device=device)
-        top_k = torch.tensor([meta.top_k[i] or vocab for i in rows], device=device)
-        top_p = torch.tensor([meta.top_p[i] for i in rows], device=device)
+        temperature = torch.tensor([batch_meta.temperature[i] for i in rows], device=device)
+        top_k = torch.tensor([batch_meta.top_k[i] or vocab for i in rows], device=device)
+        top_p = torch.tensor([batch_meta.top_p[i] for i in rows], device=device)
 
         values, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
@@ -51,6 +51,6 @@ class Sampler:
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
         cdf = probs.cumsum(dim=-1)
-        u = torch.stack([torch.rand((), generator=self._generator(meta.request_ids[i], meta.seeds[i])) for i in rows])
+        u = torch.stack([torch.rand((), generator=self._generator(batch_meta.request_ids[i], batch_meta.seeds[i])) for i in rows])
         pick = torch.searchsorted(cdf, (u.to(device) * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
         return order.gather(1, pick).squeeze(1)

@@ -1,0 +1,188 @@
+"""The engine core: the one loop that schedules, executes and updates, an iteration at a time.
+
+It owns the scheduler, the K/V bookkeeping and the executor, and is driven by a single thread (the
+background loop of `run_forever`, or the caller of `step()`). Other threads reach it only through
+its inbox (`add_requests`, `abort`), so adding a request never waits for an iteration to end.
+Each step returns plain `CoreOutput`s (new token ids, finish reasons); turning them into text and
+watching for stop strings is the output processor's job, off this thread's critical path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.core.batch_builder import build_batch_meta
+from orca_backend.core.kv_cache_manager import make_kv_manager
+from orca_backend.core.request import CoreOutput, Request
+from orca_backend.core.scheduler import ScheduledBatch, Scheduler
+from orca_backend.executor import Executor, WorkerFailure, make_executor
+
+logger = logging.getLogger("orca.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served until the model is reloaded."""
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    num_iterations: int
+    num_generated_tokens: int
+    last_iteration_seconds: float
+    max_batches_in_flight: int  # > 1 only with pipeline parallelism
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.executor = executor if executor is not None else make_executor(config, model_config)
+        self.kv = make_kv_manager(config.kv_policy, config.kv_capacity_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,
+            pipeline_depth=self.executor.max_in_flight,
+        )  # fmt: skip
+        self._in_flight: deque[ScheduledBatch] = deque()
+        self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
+        self._batch_ids = itertools.count()
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        # Taken by add_requests and by _die: a request is either refused or failed, never lost.
+        self._inbox_lock = threading.Lock()
+        self._stopping = False
+        self.dead_reason: str | None = None
+        self.num_iterations = 0
+        self.num_generated_tokens = 0
+        self.last_iteration_seconds = 0.0
+        self.max_batches_in_flight = 0
+
+    # ----------------------------------------------------------------- any thread
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queues validated requests; in request-level mode requests added together are admitted together."""
+        with self._inbox_lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
+            self._inbox.put(("add", list(requests)))
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """Ends the request with `reason` and frees its K/V; unknown or finished ids are ignored."""
+        self._inbox.put(("abort", request_id, reason))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop",))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_used_tokens=self.kv.used_tokens,
+            kv_capacity_tokens=self.kv.capacity_tokens,
+            num_iterations=self.num_iterations,
+            num_generated_tokens=self.num_generated_tokens,
+            last_iteration_seconds=self.last_iteration_seconds,
+            max_batches_in_flight=self.max_batches_in_flight,
+        )
+
+    # ------------------------------------------------------------------ core thread
+    def has_work(self) -> bool:
+        """Requests to run, batches to collect (aborted requests' K/V is freed then) or inbox items."""
+        return self.scheduler.has_work() or bool(self._in_flight) or not self._inbox.empty()
+
+    def step(self) -> list[CoreOutput]:
+        """One iteration: take in new requests and aborts, schedule, run the model, update.
+
+        With pipeline parallelism it first fills the pipeline (up to one batch per stage, each of
+        requests not already in flight), then waits for the oldest batch only.
+        """
+        outputs = self._drain_inbox(block=False)
+        if self.dead_reason is not None:
+            return outputs
+        while self.executor.num_in_flight < self.executor.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            released, self._released_ids = self._released_ids, []
+            batch_meta = build_batch_meta(batch, next(self._batch_ids), self.model_config.eos_token_id, released)
+            self.executor.submit(batch_meta)
+            self._in_flight.append(batch)
+            self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
+        if not self._in_flight:
+            return outputs
+        batch = self._in_flight.popleft()
+        started = time.perf_counter()
+        try:
+            sampled = self.executor.collect_oldest()
+        except WorkerFailure as exc:
+            return outputs + self._die(f"a model worker failed: {exc}")
+        except Exception as exc:  # a failed forward ends its batch, never the engine
+            logger.exception("iteration failed; ending its %d requests", len(batch.requests))
+            return outputs + self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
+        self.num_generated_tokens += sum(not request.finished for request in batch.requests)
+        updated = self.scheduler.update_from_output(batch, sampled)
+        self.num_iterations += 1
+        self.last_iteration_seconds = time.perf_counter() - started
+        return outputs + self._note_finished(updated)
+
+    def run_forever(self, emit: Callable[[list[CoreOutput]], None]) -> None:
+        """The background loop: iterations while work exists, idle on the inbox otherwise. Every
+        step's outputs go to `emit` (which must not block); the last call carries the failure of
+        every request if the loop dies."""
+        try:
+            while not self._stopping:
+                idle = not (self.scheduler.has_work() or self._in_flight)
+                outputs = self._drain_inbox(block=True) if idle else []
+                if not self._stopping:
+                    outputs += self.step()
+                if outputs:
+                    emit(outputs)
+        except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must reach every waiting client
+            logger.exception("engine loop died")
+            emit(self._die(f"engine loop crashed: {exc!r}"))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _drain_inbox(self, block: bool) -> list[CoreOutput]:
+        outputs: list[CoreOutput] = []
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return outputs
+            block = False
+            kind = item[0]
+            if kind == "add":
+                for request in item[1]:
+                    self.scheduler.add(request)
+            elif kind == "abort":
+                outputs += self._note_finished(self.scheduler.finish(item[1], item[2]))
+            elif kind == "stop":
+                return outputs
+
+    def _note_finished(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """Finished requests' sampler state is dropped by the workers with the next batch."""
+        self._released_ids += [o.request_id for o in outputs if o.finished]
+        return outputs
+
+    def _die(self, reason: str) -> list[CoreOutput]:
+        logger.error("engine stops serving: %s", reason)
+        with self._inbox_lock:
+            self.dead_reason = reason
+            self._stopping = True
+            outputs = self._drain_inbox(block=False)  # queued adds join the scheduler, and fail below
+        self._in_flight.clear()
+        outputs += self.scheduler.fail_all(reason)
+        self.executor.shutdown()
+        return outputs

@@ -1,0 +1,36 @@
+"""Token-level stopping, decided in one place: EOS, stop token ids, min_tokens and max_tokens.
+
+Stop *strings* are text-level and belong to the output processor (engine/output_processor.py),
+which detokenizes; it reports a hit back to the core as an abort with reason "stop".
+"""
+
+from __future__ import annotations
+
+from orca_backend.core.request import Request
+
+
+def check_stop(request: Request, token: int, eos_token_id: int | None) -> str | None:
+    """The finish reason once `token` has been appended to `request.output_ids`, or None."""
+    params = request.params
+    num_output = len(request.output_ids)
+    is_eos = token == eos_token_id and not params.ignore_eos
+    if (is_eos or token in params.stop_token_ids) and num_output > params.min_tokens:
+        return "stop"
+    if num_output >= params.max_tokens:
+        return "length"
+    return None
+
+
+def banned_token_ids(request: Request, eos_token_id: int | None) -> list[int]:
+    """Tokens the sampler must not pick for this request's next token.
+
+    Before min_tokens, EOS (unless ignored) and the stop ids cannot be sampled at all (vLLM's
+    semantics), so `check_stop` never sees one it would have to ignore.
+    """
+    params = request.params
+    if not params.min_tokens or len(request.output_ids) >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        banned.append(eos_token_id)
+    return banned

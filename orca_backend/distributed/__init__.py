@@ -1,0 +1,1 @@
+"""Rank layout and tensor-parallel collectives (NCCL on GPUs, gloo on CPU)."""

@@ -1,0 +1,126 @@
+"""The output processor: turns the core's per-iteration token ids into each request's output events.
+
+It runs beside the engine core, not inside its iteration: incremental detokenization and
+stop-string search happen here (on the output thread of a launched engine, or after each `step()`
+offline). A stop string ends the request here, at once, with reason "stop" and the text cut before
+the stop; the core hears of it as an abort with that reason and frees the request's K/V, and any
+tokens it produced meanwhile are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orca_backend.core.request import CoreOutput
+from orca_backend.engine import detokenizer
+from orca_backend.engine.detokenizer import DetokenizerState
+from orca_backend.sampling_params import SamplingParams
+from orca_backend.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
+class RequestOutput:
+    """One event on a request's stream: what is new since the previous event.
+
+    Every request gets at least one event; the last has ``finished`` set and a ``finish_reason``
+    of "length" | "stop" | "cancelled" | "error" (with ``error`` holding the message).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # exact incremental detokenization ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int
+    time: float  # time.perf_counter() when the event was handed to its sink
+    error: str | None = None
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _RequestState:
+    sink: OutputSink
+    num_prompt_tokens: int
+    output_ids: list[int]
+    sent_ids_len: int = 0
+    detok: DetokenizerState | None = None  # None without a tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+        self._lock = threading.Lock()  # guards id registration against the thread that processes
+
+    def add(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
+            sinks: list[OutputSink]) -> None:  # fmt: skip
+        """Registers requests before the core sees them; a ValueError if an id is still in use."""
+        with self._lock:
+            clash = sorted({rid for rid in request_ids if rid in self._states})
+            if clash or len(set(request_ids)) != len(request_ids):
+                raise ValueError(f"request id already in use: {clash or request_ids}")
+            for rid, prompt, p, sink in zip(request_ids, prompts, params, sinks, strict=True):
+                detok = DetokenizerState(list(prompt), p.stop) if self.tokenizer is not None else None
+                self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok)
+
+    def discard(self, request_ids: list[str]) -> None:
+        """Forgets requests the core never accepted."""
+        with self._lock:
+            for rid in request_ids:
+                self._states.pop(rid, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: list[CoreOutput]) -> list[str]:
+        """Hands every request its event; returns the ids the core must abort (a stop string ended them)."""
+        now = time.perf_counter()
+        to_abort = []
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is None:  # a stop string already ended it: later tokens are dropped
+                continue
+            finished, reason = out.finished, out.finish_reason
+            if state.detok is None:
+                state.output_ids += out.new_token_ids
+                new_text = ""
+            else:
+                if self._stop_string_hit(state, out):
+                    if not finished:
+                        to_abort.append(out.request_id)
+                    finished, reason = True, "stop"
+                new_text = detokenizer.take_releasable_text(state.detok, finished)
+            new_ids = state.output_ids[state.sent_ids_len :]
+            state.sent_ids_len = len(state.output_ids)
+            event = RequestOutput(out.request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
+                                  len(state.output_ids), now, out.error)  # fmt: skip
+            if finished:
+                with self._lock:
+                    del self._states[out.request_id]
+            state.sink(event)
+        return to_abort
+
+    def _stop_string_hit(self, state: _RequestState, out: CoreOutput) -> bool:
+        """Detokenizes the new tokens; True if a stop string completed (text cut before it, later
+        tokens not taken). Token by token when stop strings are set, so the cut is exact even when
+        one output carries several tokens (request-level mode releases a batch's tokens at once)."""
+        detok = state.detok
+        assert detok is not None and self.tokenizer is not None
+        chunks = [[t] for t in out.new_token_ids] if detok.stop else [out.new_token_ids]
+        for i, chunk in enumerate(chunks):
+            state.output_ids += chunk
+            detok.token_ids += chunk
+            last = i == len(chunks) - 1
+            detokenizer.update_text(self.tokenizer, detok, final=out.finished and last)
+            stop_at = detokenizer.find_stop(detok)
+            if stop_at is not None:
+                detok.text = detok.text[:stop_at]
+                return True
+        return False

@@ -1,0 +1,23 @@
+"""Executors run a BatchMeta on the model: in this process, or on tp x pp worker processes."""
+
+from __future__ import annotations
+
+from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.executor.base import Executor, WorkerFailure
+from orca_backend.model.device import check_device
+
+__all__ = ["Executor", "WorkerFailure", "make_executor"]
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+    """In-process for tp = pp = 1, worker processes otherwise. Raises ValueError for a device this
+    machine lacks before any process starts."""
+    check_device(config.device)
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        from orca_backend.executor.local import LocalExecutor
+        from orca_backend.worker.model_runner import ModelRunner
+
+        return LocalExecutor(ModelRunner(config, model_config))
+    from orca_backend.executor.multiproc import WorkerPoolExecutor
+
+    return WorkerPoolExecutor(config, model_config)

@@ -1,0 +1,31 @@
+"""The executor interface: the engine core submits `BatchMeta`s and collects sampled tokens,
+oldest first.
+
+Up to `max_in_flight` batches may be submitted before collecting: one for a single stage, `pp`
+with pipeline parallelism so every stage has work (ORCA §4.2, Figure 8).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from orca_backend.worker.batch_meta import BatchMeta
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process died or raised: the model is gone, every request in it must end."""
+
+
+class Executor(Protocol):
+    max_in_flight: int
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def submit(self, batch_meta: BatchMeta) -> None: ...
+
+    def collect_oldest(self) -> list[int]:
+        """Sampled tokens of the oldest submitted batch, blocking; raises WorkerFailure if the model is gone."""
+        ...
+
+    def shutdown(self) -> None: ...

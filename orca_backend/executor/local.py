@@ -1,0 +1,31 @@
+"""The whole model in the engine core's process (tp = pp = 1)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.model_runner import ModelRunner
+
+
+class LocalExecutor:
+    """A batch runs when it is collected, on the thread that collects it."""
+
+    max_in_flight = 1
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._pending: deque[BatchMeta] = deque()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, batch_meta: BatchMeta) -> None:
+        self._pending.append(batch_meta)
+
+    def collect_oldest(self) -> list[int]:
+        return self.runner.execute(self._pending.popleft())
+
+    def shutdown(self) -> None:
+        self._pending.clear()

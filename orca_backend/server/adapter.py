@@ -1,0 +1,89 @@
+"""What the two TritonPythonModels share: building the engine from config.pbtxt, metrics, the
+engine-death message, cancellation polling and shutdown. Each model adds its own scheduling and
+its own way of answering (`orca_model.py` streams, `baseline_model.py` answers once per batch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from orca_backend.config import EngineConfig, parameter_values
+from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.server.metrics import EngineMetrics, MetricsPoller
+from orca_backend.server.protocol import engine_config_from_triton_config
+
+_GIL_SWITCH_PARAMETER = "gil_switch_interval_us"
+
+
+class EngineAdapter:
+    """Base of OrcaModel and BaselineModel; subclasses set `scheduling` and check their Triton config."""
+
+    scheduling: str  # "iteration" | "request"
+
+    def initialize(self, args: dict[str, str]) -> None:
+        # Triton's config.pbtxt as JSON; not to be confused with the engine's ModelConfig (geometry).
+        self.triton_config: dict[str, Any] = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        self.check_triton_config()
+        config = self.engine_config()
+        _set_gil_switch_interval(self.triton_config)
+        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        pb_utils.Logger.log_info(
+            f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
+            f"scheduling={config.scheduling}, max_num_seqs={config.max_num_seqs}, "
+            f"kv_capacity_tokens={config.kv_capacity_tokens})"
+        )
+
+    def check_triton_config(self) -> None:
+        """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter."""
+        raise NotImplementedError
+
+    def engine_config(self) -> EngineConfig:
+        """EngineConfig from config.pbtxt `parameters`, with the fields this adapter owns forced."""
+        return engine_config_from_triton_config(self.triton_config, scheduling=self.scheduling,
+                                                **self.owned_engine_fields())
+
+    def owned_engine_fields(self) -> dict[str, Any]:
+        """Engine fields this adapter sets itself, whatever `parameters` say."""
+        return {}
+
+    def dead_reason(self) -> str:
+        """The message every request gets once the engine loop has stopped."""
+        return f"the engine loop stopped ({self.engine.dead_reason or 'unknown reason'})"
+
+    def finalize(self) -> None:
+        self._poller.stop()
+        self.engine.shutdown()
+
+
+def is_cancelled(request: Any, sender: Any = None) -> bool:
+    """Whether the client cancelled: the response sender knows in decoupled mode, the request always.
+
+    Each question is an IPC round trip to Triton; a failing one counts as not cancelled.
+    """
+    for source in (sender, request):
+        if source is None:
+            continue
+        try:
+            return bool(source.is_cancelled())
+        except Exception:
+            continue
+    return False
+
+
+def _set_gil_switch_interval(triton_config: dict[str, Any]) -> None:
+    """Shortens the GIL switch interval of this stub process (parameter gil_switch_interval_us).
+
+    Every send() and is_cancelled() is an IPC round trip that releases the GIL; taking it back
+    from the busy engine thread costs up to one switch interval (5 ms by default), which would
+    cap a stream at ~200 responses/s while the engine iterates.
+    """
+    value = parameter_values(triton_config.get("parameters", {}) or {}).get(_GIL_SWITCH_PARAMETER, "")
+    if value:
+        sys.setswitchinterval(float(value) / 1e6)

@@ -1,0 +1,114 @@
+"""The package's layers import only downward, and the light modules stay light.
+
+Layers, top to bottom (docs/architecture.md): server adapters, the offline LLM and orca-serve ->
+engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop) -> executor ->
+worker -> model -> distributed -> shared plain modules (config, sampling params, tokenizer, net)
+and the kernels. A module may import its own layer or any layer below it, never one above.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "orca_backend"
+
+# Rank of every orca_backend module or subpackage: higher ranks sit above lower ones.
+LAYERS: dict[str, int] = {
+    "orca_backend.server": 8,
+    "orca_backend.llm": 8,
+    "orca_backend.serve": 8,
+    "orca_backend": 8,  # the package's lazy public names
+    "orca_backend.engine": 7,
+    "orca_backend.core": 6,
+    "orca_backend.executor": 5,
+    "orca_backend.worker": 4,
+    "orca_backend.model": 3,
+    "orca_backend.distributed": 2,
+    "orca_backend.config": 1,
+    "orca_backend.sampling_params": 1,
+    "orca_backend.tokenizer": 1,
+    "orca_backend.net": 1,
+    "orca_kernels": 0,
+}
+
+
+def layer_of(module: str) -> str:
+    """The longest LAYERS key that is `module` or one of its parents."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        if name in LAYERS:
+            return name
+    raise KeyError(f"{module} belongs to no layer: add it to LAYERS and docs/architecture.md")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every orca_backend / orca_kernels import in the file, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            # `from orca_backend import engine` imports the subpackage itself.
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names
+                      if f"{node.module}.{alias.name}" in LAYERS]
+    return [(line, name) for line, name in found if name.split(".")[0] in ("orca_backend", "orca_kernels")]
+
+
+def upward_imports(paths: list[Path]) -> list[str]:
+    violations = []
+    for path in paths:
+        here = module_name(path)
+        rank = LAYERS[layer_of(here)]
+        for line, target in imported_modules(path):
+            if LAYERS[layer_of(target)] > rank:
+                violations.append(f"{path.relative_to(ROOT)}:{line}: {here} imports {target}, a layer above it")
+    return violations
+
+
+def test_every_module_belongs_to_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path))
+
+
+def test_no_module_imports_a_layer_above_it():
+    assert upward_imports(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_kernels_import_nothing_of_the_engine():
+    kernels = ROOT / "kernels"
+    for path in kernels.rglob("*.py"):
+        assert not [t for _, t in imported_modules(path) if t.startswith("orca_backend")], path
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    """The check itself: a worker module importing the engine front must be reported."""
+    planted = PACKAGE / "worker" / "_planted_for_test.py"
+    planted.write_text("from orca_backend.engine.llm_engine import LLMEngine\n")
+    try:
+        (violation,) = upward_imports([planted])
+        assert "orca_backend.worker._planted_for_test imports orca_backend.engine.llm_engine" in violation
+    finally:
+        planted.unlink()
+
+
+@pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.sampling_params",
+                                    "orca_backend.serve", "orca_backend.net"])
+def test_light_modules_do_not_import_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'orca' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
