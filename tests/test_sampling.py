@@ -106,6 +106,23 @@ def test_stop_string_truncates_text(llm):
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.find(stop)]
     assert len(out.output_ids) < len(full.output_ids)
+    # The output processor reports the stop to the core as an abort: its K/V is free once generate returns.
+    assert llm.engine.core.kv.used_tokens == 0
+
+
+def test_stop_string_cuts_the_same_place_in_request_level_mode(tiny_checkpoint, llm):
+    """Request-level mode releases a batch's tokens together, when the batch ends; the stop string
+    must still cut text and ids exactly where iteration-level mode cuts them."""
+    tok = llm.tokenizer
+    prompts = [tok.encode("the kalo mine"), tok.encode("a b"), tok.encode("mine the")]
+    full = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert all(len(f.text) > 7 for f in full)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[f.text[4:7]]) for f in full]
+    iteration = llm.generate(prompts, params)
+    request = LLM(str(tiny_checkpoint[0]), max_num_seqs=16, scheduling="request").generate(prompts, params)
+    for a, b in zip(iteration, request, strict=True):
+        assert a.finish_reason == b.finish_reason == "stop"
+        assert (a.text, a.output_ids) == (b.text, b.output_ids)
 
 
 def test_text_prompts_round_trip(llm):

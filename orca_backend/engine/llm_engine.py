@@ -142,7 +142,7 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context length of {context} tokens"
             )
-        if total > self.core.kv.capacity_tokens:
+        if not self.core.kv.fits_ever(Request("validate", ids, params, arrival_time=0.0)):
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the K/V capacity of {self.core.kv.capacity_tokens} tokens; raise kv_capacity_tokens"
