@@ -1,0 +1,145 @@
+"""The engine on a CUDA GPU against Hugging Face transformers (run in float32 on the CPU as the oracle).
+
+- float32: greedy tokens must equal transformers' exactly, with the Triton kernels and with the torch
+  references. The checkpoints are tiny (hidden <= 256, <= 4 layers) with initializer_range 0.3, where
+  the top-2 logit margins dwarf float32 rounding (DESIGN.md, testing notes), so any difference is a bug.
+- bfloat16: exact equality is not a sound test there, so the engine's own greedy tokens are scored
+  teacher-forced by the float32 reference (see `BF16_GAP_NATS` for the tolerance).
+- batch invariance: a request's greedy tokens alone equal its tokens inside a mixed, staggered batch.
+
+Every test is skipped on machines without CUDA (the CPU CI); `make gpu-check` runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_backend import LLM, ModelConfig, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)"
+)
+transformers = pytest.importorskip("transformers")
+
+# The engine's batch-size keyword is being renamed (max_batch_size -> max_num_seqs): it appears here only.
+MAX_SEQS = {"max_batch_size": 16}
+
+GEOMETRIES = [
+    # head_dim 16; 24 (not a power of two: masked head-dim lanes); 128 (the widest tile); 4 layers, 10 heads
+    ModelConfig(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3),
+    ModelConfig(vocab_size=300, n_positions=128, n_embd=120, n_layer=2, n_head=5, initializer_range=0.3),
+    ModelConfig(vocab_size=512, n_positions=128, n_embd=256, n_layer=2, n_head=2, initializer_range=0.3),
+    ModelConfig(vocab_size=400, n_positions=128, n_embd=160, n_layer=4, n_head=10, initializer_range=0.3),
+]
+# 1-token and short prompts, and prompts past 16 and 64 tokens: the attention kernel's 16- and 64-row
+# query tiles, several key blocks per request, and a decode context up to 77 + 24 = 101 tokens.
+PROMPT_LENGTHS = [1, 3, 17, 40, 77]
+MAX_TOKENS = 24
+
+# Teacher-forced bf16 tolerance, in nats below the reference's top token at the same position.
+# bf16 keeps 8 significant bits, so one rounding moves a logit of ~10 (these checkpoints' logits have a
+# std of ~5) by up to ~0.04, and a random init-0.3 network compounds such errors layer after layer.
+# Measured on the CPU over 5 seeds, scored by the float32 reference on the same tokens: on the hidden-64
+# and hidden-120 geometries this engine's bf16 picks lie at most 0.22 / 0.28 nats below the top, and
+# transformers' own bf16 forward's at most 0.20 / 0.28 (93-99% of positions exactly the top). So 0.5
+# nats admits bf16's near-ties with ~2x headroom, while a broken kernel (a wrong mask, a stale K/V slot,
+# a mis-scaled softmax) puts tokens several nats down (the logits spread ~5 nats) and also fails the
+# share of exact top-1 picks. Wider geometries are left out on purpose: there bf16 rounding is
+# amplified chaotically (transformers' own bf16 forward picks tokens up to 2.5 nats below the top on the
+# hidden-256 checkpoint), so no fixed tolerance separates rounding from bugs; the kernel tests cover
+# bf16 at head_dim 128 against float32 references instead.
+BF16_GAP_NATS = 0.5
+BF16_MIN_EXACT = 0.85
+BF16_GEOMETRIES = GEOMETRIES[:2]
+
+
+def prompts_for(vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def hf_model(path) -> torch.nn.Module:
+    return transformers.GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with full forwards (no generate(): these checkpoints' EOS id lies outside
+    their small vocabularies, which generate's length processors would index)."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def reference_gaps(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Teacher-forced on the engine's own tokens: for each output position, how many nats the chosen
+    token's log-prob lies below the reference's best token there (0 where they agree)."""
+    logprobs = model(torch.tensor([prompt + output])).logits[0].float().log_softmax(-1)
+    rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+    chosen = rows.gather(1, torch.tensor(output)[:, None])[:, 0]
+    return rows.max(-1).values - chosen
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
+def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: ModelConfig, kernels: str) -> None:
+    path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
+    llm = LLM(str(path), device="cuda", dtype="float32", kernels=kernels, **MAX_SEQS)
+    prompts = prompts_for(config.vocab_size, seed=1)
+    outs = llm.generate(prompts, greedy())
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.finish_reason == "length"
+        assert out.output_ids == hf_greedy(hf, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("geometry", BF16_GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
+def test_bf16_tokens_are_near_top_under_fp32_reference(make_checkpoint, geometry: ModelConfig) -> None:
+    path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", kernels="triton", **MAX_SEQS)
+    prompts = prompts_for(config.vocab_size, seed=2)
+    outs = llm.generate(prompts, greedy())
+    hf = hf_model(path)
+    gaps = torch.cat([reference_gaps(hf, p, o.output_ids) for p, o in zip(prompts, outs, strict=True)])
+    exact = (gaps == 0).float().mean().item()
+    summary = (
+        f"max gap {gaps.max().item():.3f} nats, {exact:.1%} of {gaps.numel()} positions the reference's top"
+    )
+    assert gaps.max().item() <= BF16_GAP_NATS, summary
+    assert exact >= BF16_MIN_EXACT, summary
+
+
+def test_fp32_batch_invariance(make_checkpoint) -> None:
+    """Alone, all together, and joining a batch that is already decoding while others leave."""
+    path, config = make_checkpoint(GEOMETRIES[1], seed=5, tokenizer=False)
+    llm = LLM(str(path), device="cuda", dtype="float32", kernels="triton", **MAX_SEQS)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 60, (12,), generator=gen).tolist()
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    alone = [llm.generate([p], greedy())[0].output_ids for p in prompts]
+    together = [o.output_ids for o in llm.generate(prompts, greedy())]
+    assert together == alone
+
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+
+    def collect(out) -> None:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    max_tokens = [24, 3, 11, 24, 6, 17, 2, 24, 9, 13, 24, 5]
+    ids = []
+    for prompt, n in zip(prompts, max_tokens, strict=True):
+        ids.append(engine.add_request(prompt, greedy(n), on_output=collect).request_id)
+        engine.step()  # each newcomer's prefill joins decodes already under way
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    for i, (rid, n) in enumerate(zip(ids, max_tokens, strict=True)):
+        assert tokens[rid] == alone[i][:n], f"request {i}"
