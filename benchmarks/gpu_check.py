@@ -44,8 +44,6 @@ from orca_client.workload import TraceRequest, synthetic_trace
 
 BENCH_DIR = Path(__file__).resolve().parent
 SECTIONS = ("ceilings", "kernels", "decode", "prefill", "ab")
-# The engine's batch-size keyword is being renamed (max_batch_size -> max_num_seqs): named here only.
-MAX_SEQS_KW = "max_batch_size"
 
 
 def load_sibling(name: str) -> ModuleType:
@@ -163,7 +161,7 @@ def make_llm(args: argparse.Namespace, scheduling: str) -> LLM:
     kv_tokens = args.max_seqs * cfg.n_positions
     return LLM(
         args.model, device=args.device, dtype=args.dtype, kv_capacity_tokens=kv_tokens, scheduling=scheduling,
-        **{MAX_SEQS_KW: args.max_seqs},
+        max_num_seqs=args.max_seqs,
     )  # fmt: skip
 
 

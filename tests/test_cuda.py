@@ -22,8 +22,6 @@ pytestmark = pytest.mark.skipif(
 )
 transformers = pytest.importorskip("transformers")
 
-# The engine's batch-size keyword is being renamed (max_batch_size -> max_num_seqs): it appears here only.
-MAX_SEQS = {"max_batch_size": 16}
 
 GEOMETRIES = [
     # head_dim 16; 24 (not a power of two: masked head-dim lanes); 128 (the widest tile); 4 layers, 10 heads
@@ -91,7 +89,7 @@ def reference_gaps(model: torch.nn.Module, prompt: list[int], output: list[int])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
 def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: ModelConfig, kernels: str) -> None:
     path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
-    llm = LLM(str(path), device="cuda", dtype="float32", kernels=kernels, **MAX_SEQS)
+    llm = LLM(str(path), device="cuda", dtype="float32", kernels=kernels, max_num_seqs=16)
     prompts = prompts_for(config.vocab_size, seed=1)
     outs = llm.generate(prompts, greedy())
     hf = hf_model(path)
@@ -103,7 +101,7 @@ def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: ModelC
 @pytest.mark.parametrize("geometry", BF16_GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
 def test_bf16_tokens_are_near_top_under_fp32_reference(make_checkpoint, geometry: ModelConfig) -> None:
     path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", kernels="triton", **MAX_SEQS)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", kernels="triton", max_num_seqs=16)
     prompts = prompts_for(config.vocab_size, seed=2)
     outs = llm.generate(prompts, greedy())
     hf = hf_model(path)
@@ -119,7 +117,7 @@ def test_bf16_tokens_are_near_top_under_fp32_reference(make_checkpoint, geometry
 def test_fp32_batch_invariance(make_checkpoint) -> None:
     """Alone, all together, and joining a batch that is already decoding while others leave."""
     path, config = make_checkpoint(GEOMETRIES[1], seed=5, tokenizer=False)
-    llm = LLM(str(path), device="cuda", dtype="float32", kernels="triton", **MAX_SEQS)
+    llm = LLM(str(path), device="cuda", dtype="float32", kernels="triton", max_num_seqs=16)
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 60, (12,), generator=gen).tolist()
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
