@@ -46,7 +46,7 @@ gpu-check:
 	rc=0; \
 	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 \
-		tests/test_kernels.py tests/test_cuda.py || rc=1; \
+		tests/test_kernels.py tests/test_kernels_llama.py tests/test_cuda.py || rc=1; \
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
 

@@ -1,4 +1,6 @@
-"""Triton kernels vs their torch references (and, for attention, SDPA on a padded batch).
+"""Triton kernels vs their torch references (and, for attention, SDPA on a padded batch): GPT-2's
+add_layernorm and bias_gelu, the Llama family's add_rmsnorm, silu_and_mul and rotary, write_kv, and
+the attention step with as many K/V heads as query heads and with grouped-query K/V (--kv-heads).
 
 Reports median time, achieved memory bandwidth and FLOP/s, and their fractions of the device peak
 (defaults: H100 SXM, 3.35 TB/s HBM3 and 989 TFLOP/s dense bf16). Bytes and FLOPs count the useful
@@ -57,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096, help="rows for layernorm and gelu")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument(
+        "--kv-heads", type=int, default=8, help="K/V heads of the GQA attention case (Llama-3-8B: 8)"
+    )
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument(
         "--prefill", type=int, nargs=2, default=[2, 512], metavar=("N", "LEN"), help="prompts in the batch"
@@ -69,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.interpret:  # small enough for the interpreter, still ragged and non-power-of-two
-        args.tokens, args.hidden, args.heads, args.head_dim = 5, 200, 2, 80
+        args.tokens, args.hidden, args.heads, args.kv_heads, args.head_dim = 5, 200, 2, 1, 80
         args.prefill, args.decode = [2, 20], [3, 37]
     return args
 
@@ -177,6 +182,46 @@ def run(args: argparse.Namespace) -> list[Result]:
     measure("bias_gelu", "triton", lambda: ops.bias_gelu(a, bias), expected, gb, gf)
     measure("bias_gelu", "torch", lambda: TORCH_OPS.bias_gelu(a, bias), expected, gb, gf)
 
+    # Llama family. add + RMSNorm: read x, residual and weight; write the output and the new residual.
+    expected = TORCH_OPS.add_rmsnorm((x + res).float(), None, w.float(), 1e-5)[0]
+    gb, gf = (4 * t * h + h) * elt / 1e9, 5 * t * h / 1e9
+    measure("add_rmsnorm", "triton", lambda: ops.add_rmsnorm(x, res, w, 1e-5)[0], expected, gb, gf)
+    measure("add_rmsnorm", "torch", lambda: TORCH_OPS.add_rmsnorm(x, res, w, 1e-5)[0], expected, gb, gf)
+
+    # SiLU-and-mul over the fused gate/up projection (Llama's MLP is ~3.5 * hidden wide; 4 * hidden
+    # here keeps one size for both MLPs): read 2 * inner, write inner; about 6 FLOPs an output.
+    gate_up = randn(t, 2 * inner)
+    expected = TORCH_OPS.silu_and_mul(gate_up.float())
+    gb, gf = 3 * t * inner * elt / 1e9, 6 * t * inner / 1e9
+    measure("silu_and_mul", "triton", lambda: ops.silu_and_mul(gate_up), expected, gb, gf)
+    measure("silu_and_mul", "torch", lambda: TORCH_OPS.silu_and_mul(gate_up), expected, gb, gf)
+
+    # Rotary on q and k, both views of a fused qkv projection: read and write Hq + Hkv heads per
+    # token (the cos/sin rows are a small, cached table); 6 FLOPs per rotated pair.
+    hq, hkv, dim = args.heads, args.kv_heads, args.head_dim
+    qkv = randn(t, (hq + 2 * hkv) * dim)
+    q_view = qkv[:, : hq * dim].view(t, hq, dim)
+    k_view = qkv[:, hq * dim : (hq + hkv) * dim].view(t, hkv, dim)
+    positions = torch.randint(0, 8192, (t,), generator=g, device=device)
+    freqs = torch.arange(8192, device=device, dtype=torch.float32)[:, None] * (
+        10000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    )
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    expected = torch.cat(
+        [o.flatten(1) for o in TORCH_OPS.rotary(q_view.float(), k_view.float(), positions, cos_sin)], dim=1
+    )
+
+    def rotary(kernel_ops) -> torch.Tensor:
+        return torch.cat([o.flatten(1) for o in kernel_ops.rotary(q_view, k_view, positions, cos_sin)], dim=1)
+
+    gb, gf = 2 * t * (hq + hkv) * dim * elt / 1e9, 3 * t * (hq + hkv) * dim / 1e9
+    err, ok = compare(rotary(ops), expected)
+    call = lambda: ops.rotary(q_view, k_view, positions, cos_sin)  # noqa: E731
+    results.append(Result("rotary", "triton", bench(call, args.interpret), gb, gf, err, ok))
+    err, ok = compare(rotary(TORCH_OPS), expected)
+    call = lambda: TORCH_OPS.rotary(q_view, k_view, positions, cos_sin)  # noqa: E731
+    results.append(Result("rotary", "torch", bench(call, args.interpret), gb, gf, err, ok))
+
     # The attention step: a ragged batch of prompts and decodes over a shared K/V pool.
     heads, dim, scale = args.heads, args.head_dim, args.head_dim**-0.5
     requests, meta, slots = make_batch(args, device)
@@ -219,6 +264,17 @@ def run(args: argparse.Namespace) -> list[Result]:
     unpad = lambda out: torch.cat([out[i, :, :n].transpose(0, 1) for i, (n, _) in enumerate(requests)])  # noqa: E731
     err, ok = compare(unpad(sdpa()), expected)
     results.append(Result("attention", "sdpa padded", bench(sdpa, args.interpret), gb, gf, err, ok))
+
+    # The same step with grouped-query attention: the pool holds only --kv-heads heads, so the
+    # useful K/V traffic shrinks by the group size while the FLOPs stay the same.
+    kg_cache, vg_cache = k_cache[:, :hkv].contiguous(), v_cache[:, :hkv].contiguous()
+    gb = (2 * tokens * heads + 2 * sum(ctx for _, ctx in requests) * hkv) * dim * elt / 1e9
+    expected = TORCH_OPS.attention(q.float(), kg_cache.float(), vg_cache.float(), meta, scale)
+    op = f"gqa {heads}/{hkv}"
+    measure(op, "triton", lambda: ops.attention(q, kg_cache, vg_cache, meta, scale), expected, gb, gf)
+    measure(
+        op, "torch loop", lambda: TORCH_OPS.attention(q, kg_cache, vg_cache, meta, scale), expected, gb, gf
+    )
     return results
 
 
@@ -241,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"rows {args.tokens} x hidden {args.hidden}; attention: {args.prefill[0]} prompts of {args.prefill[1]}"
         f" + {args.decode[0]} decodes at context {args.decode[1]}, {args.heads} heads x {args.head_dim}"
+        f" (GQA case: {args.kv_heads} K/V heads)"
     )
     results = run(args)
     print(HEADER)

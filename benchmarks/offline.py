@@ -3,6 +3,7 @@
     python benchmarks/offline.py                           # all suites below on the GPT-2-small geometry
     python benchmarks/offline.py --peer vllm               # + vLLM's CPU build, same checkpoint and requests
     python benchmarks/offline.py --suites modes --num-requests 16 --model gpt2-mini
+    python benchmarks/offline.py --model llama-150m --peer vllm --suites throughput   # the Llama preset
 
 Suites:
   throughput  output tokens/s of LLM.generate on 64 requests (prompts uniform 16-256, long-tailed
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from orca_backend import LLM, EngineConfig, SamplingParams
+from orca_backend.config import PRESETS, LlamaConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_client.workload import TraceRequest, synthetic_trace
 
@@ -54,13 +56,27 @@ def timed_generate(llm: LLM, trace: list[TraceRequest], repeat: int) -> dict:
     return {"seconds": best, "output_tokens": tokens, "tokens_per_s": tokens / best}
 
 
-def write_checkpoint(path: Path) -> Path:
-    """GPT-2-small geometry with random weights, written by transformers itself."""
+def write_checkpoint(path: Path, model: str) -> Path:
+    """The preset's geometry with random weights, written by transformers itself (so vLLM and this
+    engine load the very same checkpoint)."""
     if not (path / "config.json").exists():
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers
 
+        config = PRESETS[model]
         torch.manual_seed(0)
-        GPT2LMHeadModel(GPT2Config()).save_pretrained(path)
+        if isinstance(config, LlamaConfig):
+            hf_config = transformers.LlamaConfig(
+                vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+                rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
+            )  # fmt: skip
+            transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+        else:
+            hf_config = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
+                                                n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head)
+            transformers.GPT2LMHeadModel(hf_config).save_pretrained(path)
     return path
 
 
@@ -112,7 +128,8 @@ def suite_roofline(args, model: str) -> dict:
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=2048))
     weights = engine.core.executor.runner.model.weights
     # A decode step reads every weight once, except the position table (one row).
-    weight_bytes = weights.num_bytes() - weights.wpe.numel() * weights.wpe.element_size()
+    wpe = getattr(weights, "wpe", None)  # GPT-2's position table: a decode step reads one row of it
+    weight_bytes = weights.num_bytes() - (wpe.numel() * wpe.element_size() if wpe is not None else 0)
     engine.add_request(list(range(1, 33)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
     for _ in range(5):  # prefill + warm-up
         engine.step()
@@ -195,9 +212,9 @@ def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
 
 
 def run_transformers(ckpt: Path, trace: list[TraceRequest]) -> dict:
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(ckpt).eval()
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     start = time.perf_counter()
     tokens = 0
     with torch.no_grad():
@@ -214,7 +231,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suites", default="throughput,modes,roofline,overhead")
     ap.add_argument("--model", default="gpt2-small", help="preset or checkpoint for modes/roofline")
-    ap.add_argument("--checkpoint-dir", default=str(ROOT / "runs" / "gpt2-small-random"),
+    ap.add_argument("--checkpoint-dir", default=None,
                     help="where the transformers-written GPT-2-small checkpoint for throughput lives")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-dist", default="uniform:16:256")
@@ -228,12 +245,16 @@ def main() -> None:
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
 
-    trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist, vocab_size=50257, seed=0)
+    if args.model not in PRESETS:
+        raise SystemExit(f"--model must be a preset ({', '.join(PRESETS)}); the throughput suite writes its checkpoint")
+    checkpoint_dir = Path(args.checkpoint_dir or ROOT / "runs" / f"{args.model}-random")
+    trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
+                            vocab_size=PRESETS[args.model].vocab_size, seed=0)
     results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)
         if suite == "throughput":
-            results[suite] = suite_throughput(args, write_checkpoint(Path(args.checkpoint_dir)), trace)
+            results[suite] = suite_throughput(args, write_checkpoint(checkpoint_dir, args.model), trace)
         elif suite == "modes":
             results[suite] = suite_modes(args, args.model, trace)
         elif suite == "roofline":

@@ -78,7 +78,7 @@ class Geometry:
 
 def model_geometry(model: str) -> Geometry:
     """Vocabulary and context of a preset or HF checkpoint dir (to draw valid prompt ids)."""
-    from orca_backend.config import PRESETS, ModelConfig
+    from orca_backend.config import PRESETS, model_config_from_hf
 
     if model in PRESETS:
         config = PRESETS[model]
@@ -87,8 +87,8 @@ def model_geometry(model: str) -> Geometry:
         if not path.is_file():
             raise SystemExit(f"orca-bench: --model {model!r} is neither a preset ({', '.join(PRESETS)}) "
                              "nor a checkpoint directory with config.json")
-        config = ModelConfig.from_hf_json(path)
-    return Geometry(config.vocab_size, config.n_positions)
+        config = model_config_from_hf(path)
+    return Geometry(config.vocab_size, config.max_context)
 
 
 # ---------------------------------------------------------------------------------- progress

@@ -5,6 +5,11 @@ that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, be
 is ~6 small ops. The C kernel (csrc/decode_attention.c) does every one-query request of the batch
 in one call; prefill requests have enough queries per request for SDPA to be efficient, so they
 stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
+
+Grouped-query attention: the K/V pool may have fewer heads than q (Llama-style GQA, or multi-query
+with one KV head); query head h reads KV head h // (q_heads // kv_heads). The C kernel reads each
+KV head's row once for its whole group of query heads, so K/V is never repeated for decodes;
+prefills go to `prefill_attention`, which takes [kv_heads, ctx, head_dim] K/V as it is.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import functools
 import torch
 
 from orca_kernels import native
-from orca_kernels.attention import AttentionMetadata, attention_torch, prefill_attention
+from orca_kernels.attention import AttentionMetadata, attention_torch, gqa_group_size, prefill_attention
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -27,7 +32,9 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     declared once per process (every layer calls it). Raises NativeBuildError with the reason."""
     fn = native.load("decode_attention").orca_decode_attention_f32
     i64 = ctypes.c_int64
-    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64,
+    # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, kv_starts,
+    # num_requests, q_heads, kv_heads, head_dim, max_context, scale, scratch, num_threads
+    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64, i64,
                    ctypes.c_float, _F32P, ctypes.c_int]  # fmt: skip
     fn.restype = None
     return fn
@@ -40,10 +47,18 @@ def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
 def attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Same contract as `attention_torch`."""
+    """Same contract as `attention_torch`: q [tokens, q_heads, head_dim], caches [slots, kv_heads,
+    head_dim] with q_heads a multiple of kv_heads (kv_heads == q_heads: multi-head attention)."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
+        raise ValueError(
+            f"attention_cpu needs k_cache and v_cache of one shape [slots, kv_heads, {head_dim}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    gqa_group_size(heads, kv_heads)  # ValueError unless heads is a multiple of kv_heads (>= 1)
     if q.dtype != torch.float32 or q.device.type != "cpu":
         return attention_torch(q, k_cache, v_cache, meta, scale)
-    tokens, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
     for index in (meta.query_start, meta.context_lens, meta.kv_starts):
@@ -55,13 +70,14 @@ def attention_cpu(
     load_decode_kernel()(
         _ptr(q, _F32P), q.stride(0), q.stride(1), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), _ptr(out, _F32P),
         _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(meta.kv_starts, _I32P),
-        meta.num_requests, heads, head_dim, meta.max_context_len, scale, _ptr(scratch, _F32P), threads,
+        meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, _ptr(scratch, _F32P), threads,
     )  # fmt: skip
     if meta.max_query_len > 1:
         qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
         for i in range(meta.num_requests):
             q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
             if q_hi - q_lo > 1:
+                # [kv_heads, ctx, head_dim]: prefill_attention shares each K/V head over its group
                 ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
                 vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
                 out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)

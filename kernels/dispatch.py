@@ -23,6 +23,9 @@ from .attention import attention_torch, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
+from .rmsnorm import add_rmsnorm_torch
+from .rotary import rotary_torch
+from .silu import silu_and_mul_torch
 
 logger = logging.getLogger("orca.kernels")
 
@@ -31,15 +34,30 @@ KERNEL_ENV = "ORCA_KERNELS"
 
 @dataclass(frozen=True)
 class KernelOps:
+    """One implementation of every op the model families call; the signatures are the torch
+    references' (GPT-2: add_layernorm, bias_gelu; Llama family: add_rmsnorm, silu_and_mul, rotary;
+    attention and write_kv are shared, GQA included)."""
+
     name: str  # "triton", "cpu" or "torch"
     add_layernorm: Callable
     bias_gelu: Callable
     attention: Callable
     write_kv: Callable
+    add_rmsnorm: Callable
+    silu_and_mul: Callable
+    rotary: Callable
 
 
-TORCH_OPS = KernelOps("torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch)
-CPU_OPS = KernelOps("cpu", add_layernorm_torch, bias_gelu_torch, attention_cpu, write_kv_torch)
+# The element-wise and norm ops have no C version: on CPU they are memory-bound single torch ops
+# already, unlike the per-request Python loop of the decode attention.
+TORCH_OPS = KernelOps(
+    "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
+    add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
+)  # fmt: skip
+CPU_OPS = KernelOps(
+    "cpu", add_layernorm_torch, bias_gelu_torch, attention_cpu, write_kv_torch,
+    add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
+)  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
 
@@ -81,9 +99,10 @@ def _triton_ops(device: torch.device) -> KernelOps:
         )
     _check_import_mode(interpret)
     # Imported here so that torch-only runs never import triton.
-    from . import triton_attention, triton_gelu, triton_layernorm
+    from . import triton_attention, triton_gelu, triton_layernorm, triton_rmsnorm, triton_rotary, triton_silu
 
-    for module in (triton_attention, triton_gelu, triton_layernorm):
+    modules = (triton_attention, triton_gelu, triton_layernorm, triton_rmsnorm, triton_rotary, triton_silu)
+    for module in modules:
         # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
         # have happened with TRITON_INTERPRET set differently (tests toggle it).
         if interpret != module.INTERPRETED:
@@ -94,6 +113,9 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_gelu.bias_gelu_triton,
         triton_attention.attention_triton,
         triton_attention.write_kv_triton,
+        triton_rmsnorm.add_rmsnorm_triton,
+        triton_silu.silu_and_mul_triton,
+        triton_rotary.rotary_triton,
     )
 
 

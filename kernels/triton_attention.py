@@ -5,6 +5,11 @@ padding: the grid is (query block, head), and a small host-built table maps ever
 its request and to the block's first query inside that request. Each program streams its request's
 keys from the pool (``kv_starts[i] + j``) in blocks with an online softmax in fp32, flash-attention
 style, and applies the bottom-right causal rule: query ``t`` of ``n`` sees keys ``0 .. ctx - n + t``.
+
+Grouped-query attention needs no copy of the pool: the program for query head ``h`` simply reads
+K/V head ``h // GROUP``. The ``GROUP`` programs that share a K/V head each stream its keys (hits in
+L2 when they run close together); packing a group's heads into one program's query rows would read
+every key once, which matters for decode-heavy batches, and is left for later.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, gqa_group_size
 
 
 @triton.jit
@@ -93,9 +98,11 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
+    kv_head = head // GROUP  # GQA: query heads [g * GROUP, (g + 1) * GROUP) share K/V head g
     req = tl.load(block_req_ptr + pid)
     m_start = tl.load(block_m_ptr + pid)  # first query of this block, counted within its request
     q_lo = tl.load(query_start_ptr + req)
@@ -117,8 +124,8 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_base = k_ptr + kv_start * stride_kt + head * stride_kh
-    v_base = v_ptr + kv_start * stride_vt + head * stride_vh
+    k_base = k_ptr + kv_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + kv_start * stride_vt + kv_head * stride_vh
 
     # Keys up to the block's first query position are visible to every row: those whole key
     # blocks skip all masking. The rest, up to the last row's position, get the causal mask.
@@ -225,12 +232,14 @@ def attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``attention_torch``; block sizes are overridable for tests and benchmarks."""
+    """Same contract as ``attention_torch`` (GQA included); block sizes are overridable for tests and
+    benchmarks."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
     _unit_last_stride(v_cache, "v_cache")
     num_tokens, num_heads, head_dim = q.shape
+    group = gqa_group_size(num_heads, k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -267,6 +276,7 @@ def attention_triton(
         INPUT_PRECISION=precision,
         # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot; GPUs never take this path.
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        GROUP=group,
         num_warps=4 if block_d <= 64 else 8,
         num_stages=2,
     )

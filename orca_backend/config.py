@@ -11,9 +11,9 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
 
@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_ba
 class ModelConfig:
     """GPT-2 family geometry, named as in Hugging Face's GPT2Config."""
 
+    architecture: ClassVar[str] = "GPT2LMHeadModel"
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -39,16 +40,29 @@ class ModelConfig:
     def n_inner(self) -> int:
         return 4 * self.n_embd
 
+    # The names the engine uses for every family.
+    @property
+    def max_context(self) -> int:
+        return self.n_positions
+
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_head
+
     def num_parameters(self) -> int:
         per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
         return self.vocab_size * self.n_embd + self.n_positions * self.n_embd + self.n_layer * per_layer + 2 * self.n_embd
 
     @classmethod
-    def from_hf_json(cls, path: str | Path) -> ModelConfig:
-        raw = json.loads(Path(path).read_text())
-        model_type = raw.get("model_type", "gpt2")
-        if model_type != "gpt2":
-            raise ValueError(f"{path}: model_type {model_type!r} is not supported; ORCA serves the GPT-2 family")
+    def from_hf_dict(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         unsupported = {
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
@@ -57,22 +71,177 @@ class ModelConfig:
         }
         for key, expected in unsupported.items():
             if raw.get(key, expected) != expected:
-                raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (expected {expected!r})")
+                raise ValueError(f"{source}: {key}={raw[key]!r} is not supported (expected {expected!r})")
         activation = raw.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{path}: activation_function {activation!r} is not supported; only tanh GeLU is")
+            raise ValueError(f"{source}: activation_function {activation!r} is not supported; only tanh GeLU is")
         if raw.get("n_inner") not in (None, 4 * raw.get("n_embd", 768)):
-            raise ValueError(f"{path}: n_inner must be 4 * n_embd")
+            raise ValueError(f"{source}: n_inner must be 4 * n_embd")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """One decoder for Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary positions, SwiGLU MLP and
+    grouped-query attention, with the switches those families differ by. Names as in Hugging Face's
+    configs; `from_hf_dict` maps each family's spelling of a switch onto them."""
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # llama3 frequency scaling as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: tuple[float, float, float, int] | None = None
+    qkv_bias: bool = False  # Qwen2 always; Llama and Qwen3 with attention_bias
+    o_bias: bool = False  # Llama and Qwen3 with attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
+    tie_word_embeddings: bool = False
+    eos_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    @property
+    def max_context(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        per_layer = attn + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_hidden_layers * per_layer + h
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str) -> LlamaConfig:
+        """Maps a Llama/Mistral/Qwen2/Qwen3 config.json onto this decoder, refusing, with the field named,
+        anything it would not compute faithfully."""
+        arch = raw["architectures"][0]
+        for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
+            if raw.get(key):
+                raise ValueError(f"{source}: {key}={raw[key]!r}: mixture-of-experts models are not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; only silu (SwiGLU) is")
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        if raw.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"{source}: pretraining_tp={raw['pretraining_tp']!r} is not supported")
+        heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        max_pos = raw.get("max_position_embeddings", 2048)
+        window = _sliding_window(raw, arch)
+        if window is not None and window < max_pos:
+            raise ValueError(
+                f"{source}: sliding_window={window} is smaller than max_position_embeddings={max_pos}: "
+                "requests longer than the window would be served wrong; set max_position_embeddings to at most "
+                "the window to serve it"
+            )
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                      int(rope["original_max_position_embeddings"]))  # fmt: skip
+        elif rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default and llama3 are)")
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor={raw['partial_rotary_factor']!r} is not supported")
+        attention_bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_llama3=llama3,
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,  # the engine stops on the first EOS id
+            initializer_range=raw.get("initializer_range", 0.02),
+        )
+
+
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """The attention window some layer uses, if any (Mistral: every layer; Qwen2/3: when enabled)."""
+    if arch == "MistralForCausalLM":
+        return raw.get("sliding_window")
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
+        return raw.get("sliding_window")
+    return None
+
+
+AnyModelConfig = ModelConfig | LlamaConfig
+
+
+def model_config_from_hf(path: str | Path) -> AnyModelConfig:
+    """The engine's config for a Hugging Face config.json, chosen by its `architectures`."""
+    raw = json.loads(Path(path).read_text())
+    archs = raw.get("architectures") or (["GPT2LMHeadModel"] if raw.get("model_type", "gpt2") == "gpt2" else [])
+    if not archs:
+        raise ValueError(f"{path}: no `architectures` entry: cannot tell which model this is")
+    arch = archs[0]
+    if arch == ModelConfig.architecture:
+        return ModelConfig.from_hf_dict(raw, str(path))
+    if arch in LLAMA_ARCHITECTURES:
+        return LlamaConfig.from_hf_dict(raw, str(path))
+    raise ValueError(
+        f"{path}: architectures {arch!r} is not supported; served: {ModelConfig.architecture}, {', '.join(LLAMA_ARCHITECTURES)}"
+    )
+
+
+def model_config_to_json(config: AnyModelConfig) -> str:
+    """For the worker processes' command line: the fields plus which family."""
+    return json.dumps({"family": type(config).__name__, "fields": asdict(config)})
+
+
+def model_config_from_json(text: str) -> AnyModelConfig:
+    data = json.loads(text)
+    cls = {"ModelConfig": ModelConfig, "LlamaConfig": LlamaConfig}[data["family"]]
+    values = data["fields"]
+    if values.get("rope_llama3") is not None:
+        values["rope_llama3"] = tuple(values["rope_llama3"])
+    return cls(**values)
+
+
 # Named presets: geometry only; weights are seeded random (no model hub is reachable at run time).
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, AnyModelConfig] = {
     "gpt2-small": ModelConfig(),  # GPT-2 124M geometry, the default for CPU benchmarks
     "gpt2-medium": ModelConfig(n_embd=1024, n_layer=24, n_head=16),
     "gpt2-tiny": ModelConfig(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4, eos_token_id=None, initializer_range=0.3),
     "gpt2-mini": ModelConfig(vocab_size=1024, n_positions=512, n_embd=192, n_layer=4, n_head=6, eos_token_id=None, initializer_range=0.3),
+    # ~150M parameters of Llama geometry (GQA 12/4) for CPU benchmarks
+    "llama-150m": LlamaConfig(),
+    "llama-tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              initializer_range=0.3),
 }
 
 
@@ -106,7 +275,7 @@ class EngineConfig:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> AnyModelConfig:
         if self.model in PRESETS:
             return PRESETS[self.model]
         config_path = Path(self.model) / "config.json"
@@ -114,7 +283,7 @@ class EngineConfig:
             raise ValueError(
                 f"model {self.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
             )
-        return ModelConfig.from_hf_json(config_path)
+        return model_config_from_hf(config_path)
 
     def tokenizer_path(self) -> Path | None:
         if self.tokenizer:

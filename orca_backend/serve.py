@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orca-serve", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated models to load (orca,baseline)")
     p.add_argument("--model-repository", type=Path, default=None, help="default: the checked-in model_repository")
-    p.add_argument("--model", help="preset name (gpt2-small, gpt2-tiny, ...) or HF checkpoint directory")
+    p.add_argument("--model", help="preset name (gpt2-small, llama-150m, ...) or HF checkpoint directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--tokenizer", help="tokenizer.json or a directory holding one")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))

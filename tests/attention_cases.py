@@ -41,3 +41,14 @@ def make_meta(device: str | torch.device, requests: list[tuple[int, int]], gap: 
 
 def pool_slots(meta: AttentionMetadata) -> int:
     return max(s + c for s, c in zip(meta.kv_starts_host, meta.context_lens_host, strict=True)) + 3
+
+
+# (query heads, K/V heads) for grouped-query attention: query head h reads K/V head
+# h // (Hq // Hkv). Group sizes 1 (plain multi-head), 2 and 4, and multi-query (one K/V head).
+GQA_HEADS = {"mha": (4, 4), "group2": (4, 2), "group4": (8, 2), "mqa": (4, 1)}
+
+
+def expand_kv(cache: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[slots, Hkv, D] -> [slots, Hq, D]: each K/V head repeated for its query heads, which turns GQA
+    into the multi-head attention it is defined as (a test-only copy; kernels never materialise it)."""
+    return cache.repeat_interleave(num_q_heads // cache.shape[1], dim=1)

@@ -50,6 +50,87 @@ def test_many_decodes_any_thread_count(threads: int) -> None:
     torch.testing.assert_close(out, attention_torch(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5)
 
 
+# (query heads, K/V heads): group sizes 1, 2, 4 and 8, and multi-query (one K/V head) at 8 and 3.
+GQA_LAYOUTS = [(4, 4), (8, 4), (8, 2), (16, 2), (8, 1), (3, 1)]
+# Uneven contexts: the shared mixed and decode-only batches, and long decodes with one prefill.
+GQA_BATCHES = {
+    "mixed": BATCHES["mixed"],
+    "decode_only": BATCHES["decode_only"],
+    "uneven_decodes": [(1, c) for c in (1, 400, 3, 257, 64, 65, 129, 2, 33)] + [(9, 30)],
+}
+
+
+def _gqa_inputs(meta, q_heads: int, kv_heads: int, head_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
+    q = torch.randn(tokens, 3, q_heads, head_dim, generator=g)[:, 0]  # strided, as from a fused qkv
+    pool = torch.randn(3, slots, kv_heads, head_dim, generator=g)
+    return q, pool[1], pool[2]  # caches: layers of a multi-layer pool, at a non-zero offset
+
+
+def _gqa_reference(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    """GQA by definition: query head h attends with K/V head h // group, i.e. multi-head attention
+    over K/V repeated `group` times per head (materialised here, never in the kernel)."""
+    group = q.shape[1] // k_cache.shape[1]
+    k_rep, v_rep = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
+    return attention_torch(q, k_rep, v_rep, meta, scale)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), GQA_LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch", list(GQA_BATCHES))
+def test_gqa_matches_reference(batch: str, head_dim: int, q_heads: int, kv_heads: int) -> None:
+    meta = make_meta("cpu", GQA_BATCHES[batch], gap=3)
+    seed = head_dim + 31 * q_heads + kv_heads
+    q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, head_dim, seed)
+    scale = head_dim**-0.5
+    out = attention_cpu(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, _gqa_reference(q, k_cache, v_cache, meta, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gqa_any_thread_count(threads: int) -> None:
+    """Every group size over long, uneven contexts spread over the OpenMP threads."""
+    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"], gap=3)
+    cases = []
+    for q_heads, kv_heads in GQA_LAYOUTS:
+        for head_dim in (64, 128):
+            q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, head_dim, seed=threads + q_heads)
+            expected = _gqa_reference(q, k_cache, v_cache, meta, head_dim**-0.5)
+            cases.append(((q_heads, kv_heads, head_dim), q, k_cache, v_cache, expected))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = [attention_cpu(q, k, v, meta, case[2] ** -0.5) for case, q, k, v, _ in cases]
+    finally:
+        torch.set_num_threads(before)
+    for (case, *_, expected), out in zip(cases, outs, strict=True):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m, c=case: f"{c}: {m}")
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(8, 2), (8, 1)])
+def test_gqa_decodes_equal_multi_head_over_repeated_kv(q_heads: int, kv_heads: int) -> None:
+    """Sharing a K/V row across a group changes no arithmetic: bit-identical to the multi-head
+    kernel fed K/V repeated per query head."""
+    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"])
+    q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, 64, seed=q_heads + kv_heads)
+    group = q_heads // kv_heads
+    k_rep, v_rep = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
+    qs = meta.query_start_host
+    decodes = [qs[i] for i in range(meta.num_requests) if qs[i + 1] - qs[i] == 1]
+    out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(out[decodes], attention_cpu(q, k_rep, v_rep, meta, 0.125)[decodes])
+
+
+def test_rejects_query_heads_not_a_multiple_of_kv_heads() -> None:
+    meta = make_meta("cpu", BATCHES["decode_only"])
+    q, k_cache, v_cache = _gqa_inputs(meta, 6, 4, 64, seed=0)
+    with pytest.raises(ValueError, match=r"query heads \(6\) to be a multiple of the K/V heads \(4\)"):
+        attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    with pytest.raises(ValueError, match="k_cache and v_cache of one shape"):
+        attention_cpu(q, k_cache, v_cache[:, :2], meta, 0.125)
+
+
 def test_other_dtypes_use_the_reference() -> None:
     meta = make_meta("cpu", BATCHES["mixed"])
     q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0, dtype=torch.bfloat16)

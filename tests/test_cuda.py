@@ -2,7 +2,7 @@
 
 - float32: greedy tokens must equal transformers' exactly, with the Triton kernels and with the torch
   references. The checkpoints are tiny (hidden <= 256, <= 4 layers) with initializer_range 0.3, where
-  the top-2 logit margins dwarf float32 rounding (DESIGN.md, testing notes), so any difference is a bug.
+  the top-2 logit margins dwarf float32 rounding (docs/architecture.md, Testing), so any difference is a bug.
 - bfloat16: exact equality is not a sound test there, so the engine's own greedy tokens are scored
   teacher-forced by the float32 reference (see `BF16_GAP_NATS` for the tolerance).
 - batch invariance: a request's greedy tokens alone equal its tokens inside a mixed, staggered batch.
@@ -141,3 +141,52 @@ def test_fp32_batch_invariance(make_checkpoint) -> None:
         engine.step()
     for i, (rid, n) in enumerate(zip(ids, max_tokens, strict=True)):
         assert tokens[rid] == alone[i][:n], f"request {i}"
+
+
+# The Llama family: GQA (group 2), multi-query with head_dim != hidden / heads, Qwen3's q/k norm.
+LLAMA_CASES = {
+    "llama-gqa2": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama-mqa-headdim32": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32}),
+    "qwen3-gqa2-qknorm": ("Qwen3Config", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24}),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoints(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    out = {}
+    for case_id, (config_name, kwargs) in LLAMA_CASES.items():
+        config = getattr(transformers, config_name)(
+            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+            initializer_range=0.3, eos_token_id=None, bos_token_id=None, **kwargs,
+        )  # fmt: skip
+        torch.manual_seed(len(out))
+        model = getattr(transformers, config_name.replace("Config", "ForCausalLM"))(config).eval()
+        path = tmp_path_factory.mktemp(case_id)
+        model.save_pretrained(path)
+        out[case_id] = (str(path), model)
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("case_id", list(LLAMA_CASES))
+def test_llama_family_fp32_greedy_tokens_equal_transformers(llama_checkpoints, case_id: str, kernels: str) -> None:
+    path, hf = llama_checkpoints[case_id]
+    llm = LLM(path, device="cuda", dtype="float32", kernels=kernels, max_num_seqs=16)
+    prompts = prompts_for(320, seed=1)
+    outs = llm.generate(prompts, greedy())
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_ids == hf_greedy(hf, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("case_id", ["llama-gqa2", "qwen3-gqa2-qknorm"])
+def test_llama_family_bf16_tokens_are_near_top_under_fp32_reference(llama_checkpoints, case_id: str) -> None:
+    path, hf = llama_checkpoints[case_id]
+    llm = LLM(path, device="cuda", dtype="bfloat16", kernels="triton", max_num_seqs=16)
+    prompts = prompts_for(320, seed=2)
+    outs = llm.generate(prompts, greedy())
+    gaps = torch.cat([reference_gaps(hf, p, o.output_ids) for p, o in zip(prompts, outs, strict=True)])
+    exact = (gaps == 0).float().mean().item()
+    summary = f"max gap {gaps.max().item():.3f} nats, {exact:.1%} of {gaps.numel()} positions the reference's top"
+    assert gaps.max().item() <= BF16_GAP_NATS, summary
+    assert exact >= BF16_MIN_EXACT, summary
+

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.core.batch_builder import build_batch_meta
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import CoreOutput, Request
@@ -45,7 +45,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_config: AnyModelConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)

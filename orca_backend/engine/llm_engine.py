@@ -136,7 +136,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
         total = len(ids) + params.max_tokens
-        context = self.model_config.n_positions
+        context = self.model_config.max_context
         if total > context:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

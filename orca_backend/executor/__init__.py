@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.executor.base import Executor, WorkerFailure
 from orca_backend.model.device import check_device
 
 __all__ = ["Executor", "WorkerFailure", "make_executor"]
 
 
-def make_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+def make_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:
     """In-process for tp = pp = 1, worker processes otherwise. Raises ValueError for a device this
     machine lacks before any process starts."""
     check_device(config.device)

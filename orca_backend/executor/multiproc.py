@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
 from orca_backend.executor.base import WorkerFailure
 from orca_backend.net import free_port
 from orca_backend.worker.batch_meta import BatchMeta
@@ -25,7 +25,7 @@ logger = logging.getLogger("orca.workers")
 
 
 class WorkerPoolExecutor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, model_config: AnyModelConfig, start_timeout_s: float = 600.0) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world_size = tp * pp
         self.max_in_flight = pp  # one batch per pipeline stage
@@ -34,7 +34,7 @@ class WorkerPoolExecutor:
         self._closed = False
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        config_json, model_json = json.dumps(asdict(config)), json.dumps(asdict(model_config))
+        config_json, model_json = json.dumps(asdict(config)), model_config_to_json(model_config)
         self.conns: list[Connection] = []
         self.processes: list[mp.process.BaseProcess] = []
         for rank in range(self.world_size):

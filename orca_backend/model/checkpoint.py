@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 checkpoints: reading them, and writing seeded random ones.
+"""Hugging Face checkpoints: reading them (any family), and writing seeded random GPT-2 ones.
 
 No model hub is reachable at run time, so tests and benchmarks make their own checkpoints. The
 writer produces exactly what `transformers`' GPT2LMHeadModel.save_pretrained would (HF names,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,7 @@ class WeightSource:
     """HF-named tensors of a checkpoint, read whole or as one slice along a dimension.
 
     Backed by safetensors files (opened lazily, so a tensor-parallel rank reads only its shard from
-    disk) or by an in-memory state dict (presets). Key names are normalised: OpenAI's original
-    upload has no "transformer." prefix, and old checkpoints carry attention-mask buffers.
+    disk) or by an in-memory state dict (presets). Key names are normalised by the family's `rename`.
     """
 
     def __init__(self, entries: dict[str, Any]) -> None:
@@ -66,20 +66,33 @@ class WeightSource:
         return cls(dict(sd))
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> WeightSource:
+    def from_dir(cls, model_dir: str | Path, rename: Callable[[str], str | None] = lambda key: key) -> WeightSource:
+        """Every tensor of the checkpoint's safetensors files: the files the sharded index
+        (model.safetensors.index.json) names, else model*.safetensors. `rename` maps a stored key to
+        the name the model asks for, or None to skip it."""
         model_dir = Path(model_dir)
-        files = sorted(model_dir.glob("model*.safetensors"))
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [model_dir / name for name in names]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"{model_dir}: the index names shards that are not there: {', '.join(missing)}")
+        else:
+            files = sorted(model_dir.glob("model*.safetensors"))
         if not files:
             raise ValueError(f"{model_dir}: no model.safetensors found (only safetensors checkpoints are supported)")
         entries: dict[str, Any] = {}
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if key.endswith((".attn.bias", ".attn.masked_bias")):
-                    continue
-                name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-                entries[name] = handle.get_slice(key)
+                name = rename(key)
+                if name is not None:
+                    entries[name] = handle.get_slice(key)
         return cls(entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
 
     def get(self, name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         if name not in self._entries:
@@ -90,6 +103,13 @@ class WeightSource:
         index = [slice(None)] * (dim + 1)
         index[dim] = slice(lo, hi)
         return entry[tuple(index)]
+
+
+def gpt2_key(key: str) -> str | None:
+    """OpenAI's original upload has no "transformer." prefix, and old checkpoints carry attention-mask buffers."""
+    if key.endswith((".attn.bias", ".attn.masked_bias")):
+        return None
+    return key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

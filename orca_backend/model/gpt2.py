@@ -24,6 +24,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
 
 
@@ -105,15 +106,6 @@ class GPT2Weights:
         return weights
 
 
-@dataclass
-class StageInput:
-    """What enters a pipeline stage: token ids on the first, the previous stage's activations after."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
-
-
 class GPT2:
     def __init__(
         self, config: ModelConfig, weights: GPT2Weights, ops: KernelOps,
@@ -125,6 +117,7 @@ class GPT2:
         self.layout = layout
         self.tp = tp or TensorParallelGroup()
         self.num_heads = config.n_head // layout.tp_size
+        self.num_kv_heads = self.num_heads  # one K/V head per query head
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 

@@ -1,32 +1,34 @@
 """Builds the model slice an EngineConfig and a ParallelLayout name: from a local HF checkpoint
-directory, or a seeded preset."""
+directory, or a seeded preset, with the family's code from the registry."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
-from orca_backend.config import PRESETS, EngineConfig, ModelConfig
+from orca_backend.config import PRESETS, AnyModelConfig, EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
-from orca_backend.model.checkpoint import WeightSource, random_hf_state_dict
+from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.device import torch_dtype
-from orca_backend.model.gpt2 import GPT2, GPT2Weights
+from orca_backend.model.registry import family_of
 from orca_kernels import get_ops
 
 logger = logging.getLogger("orca.model")
 
 
 def load_model(
-    config: EngineConfig, model_config: ModelConfig, device: torch.device,
+    config: EngineConfig, model_config: AnyModelConfig, device: torch.device,
     layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
-) -> GPT2:  # fmt: skip
+) -> Any:  # fmt: skip
+    family = family_of(model_config.architecture)
     if config.model in PRESETS:
         logger.info("model: preset %s with random weights (seed %d)", config.model, config.seed)
-        source = WeightSource.from_state_dict(random_hf_state_dict(model_config, config.seed))
+        source = WeightSource.from_state_dict(family.random_state_dict(model_config, config.seed))
     else:
-        logger.info("model: checkpoint %s", config.model)
-        source = WeightSource.from_dir(config.model)
-    weights = GPT2Weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
-    return GPT2(model_config, weights, get_ops(device, config.kernels), layout, tp)
+        logger.info("model: checkpoint %s (%s)", config.model, model_config.architecture)
+        source = WeightSource.from_dir(config.model, family.checkpoint_key)
+    weights = family.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
+    return family.model(model_config, weights, get_ops(device, config.kernels), layout, tp)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model.device import check_device, torch_dtype
-from orca_backend.model.gpt2 import StageInput
 from orca_backend.model.loader import load_model
+from orca_backend.model.stage_input import StageInput
 from orca_backend.worker.batch_meta import BatchMeta
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.kv_pool import allocate_kv_pool
@@ -25,7 +25,7 @@ from orca_kernels import AttentionMetadata
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, device: torch.device | str | None = None,
+        self, config: EngineConfig, model_config: AnyModelConfig, device: torch.device | str | None = None,
         layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
         self.device = torch.device(device) if device is not None else check_device(config.device)
@@ -34,7 +34,7 @@ class ModelRunner:
         self.layout = layout
         self.model = load_model(config, model_config, self.device, layout, tp)
         self.kv_caches = allocate_kv_pool(
-            len(self.model.weights.layers), config.kv_capacity_tokens, self.model.num_heads, model_config.head_dim,
+            len(self.model.weights.layers), config.kv_capacity_tokens, self.model.num_kv_heads, model_config.head_dim,
             torch_dtype(config.dtype), self.device,
         )  # fmt: skip
         self.sampler = Sampler()

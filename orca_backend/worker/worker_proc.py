@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import AnyModelConfig, EngineConfig, model_config_from_json
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import ParallelLayout
 from orca_backend.model.device import torch_dtype
@@ -36,7 +36,7 @@ def send_message(conn: Connection, **message: object) -> None:
 
 def worker_main(rank: int, config_json: str, model_config_json: str, init_method: str, conn: Connection) -> None:
     try:
-        _serve(rank, EngineConfig(**json.loads(config_json)), ModelConfig(**json.loads(model_config_json)), init_method, conn)
+        _serve(rank, EngineConfig(**json.loads(config_json)), model_config_from_json(model_config_json), init_method, conn)
     except Exception:  # noqa: BLE001 - the master must hear why this rank is gone
         try:
             send_message(conn, kind="error", rank=rank, message=traceback.format_exc())
@@ -44,7 +44,7 @@ def worker_main(rank: int, config_json: str, model_config_json: str, init_method
             os._exit(1)
 
 
-def _serve(rank: int, config: EngineConfig, model_config: ModelConfig, init_method: str, conn: Connection) -> None:
+def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_method: str, conn: Connection) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     layout = ParallelLayout(tp_size=tp, pp_size=pp, tp_rank=rank % tp, pp_rank=rank // tp)
     if config.device.startswith("cuda"):
@@ -63,7 +63,7 @@ def _serve(rank: int, config: EngineConfig, model_config: ModelConfig, init_meth
     send_message(conn, kind="ready", rank=rank, pid=os.getpid(), weight_bytes=runner.model.weights.num_bytes())
 
     parent = os.getppid()
-    hidden_shape_tail = (model_config.n_embd,)
+    hidden_shape_tail = (model_config.hidden_size,)
     samples = layout.is_last_stage and layout.tp_rank == 0
     while True:
         if not conn.poll(1.0):

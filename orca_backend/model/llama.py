@@ -1,0 +1,226 @@
+"""The Llama-style decoder (Llama, Mistral, Qwen2, Qwen3) written for selective batching.
+
+As in gpt2.py, every scheduled token of every request is one flat ``[num_tokens, hidden]`` tensor
+for the embedding, RMSNorms, projections and the SwiGLU MLP; attention alone is split per request
+(`AttentionMetadata`). Rotary embeddings are applied to the new tokens' q and k at their own
+positions before k is written to the pool, so the pool holds rotated keys, one row per **KV
+head**: attention reads each KV head once for its whole query group (grouped-query attention).
+
+Tensor parallelism splits query heads and KV heads over the ranks (q, k, v and gate/up
+column-parallel; o_proj and down_proj row-parallel, one all-reduce each) and the vocabulary for
+the embedding and LM head; pipeline parallelism gives each stage its layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from orca_backend.config import LlamaConfig
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.model import gemm
+from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.rope import cos_sin_table, inverse_frequencies
+from orca_backend.model.stage_input import StageInput
+from orca_kernels import AttentionMetadata, KernelOps
+
+
+def llama_key(key: str) -> str | None:
+    """Checkpoint keys are used as stored; rotary caches some exports carry are recomputed instead."""
+    return None if key.endswith("rotary_emb.inv_freq") else key
+
+
+@dataclass
+class LlamaLayerWeights:
+    input_norm_w: torch.Tensor
+    qkv_w: torch.Tensor  # this rank's q heads, then its KV heads of k, then of v: [(hq + 2 hkv) d, hidden]
+    qkv_b: torch.Tensor | None
+    q_norm_w: torch.Tensor | None  # Qwen3: [head_dim]
+    k_norm_w: torch.Tensor | None
+    o_w: torch.Tensor  # [hidden, hq d] columns of this rank's heads
+    o_b: torch.Tensor | None
+    post_norm_w: torch.Tensor
+    gate_up_w: torch.Tensor  # this rank's slice of gate, then of up: [2 i, hidden]
+    down_w: torch.Tensor  # [hidden, i]
+
+
+@dataclass
+class LlamaWeights:
+    layers: list[LlamaLayerWeights]
+    embed: torch.Tensor | None  # [vocab shard, hidden], first stage (and last, when tied)
+    lm_head: torch.Tensor | None  # [vocab shard, hidden], last stage; the embedding itself when tied
+    norm_w: torch.Tensor | None  # last stage
+
+    def num_bytes(self) -> int:
+        tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
+        for layer in self.layers:
+            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @classmethod
+    def load(
+        cls, src: WeightSource, config: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
+    ) -> LlamaWeights:
+        d = config.head_dim
+        if config.num_key_value_heads % layout.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {layout.tp_size} does not divide num_key_value_heads "
+                f"{config.num_key_value_heads}: each rank must hold whole KV heads (they are not replicated)"
+            )
+        q_lo, q_hi = layout.shard(config.num_attention_heads)
+        kv_lo, kv_hi = layout.shard(config.num_key_value_heads)
+        i_lo, i_hi = layout.shard(config.intermediate_size)
+
+        def get(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+            return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
+
+        layers = []
+        for i in layout.layers(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv_w = torch.cat([get(a + "q_proj.weight", 0, q_lo * d, q_hi * d),
+                               get(a + "k_proj.weight", 0, kv_lo * d, kv_hi * d),
+                               get(a + "v_proj.weight", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
+            qkv_b = None
+            if config.qkv_bias:
+                qkv_b = torch.cat([get(a + "q_proj.bias", 0, q_lo * d, q_hi * d),
+                                   get(a + "k_proj.bias", 0, kv_lo * d, kv_hi * d),
+                                   get(a + "v_proj.bias", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
+            m = p + "mlp."
+            layers.append(
+                LlamaLayerWeights(
+                    input_norm_w=get(p + "input_layernorm.weight"),
+                    qkv_w=gemm.pack(qkv_w),
+                    qkv_b=qkv_b,
+                    q_norm_w=get(a + "q_norm.weight") if config.qk_norm else None,
+                    k_norm_w=get(a + "k_norm.weight") if config.qk_norm else None,
+                    o_w=gemm.pack(get(a + "o_proj.weight", 1, q_lo * d, q_hi * d)),
+                    o_b=get(a + "o_proj.bias") if config.o_bias else None,
+                    post_norm_w=get(p + "post_attention_layernorm.weight"),
+                    gate_up_w=gemm.pack(torch.cat([get(m + "gate_proj.weight", 0, i_lo, i_hi),
+                                                   get(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
+                    down_w=gemm.pack(get(m + "down_proj.weight", 1, i_lo, i_hi)),
+                )
+            )
+        v_lo, v_hi = layout.vocab_shard(config.vocab_size)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in src
+        embed = None
+        if layout.is_first_stage or (layout.is_last_stage and tied):
+            embed = get("model.embed_tokens.weight", 0, v_lo, v_hi)
+        lm_head = None
+        if layout.is_last_stage:
+            lm_head = embed if tied else get("lm_head.weight", 0, v_lo, v_hi)
+        return cls(layers, embed, lm_head, get("model.norm.weight") if layout.is_last_stage else None)
+
+
+class Llama:
+    def __init__(
+        self, config: LlamaConfig, weights: LlamaWeights, ops: KernelOps,
+        layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        self.layout = layout
+        self.tp = tp or TensorParallelGroup()
+        self.num_heads = config.num_attention_heads // layout.tp_size
+        self.num_kv_heads = config.num_key_value_heads // layout.tp_size
+        self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        device = weights.norm_w.device if weights.norm_w is not None else weights.layers[0].input_norm_w.device
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3)
+        self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return gemm.linear(x, w, b)
+        out = self.tp.all_reduce(gemm.linear(x, w))
+        return out if b is None else out + b  # the bias once, after the partial sums meet
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embed = self.weights.embed
+        if self.tp.size == 1:
+            return embed[input_ids]
+        local = input_ids - self.vocab_lo
+        mine = (local >= 0) & (local < embed.shape[0])
+        return self.tp.all_reduce(embed[local.clamp(0, embed.shape[0] - 1)] * mine[:, None])
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm over each head's vector ([T, heads, d])."""
+        t, heads, d = x.shape
+        normed, _ = self.ops.add_rmsnorm(x.reshape(t * heads, d), None, weight, self.config.rms_norm_eps)
+        return normed.view(t, heads, d)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        stage_input: StageInput,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, kv heads, d]
+        logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
+    ) -> torch.Tensor:
+        """Returns [B, vocab] float32 logits on the last stage, else the [2, T, hidden] activations to pass on."""
+        cfg, w, ops = self.config, self.weights, self.ops
+        t, d, eps = stage_input.input_ids.shape[0], cfg.head_dim, cfg.rms_norm_eps
+        hq, hkv = self.num_heads, self.num_kv_heads
+        if self.layout.is_first_stage:
+            x, residual = self._embed(stage_input.input_ids), None
+        else:
+            x, residual = stage_input.hidden.unbind(0)
+        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+            h, residual = ops.add_rmsnorm(x, residual, layer.input_norm_w, eps)
+            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if cfg.qk_norm:
+                q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
+            q, k = ops.rotary(q, k, stage_input.positions, self.cos_sin)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
+            x = self._row_parallel(attn, layer.o_w, layer.o_b)
+            h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
+            x = self._row_parallel(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None)
+        if not self.layout.is_last_stage:
+            return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
+        # Only the last token of each request needs the final norm and the LM head.
+        x, residual = x[logits_indices], residual[logits_indices]
+        h, _ = ops.add_rmsnorm(x, residual, w.norm_w, eps)
+        return self.tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
+
+
+def random_llama_state_dict(config: LlamaConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights under Hugging Face's names (for presets): normal(0, initializer_range)
+    matrices, RMSNorm weights near 1 so activations keep their scale."""
+    gen = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    def norm(size: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(size, generator=gen)).to(dtype)
+
+    sd = {"model.embed_tokens.weight": normal(config.vocab_size, h), "model.norm.weight": norm(h)}
+    if not config.tie_word_embeddings:
+        sd["lm_head.weight"] = normal(config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        sd |= {
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            a + "q_proj.weight": normal(hq, h), a + "k_proj.weight": normal(hkv, h), a + "v_proj.weight": normal(hkv, h),
+            a + "o_proj.weight": normal(h, hq),
+            m + "gate_proj.weight": normal(inter, h), m + "up_proj.weight": normal(inter, h),
+            m + "down_proj.weight": normal(h, inter),
+        }  # fmt: skip
+        if config.qkv_bias:
+            sd |= {a + "q_proj.bias": normal(hq), a + "k_proj.bias": normal(hkv), a + "v_proj.bias": normal(hkv)}
+        if config.o_bias:
+            sd[a + "o_proj.bias"] = normal(h)
+        if config.qk_norm:
+            sd |= {a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d)}
+    return sd
