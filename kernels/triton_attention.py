@@ -1,15 +1,19 @@
 """Ragged-batch attention and K/V scatter as Triton kernels (see ``attention.py`` for the semantics).
 
 One launch covers the whole selectively-batched step, prefill and decode requests alike, with no
-padding: the grid is (query block, head), and a small host-built table maps every query block to
+padding: the grid is (query block, K/V head), and a small host-built table maps every query block to
 its request and to the block's first query inside that request. Each program streams its request's
 keys from the pool (``kv_starts[i] + j``) in blocks with an online softmax in fp32, flash-attention
 style, and applies the bottom-right causal rule: query ``t`` of ``n`` sees keys ``0 .. ctx - n + t``.
 
-Grouped-query attention needs no copy of the pool: the program for query head ``h`` simply reads
-K/V head ``h // GROUP``. The ``GROUP`` programs that share a K/V head each stream its keys (hits in
-L2 when they run close together); packing a group's heads into one program's query rows would read
-every key once, which matters for decode-heavy batches, and is left for later.
+Grouped-query attention needs no copy of the pool, and each K/V tile is read once per query block:
+a program takes all the query heads that share its K/V head (``GROUP`` of them; query head ``h``
+reads K/V head ``h // GROUP``) and stacks them into the rows of one tile, ``BLOCK_M`` queries by
+``HEADS`` heads, query-major (row ``r`` is query ``r // HEADS``, head ``r % HEADS`` of the group).
+Every K and V tile it loads then feeds one dot product for the whole group, and decode, whose
+single query would leave most of a 16-row tile masked, fills those rows with the group's heads
+instead. ``HEADS`` is the group rounded up to a power of two (padded heads are masked); groups past
+``_MAX_HEADS`` are split over several programs per K/V head. GROUP == 1 is plain multi-head.
 """
 
 from __future__ import annotations
@@ -99,10 +103,14 @@ def _attention_kernel(
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    kv_head = head // GROUP  # GQA: query heads [g * GROUP, (g + 1) * GROUP) share K/V head g
+    # GQA: query heads [g * GROUP, (g + 1) * GROUP) share K/V head g. This program takes HEADS of
+    # them (all, unless the group is split over SPLITS programs), starting at head0 of the group.
+    kv_head = (tl.program_id(1) // SPLITS).to(tl.int64)
+    head0 = tl.program_id(1) % SPLITS * HEADS
     req = tl.load(block_req_ptr + pid)
     m_start = tl.load(block_m_ptr + pid)  # first query of this block, counted within its request
     q_lo = tl.load(query_start_ptr + req)
@@ -110,25 +118,34 @@ def _attention_kernel(
     ctx = tl.load(context_lens_ptr + req)
     kv_start = tl.load(kv_starts_ptr + req).to(tl.int64)
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    # BLOCK_M queries x HEADS heads stacked query-major into the rows of one tile: a token's heads
+    # sit next to each other in q and out, so each row group is one contiguous HEADS * D run.
+    offs_r = tl.arange(0, BLOCK_M * HEADS)
+    offs_m = m_start + offs_r // HEADS  # the row's query, counted within its request
+    offs_g = head0 + offs_r % HEADS  # the row's query head, counted within the group
+    heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    qo_mask = (offs_m < n)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    qo_mask = ((offs_m < n) & (offs_g < GROUP))[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_rows = (q_lo + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+        q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=qo_mask,
+        other=0.0,
     )
     if DOT_FP32:
         q = q.to(tl.float32)
-    q_pos = ctx - n + offs_m  # each query's position in its context; rows past n are never stored
+    # Each row's position in its context; rows past n or past the group are never stored.
+    q_pos = ctx - n + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * HEADS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * HEADS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * HEADS, BLOCK_D], dtype=tl.float32)
     k_base = k_ptr + kv_start * stride_kt + kv_head * stride_kh
     v_base = v_ptr + kv_start * stride_vt + kv_head * stride_vh
 
-    # Keys up to the block's first query position are visible to every row: those whole key
-    # blocks skip all masking. The rest, up to the last row's position, get the causal mask.
+    # Keys up to the block's first query position are visible to every row (every head of the
+    # group alike): those whole key blocks skip all masking. The rest, up to the last query's
+    # position, get the causal mask.
     first_pos = ctx - n + m_start
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(first_pos + BLOCK_M, ctx)
@@ -145,7 +162,7 @@ def _attention_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=qo_mask,
     )
@@ -214,12 +231,28 @@ def _unit_last_stride(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must have a unit head_dim stride, got strides {tuple(t.stride())}")
 
 
-def _attention_blocks(q: torch.Tensor, max_query_len: int) -> tuple[int, int]:
+# Query heads one program stacks into its tile at most; larger groups (multi-query attention over
+# many heads) are split over several programs per K/V head, each reading the K/V head's keys.
+_MAX_HEADS = 64
+
+
+def _attention_heads(group: int) -> tuple[int, int]:
+    """(query heads per program, a power of two; programs per K/V head) for a GQA group."""
+    heads = min(triton.next_power_of_2(group), _MAX_HEADS)
+    return heads, triton.cdiv(group, heads)
+
+
+def _attention_blocks(q: torch.Tensor, max_query_len: int, heads: int) -> tuple[int, int]:
+    """(BLOCK_M queries per program, BLOCK_N keys per step); a program's tile is BLOCK_M * heads rows."""
     if q.device.type != "cuda":
-        return 16, 16  # interpreter: small blocks keep it fast and still exercise every mask path
-    # Decode-heavy batches waste most of a 64-row block; 16 is the smallest tl.dot tile. fp32 tiles
-    # take twice the shared memory, so they stream half as many keys per step.
-    return (16 if max_query_len <= 16 else 64), (32 if q.dtype == torch.float32 else 64)
+        # Interpreter: small tiles keep it fast and still exercise every mask path.
+        return max(16 // heads, 1), 16
+    # A tile of 16 rows (the smallest tl.dot tile) for decode-heavy batches, whose single query
+    # leaves the rest masked, and 64 for prefill; the group's heads take their share of the rows,
+    # down to one query per program. fp32 tiles take twice the shared memory, so they stream half
+    # as many keys per step.
+    rows = 16 if max_query_len <= 16 else 64
+    return max(rows // heads, 1), (32 if q.dtype == torch.float32 else 64)
 
 
 def attention_triton(
@@ -233,7 +266,7 @@ def attention_triton(
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``attention_torch`` (GQA included); block sizes are overridable for tests and
-    benchmarks."""
+    benchmarks (``block_m`` counts queries: a program's tile holds them for each head of its group)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -243,13 +276,14 @@ def attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
-    default_m, default_n = _attention_blocks(q, meta.max_query_len)
+    heads, splits = _attention_heads(group)
+    default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
     block_m, block_n = block_m or default_m, block_n or default_n
     table = _block_table(meta, block_m, q.device)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     # fp32 inputs would otherwise run the dot products in TF32 on NVIDIA GPUs (~1e-3 error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (table.shape[1], num_heads)
+    grid = (table.shape[1], k_cache.shape[1] * splits)
     _attention_kernel[grid](
         q,
         k_cache,
@@ -277,7 +311,9 @@ def attention_triton(
         # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot; GPUs never take this path.
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         GROUP=group,
-        num_warps=4 if block_d <= 64 else 8,
+        HEADS=heads,
+        SPLITS=splits,
+        num_warps=4 if block_d <= 64 and block_m * heads <= 64 else 8,
         num_stages=2,
     )
     return out

@@ -1,4 +1,4 @@
-"""ORCA on Triton: iteration-level scheduling and selective batching for GPT-2 family models.
+"""ORCA on Triton: iteration-level scheduling and selective batching for GPT-2 and Llama-family models.
 
 The public names resolve lazily, so `import orca_backend.config` (as the client and orca-serve
 do) never imports torch or the engine.

@@ -352,6 +352,45 @@ def test_gqa_attention_batches(ops: KernelOps, batch: str) -> None:
     _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", ["mixed", "decode_only"])
+def test_gqa_attention_group8(ops: KernelOps, batch: str, dtype: torch.dtype) -> None:
+    """16 query heads over 2 K/V heads: one program stacks a K/V head's 8 query heads into its
+    tile's rows (decode fills the tile with heads instead of masked queries)."""
+    meta = make_meta(DEVICE, BATCHES[batch])
+    q, k_cache, v_cache = _gqa_inputs(meta, 16, 2, 64, dtype, seed=8)
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125)
+
+    expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "max_heads"), [(6, 2, 64), (8, 1, 2), (6, 2, 2)])
+def test_gqa_attention_padded_and_split_groups(
+    ops: KernelOps, monkeypatch: pytest.MonkeyPatch, hq: int, hkv: int, max_heads: int
+) -> None:
+    """A group of 3 pads the program's heads to 4; a cap below the group splits it over several
+    programs per K/V head (evenly for 8 by 2, with a padded last program for 3 by 2)."""
+    from orca_kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_MAX_HEADS", max_heads)
+    meta = make_meta(DEVICE, BATCHES["mixed"])
+    q, k_cache, v_cache = _gqa_inputs(meta, hq, hkv, 64, torch.float32, seed=hq + hkv)
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125)
+
+    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+
+
+def test_gqa_attention_block_m_override(ops: KernelOps) -> None:
+    """block_m counts queries per program, whatever the group: 32 queries x 4 heads per tile."""
+    meta = make_meta(DEVICE, BATCHES["mixed"])
+    q, k_cache, v_cache = _gqa_inputs(meta, 8, 2, 64, torch.float32, seed=5)
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125, block_m=32, block_n=16)
+    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+
+
 def test_gqa_write_then_attend(ops: KernelOps) -> None:
     """One Llama step: rotary on q/k views of the fused projection, scatter K/V into a pool of Hkv
     heads, attend with Hq query heads; all Triton against all torch."""
