@@ -24,6 +24,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
 
@@ -121,20 +122,6 @@ class GPT2:
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
-    def _linear_row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return gemm.linear(x, w, b)
-        return self.tp.all_reduce(gemm.linear(x, w)) + b  # the bias once, after the partial sums meet
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        wte = self.weights.wte
-        if self.tp.size == 1:
-            return wte[input_ids]
-        local = input_ids - self.vocab_lo
-        mine = (local >= 0) & (local < wte.shape[0])
-        x = wte[local.clamp(0, wte.shape[0] - 1)] * mine[:, None]
-        return self.tp.all_reduce(x)
-
     @torch.inference_mode()
     def forward(
         self,
@@ -147,7 +134,7 @@ class GPT2:
         cfg, w, ops = self.config, self.weights, self.ops
         num_tokens = stage_input.input_ids.shape[0]
         if self.layout.is_first_stage:
-            x = self._embed(stage_input.input_ids) + w.wpe[stage_input.positions]
+            x = vocab_parallel_embed(stage_input.input_ids, w.wte, self.vocab_lo, self.tp) + w.wpe[stage_input.positions]
             residual = None
         else:
             x, residual = stage_input.hidden.unbind(0)
@@ -158,10 +145,10 @@ class GPT2:
             q, k, v = qkv.unbind(1)
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
-            x = self._linear_row_parallel(attn, layer.attn_out_w, layer.attn_out_b)
+            x = row_parallel_linear(attn, layer.attn_out_w, layer.attn_out_b, self.tp)
             h, residual = ops.add_layernorm(x, residual, layer.ln2_w, layer.ln2_b, cfg.layer_norm_epsilon)
             h = ops.bias_gelu(gemm.linear(h, layer.fc_w), layer.fc_b)
-            x = self._linear_row_parallel(h, layer.proj_w, layer.proj_b)
+            x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp)
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final LayerNorm and the LM head.

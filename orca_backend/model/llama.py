@@ -23,6 +23,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
@@ -134,20 +135,6 @@ class Llama:
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3)
         self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if self.tp.size == 1:
-            return gemm.linear(x, w, b)
-        out = self.tp.all_reduce(gemm.linear(x, w))
-        return out if b is None else out + b  # the bias once, after the partial sums meet
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embed = self.weights.embed
-        if self.tp.size == 1:
-            return embed[input_ids]
-        local = input_ids - self.vocab_lo
-        mine = (local >= 0) & (local < embed.shape[0])
-        return self.tp.all_reduce(embed[local.clamp(0, embed.shape[0] - 1)] * mine[:, None])
-
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm over each head's vector ([T, heads, d])."""
         t, heads, d = x.shape
@@ -167,7 +154,7 @@ class Llama:
         t, d, eps = stage_input.input_ids.shape[0], cfg.head_dim, cfg.rms_norm_eps
         hq, hkv = self.num_heads, self.num_kv_heads
         if self.layout.is_first_stage:
-            x, residual = self._embed(stage_input.input_ids), None
+            x, residual = vocab_parallel_embed(stage_input.input_ids, w.embed, self.vocab_lo, self.tp), None
         else:
             x, residual = stage_input.hidden.unbind(0)
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
@@ -180,9 +167,9 @@ class Llama:
             q, k = ops.rotary(q, k, stage_input.positions, self.cos_sin)
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
-            x = self._row_parallel(attn, layer.o_w, layer.o_b)
+            x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
-            x = self._row_parallel(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None)
+            x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final norm and the LM head.
