@@ -1,96 +1,46 @@
 """Triton kernels against their torch references: on the GPU when there is one, else on CPU
-through Triton's interpreter.
-
-How Triton 3.9 picks the interpreter: ``@triton.jit`` reads TRITON_INTERPRET when it decorates a
-function, not at launch. Our kernels are decorated when a ``kernels/triton_*.py`` module is
-imported, and ``get_ops`` re-imports one built in the other mode, so per-test monkeypatching covers
-them. But ``triton.language`` decorates its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``) when
-``triton`` is first imported, so the variable must also be set *before the first import of triton*
-in the process. This module does that itself (and restores the variable right after) when it is
-the first to import triton on a machine without CUDA. If something imported triton earlier in
-compiled mode, these tests re-run this file in a fresh interpreter process instead.
-
-Tolerances: fp32 is checked tightly (1e-5). bf16/fp16 are checked against the fp32 reference on the
-same rounded inputs with a couple of units in the last place; the interpreter also rounds fp32->bf16
-toward zero where GPUs round to nearest even, which costs up to one more bf16 ulp.
+through Triton's interpreter (how this process gets into the right mode, and the tolerances, are
+in tests/triton_testing.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from attention_cases import BATCHES, make_meta, pool_slots
+from triton_testing import (
+    DEVICE,
+    INTERPRET_ENV,
+    INTERPRETED,
+    NEEDS_FRESH_PROCESS,
+    assert_close,
+    randn,
+    run_in_fresh_process,
+    triton_ops,
+    use_import_mode,
+)
 
-INTERPRET_ENV = "TRITON_INTERPRET"
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _saved = os.environ.get(INTERPRET_ENV)
-    os.environ[INTERPRET_ENV] = "1"
-    try:
-        import triton.language  # noqa: F401  (decorates tl.sum & co. as interpreted functions)
-    except ImportError:
-        pass  # importorskip below reports it
-    finally:
-        if _saved is None:
-            del os.environ[INTERPRET_ENV]
-        else:
-            os.environ[INTERPRET_ENV] = _saved
-
-tl = pytest.importorskip("triton.language")
-
-from attention_cases import BATCHES, make_meta, pool_slots  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from orca_kernels import KernelOps, dispatch, get_ops  # noqa: E402
-from orca_kernels.dispatch import TORCH_OPS  # noqa: E402
-
-INTERPRETED = not isinstance(tl.sum, JITFunction)
-DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
-# Triton was imported in compiled mode on a machine without CUDA: nothing can run in this process.
-NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not INTERPRETED
+from orca_kernels import KernelOps, dispatch, get_ops
+from orca_kernels.dispatch import TORCH_OPS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (atol, rtol) per dtype, see the module docstring.
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
 
 
 @pytest.fixture
 def triton_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRITON_INTERPRET as it was when triton was imported: the only mode this process can run."""
-    if NEEDS_FRESH_PROCESS:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_fresh_process covers this")
-    if INTERPRETED:
-        monkeypatch.setenv(INTERPRET_ENV, "1")
-    else:
-        monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    use_import_mode(monkeypatch)
 
 
 @pytest.fixture
-def ops(triton_env: None) -> KernelOps:
-    ops = get_ops(DEVICE, "triton")
-    assert ops.name == "triton"
-    return ops
+def ops(monkeypatch: pytest.MonkeyPatch) -> KernelOps:
+    return triton_ops(monkeypatch)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
 def test_in_fresh_process() -> None:
-    env = {**os.environ, INTERPRET_ENV: "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-
-
-def _randn(*shape: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = TOL[dtype]
-    assert actual.dtype == dtype
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    run_in_fresh_process(__file__)
 
 
 # --- add + LayerNorm ---------------------------------------------------------------------------
@@ -101,17 +51,17 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_layernorm(ops: KernelOps, dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     g = torch.Generator().manual_seed(hidden)
-    x = (_randn(3, hidden, g=g) * 2 + 1).to(dtype)  # a non-zero mean exercises the centring
-    residual = _randn(3, hidden, g=g, dtype=dtype) if with_residual else None
-    weight, bias = _randn(hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+    x = (randn(3, hidden, g=g) * 2 + 1).to(dtype)  # a non-zero mean exercises the centring
+    residual = randn(3, hidden, g=g, dtype=dtype) if with_residual else None
+    weight, bias = randn(hidden, g=g, dtype=dtype), randn(hidden, g=g, dtype=dtype)
 
     out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-5)
 
     # fp32 reference over the same rounded sum that the kernel normalises.
     ref_res = x if residual is None else x + residual
     ref_out, _ = TORCH_OPS.add_layernorm(ref_res.float(), None, weight.float(), bias.float(), 1e-5)
-    _close(new_res, ref_res, dtype)
-    _close(out, ref_out, dtype)
+    assert_close(new_res, ref_res, dtype)
+    assert_close(out, ref_out, dtype)
     if residual is None:
         assert new_res is x  # same contract as the reference: no copy
 
@@ -121,29 +71,29 @@ def test_add_layernorm(ops: KernelOps, dtype: torch.dtype, hidden: int, with_res
 def test_add_layernorm_wide_rows(ops: KernelOps, dtype: torch.dtype, hidden: int) -> None:
     """Rows wider than the block take the looped three-pass path; max_block=32 forces it."""
     g = torch.Generator().manual_seed(7)
-    x = (_randn(2, hidden, g=g) + 3).to(dtype)
-    residual = _randn(2, hidden, g=g, dtype=dtype)
-    weight, bias = _randn(hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+    x = (randn(2, hidden, g=g) + 3).to(dtype)
+    residual = randn(2, hidden, g=g, dtype=dtype)
+    weight, bias = randn(hidden, g=g, dtype=dtype), randn(hidden, g=g, dtype=dtype)
 
     out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-5, max_block=32)
 
     ref_out, ref_res = TORCH_OPS.add_layernorm(
         x.float(), residual.float(), weight.float(), bias.float(), 1e-5
     )
-    _close(new_res, ref_res, dtype)
-    _close(out, ref_out, dtype)
+    assert_close(new_res, ref_res, dtype)
+    assert_close(out, ref_out, dtype)
 
 
 def test_add_layernorm_strided_rows(ops: KernelOps) -> None:
     """Rows of a wider tensor (row stride != hidden) are read in place."""
     g = torch.Generator().manual_seed(3)
-    base = _randn(4, 160, g=g)
+    base = randn(4, 160, g=g)
     x, residual = base[:, :96], base[:, 64:]
-    weight, bias = _randn(96, g=g), _randn(96, g=g)
+    weight, bias = randn(96, g=g), randn(96, g=g)
     out, new_res = ops.add_layernorm(x, residual, weight, bias, 1e-6)
     ref_out, ref_res = TORCH_OPS.add_layernorm(x, residual, weight, bias, 1e-6)
-    _close(new_res, ref_res, torch.float32)
-    _close(out, ref_out, torch.float32)
+    assert_close(new_res, ref_res, torch.float32)
+    assert_close(out, ref_out, torch.float32)
 
 
 # --- bias + GeLU -------------------------------------------------------------------------------
@@ -153,16 +103,16 @@ def test_add_layernorm_strided_rows(ops: KernelOps) -> None:
 @pytest.mark.parametrize("inner", [50, 200, 3072])
 def test_bias_gelu(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
     g = torch.Generator().manual_seed(inner)
-    x = _randn(3, inner, g=g) * 4
+    x = randn(3, inner, g=g) * 4
     x[0, :4] = torch.tensor([-30.0, -9.0, 9.0, 30.0])  # the saturated tails of the tanh
     x = x.to(dtype)
-    bias = _randn(inner, g=g, dtype=dtype)
+    bias = randn(inner, g=g, dtype=dtype)
 
     out = ops.bias_gelu(x, bias)
 
     # fp32 math over the same rounded sum.
     expected = TORCH_OPS.bias_gelu((x + bias).float(), torch.zeros(inner, device=DEVICE))
-    _close(out, expected, dtype)
+    assert_close(out, expected, dtype)
     assert torch.isfinite(out.float()).all()
 
 
@@ -175,11 +125,11 @@ def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int)
     g = torch.Generator().manual_seed(heads)
     tokens, slots = 5, 32
     # k and v as strided views of a fused qkv projection, as the model produces them.
-    qkv = _randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)
+    qkv = randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)
     k, v = qkv[:, 1], qkv[:, 2]
     slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(DEVICE)
-    k_cache = _randn(slots, heads, head_dim, g=g, dtype=dtype)
-    v_cache = _randn(slots, heads, head_dim, g=g, dtype=dtype)
+    k_cache = randn(slots, heads, head_dim, g=g, dtype=dtype)
+    v_cache = randn(slots, heads, head_dim, g=g, dtype=dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
     ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -199,15 +149,15 @@ def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype
     g = torch.Generator().manual_seed(head_dim)
     heads, tokens, slots = 2, meta.query_start_host[-1], pool_slots(meta)
     # q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool.
-    q = _randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
-    pool = _randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
+    q = randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
+    pool = randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
     k_cache, v_cache = pool[0, 1], pool[1, 1]
     scale = head_dim**-0.5
 
     out = ops.attention(q, k_cache, v_cache, meta, scale)
 
     expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    _close(out, expected, dtype)
+    assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 64)])
@@ -216,12 +166,12 @@ def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> No
     meta = make_meta(DEVICE, BATCHES["mixed"])
     g = torch.Generator().manual_seed(block_m + block_n)
     heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], pool_slots(meta)
-    q = _randn(tokens, heads, head_dim, g=g)
-    k_cache, v_cache = _randn(slots, heads, head_dim, g=g), _randn(slots, heads, head_dim, g=g)
+    q = randn(tokens, heads, head_dim, g=g)
+    k_cache, v_cache = randn(slots, heads, head_dim, g=g), randn(slots, heads, head_dim, g=g)
 
     out = ops.attention(q, k_cache, v_cache, meta, 0.125, block_m=block_m, block_n=block_n)
 
-    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
 def test_write_then_attend(ops: KernelOps) -> None:
@@ -229,8 +179,8 @@ def test_write_then_attend(ops: KernelOps) -> None:
     meta = make_meta(DEVICE, BATCHES["mixed"])
     g = torch.Generator().manual_seed(11)
     heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], pool_slots(meta)
-    q, k, v = _randn(3, tokens, heads, head_dim, g=g).unbind(0)
-    caches = _randn(2, slots, heads, head_dim, g=g)
+    q, k, v = randn(3, tokens, heads, head_dim, g=g).unbind(0)
+    caches = randn(2, slots, heads, head_dim, g=g)
     k_cache, v_cache = caches.clone().unbind(0)
     k_ref, v_ref = caches.clone().unbind(0)
 
@@ -239,7 +189,7 @@ def test_write_then_attend(ops: KernelOps) -> None:
     TORCH_OPS.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
     expected = TORCH_OPS.attention(q, k_ref, v_ref, meta, head_dim**-0.5)
 
-    _close(out, expected, torch.float32)
+    assert_close(out, expected, torch.float32)
 
 
 def test_block_table_covers_every_query_once(ops: KernelOps) -> None:

@@ -3,82 +3,39 @@ against its torch reference, and each torch reference against an independent for
 Face's for RMSNorm and rotary, ``F.silu(gate) * up``, and GQA as multi-head attention over
 repeated K/V).
 
-Triton runs as in tests/test_kernels.py: on the GPU when there is one, else through the
-interpreter, which must be switched on before the process first imports triton (that module's
-docstring explains why); this module does the same when it is the first to import triton.
-Tolerances are the same too: fp32 tight, bf16 a couple of ulps against the fp32 reference.
+Triton runs as in tests/test_kernels.py, on the GPU when there is one, else through the
+interpreter, with the same tolerances (tests/triton_testing.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import BATCHES, GQA_HEADS, expand_kv, make_meta, pool_slots
+from triton_testing import (
+    DEVICE,
+    NEEDS_FRESH_PROCESS,
+    assert_close,
+    randn,
+    run_in_fresh_process,
+    triton_ops,
+)
 
-INTERPRET_ENV = "TRITON_INTERPRET"
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _saved = os.environ.get(INTERPRET_ENV)
-    os.environ[INTERPRET_ENV] = "1"
-    try:
-        import triton.language  # noqa: F401  (decorates tl.sum & co. as interpreted functions)
-    except ImportError:
-        pass  # importorskip below reports it
-    finally:
-        if _saved is None:
-            del os.environ[INTERPRET_ENV]
-        else:
-            os.environ[INTERPRET_ENV] = _saved
-
-tl = pytest.importorskip("triton.language")
-
-from attention_cases import BATCHES, GQA_HEADS, expand_kv, make_meta, pool_slots  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from orca_kernels import KernelOps, get_ops  # noqa: E402
-from orca_kernels.dispatch import CPU_OPS, TORCH_OPS  # noqa: E402
-
-INTERPRETED = not isinstance(tl.sum, JITFunction)
-DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
-NEEDS_FRESH_PROCESS = DEVICE == "cpu" and not INTERPRETED
+from orca_kernels import KernelOps
+from orca_kernels.dispatch import CPU_OPS, TORCH_OPS
 
 DTYPES = [torch.float32, torch.bfloat16]
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
 @pytest.fixture
 def ops(monkeypatch: pytest.MonkeyPatch) -> KernelOps:
-    """The Triton bundle, in the only interpreter mode this process can run (see test_kernels.py)."""
-    if NEEDS_FRESH_PROCESS:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; test_in_fresh_process covers this")
-    if INTERPRETED:
-        monkeypatch.setenv(INTERPRET_ENV, "1")
-    else:
-        monkeypatch.delenv(INTERPRET_ENV, raising=False)
-    ops = get_ops(DEVICE, "triton")
-    assert ops.name == "triton"
-    return ops
+    return triton_ops(monkeypatch)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
 def test_in_fresh_process() -> None:
-    env = {**os.environ, INTERPRET_ENV: "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-
-
-def _randn(*shape: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = TOL[dtype]
-    assert actual.dtype == dtype
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    run_in_fresh_process(__file__)
 
 
 # --- add + RMSNorm -----------------------------------------------------------------------------
@@ -97,8 +54,8 @@ def _hf_rmsnorm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rmsnorm_torch_is_hf_rmsnorm(dtype: torch.dtype, with_residual: bool) -> None:
     g = torch.Generator().manual_seed(1)
-    x, residual = _randn(5, 96, g=g, dtype=dtype), _randn(5, 96, g=g, dtype=dtype)
-    weight = _randn(96, g=g, dtype=dtype)
+    x, residual = randn(5, 96, g=g, dtype=dtype), randn(5, 96, g=g, dtype=dtype)
+    weight = randn(96, g=g, dtype=dtype)
     if not with_residual:
         residual = None
 
@@ -110,7 +67,7 @@ def test_add_rmsnorm_torch_is_hf_rmsnorm(dtype: torch.dtype, with_residual: bool
     # And the math itself, in float64: x / sqrt(mean(x^2) + eps) * w.
     s = expected_sum.double()
     exact = s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * weight.double()
-    _close(out, exact, dtype)
+    assert_close(out, exact, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,15 +75,15 @@ def test_add_rmsnorm_torch_is_hf_rmsnorm(dtype: torch.dtype, with_residual: bool
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rmsnorm(ops: KernelOps, dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     g = torch.Generator().manual_seed(hidden)
-    x = (_randn(3, hidden, g=g) * 2 + 1).to(dtype)
-    residual = _randn(3, hidden, g=g, dtype=dtype) if with_residual else None
-    weight = _randn(hidden, g=g, dtype=dtype)
+    x = (randn(3, hidden, g=g) * 2 + 1).to(dtype)
+    residual = randn(3, hidden, g=g, dtype=dtype) if with_residual else None
+    weight = randn(hidden, g=g, dtype=dtype)
 
     out, summed = ops.add_rmsnorm(x, residual, weight, 1e-5)
 
     ref_out, ref_sum = TORCH_OPS.add_rmsnorm(x, residual, weight, 1e-5)
-    _close(summed, ref_sum, dtype)
-    _close(out, ref_out, dtype)
+    assert_close(summed, ref_sum, dtype)
+    assert_close(out, ref_out, dtype)
     if residual is None:
         assert summed is x  # same contract as the reference: no copy
 
@@ -135,35 +92,35 @@ def test_add_rmsnorm(ops: KernelOps, dtype: torch.dtype, hidden: int, with_resid
 def test_add_rmsnorm_wide_rows(ops: KernelOps, dtype: torch.dtype) -> None:
     """Rows wider than the block take the looped two-pass path; max_block=32 forces it."""
     g = torch.Generator().manual_seed(7)
-    x, residual = _randn(2, 200, g=g, dtype=dtype), _randn(2, 200, g=g, dtype=dtype)
-    weight = _randn(200, g=g, dtype=dtype)
+    x, residual = randn(2, 200, g=g, dtype=dtype), randn(2, 200, g=g, dtype=dtype)
+    weight = randn(200, g=g, dtype=dtype)
 
     out, summed = ops.add_rmsnorm(x, residual, weight, 1e-5, max_block=32)
     out_nores, _ = ops.add_rmsnorm(x, None, weight, 1e-5, max_block=32)
 
     ref_out, ref_sum = TORCH_OPS.add_rmsnorm(x, residual, weight, 1e-5)
-    _close(summed, ref_sum, dtype)
-    _close(out, ref_out, dtype)
-    _close(out_nores, TORCH_OPS.add_rmsnorm(x, None, weight, 1e-5)[0], dtype)
+    assert_close(summed, ref_sum, dtype)
+    assert_close(out, ref_out, dtype)
+    assert_close(out_nores, TORCH_OPS.add_rmsnorm(x, None, weight, 1e-5)[0], dtype)
 
 
 def test_add_rmsnorm_per_head_of_fused_qkv(ops: KernelOps) -> None:
     """Qwen3 normalises each head of q and k: [T, H, D] views of the fused projection, weight [D]."""
     g = torch.Generator().manual_seed(5)
-    qkv = _randn(3, (4 + 2 + 2) * 64, g=g, dtype=torch.bfloat16)
+    qkv = randn(3, (4 + 2 + 2) * 64, g=g, dtype=torch.bfloat16)
     q = qkv[:, : 4 * 64].view(3, 4, 64)
-    weight = _randn(64, g=g, dtype=torch.bfloat16)
+    weight = randn(64, g=g, dtype=torch.bfloat16)
 
     out, _ = ops.add_rmsnorm(q, None, weight, 1e-6)
 
     assert out.shape == q.shape
-    _close(out, TORCH_OPS.add_rmsnorm(q, None, weight, 1e-6)[0], torch.bfloat16)
+    assert_close(out, TORCH_OPS.add_rmsnorm(q, None, weight, 1e-6)[0], torch.bfloat16)
 
 
 def test_add_rmsnorm_fp32_weight_keeps_hf_dtype_promotion(ops: KernelOps) -> None:
     """HF multiplies an fp32 weight by the bf16-rounded row, so the output is fp32."""
     g = torch.Generator().manual_seed(6)
-    x, weight = _randn(2, 64, g=g, dtype=torch.bfloat16), _randn(64, g=g)
+    x, weight = randn(2, 64, g=g, dtype=torch.bfloat16), randn(64, g=g)
     out, _ = ops.add_rmsnorm(x, None, weight, 1e-6)
     ref, _ = TORCH_OPS.add_rmsnorm(x, None, weight, 1e-6)
     assert out.dtype == ref.dtype == torch.float32
@@ -177,38 +134,38 @@ def test_add_rmsnorm_fp32_weight_keeps_hf_dtype_promotion(ops: KernelOps) -> Non
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_torch_is_gated_silu(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
-    gate, up = _randn(3, 40, g=g, dtype=dtype) * 4, _randn(3, 40, g=g, dtype=dtype)
+    gate, up = randn(3, 40, g=g, dtype=dtype) * 4, randn(3, 40, g=g, dtype=dtype)
 
     out = TORCH_OPS.silu_and_mul(torch.cat([gate, up], dim=-1))
 
     assert out.dtype == dtype and out.shape == (3, 40)
     # Close, not equal: torch's vectorised silu (contiguous gate here) and its scalar loop (the
     # reference's strided view) round differently in the last bit.
-    _close(out, F.silu(gate) * up, dtype)
+    assert_close(out, F.silu(gate) * up, dtype)
     exact = gate.double() * torch.sigmoid(gate.double()) * up.double()
-    _close(out, exact, dtype)
+    assert_close(out, exact, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inner", [50, 1100])  # 1100: two column blocks, the second partial
 def test_silu_and_mul(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
     g = torch.Generator().manual_seed(inner)
-    x = _randn(3, 2 * inner, g=g) * 4
+    x = randn(3, 2 * inner, g=g) * 4
     x[0, :4] = torch.tensor([-100.0, -20.0, 20.0, 100.0])  # saturated gates, exp overflow included
     x = x.to(dtype)
 
     out = ops.silu_and_mul(x)
 
     # fp32 math over the same rounded inputs.
-    _close(out, TORCH_OPS.silu_and_mul(x.float()), dtype)
+    assert_close(out, TORCH_OPS.silu_and_mul(x.float()), dtype)
     assert torch.isfinite(out.float()).all()
 
 
 def test_silu_and_mul_strided_rows(ops: KernelOps) -> None:
     """Rows of a wider tensor (row stride != 2 * inner) are read in place."""
     g = torch.Generator().manual_seed(3)
-    x = _randn(4, 200, g=g)[:, 8:168]
-    _close(ops.silu_and_mul(x), TORCH_OPS.silu_and_mul(x), torch.float32)
+    x = randn(4, 200, g=g)[:, 8:168]
+    assert_close(ops.silu_and_mul(x), TORCH_OPS.silu_and_mul(x), torch.float32)
 
 
 # --- rotary ------------------------------------------------------------------------------------
@@ -241,7 +198,7 @@ def _hf_apply_rotary(
 
 def _qk_views(tokens: int, hq: int, hkv: int, head_dim: int, g: torch.Generator, dtype: torch.dtype):
     """q and k as non-contiguous views of a fused qkv projection, as the model produces them."""
-    qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, g=g, dtype=dtype)
+    qkv = randn(tokens, (hq + 2 * hkv) * head_dim, g=g, dtype=dtype)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
     k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(tokens, hkv, head_dim)
     return qkv, q, k
@@ -277,8 +234,8 @@ def test_rotary(ops: KernelOps, dtype: torch.dtype, heads: tuple[int, int], head
     q_out, k_out = ops.rotary(q, k, positions, cos_sin)
 
     ref_q, ref_k = TORCH_OPS.rotary(q.float(), k.float(), positions, cos_sin)
-    _close(q_out, ref_q, dtype)
-    _close(k_out, ref_k, dtype)
+    assert_close(q_out, ref_q, dtype)
+    assert_close(k_out, ref_k, dtype)
     assert q_out.shape == q.shape and k_out.shape == k.shape
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(qkv, before)
@@ -292,8 +249,8 @@ def test_rotary_many_heads(ops: KernelOps) -> None:
     _, q, k = _qk_views(2, 40, 8, 128, g, torch.float32)
     q_out, k_out = ops.rotary(q, k, positions, cos_sin)
     ref_q, ref_k = TORCH_OPS.rotary(q, k, positions, cos_sin)
-    _close(q_out, ref_q, torch.float32)
-    _close(k_out, ref_k, torch.float32)
+    assert_close(q_out, ref_q, torch.float32)
+    assert_close(k_out, ref_k, torch.float32)
 
 
 # --- grouped-query attention -------------------------------------------------------------------
@@ -303,8 +260,8 @@ def _gqa_inputs(meta, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, seed
     """q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool."""
     g = torch.Generator().manual_seed(seed)
     tokens, slots = meta.query_start_host[-1], pool_slots(meta)
-    q = _randn(tokens, hq + 2 * hkv, head_dim, g=g, dtype=dtype)[:, :hq]
-    pool = _randn(2, 2, slots, hkv, head_dim, g=g, dtype=dtype)
+    q = randn(tokens, hq + 2 * hkv, head_dim, g=g, dtype=dtype)[:, :hq]
+    pool = randn(2, 2, slots, hkv, head_dim, g=g, dtype=dtype)
     return q, pool[0, 1], pool[1, 1]
 
 
@@ -326,7 +283,7 @@ def test_gqa_attention_torch_is_mha_over_repeated_kv(
     if hq == hkv:
         assert torch.equal(out, expected)
     else:
-        _close(out, expected, dtype)
+        assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -341,7 +298,7 @@ def test_gqa_attention(ops: KernelOps, layout: str, head_dim: int, dtype: torch.
     out = ops.attention(q, k_cache, v_cache, meta, scale)
 
     expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    _close(out, expected, dtype)
+    assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("batch", ["prefill_only", "decode_only"])
@@ -349,7 +306,7 @@ def test_gqa_attention_batches(ops: KernelOps, batch: str) -> None:
     meta = make_meta(DEVICE, BATCHES[batch])
     q, k_cache, v_cache = _gqa_inputs(meta, 8, 2, 64, torch.float32, seed=3)
     out = ops.attention(q, k_cache, v_cache, meta, 0.125)
-    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -363,7 +320,7 @@ def test_gqa_attention_group8(ops: KernelOps, batch: str, dtype: torch.dtype) ->
     out = ops.attention(q, k_cache, v_cache, meta, 0.125)
 
     expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
-    _close(out, expected, dtype)
+    assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "max_heads"), [(6, 2, 64), (8, 1, 2), (6, 2, 2)])
@@ -380,7 +337,7 @@ def test_gqa_attention_padded_and_split_groups(
 
     out = ops.attention(q, k_cache, v_cache, meta, 0.125)
 
-    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
 def test_gqa_attention_block_m_override(ops: KernelOps) -> None:
@@ -388,7 +345,7 @@ def test_gqa_attention_block_m_override(ops: KernelOps) -> None:
     meta = make_meta(DEVICE, BATCHES["mixed"])
     q, k_cache, v_cache = _gqa_inputs(meta, 8, 2, 64, torch.float32, seed=5)
     out = ops.attention(q, k_cache, v_cache, meta, 0.125, block_m=32, block_n=16)
-    _close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
 def test_gqa_write_then_attend(ops: KernelOps) -> None:
@@ -401,14 +358,14 @@ def test_gqa_write_then_attend(ops: KernelOps) -> None:
     v = qkv[:, (hq + hkv) * head_dim :].view(tokens, hkv, head_dim)
     positions = torch.cat([torch.arange(c - n, c) for n, c in BATCHES["mixed"]]).to(DEVICE)
     _, cos_sin = _cos_sin_table(head_dim, 64)
-    caches = _randn(2, slots, hkv, head_dim, g=g)
+    caches = randn(2, slots, hkv, head_dim, g=g)
     results = []
     for kernel_ops in (ops, TORCH_OPS):
         k_cache, v_cache = caches.clone().unbind(0)
         q_rot, k_rot = kernel_ops.rotary(q, k, positions, cos_sin)
         kernel_ops.write_kv(k_rot, v, k_cache, v_cache, meta.slot_mapping)
         results.append(kernel_ops.attention(q_rot, k_cache, v_cache, meta, head_dim**-0.5))
-    _close(results[0], results[1], torch.float32)
+    assert_close(results[0], results[1], torch.float32)
 
 
 def test_gqa_rejects_uneven_heads(ops: KernelOps) -> None:
