@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -20,9 +19,9 @@ class Tokenizer:
         self.path = Path(path)
         self._tokenizer = HFTokenizer.from_file(str(self.path))
         config_path = self.path.parent / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_path = self.path.parent / "chat_template.jinja"
-        self.chat_template: str | None = self.config.get("chat_template") or (
+        self.chat_template: str | None = config.get("chat_template") or (
             template_path.read_text() if template_path.is_file() else None
         )
 

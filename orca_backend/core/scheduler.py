@@ -82,9 +82,7 @@ class Scheduler:
         """Appends each request's new token and finishes those that hit a token-level stop."""
         outputs = []
         for request, num_new, token in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
-            request.in_flight = False
-            if request.finished:  # aborted while its batch was in flight: only now is its K/V safe to free
-                self.kv.free(request)
+            if not self._landed(request):
                 continue
             request.num_computed += num_new
             request.output_ids.append(token)
@@ -109,12 +107,9 @@ class Scheduler:
         """A batch whose forward failed: its requests end with the error; the engine goes on."""
         outputs = []
         for request in batch.requests:
-            request.in_flight = False
-            if not request.finished:
+            if self._landed(request):
                 self._end(request, "error")
                 outputs.append(self._output(request, error))
-            else:
-                self.kv.free(request)
         return self._release(outputs)
 
     def fail_all(self, error: str) -> list[CoreOutput]:
@@ -125,6 +120,15 @@ class Scheduler:
             self._end(request, "error")
             outputs.append(self._output(request, error))
         return outputs
+
+    def _landed(self, request: Request) -> bool:
+        """Its batch has returned. False for a request aborted while the batch was in flight: only
+        now is its K/V safe to free, and nothing more happens to it."""
+        request.in_flight = False
+        if request.finished:
+            self.kv.free(request)
+            return False
+        return True
 
     def _end(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED

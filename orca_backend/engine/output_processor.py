@@ -75,10 +75,6 @@ class OutputProcessor:
             for rid in request_ids:
                 self._states.pop(rid, None)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._states)
-
     def process(self, outputs: list[CoreOutput]) -> list[str]:
         """Hands every request its event; returns the ids the core must abort (a stop string ended them)."""
         now = time.perf_counter()

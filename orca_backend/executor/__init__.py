@@ -12,12 +12,12 @@ __all__ = ["Executor", "WorkerFailure", "make_executor"]
 def make_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:
     """In-process for tp = pp = 1, worker processes otherwise. Raises ValueError for a device this
     machine lacks before any process starts."""
-    check_device(config.device)
+    device = check_device(config.device)
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         from orca_backend.executor.local import LocalExecutor
         from orca_backend.worker.model_runner import ModelRunner
 
-        return LocalExecutor(ModelRunner(config, model_config))
+        return LocalExecutor(ModelRunner(config, model_config, device))
     from orca_backend.executor.multiproc import WorkerPoolExecutor
 
     return WorkerPoolExecutor(config, model_config)

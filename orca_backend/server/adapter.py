@@ -53,9 +53,9 @@ class EngineAdapter:
         """Engine fields this adapter sets itself, whatever `parameters` say."""
         return {}
 
-    def dead_reason(self) -> str:
-        """The message every request gets once the engine loop has stopped."""
-        return f"the engine loop stopped ({self.engine.dead_reason or 'unknown reason'})"
+    def engine_stopped_message(self, next_step: str) -> str:
+        """What every request is told once the engine loop has stopped, and what happens next."""
+        return f"the engine loop stopped ({self.engine.dead_reason or 'unknown reason'}); {next_step}"
 
     def finalize(self) -> None:
         self._poller.stop()

@@ -88,7 +88,7 @@ class BaselineModel(EngineAdapter):
             except queue.Empty:
                 if not self.engine.healthy:
                     for index in remaining:
-                        responses[index] = error_response(EngineUnavailable(self._dead_reason()))
+                        responses[index] = error_response(EngineUnavailable(self.engine_stopped_message("reload the model")))
                     return
                 for index in remaining - cancelled:
                     if is_cancelled(requests[index]):
@@ -110,7 +110,7 @@ class BaselineModel(EngineAdapter):
         """The requests the engine accepts; the others get their validation error."""
         if not self.engine.healthy:
             for index in parsed:
-                responses[index] = error_response(EngineUnavailable(self._dead_reason()))
+                responses[index] = error_response(EngineUnavailable(self.engine_stopped_message("reload the model")))
             return []
         admitted = []
         for index, request in parsed.items():
@@ -121,6 +121,3 @@ class BaselineModel(EngineAdapter):
             except ValueError as exc:
                 responses[index] = error_response(exc)
         return admitted
-
-    def _dead_reason(self) -> str:
-        return f"{self.dead_reason()}; reload the model"

@@ -194,7 +194,7 @@ class OrcaModel(EngineAdapter):
     def _check_health(self) -> None:
         if self._dead_reason is not None or self.engine.healthy:
             return
-        self._dead_reason = f"{self.dead_reason()}; the model is being unloaded"
+        self._dead_reason = self.engine_stopped_message("the model is being unloaded")
         pb_utils.Logger.log_error(f"{self.model_name}: {self._dead_reason}")
         self._fail_all(EngineUnavailable(self._dead_reason))
         # Triton 2.51's Python backend has no readiness hook: unloading (explicit model control,

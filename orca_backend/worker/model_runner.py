@@ -13,7 +13,7 @@ import torch
 from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
-from orca_backend.model.device import check_device, torch_dtype
+from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
 from orca_backend.worker.batch_meta import BatchMeta
@@ -25,10 +25,10 @@ from orca_kernels import AttentionMetadata
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: AnyModelConfig, device: torch.device | str | None = None,
+        self, config: EngineConfig, model_config: AnyModelConfig, device: torch.device,
         layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
-        self.device = torch.device(device) if device is not None else check_device(config.device)
+        self.device = device  # checked by the caller (make_executor, or the worker process for its rank)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.layout = layout
