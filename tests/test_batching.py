@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
+from core_hooks import StepGate
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
@@ -155,31 +154,20 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
     path, _ = tiny_checkpoint
     from orca_backend.config import EngineConfig
 
-    engine = LLMEngine.launch(EngineConfig(model=str(path)))
     # Each forward waits for the test's permit, so how far generation gets does not depend on
     # the machine's speed.
-    executor = engine.core.executor
-    run, permits = executor.collect_oldest, threading.Semaphore(0)
-    gated = True
-
-    def collect() -> list[int]:
-        if gated:
-            assert permits.acquire(timeout=60)
-        return run()
-
-    executor.collect_oldest = collect
+    gate = StepGate()
+    engine = LLMEngine.launch(EngineConfig(model=str(path)), core_hook=gate)
     try:
         long = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         short = engine.add_request([4, 5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-        for _ in range(5):
-            permits.release()
+        gate.allow(5)
         got = [o for o in short]
         assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
         first = next(iter(long))
         assert not first.finished
         engine.abort_request(long.request_id)
-        gated = False
-        permits.release()  # the iteration already waiting runs; the abort is taken in before the next
+        gate.open()  # the iteration already waiting runs; the abort is taken in before the next
         rest = list(long)
         assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
         tokens = len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from core_hooks import pid_alive
 
 from orca_backend import EngineConfig, ModelConfig, SamplingParams
 from orca_backend.engine.llm_engine import EngineDeadError, LLMEngine
@@ -83,8 +84,9 @@ def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoin
         waiting = engine.add_request([4, 5], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         events = iter(stream)
         assert not next(events).finished  # generation is under way
-        victim = engine.core.executor.processes[1]
-        os.kill(victim.pid, signal.SIGKILL)
+        workers = engine.core.worker_pids
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
         started = time.monotonic()
         last = list(events)[-1]
         assert last.finish_reason == "error" and "worker" in last.error
@@ -94,9 +96,9 @@ def test_killed_worker_ends_requests_with_errors_and_leaves_no_orphans(checkpoin
         with pytest.raises(EngineDeadError, match="worker"):
             engine.add_request([1], SamplingParams(max_tokens=1))
         deadline = time.monotonic() + 15
-        while any(p.is_alive() for p in engine.core.executor.processes) and time.monotonic() < deadline:
+        while any(map(pid_alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(p.is_alive() for p in engine.core.executor.processes)
+        assert not any(map(pid_alive, workers))
     finally:
         engine.shutdown()
 

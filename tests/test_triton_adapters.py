@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -17,7 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from core_hooks import CrashSwitch, StepGate, pid_alive
 
+from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 
@@ -144,11 +148,17 @@ def pb_utils(monkeypatch):
 PARAMETERS = {"model": {"string_value": "gpt2-tiny"}, "kv_capacity_tokens": {"string_value": "2048"}}
 
 
-def load(kind: str, **config: Any) -> Any:
+def load(kind: str, core_hook: Any = None, **config: Any) -> Any:
+    """Initializes the adapter as Triton would; `core_hook` is installed in its engine core process."""
     module = importlib.import_module(f"orca_backend.server.{kind}_model")
     model = (module.OrcaModel if kind == "orca" else module.BaselineModel)()
     model_config = {"parameters": PARAMETERS, **config}
-    model.initialize({"model_config": json.dumps(model_config), "model_name": kind, "model_version": "1"})
+    launch = LLMEngine.launch
+    try:
+        LLMEngine.launch = lambda engine_config: launch(engine_config, core_hook=core_hook)  # type: ignore[method-assign]
+        model.initialize({"model_config": json.dumps(model_config), "model_name": kind, "model_version": "1"})
+    finally:
+        LLMEngine.launch = launch  # type: ignore[method-assign]
     return model
 
 
@@ -175,48 +185,11 @@ def assert_one_final(sender: FakeSender) -> None:
     assert sender.after_final == [], f"{len(sender.after_final)} response(s) after the final one"
 
 
-class StepGate:
-    """Holds the engine before each forward until the test lets one through: the test decides how far
-    generation gets, whatever the machine's speed."""
-
-    def __init__(self, model: Any) -> None:
-        executor = model.engine.core.executor
-        self._run = executor.collect_oldest
-        self._permits = threading.Semaphore(0)
-        self.closed = True
-        executor.collect_oldest = self._collect
-
-    def _collect(self) -> list[int]:
-        if self.closed:
-            assert self._permits.acquire(timeout=60), "the test never let this iteration run"
-        return self._run()
-
-    def allow(self, iterations: int = 1) -> None:
-        for _ in range(iterations):
-            self._permits.release()
-
-    def open(self) -> None:
-        self.closed = False
-        self._permits.release()
-
-
-class Crash(BaseException):
-    """Kills the engine loop (its per-batch guard only catches Exception)."""
-
-
-def crash_engine(model: Any) -> None:
-    """The next iteration kills the engine loop."""
-
-    def boom() -> None:
-        raise Crash("simulated loss of the engine")
-
-    model.engine.core.step = boom
-
-
 def test_orca_streams_exact_tokens_and_returns_from_execute_at_once(pb_utils):
-    model = load("orca", model_transaction_policy={"decoupled": True})
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True})
     try:
-        gate = StepGate(model)  # no iteration can run: execute() must return without waiting for one
+        # No iteration can run: execute() must return without waiting for one.
         requests = [ids_request([1, 2, 3], 12), ids_request([9], 5), FakeRequest(input_ids=np.array([], np.int32))]
         assert model.execute(requests) is None
         assert requests[0].sender.sent == [] and requests[1].sender.sent == []
@@ -236,9 +209,9 @@ def test_orca_streams_exact_tokens_and_returns_from_execute_at_once(pb_utils):
 
 
 def test_orca_cancellation_aborts_and_frees_kv(pb_utils):
-    model = load("orca", model_transaction_policy={"decoupled": True})
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True})
     try:
-        gate = StepGate(model)
         request = ids_request([4, 5], 200)
         model.execute([request])
         gate.allow(2)
@@ -258,12 +231,13 @@ def test_orca_cancellation_aborts_and_frees_kv(pb_utils):
 
 
 def test_orca_engine_death_fails_pending_and_new_requests_unavailable(pb_utils):
-    model = load("orca", model_transaction_policy={"decoupled": True})
+    crash = CrashSwitch()
+    model = load("orca", crash, model_transaction_policy={"decoupled": True})
     try:
         warm = ids_request([1], 3)
         model.execute([warm])
         finish(warm)
-        crash_engine(model)
+        crash.throw()
         pending = [ids_request([1, 2], 50), ids_request([3], 50)]
         model.execute(pending)
         for request in pending:
@@ -277,6 +251,29 @@ def test_orca_engine_death_fails_pending_and_new_requests_unavailable(pb_utils):
     finally:
         model.finalize()
     for request in (warm, *pending, late):  # finalize() must not answer anything a second time
+        assert_one_final(request.sender)
+
+
+def test_orca_killed_engine_process_fails_every_stream(pb_utils):
+    """SIGKILL, not a clean death: the frontend alone notices (the pipe closes) and answers for the core."""
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True})
+    try:
+        streams = [ids_request([1, 2], 100), ids_request([3], 100), ids_request([5, 6, 7], 100)]
+        model.execute(streams)
+        gate.allow(2)
+        assert wait_for(lambda: all(r.sender.ids() for r in streams[:2]))  # generation is under way
+        core = model.engine.core
+        os.kill(core.pid, signal.SIGKILL)
+        for request in streams:
+            response, flags = finish(request).sent[-1]
+            assert flags == FINAL and response.error.code == FakeError.UNAVAILABLE
+            assert "SIGKILL" in response.error.message
+        assert wait_for(lambda: pb_utils.unloaded == ["orca"])
+        assert not pid_alive(core.pid)
+    finally:
+        model.finalize()
+    for request in streams:
         assert_one_final(request.sender)
 
 
@@ -303,9 +300,10 @@ def test_baseline_runs_the_batch_and_fails_only_the_bad_request(pb_utils):
 
 
 def test_baseline_engine_death_answers_unavailable(pb_utils):
-    model = load("baseline", max_batch_size=4)
+    crash = CrashSwitch()
+    model = load("baseline", crash, max_batch_size=4)
     try:
-        crash_engine(model)
+        crash.throw()
         responses = model.execute([ids_request([1, 2], 8, batched=True)])
         assert responses[0].error.code == FakeError.UNAVAILABLE
         responses = model.execute([ids_request([1, 2], 8, batched=True)])

@@ -1,18 +1,18 @@
 """The engine front: a thread-safe LLMEngine over the engine core and the output processor.
 
 Callers on any thread validate and add requests (tokenizing happens on the caller's thread) and
-get each request's events through a sink or a `RequestStream`. Two ways to drive it:
-- `LLMEngine.launch(config)`: the core runs on its own thread ("orca-engine") and hands each
-  iteration's outputs to a second thread ("orca-output"), which detokenizes, matches stop strings
-  and calls the sinks; sinks must not block (a queue's put).
-- `LLMEngine(config)` + `step()`: the caller's thread runs one iteration and processes its outputs
-  (the offline `LLM` does this).
+get each request's events through a sink or a `RequestStream`. Two ways to run the core:
+- `LLMEngine.launch(config)`: in a process of its own (engine/core_client.py), as every served
+  model runs it; this process's output thread ("orca-output") detokenizes each iteration's
+  outputs, matches stop strings and calls the sinks, which must not block (a queue's put).
+- `LLMEngine(config)` + `step()`: in this process, one iteration per call on the caller's thread,
+  outputs processed right after it (the offline `LLM` does this).
+Validation needs only the config, so a launched engine's process never imports torch.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import operator
 import queue
 import random
@@ -21,8 +21,11 @@ import time
 from collections.abc import Iterator, Sequence
 
 from orca_backend.config import EngineConfig
+from orca_backend.core.core_process import CoreHook
 from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
+from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import CoreOutput, Request
+from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import OutputProcessor, OutputSink, RequestOutput
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
@@ -30,7 +33,6 @@ from orca_backend.tokenizer import Tokenizer
 __all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "OutputSink", "Prompt", "RequestOutput", "RequestStream"]
 
 Prompt = str | Sequence[int]
-logger = logging.getLogger("orca.engine")
 
 
 class RequestStream:
@@ -52,7 +54,8 @@ class RequestStream:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, core_process: bool = False, core_hook: CoreHook | None = None) -> None:
+        """The core runs in this process, or with `core_process` in its own (prefer `launch`)."""
         self.config = config
         self.model_config = config.model_config()
         tokenizer_path = config.tokenizer_path()
@@ -62,13 +65,24 @@ class LLMEngine:
                 f"tokenizer {tokenizer_path} has {self.tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {self.model_config.vocab_size}"
             )
-        self.core = EngineCore(config, self.model_config)
+        self._kv_limits = make_kv_manager(config.kv_policy, config.kv_capacity_tokens)  # validation's arithmetic
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
         self._next_id = itertools.count()
-        self._threads: list[threading.Thread] = []
-        self._output_queue: queue.SimpleQueue[list[CoreOutput] | None] = queue.SimpleQueue()
+        self.core: EngineCore | EngineCoreProcess
+        if core_process:
+            self.core = EngineCoreProcess(config, self._process, self._core_died, hook=core_hook)
+        else:
+            self.core = EngineCore(config, self.model_config)
+            if core_hook is not None:
+                core_hook(self.core)
+
+    @classmethod
+    def launch(cls, config: EngineConfig, core_hook: CoreHook | None = None) -> LLMEngine:
+        """An engine whose core runs in its own process; returns once the model is loaded there, and
+        raises what loading raised. `core_hook` runs in that process on the built core (tests use it)."""
+        return cls(config, core_process=True, core_hook=core_hook)
 
     # ----------------------------------------------------------------- any thread
     @property
@@ -142,10 +156,10 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context length of {context} tokens"
             )
-        if not self.core.kv.fits_ever(Request("validate", ids, params, arrival_time=0.0)):
+        if not self._kv_limits.fits_ever(Request("validate", ids, params, arrival_time=0.0)):
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the K/V capacity of {self.core.kv.capacity_tokens} tokens; raise kv_capacity_tokens"
+                f"the K/V capacity of {self._kv_limits.capacity_tokens} tokens; raise kv_capacity_tokens"
             )
         return ids
 
@@ -169,59 +183,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ driving it
     def has_work(self) -> bool:
-        return self.core.has_work()
+        return self._in_process_core().has_work()
 
     def step(self) -> None:
         """One iteration on the caller's thread, outputs processed right after it."""
-        self._process(self.core.step())
+        self._process(self._in_process_core().step())
+
+    def _in_process_core(self) -> EngineCore:
+        if not isinstance(self.core, EngineCore):
+            raise RuntimeError("this engine's core runs in its own process; step() drives an in-process core")
+        return self.core
 
     def _process(self, outputs: list[CoreOutput]) -> None:
         for request_id in self.outputs.process(outputs):
             self.core.abort(request_id, "stop")
 
-    @classmethod
-    def launch(cls, config: EngineConfig) -> LLMEngine:
-        """Builds an engine on a new background thread and runs the core loop there, with the output
-        processor on a second thread. Returns once the model is loaded; a load error is raised here.
-
-        The model loads on the thread that will run it because torch's CPU thread pool (OpenMP) is
-        per calling thread: a forward on a second thread, after the loading thread ran parallel ops,
-        measured 1.3-1.7x slower here. The caller's thread must keep off torch compute from then on.
-        """
-        built: queue.Queue[LLMEngine | BaseException] = queue.Queue(maxsize=1)
-
-        def core_main() -> None:
-            try:
-                engine = cls(config)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
-                built.put(exc)
-                return
-            built.put(engine)
-            try:
-                engine.core.run_forever(engine._output_queue.put)
-            finally:
-                engine._output_queue.put(None)  # the output thread ends after the last outputs
-
-        core_thread = threading.Thread(target=core_main, name="orca-engine", daemon=True)
-        core_thread.start()
-        result = built.get()
-        if isinstance(result, BaseException):
-            raise result
-        output_thread = threading.Thread(target=result._output_loop, name="orca-output", daemon=True)
-        output_thread.start()
-        result._threads = [core_thread, output_thread]
-        return result
-
-    def _output_loop(self) -> None:
-        while (outputs := self._output_queue.get()) is not None:
-            try:
-                self._process(outputs)
-            except Exception:  # a bug here must not silence every later request: log it and go on
-                logger.exception("output processing failed for %d outputs", len(outputs))
+    def _core_died(self, reason: str) -> None:
+        """The core process is gone: every request it had not finished ends with an error."""
+        self.outputs.fail_all(reason)
 
     def shutdown(self) -> None:
-        self.core.stop()
-        for thread in self._threads:
-            thread.join(timeout=30)
-        self._threads = []
         self.core.shutdown()

@@ -103,6 +103,15 @@ class OutputProcessor:
             state.sink(event)
         return to_abort
 
+    def fail_all(self, reason: str) -> None:
+        """Ends every registered request with an error event (the core that held them is gone)."""
+        with self._lock:
+            failed, self._states = self._states, {}
+        now = time.perf_counter()
+        for request_id, state in failed.items():
+            state.sink(RequestOutput(request_id, [], "", True, "error", state.num_prompt_tokens,
+                                     len(state.output_ids), now, reason))  # fmt: skip
+
     def _stop_string_hit(self, state: _RequestState, out: CoreOutput) -> bool:
         """Detokenizes the new tokens; True if a stop string completed (text cut before it, later
         tokens not taken). Token by token when stop strings are set, so the cut is exact even when

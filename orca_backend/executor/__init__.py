@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.executor.base import Executor, WorkerFailure
-from orca_backend.model.device import check_device
 
 __all__ = ["Executor", "WorkerFailure", "make_executor"]
 
@@ -12,6 +11,8 @@ __all__ = ["Executor", "WorkerFailure", "make_executor"]
 def make_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:
     """In-process for tp = pp = 1, worker processes otherwise. Raises ValueError for a device this
     machine lacks before any process starts."""
+    from orca_backend.model.device import check_device  # torch: only where a model runs
+
     device = check_device(config.device)
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         from orca_backend.executor.local import LocalExecutor

@@ -1,0 +1,167 @@
+"""The frontend's handle on an engine core running in its own process (core/core_process.py).
+
+It starts the process (spawned: never fork a process that may hold CUDA or threads), waits until
+the model is loaded, and then only sends: adds and aborts go out as they come, on any thread.
+Its output thread ("orca-output") receives one frame per iteration and hands the outputs to the
+frontend's callback, which detokenizes and reports them; it also keeps the stats the last frame
+carried. The process's death, however it happens (its loop failed, it was killed), reaches the
+frontend as `on_dead(reason)` once, after the last outputs the process managed to send.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from orca_backend.config import EngineConfig
+from orca_backend.core.core_process import (
+    STOP_MESSAGE,
+    CoreHook,
+    abort_message,
+    add_message,
+    loads,
+    read_frame,
+    run_core_process,
+)
+from orca_backend.core.engine_core import EngineDeadError, EngineStats
+from orca_backend.core.request import CoreOutput, Request
+
+logger = logging.getLogger("orca.engine")
+
+SHUTDOWN_TIMEOUT_S = 30.0  # an iteration in progress finishes before the core sees the stop
+
+
+class EngineCoreProcess:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: Callable[[list[CoreOutput]], None],
+        on_dead: Callable[[str], None],
+        hook: CoreHook | None = None,
+        start_timeout_s: float | None = None,
+    ) -> None:
+        """Returns once the model is loaded; raises what loading raised (or why the process died)."""
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self.dead_reason: str | None = None
+        self._closing = False
+        self._send_lock = threading.Lock()  # adds, aborts and stop come from several threads
+        self._stats = EngineStats(0, 0, 0, config.kv_capacity_tokens, 0, 0, 0.0, 0)
+        ctx = mp.get_context("spawn")
+        self._conn, child_end = ctx.Pipe(duplex=True)
+        # Not a daemon: a daemonic process may not start the tp x pp worker processes.
+        self.process = ctx.Process(target=run_core_process, args=(config, child_end, hook),
+                                   name="orca-engine-core", daemon=False)  # fmt: skip
+        self.process.start()
+        child_end.close()  # the process holds the only other end: its exit reads as EOF here
+        atexit.register(self.shutdown)  # a process left running would hang interpreter exit
+        try:
+            info = self._startup_answer(start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pid: int = info["pid"]
+        self.worker_pids: list[int] = info["worker_pids"]
+        self._thread = threading.Thread(target=self._output_loop, name="orca-output", daemon=True)
+        self._thread.start()
+
+    def _startup_answer(self, timeout_s: float | None) -> dict:
+        if not wait([self._conn, self.process.sentinel], timeout=timeout_s):
+            raise RuntimeError(f"the engine core process did not load the model within {timeout_s:.0f} s")
+        try:
+            message = loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(timeout=5)
+            raise RuntimeError(f"the engine core process {_exit_description(self.process.exitcode)} while loading "
+                               "the model; its log says why") from None
+        if message[0] == "failed":
+            raise message[1]
+        return message[1]
+
+    # ----------------------------------------------------------------- any thread
+    def add_requests(self, requests: list[Request]) -> None:
+        self._send(add_message(requests))
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        with contextlib.suppress(EngineDeadError):  # a dead core has ended every request already
+            self._send(abort_message(request_id, reason))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
+            try:
+                self._conn.send_bytes(data)
+            except OSError:
+                # The output thread reports the death with the process's exit code.
+                raise EngineDeadError("the engine core process is gone") from None
+
+    def shutdown(self) -> None:
+        """Stops the process (the iteration in progress ends first), then by force. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.shutdown)
+        with self._send_lock, contextlib.suppress(OSError):
+            self._conn.send_bytes(STOP_MESSAGE)
+        self.process.join(timeout=SHUTDOWN_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.warning("engine core process %s did not stop within %.0f s; killing it", self.process.pid,
+                           SHUTDOWN_TIMEOUT_S)
+            self.process.kill()
+            self.process.join(timeout=5)
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+        self._conn.close()
+
+    # ---------------------------------------------------------------- output thread
+    def _output_loop(self) -> None:
+        while True:
+            try:
+                message = loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            outputs, self._stats, dead_reason = read_frame(message)
+            if outputs:
+                try:
+                    self._on_outputs(outputs)
+                except Exception:  # a bug there must not silence every later request: log it and go on
+                    logger.exception("output processing failed for %d outputs", len(outputs))
+            if dead_reason is not None:
+                self._died(dead_reason)
+                return
+        self.process.join(timeout=5)
+        if self._closing:
+            self._died("the engine was shut down")
+        else:
+            self._died(f"the engine core process (pid {self.process.pid}) {_exit_description(self.process.exitcode)}")
+
+    def _died(self, reason: str) -> None:
+        with self._send_lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+        if not self._closing:
+            logger.error("engine stops serving: %s", reason)
+        self._on_dead(reason)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,94 @@
+"""Hooks tests install in an engine core process (`LLMEngine.launch(config, core_hook=...)`).
+
+The core runs in a process of its own, so a test cannot patch it from outside: it hands the
+process one of these objects, whose multiprocessing primitives travel with it when the process is
+spawned, and drives it from the test's side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from typing import Any
+
+_ctx = mp.get_context("spawn")
+
+
+class StepGate:
+    """Holds the core before each forward until the test lets one through: the test decides how far
+    generation gets, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self._permits = _ctx.Semaphore(0)
+        self._open = _ctx.Event()
+
+    def __call__(self, core: Any) -> None:  # in the core process
+        executor = core.executor
+        run = executor.collect_oldest
+
+        def collect() -> list[int]:
+            if not self._open.is_set():
+                assert self._permits.acquire(timeout=60), "the test never let this iteration run"
+            return run()
+
+        executor.collect_oldest = collect
+
+    def allow(self, iterations: int = 1) -> None:
+        for _ in range(iterations):
+            self._permits.release()
+
+    def open(self) -> None:
+        self._open.set()
+        self._permits.release()
+
+
+class Crash(BaseException):
+    """Kills the engine loop (its per-batch guard only catches Exception)."""
+
+
+class CrashSwitch:
+    """Once thrown, the core's next iteration kills its loop, as a bug in the loop would."""
+
+    def __init__(self) -> None:
+        self._thrown = _ctx.Event()
+
+    def __call__(self, core: Any) -> None:  # in the core process
+        step = core.step
+
+        def checked_step() -> Any:
+            if self._thrown.is_set():
+                raise Crash("simulated loss of the engine")
+            return step()
+
+        core.step = checked_step
+
+    def throw(self) -> None:
+        self._thrown.set()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process runs (a zombie awaiting its parent's wait() does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
