@@ -3,7 +3,11 @@ backend spawns its worker processes (gloo on CPU), and the served tokens equal o
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
+from core_hooks import cmdline, descendants, parent, pid_alive
 
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
@@ -50,3 +54,41 @@ def test_tp2_served_greedy_streams_equal_single_process_generate(tp2_server, che
         assert len(result.deltas) > 1  # streamed as generated, not in one answer
     assert wait_until(lambda: metric(tp2_server, "orca_kv_used_tokens", "orca") == 0, timeout_s=30)
     assert tp2_server.is_ready()
+
+
+@pytest.fixture
+def doomed_tp2_server(checkpoint, tmp_path):
+    server = start_server(tmp_path / "triton", checkpoint, models=("orca",),
+                          parameters={"tensor_parallel_size": "2", "kv_capacity_tokens": "4096"})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_killed_engine_core_process_ends_every_stream_and_leaves_nothing_running(doomed_tp2_server):
+    """SIGKILL the engine core process (the tp=2 workers' master) while streams are under way."""
+    server = doomed_tp2_server
+    (stub,) = [p for p in descendants(server.process.pid) if "triton_python_backend_stub" in cmdline(p)]
+    # Spawning also starts multiprocessing's resource tracker beside the engine core process.
+    (core,) = [p for p in descendants(stub) if parent(p) == stub and "resource_tracker" not in cmdline(p)]
+    workers = [p for p in descendants(core) if "resource_tracker" not in cmdline(p)]
+    assert len(workers) == 2, [cmdline(p) for p in workers]
+    # One gRPC stream per request: a stream's error names no request, so each session has one.
+    sessions = [StreamSession(server.grpc_url) for _ in range(6)]
+    try:
+        results = [s.send("orca", f"s{i}", input_ids=[3 + i, 40, 41], max_tokens=200, sampling={"temperature": 0},
+                          stream=True) for i, s in enumerate(sessions)]  # fmt: skip
+        assert wait_until(lambda: all(r.deltas for r in results), timeout_s=120)  # every stream is generating
+        os.kill(core, signal.SIGKILL)
+        for session in sessions:
+            session.wait()
+    finally:
+        for session in sessions:
+            session.close()
+    for result in results:
+        assert result.error is not None and "UNAVAILABLE" in result.error.upper(), result.error
+        assert "SIGKILL" in result.error
+    assert wait_until(lambda: not server.is_ready(), timeout_s=30)  # the model unloaded itself
+    assert wait_until(lambda: not any(map(pid_alive, [core, *workers])), timeout_s=30)
+    assert server.is_live()
