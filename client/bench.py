@@ -5,11 +5,14 @@
     orca-bench --trace my_trace.jsonl --rates native
     orca-bench --echo                           # only the load generator's own overhead, against `echo`
     orca-bench --url host:8001 --baseline-models baseline   # a server that is already running
+    orca-bench --served-path-only --model gpt2-mini   # served vs offline throughput and CPU per token
 
 Steps: start tritonserver with `orca`, one `baseline` copy per --baseline-batch-sizes and `echo`;
 warm every model up; measure the unloaded per-token latency (one typical request alone on orca)
 and set the SLO to --slo-factor times it; run a burst of equal-length requests on orca and on the
-baseline (the fairness check, which also estimates orca's capacity for the auto rate grid); sweep
+baseline (the fairness check, which also estimates orca's capacity for the auto rate grid); the
+served-path stage (bursts of --served-path-streams requests on orca against the same requests on
+the offline engine, with the CPU per token of each server process: client/served_path.py); sweep
 the request rates (each rate: orca, then every baseline, same requests and arrival pattern); run the
 same trace against `echo` to measure the load generator's overhead; write bench.json, summary.md,
 curve.png. A model stops climbing the rate grid after its first point that misses the SLO (its
@@ -31,12 +34,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orca_client import bench_server, protocol
+from orca_client import bench_server, protocol, served_path
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import ServedModel
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
@@ -200,17 +203,31 @@ def requests_for(args: argparse.Namespace, rate: float | None, workload: Workloa
 
 
 # ------------------------------------------------------------------------------------- bench
+@dataclass
+class Endpoint:
+    """The server a bench runs against."""
+
+    url: str  # gRPC
+    metrics_url: str | None
+    models: list[ServedModel]
+    pid: int | None = None  # tritonserver's, when orca-bench started it (the served path reads its process tree)
+    notes: list[str] = field(default_factory=list)  # settings changed for the served-path stage
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace, url: str, metrics_url: str | None, models: list[ServedModel],
-                 geometry: Geometry, progress: Progress) -> None:
+    def __init__(self, args: argparse.Namespace, endpoint: Endpoint, geometry: Geometry, progress: Progress,
+                 orca_parameters: dict[str, str] | None = None) -> None:
         self.args = args
-        self.url = url
-        self.metrics_url = metrics_url
-        self.models = models
+        self.url = endpoint.url
+        self.metrics_url = endpoint.metrics_url
+        self.models = endpoint.models
+        self.server_pid = endpoint.pid
+        self.served_path_notes = endpoint.notes
+        self.orca_parameters = orca_parameters or {}  # orca's config.pbtxt parameters as served
         self.geometry = geometry
         self.progress = progress
         self.result: dict[str, Any] = {"runs": [], "notes": []}
-        self.batched = {m.name: m.kind == "baseline" for m in models}
+        self.batched = {m.name: m.kind == "baseline" for m in self.models}
         self._dirty = False
 
     # -- helpers
@@ -431,8 +448,8 @@ def headline(sustained: dict[str, Sustained], models: list[ServedModel], baselin
 
 # ------------------------------------------------------------------------------------ server
 @contextlib.contextmanager
-def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator[tuple[str, str | None, list[ServedModel]]]:
-    """Yields (gRPC url, metrics url, models): a server of our own, or the one at --url."""
+def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator[Endpoint]:
+    """Yields the Endpoint of a server of our own, or of the one at --url."""
     if args.url:
         names = [] if args.echo else ["orca", *[n.strip() for n in args.baseline_models.split(",") if n.strip()]]
         if args.echo or not args.no_echo:
@@ -446,7 +463,7 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
                     progress.info(f"no echo model at {args.url} ({exc}); skipping the overhead check")
                     continue
                 raise SystemExit(f"orca-bench: model {name!r} is not served at {args.url}: {exc}") from None
-        yield args.url, args.metrics_url, models
+        yield Endpoint(args.url, args.metrics_url, models)
         return
 
     from orca_backend.serve import ServerOptions, TritonServer
@@ -463,6 +480,17 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
             params["kv_capacity_tokens"] = str(args.kv_capacity_tokens)
     # Only orca's engine takes max_num_seqs; each baseline copy's batch is its Triton max_batch_size.
     per_model = {"orca": {"max_num_seqs": str(args.max_num_seqs)}} if args.max_num_seqs else {}
+    notes = []
+    if "orca" in names and args.served_path_streams:
+        config = (run_dir / "repository" / "orca" / "config.pbtxt").read_text()
+        raised = served_path.raised_limits(config, args.served_path_streams,
+                                           args.served_path_prompt + args.served_path_tokens,
+                                           args.max_num_seqs, args.kv_capacity_tokens)
+        if raised:
+            per_model.setdefault("orca", {}).update(raised)
+            notes.append("orca runs with " + ", ".join(f"{k}={v}" for k, v in raised.items())
+                         + " (above its config.pbtxt) so the served-path stage's largest burst is one batch; "
+                         "every orca run of this bench used it (--served-path-streams '' keeps config.pbtxt's).")
     options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
                             parameters={} if args.echo else params,
                             model_parameters={} if args.echo else per_model,
@@ -477,7 +505,7 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         server.wait_ready(timeout_s=args.ready_timeout)
         progress.info(f"server ready in {time.monotonic() - started:.0f} s at {server.grpc_url}")
         models = [bench_server.describe_model(server.grpc_url, name) for name in names]
-        yield server.grpc_url, server.metrics_url, models
+        yield Endpoint(server.grpc_url, server.metrics_url, models, server.process.pid if server.process else None, notes)
     finally:
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -502,7 +530,7 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
     return values
 
 
@@ -544,6 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-echo", action="store_true", help="skip the load generator overhead check")
     s.add_argument("--echo", action="store_true", help="only measure the load generator's overhead against `echo`")
     s.add_argument("--no-early-stop", action="store_true", help="run every rate even after a model missed the SLO")
+    sp = p.add_argument_group("served path (served vs offline throughput, server CPU per token)")
+    sp.add_argument("--served-path-streams", type=_int_list, default=[64, 256],
+                    help="burst sizes (concurrent streams) of the served-path stage, comma-separated; '' skips "
+                         "it (default 64,256; orca's max_num_seqs and K/V pool are raised to fit unless set)")
+    sp.add_argument("--served-path-prompt", type=int, default=32, help="prompt tokens of each request (default 32)")
+    sp.add_argument("--served-path-tokens", type=int, default=64, help="output tokens of each request (default 64)")
+    sp.add_argument("--served-path-repeats", type=int, default=2,
+                    help="bursts per stream count, served and offline; the best throughput is reported (default 2)")
+    sp.add_argument("--served-path-only", action="store_true",
+                    help="only warm-up, the fairness burst and the served-path stage (no SLO probe, sweep or echo)")
     r = p.add_argument_group("run")
     r.add_argument("--no-stream", action="store_true",
                    help="ask orca for one response per request instead of one per token (the baseline always answers once)")
@@ -562,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("orca-bench: --echo and --no-echo exclude each other")
     if args.rates == "native" and not args.trace:
         raise SystemExit("orca-bench: --rates native needs --trace")
+    if args.served_path_only:
+        if args.echo or not args.served_path_streams:
+            raise SystemExit("orca-bench: --served-path-only needs orca and non-empty --served-path-streams")
+        args.no_echo = True  # the stage does not need the load generator check: do not even load `echo`
+    if min(args.served_path_prompt, args.served_path_tokens, args.served_path_repeats) < 1:
+        raise SystemExit("orca-bench: --served-path-prompt, --served-path-tokens and --served-path-repeats must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     geometry = model_geometry(args.model) if not args.echo or not args.trace else Geometry(1 << 30, 1 << 30)
@@ -577,21 +621,27 @@ def main(argv: list[str] | None = None) -> int:
 
     n_baselines = 0 if args.echo else (len(args.baseline_batch_sizes) if not args.url else len(args.baseline_models.split(",")))
     n_rates = len(explicit_rates) if explicit_rates else (1 if args.rates == "native" else len(AUTO_FRACTIONS))
-    steps = (2 if args.echo else (1 + n_baselines) * (1 + n_rates) + args.unloaded_repeats + 2 + (0 if args.no_echo else 3))
+    stage = 0 if args.echo else len(args.served_path_streams) * (args.served_path_repeats + 1)
+    if args.served_path_only:
+        steps = (1 + n_baselines) + 2 + stage
+    else:
+        steps = (2 if args.echo else (1 + n_baselines) * (1 + n_rates) + args.unloaded_repeats + 2 + (0 if args.no_echo else 3))
+        steps += stage
     progress = Progress(steps, enabled=not args.quiet)
     started_wall, started = datetime.now(timezone.utc), time.monotonic()
     result: dict[str, Any] = {}
     served: dict[str, str] = {}
     interrupted = False
-    with serving(args, out, progress) as (url, metrics_url, models):
-        bench = Bench(args, url, metrics_url, models, geometry, progress)
-        result = bench.result
-        result["labels"] = {m.name: m.label for m in models}
-        result["models"] = [asdict(m) for m in models]
+    with serving(args, out, progress) as endpoint:
         served = {}
-        if bench.model("orca"):  # what the server really runs (with --url it need not match our flags)
+        # What the server really runs (with --url it need not match our flags).
+        if any(m.kind == "orca" for m in endpoint.models):
             with contextlib.suppress(Exception):
-                served = protocol.string_parameters(bench_server.fetch_model_config(url, "orca"))
+                served = protocol.string_parameters(bench_server.fetch_model_config(endpoint.url, "orca"))
+        bench = Bench(args, endpoint, geometry, progress, orca_parameters=served)
+        result = bench.result
+        result["labels"] = {m.name: m.label for m in endpoint.models}
+        result["models"] = [asdict(m) for m in endpoint.models]
         try:
             _run_all(args, bench, workload, explicit_rates)
         except KeyboardInterrupt:
@@ -615,8 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     progress.info("wrote " + ", ".join(str(p) for p in paths.values()))
     if not args.quiet and (out / "summary.md").is_file():
         text = (out / "summary.md").read_text()
-        head = text.split("## Throughput", 1)[0]
-        print(head.strip(), file=sys.stderr)
+        head = text.split("## Throughput", 1)[0].strip()
+        if "## Served path" in text and "## Served path" not in head:
+            head += "\n\n## Served path" + text.partition("## Served path")[2].split("\n## ", 1)[0].rstrip()
+        print(head, file=sys.stderr)
     return 130 if interrupted else 0
 
 
@@ -632,11 +684,17 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
         bench.echo_overhead(workload, rate if rate is not None else 4.0, None, None)
         return
     bench.warm_up(workload)
+    if args.served_path_only:
+        bench.fairness(workload)
+        result["served_path"] = served_path.run_stage(bench)
+        return
     unloaded_ms = bench.unloaded(workload)
     slo = args.slo_ms if args.slo_ms else args.slo_factor * unloaded_ms
     result["slo"] = {"factor": args.slo_factor if not args.slo_ms else None, "ms_per_token": slo,
                      "definition": "median normalized latency (end-to-end / output tokens) of a run ≤ this"}
     capacity_tokens = bench.fairness(workload)
+    if args.served_path_streams:
+        result["served_path"] = served_path.run_stage(bench)
     if explicit_rates is not None:
         rates: list[float | None] = list(explicit_rates)
     elif args.rates == "native":

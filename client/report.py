@@ -134,6 +134,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {row['label']} | {row['requests']} | {_f(row['makespan_s'], 2)} | {_f(row['e2e_median_ms'], 0)} | "
                          f"{_f(row['token_throughput'])} | {row.get('batches') if row.get('batches') is not None else '–'} |")
         lines.append("")
+    if result.get("served_path"):
+        lines += _served_path_lines(result["served_path"])
     overhead = result.get("loadgen_overhead")
     if overhead:
         lines += ["## Load generator overhead (echo model)", "", overhead["summary"], ""]
@@ -143,6 +145,47 @@ def render_markdown(result: dict[str, Any]) -> str:
     if result.get("wall_s") is not None:
         lines.append(f"Finished {result.get('finished', '')} after {_f(result['wall_s'], 0)} s.")
     return "\n".join(lines) + "\n"
+
+
+def _served_path_lines(section: dict[str, Any]) -> list[str]:
+    """The served-path stage (client/served_path.py): served vs offline throughput, CPU per token."""
+    lines = [
+        "## Served path: orca through Triton vs the offline engine",
+        "",
+        f"Bursts of S equal requests ({section['prompt_len']} prompt + {section['max_tokens']} output tokens, greedy, "
+        f"ignore_eos) on `orca` over gRPC streams, and the same requests through `LLM.generate` in a separate process "
+        f"with orca's engine settings and max_num_seqs = S, while the server is idle; best throughput of "
+        f"{section['repeats']} each, with that repeat's CPU. CPU is µs per output token (utime + stime from /proc): "
+        "the `orca` stub, the processes below it (engine), tritonserver, and the load generator (client). "
+        "Server-CPU efficiency = offline CPU/token ÷ (tritonserver + stub + engine) CPU/token.",
+        "",
+        "| streams | offline tok/s | offline CPU µs/tok | served tok/s | served/offline | stub µs/tok | "
+        "engine procs µs/tok | tritonserver µs/tok | client µs/tok | server-CPU efficiency | responses/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in section.get("rows", []):
+        if row.get("skipped"):
+            lines.append(f"| {row['streams']} | skipped: {row['skipped']} |" + " |" * 9)
+            continue
+        errors = f" ({row['served_errors']} errors)" if row.get("served_errors") else ""
+        lines.append(
+            f"| {row['streams']} | {_f(row['offline_tokens_per_s'])} | {_f(row['offline_cpu_us_per_token'], 0)} | "
+            f"{_f(row['served_tokens_per_s'])}{errors} | {_f(row['served_over_offline'], 2)} | "
+            f"{_f(row['stub_cpu_us_per_token'], 0)} | {_f(row['engine_cpu_us_per_token'], 0)} | "
+            f"{_f(row['tritonserver_cpu_us_per_token'], 0)} | {_f(row['client_cpu_us_per_token'], 0)} | "
+            f"{_f(row['server_cpu_efficiency'], 2)} | {_f(row['responses_per_token'], 2)} |"
+        )
+    lines.append("")
+    fairness = section.get("fairness")
+    if fairness:
+        lines += [f"Equal-length burst ({fairness['requests']} requests, the fairness check): orca "
+                  f"{_f(fairness['orca_tokens_per_s'])} tok/s vs {fairness['baseline']} "
+                  f"{_f(fairness['baseline_tokens_per_s'])} tok/s → orca/baseline = "
+                  f"**{_f(fairness['orca_over_baseline'], 2)}×** output-token throughput.", ""]
+    else:
+        lines += ["Equal-length burst: no baseline ran it (--skip-fairness or no baseline model).", ""]
+    lines += [f"- {note}" for note in section.get("notes", [])]
+    return lines + ([""] if section.get("notes") else [])
 
 
 def _headline_text(result: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import statistics
 import numpy as np
 import pytest
 
-from orca_client import bench, bench_metrics, report, workload
+from orca_client import bench, bench_metrics, report, served_path, workload
 from orca_client.bench_metrics import Stats, summarize, sustained_throughput
 from orca_client.loadgen import RequestRecord, RunResult, _read_response
 
@@ -218,6 +218,149 @@ def test_report_from_a_synthetic_result(tmp_path):
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# ------------------------------------------------------------------- served-path stage (no server)
+
+TICK = 1 / served_path.CLOCK_TICKS
+
+
+def _stat_line(pid, comm, ppid, utime, stime, start=1000):
+    # /proc/<pid>/stat: pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime priority nice threads itrealvalue starttime ...
+    fields = ["S", ppid, pid, pid, 0, -1, 0, 0, 0, 0, 0, utime, stime, 7, 7, 20, 0, 1, 0, start, 0, 0]
+    return f"{pid} ({comm}) " + " ".join(map(str, fields)) + "\n"
+
+
+def _stub_cmdline(repo, model):
+    # As observed on tritonserver 2.51 (nvidia-pytriton): <stub> <repo>/<model>/<version>/model.py <shm region>
+    # <default size> <growth> <parent pid> <backend dir> <ipc handle> <instance> <runtime model dir>
+    return [f"{repo}/../backends/python/triton_python_backend_stub", f"{repo}/{model}/1/model.py",
+            "triton_python_backend_shm_region_1", "1048576", "1048576", "100", f"{repo}/../backends/python", "336",
+            f"{model}_0_0", "DEFAULT"]
+
+
+def _fake_proc(root, procs):
+    for pid, (comm, ppid, ticks, argv) in procs.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "stat").write_text(_stat_line(pid, comm, ppid, ticks, 0))
+        (root / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (root / "self").mkdir()  # non-numeric entries are ignored
+
+
+def test_parse_stat_counts_fields_after_the_last_parenthesis():
+    stat = served_path.parse_stat(_stat_line(4242, "py (stub) x", 17, utime=30, stime=12, start=987654))
+    assert (stat.pid, stat.ppid, stat.start_ticks) == (4242, 17, 987654)
+    assert stat.cpu_s == pytest.approx(42 * TICK)
+
+
+def test_process_tree_classifies_stubs_and_everything_below_them(tmp_path):
+    repo = "/tmp/orca-bench-x/repository"
+    _fake_proc(tmp_path, {
+        100: ("tritonserver", 1, 50, ["/opt/tritonserver/bin/tritonserver", "--model-repository=" + repo]),
+        101: ("triton_python_", 100, 400, _stub_cmdline(repo, "orca")),
+        102: ("triton_python_", 100, 10, _stub_cmdline(repo, "baseline_bs8")),
+        103: ("python", 101, 300, ["python", "-c", "engine core"]),  # an engine process of orca's stub
+        104: ("python", 103, 200, ["python", "-c", "worker"]),  # and a worker below it
+        105: ("sh", 100, 5, ["sh"]),
+        200: ("unrelated", 1, 999, ["/usr/bin/unrelated"]),
+    })  # fmt: skip
+    tree = served_path.process_tree(100, proc=tmp_path)
+    assert sorted(p.pid for p in tree) == [100, 101, 102, 103, 104, 105]
+    roles = served_path.classify(tree, 100)
+    assert roles == {100: ("tritonserver", None), 101: ("stub", "orca"), 102: ("stub", "baseline_bs8"),
+                     103: ("engine", "orca"), 104: ("engine", "orca"), 105: ("other", None)}
+    # Without the script path, the instance name (<model>_<instance>_<device>) names the model.
+    assert served_path.stub_model(("/x/triton_python_backend_stub", "a", "b", "c", "d", "e", "f", "g", "my_model_0_0")) \
+        == "my_model"
+    assert served_path.stub_model(("python", "x.py")) is None
+
+
+def test_cpu_split_per_role_and_model_with_processes_coming_and_going():
+    def p(pid, ppid, ticks, argv=(), start=1000):
+        return served_path.ProcStat(pid, ppid, start, ticks * TICK, tuple(argv))
+
+    stub = tuple(_stub_cmdline("/r", "orca"))
+    before = [p(100, 1, 50), p(101, 100, 400, stub), p(103, 101, 300), p(104, 103, 200), p(106, 101, 5)]
+    after = [p(100, 1, 70), p(101, 100, 700, stub), p(103, 101, 350),
+             p(104, 103, 20, start=2000),  # pid reused by a new process: all of its CPU is new
+             p(107, 101, 8)]  # started during the run; 106 exited (its CPU since `before` is lost)
+    split = served_path.cpu_split(before, after, 100)
+    assert split.tritonserver == pytest.approx(20 * TICK)
+    assert split.stub == {"orca": pytest.approx(300 * TICK)}
+    assert split.engine == {"orca": pytest.approx((50 + 20 + 8) * TICK)}
+    assert (split.other, split.appeared, split.vanished) == (0.0, 2, 2)
+    assert split.processes == {"tritonserver": 1, "stub": 1, "engine": 3}
+
+
+def test_served_path_limits_rows_and_fairness_ratio():
+    config = 'parameters { key: "max_num_seqs" value: { string_value: "32" } }\n' \
+             'parameters { key: "kv_capacity_tokens" value: { string_value: "16384" } }\n'
+    assert served_path.raised_limits(config, [64, 256], 96, None, None) == {
+        "max_num_seqs": "256", "kv_capacity_tokens": str(256 * 96)}
+    assert served_path.raised_limits(config, [4, 8], 96, None, None) == {}  # never lowered
+    assert served_path.raised_limits(config, [64, 256], 96, 48, 100000) == {}  # flags win
+    assert served_path.does_not_fit(64, 96, 1024, 48, None).startswith("orca's max_num_seqs is 48")
+    assert "kv_capacity_tokens" in served_path.does_not_fit(64, 96, 1024, 64, 6000)
+    assert "context" in served_path.does_not_fit(4, 96, 64, 64, None)
+    assert served_path.does_not_fit(64, 96, 1024, 64, 64 * 96) is None
+
+    cpu = {"tritonserver": 0.2, "stub": {"orca": 1.5, "baseline_bs8": 0.01}, "engine": {"orca": 0.3}}
+    served = [{"tokens_per_s": 900.0, "errors": 0, "output_tokens": 1000, "responses": 950, "client_cpu_s": 0.25,
+               "server_cpu_s": cpu},
+              {"tokens_per_s": 800.0, "errors": 0, "output_tokens": 1000, "responses": 1000, "client_cpu_s": 0.3,
+               "server_cpu_s": None}]  # fmt: skip
+    row = served_path._row(64, "orca", served, {"tokens_per_s": 1800.0, "cpu_us_per_token": 1000.0})
+    assert row["served_tokens_per_s"] == 900.0 and row["served_over_offline"] == pytest.approx(0.5)
+    assert (row["stub_cpu_us_per_token"], row["engine_cpu_us_per_token"]) == (pytest.approx(1500), pytest.approx(300))
+    assert row["tritonserver_cpu_us_per_token"] == pytest.approx(200)
+    assert row["client_cpu_us_per_token"] == pytest.approx(250)
+    assert row["server_cpu_efficiency"] == pytest.approx(1000 / 2000)
+    assert row["responses_per_token"] == pytest.approx(0.95)
+    no_cpu = served_path._row(64, "orca", served[1:], {"tokens_per_s": 1800.0, "cpu_us_per_token": 1000.0})
+    assert no_cpu["stub_cpu_us_per_token"] is None and no_cpu["server_cpu_efficiency"] is None  # --url: no pid
+
+    runs = [{"label": "orca", "requests": 32, "token_throughput": 300.0},
+            {"label": "baseline (batch 32)", "requests": 32, "token_throughput": 200.0}]
+    ratio = served_path.fairness_ratio({"runs": runs})
+    assert ratio["orca_over_baseline"] == pytest.approx(1.5) and ratio["baseline"] == "baseline (batch 32)"
+    assert served_path.fairness_ratio({"runs": runs[:1]}) is None and served_path.fairness_ratio(None) is None
+
+
+def test_served_path_section_in_the_report():
+    row = {"streams": 64, "skipped": None, "offline_tokens_per_s": 1800.0, "offline_cpu_us_per_token": 1000.0,
+           "served_tokens_per_s": 900.0, "served_over_offline": 0.5, "stub_cpu_us_per_token": 1500.0,
+           "engine_cpu_us_per_token": 0.0, "tritonserver_cpu_us_per_token": 200.0, "client_cpu_us_per_token": 250.0,
+           "server_cpu_efficiency": 0.59, "responses_per_token": 0.95, "served_errors": 0}
+    section = {"prompt_len": 32, "max_tokens": 64, "repeats": 2, "notes": ["raised max_num_seqs"],
+               "rows": [row, {"streams": 256, "skipped": "orca's max_num_seqs is 32 < 256: the burst would queue"}],
+               "fairness": {"baseline": "baseline (batch 32)", "requests": 32, "orca_tokens_per_s": 300.0,
+                            "baseline_tokens_per_s": 200.0, "orca_over_baseline": 1.5}}  # fmt: skip
+    text = report.render_markdown({"served_path": section, "command": "orca-bench --served-path-only"})
+    assert "## Served path" in text and "server-CPU efficiency" in text
+    assert "| 64 | 1800.0 | 1000 | 900.0 | 0.50 | 1500 | 0 | 200 | 250 | 0.59 | 0.95 |" in text
+    assert "| 256 | skipped: orca's max_num_seqs is 32 < 256" in text
+    assert "orca/baseline = **1.50×**" in text and "- raised max_num_seqs" in text
+    table = [line for line in text.splitlines() if line.startswith("| 256")][0]
+    assert table.count("|") == text.splitlines()[text.splitlines().index(table) - 2].count("|")  # 11 columns
+    no_baseline = report.render_markdown({"served_path": {**section, "fairness": None}})
+    assert "no baseline ran it" in no_baseline
+
+
+def test_served_path_flags():
+    parser = bench.build_parser()
+    args = parser.parse_args([])
+    assert (args.served_path_streams, args.served_path_prompt, args.served_path_tokens) == ([64, 256], 32, 64)
+    assert args.served_path_repeats == 2 and not args.served_path_only
+    args = parser.parse_args(["--served-path-streams", "256,4,64", "--served-path-only", "--served-path-repeats", "1",
+                              "--served-path-prompt", "8", "--served-path-tokens", "4"])
+    assert (args.served_path_streams, args.served_path_only, args.served_path_repeats) == ([4, 64, 256], True, 1)
+    assert (args.served_path_prompt, args.served_path_tokens) == (8, 4)
+    assert parser.parse_args(["--served-path-streams", ""]).served_path_streams == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--served-path-streams", "0,4"])
+    with pytest.raises(SystemExit, match="served-path-only"):
+        bench.main(["--served-path-only", "--served-path-streams", ""])
+
+
 # ------------------------------------------------------------------------ real server (integration)
 
 needs_server = pytest.mark.skipif(
@@ -241,6 +384,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
         "--model", str(path), "--prompt-dist", "uniform:4:24", "--output-dist", "uniform:1:24",
         "--rates", "3,12", "--num-requests", "10", "--baseline-batch-sizes", "4,8",
         "--unloaded-repeats", "1", "--fairness-tokens", "8", "--no-early-stop", "--out", str(out), "--quiet",
+        "--served-path-streams", "8", "--served-path-tokens", "16", "--served-path-repeats", "1",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
@@ -281,6 +425,16 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     assert len(fair["runs"]) == 2 and fair["runs"][1]["batches"] >= 1
     assert data["loadgen_overhead"]["burst_run"]["errors"] == 0
     assert data["loadgen_overhead"]["fraction_of_unloaded"] > 0
+
+    # The served-path stage: a burst of 8 on orca and the same requests offline, with the server's CPU.
+    (row,) = data["served_path"]["rows"]
+    assert row["streams"] == 8 and row["skipped"] is None and row["served_errors"] == 0
+    assert row["served_tokens_per_s"] > 0 and row["offline_tokens_per_s"] > 0
+    assert row["offline"]["output_tokens"] == row["served_runs"][0]["output_tokens"] == 8 * 16
+    assert row["stub_cpu_us_per_token"] > 0 and row["tritonserver_cpu_us_per_token"] > 0
+    assert 0 < row["responses_per_token"] <= 1
+    assert data["served_path"]["fairness"]["orca_over_baseline"] > 0
+    assert "## Served path" in (out / "summary.md").read_text()
 
 
 @needs_server
