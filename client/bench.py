@@ -479,7 +479,11 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         if args.kv_capacity_tokens:
             params["kv_capacity_tokens"] = str(args.kv_capacity_tokens)
     # Only orca's engine takes max_num_seqs; each baseline copy's batch is its Triton max_batch_size.
-    per_model = {"orca": {"max_num_seqs": str(args.max_num_seqs)}} if args.max_num_seqs else {}
+    per_model: dict[str, dict[str, str]] = {"orca": {}}
+    if args.max_num_seqs:
+        per_model["orca"]["max_num_seqs"] = str(args.max_num_seqs)
+    if args.stream_interval:
+        per_model["orca"]["stream_interval"] = str(args.stream_interval)
     notes = []
     if "orca" in names and args.served_path_streams:
         config = (run_dir / "repository" / "orca" / "config.pbtxt").read_text()
@@ -545,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic-batcher max_batch_size of each baseline copy (default 8,32)")
     g.add_argument("--max-num-seqs", type=int,
                    help="orca's engine batch limit, its max_num_seqs parameter (default: its config.pbtxt, 32)")
+    g.add_argument("--stream-interval", type=int,
+                   help="orca: tokens per streamed response after the first (default: config.pbtxt, 1)")
     g.add_argument("--max-queue-delay-us", type=int, help="baseline max_queue_delay_microseconds (default: config.pbtxt)")
     g.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size of every engine (default: config.pbtxt)")
     g.add_argument("--url", help="use the tritonserver at this gRPC address instead of starting one")

@@ -115,13 +115,25 @@ def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
     return False
 
 
-async def _one_request(client: Any, model: str, inputs: list[Any], record: RequestRecord, t0: float) -> None:
+# What _read_response reads, and nothing else: the server builds and sends only the outputs a request
+# names, and text would cost both sides per token without being looked at.
+READ_OUTPUTS = (protocol.OUTPUT_IDS, protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS)
+
+
+def requested_outputs() -> list[Any]:
+    import tritonclient.grpc as grpcclient
+
+    return [grpcclient.InferRequestedOutput(name) for name in READ_OUTPUTS]
+
+
+async def _one_request(client: Any, model: str, inputs: list[Any], record: RequestRecord, t0: float,
+                       outputs: list[Any] | None = None) -> None:
     """One request on a stream of its own, from send to its final response (or an error)."""
     finished = asyncio.Event()
 
     async def request_iterator():
         record.send_time = time.perf_counter() - t0
-        yield {"model_name": model, "inputs": inputs, "request_id": str(record.index)}
+        yield {"model_name": model, "inputs": inputs, "outputs": outputs, "request_id": str(record.index)}
         # Keep our side open until the answer is complete: the stream then ends on our terms.
         await finished.wait()
 
@@ -163,6 +175,7 @@ async def replay(url: str, model: str, trace: list[TraceRequest], options: LoadO
         if batched is None:
             batched = protocol.is_batched(await protocol.get_model_config_async(clients[0], model))
         payloads = [request_inputs(r, batched, options) for r in trace]  # built before the clock starts
+        outputs = requested_outputs()
         # Open the connections first, so the first requests do not pay for TCP/HTTP2 setup.
         await asyncio.gather(*(c.is_server_live() for c in clients))
         cpu0 = time.process_time()
@@ -177,7 +190,7 @@ async def replay(url: str, model: str, trace: list[TraceRequest], options: LoadO
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             tasks.append(asyncio.create_task(
-                _one_request(clients[i % len(clients)], model, payloads[i], records[i], t0)))
+                _one_request(clients[i % len(clients)], model, payloads[i], records[i], t0, outputs)))
         truncated = len(tasks) < len(trace)
         if tasks:
             timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())

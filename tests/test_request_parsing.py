@@ -162,6 +162,20 @@ def test_stream_deltas_with_prompt_prefix_concatenate_to_the_full_answer():
     assert decode(builder.flush()) == ("yz", [2, 3], "length", 3, 3)
 
 
+def test_stream_interval_holds_tokens_after_the_first_until_n_or_the_end():
+    builder = ResponseBuilder(stream=True, stream_interval=3)
+    builder.add(event([1], "a", n_out=1))
+    assert builder.ready  # the first token at once
+    assert decode(builder.flush())[1] == [1]
+    for i, token in enumerate([2, 3], start=2):
+        builder.add(event([token], "b", n_out=i))
+        assert not builder.ready
+    builder.add(event([4], "c", n_out=4))
+    assert builder.ready and decode(builder.flush())[:2] == ("bbc", [2, 3, 4])
+    builder.add(event([5], "d", finished=True, reason="length", n_out=5))
+    assert builder.ready and decode(builder.flush())[1:3] == ([5], "length")
+
+
 def test_non_stream_answers_once_with_everything():
     builder = ResponseBuilder(stream=False)
     builder.add(event([1], "x", n_out=1))

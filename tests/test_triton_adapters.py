@@ -24,6 +24,7 @@ from core_hooks import CrashSwitch, StepGate, pid_alive
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
+from orca_backend.server.protocol import OUTPUT_NAMES
 
 FINAL = 1
 
@@ -59,8 +60,13 @@ class FakeSender:
         self.after_final: list[tuple[FakeResponse | None, int]] = []
         self.cancelled = False
         self.finished = threading.Event()
+        self.release: threading.Event | None = None  # when set up, send() waits for it: a lagging client
+        self.sending = threading.Event()
 
     def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
+        self.sending.set()
+        if self.release is not None:
+            assert self.release.wait(60), "the test never released the sender"
         # Recorded, not asserted: the adapter swallows a sender's exceptions (a real one raises when
         # the client is gone), so an assertion here could never fail a test.
         (self.after_final if self.finished.is_set() else self.sent).append((response, flags))
@@ -76,10 +82,14 @@ class FakeSender:
 
 
 class FakeRequest:
-    def __init__(self, parameters: str = "", **tensors: np.ndarray) -> None:
+    def __init__(self, parameters: str = "", outputs: tuple[str, ...] = OUTPUT_NAMES, **tensors: np.ndarray) -> None:
         self.tensors = tensors
         self._parameters = parameters
+        self._outputs = outputs  # Triton lists every output when the client names none
         self.sender = FakeSender()
+
+    def requested_output_names(self) -> list[str]:
+        return list(self._outputs)
 
     def get_response_sender(self) -> FakeSender:
         return self.sender
@@ -206,6 +216,63 @@ def test_orca_streams_exact_tokens_and_returns_from_execute_at_once(pb_utils):
         model.finalize()
     for request in requests:
         assert_one_final(request.sender)
+
+
+def test_orca_builds_only_the_requested_outputs(pb_utils):
+    model = load("orca", model_transaction_policy={"decoupled": True})
+    try:
+        request = ids_request([1, 2, 3], 6)
+        request._outputs = ("output_ids", "finish_reason")
+        model.execute([request])
+        sender = finish(request)
+        assert sender.ids() == expected([1, 2, 3], 6)
+        assert {tuple(t.name for t in response.output_tensors) for response, _ in sender.sent} == \
+            {("output_ids", "finish_reason")}
+        assert sender.sent[-1][0].output("finish_reason")[0] == b"length"
+    finally:
+        model.finalize()
+
+
+def test_orca_merges_a_streams_tokens_while_its_sender_lags(pb_utils):
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True})
+    try:
+        request = ids_request([1, 2, 3], 8)
+        request.sender.release = threading.Event()
+        model.execute([request])
+        gate.allow(1)
+        assert request.sender.sending.wait(30)  # the first token's send is stuck
+        gate.allow(5)
+        assert wait_for(lambda: model.engine.stats().num_generated_tokens >= 6)
+        request.sender.release.set()
+        gate.open()
+        sender = finish(request)
+        assert sender.ids() == expected([1, 2, 3], 8)  # never fewer tokens
+        per_response = [len(r.output("output_ids")) for r, _ in sender.sent]
+        assert len(per_response) < 8 and max(per_response) > 1, per_response
+        assert_one_final(sender)
+    finally:
+        model.finalize()
+
+
+def test_orca_stream_interval_sends_the_first_token_alone_then_every_n(pb_utils):
+    params = {**PARAMETERS, "stream_interval": {"string_value": "3"}}
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True}, parameters=params)
+    try:
+        request = ids_request([4, 5], 8)
+        model.execute([request])
+        gate.open()
+        sender = finish(request)
+        assert sender.ids() == expected([4, 5], 8)
+        # The first token alone, then at least 3 per response (more when sending lags), the rest with the final.
+        sizes = [len(r.output("output_ids")) for r, _ in sender.sent]
+        assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 4, sizes
+    finally:
+        model.finalize()
+    with pytest.raises(RuntimeError, match="stream_interval"):
+        load("orca", model_transaction_policy={"decoupled": True},
+             parameters={**PARAMETERS, "stream_interval": {"string_value": "0"}})
 
 
 def test_orca_cancellation_aborts_and_frees_kv(pb_utils):

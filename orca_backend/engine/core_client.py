@@ -132,28 +132,34 @@ class EngineCoreProcess:
             except (EOFError, OSError):
                 break
             outputs, self._stats, dead_reason = read_frame(message)
+            if dead_reason is not None:
+                # Marked dead before its failed requests are reported, so their errors say the engine is gone.
+                self._mark_dead(dead_reason)
             if outputs:
                 try:
                     self._on_outputs(outputs)
                 except Exception:  # a bug there must not silence every later request: log it and go on
                     logger.exception("output processing failed for %d outputs", len(outputs))
             if dead_reason is not None:
-                self._died(dead_reason)
+                self._on_dead(dead_reason)
                 return
         self.process.join(timeout=5)
         if self._closing:
-            self._died("the engine was shut down")
+            reason = "the engine was shut down"
         else:
-            self._died(f"the engine core process (pid {self.process.pid}) {_exit_description(self.process.exitcode)}")
+            reason = f"the engine core process (pid {self.process.pid}) {_exit_description(self.process.exitcode)}"
+        if self._mark_dead(reason):
+            self._on_dead(reason)
 
-    def _died(self, reason: str) -> None:
+    def _mark_dead(self, reason: str) -> bool:
+        """Sets the dead reason once; False if it was already set."""
         with self._send_lock:
             if self.dead_reason is not None:
-                return
+                return False
             self.dead_reason = reason
         if not self._closing:
             logger.error("engine stops serving: %s", reason)
-        self._on_dead(reason)
+        return True
 
 
 def _exit_description(code: int | None) -> str:

@@ -5,17 +5,14 @@ its own way of answering (`orca_model.py` streams, `baseline_model.py` answers o
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca_backend.config import EngineConfig, parameter_values
+from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.server.metrics import EngineMetrics, MetricsPoller
 from orca_backend.server.protocol import engine_config_from_triton_config
-
-_GIL_SWITCH_PARAMETER = "gil_switch_interval_us"
 
 
 class EngineAdapter:
@@ -29,8 +26,7 @@ class EngineAdapter:
         self.model_name = args["model_name"]
         self.check_triton_config()
         config = self.engine_config()
-        _set_gil_switch_interval(self.triton_config)
-        self.engine = LLMEngine.launch(config)  # loads the model on the engine's own thread
+        self.engine = LLMEngine.launch(config)  # the engine core process; returns once the model is loaded
         self.tokenizer = self.engine.tokenizer
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
         self._poller = MetricsPoller(self.engine, self.metrics).start()
@@ -76,14 +72,3 @@ def is_cancelled(request: Any, sender: Any = None) -> bool:
             continue
     return False
 
-
-def _set_gil_switch_interval(triton_config: dict[str, Any]) -> None:
-    """Shortens the GIL switch interval of this stub process (parameter gil_switch_interval_us).
-
-    Every send() and is_cancelled() is an IPC round trip that releases the GIL; taking it back
-    from the busy engine thread costs up to one switch interval (5 ms by default), which would
-    cap a stream at ~200 responses/s while the engine iterates.
-    """
-    value = parameter_values(triton_config.get("parameters", {}) or {}).get(_GIL_SWITCH_PARAMETER, "")
-    if value:
-        sys.setswitchinterval(float(value) / 1e6)

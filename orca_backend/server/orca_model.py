@@ -1,18 +1,23 @@
 """The `orca` model: a decoupled Python-backend adapter in front of the iteration-level engine.
 
-Four threads meet here:
+The engine core runs in a process of its own (it schedules, runs the model, updates); in this stub
+process three threads meet:
 - Triton's execute() thread parses and validates each request, hands it to the engine and returns
   at once (nothing waits for tokens);
-- the engine's core thread runs iterations; its output thread detokenizes and reports every event
-  through `on_output`, which only puts it on a queue, so neither ever blocks on Triton;
-- the response thread (this module) drains that queue, sends responses through each request's
-  response sender, polls cancellation and watches engine health (metrics have their own poller).
+- the engine's output thread receives one frame per iteration, detokenizes and reports every event
+  through `on_output`, which only puts it on a queue, so it never blocks on Triton;
+- the response thread (this module) drains that queue and answers each touched request once per
+  drain, merging the tokens that arrived since its last response (a lagging sender sends fewer,
+  larger responses, never fewer tokens; `stream_interval` asks for that deliberately), polls
+  cancellation and watches engine health (metrics have their own poller).
 Who removes a request from `_pending` owns its sender's final response: no double finals.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import queue
 import threading
 import time
@@ -21,6 +26,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from orca_backend.config import parameter_values
 from orca_backend.server.adapter import EngineAdapter, is_cancelled
 from orca_backend.server.protocol import (
     EngineUnavailable,
@@ -32,8 +38,12 @@ from orca_backend.server.protocol import (
     response_builder,
 )
 
-CANCEL_POLL_S = 0.1  # how often pending requests are asked whether their client cancelled
-CANCEL_CHECKS_PER_POLL = 64  # is_cancelled() is an IPC round trip: at most this many per poll
+CANCEL_POLL_S = 0.1  # how often a slice of the pending requests is asked whether their client cancelled
+# is_cancelled() is an IPC round trip to tritonserver: each pending request is asked about once per
+# CANCEL_CHECK_PERIOD_S (a cancelled request computes at most that long), never more than
+# CANCEL_CHECKS_PER_POLL per poll, so asking costs O(streams) round trips a second, not O(streams x polls).
+CANCEL_CHECK_PERIOD_S = 1.0
+CANCEL_CHECKS_PER_POLL = 64
 HEALTH_POLL_S = 0.1
 MAX_DRAIN = 8192  # events taken from the queue before responses go out
 
@@ -65,6 +75,7 @@ class OrcaModel(EngineAdapter):
             )
 
     def initialize(self, args: dict[str, str]) -> None:
+        self.stream_interval = stream_interval_parameter(json.loads(args["model_config"]))
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
@@ -90,7 +101,7 @@ class OrcaModel(EngineAdapter):
         if self._dead_reason is not None:
             raise EngineUnavailable(self._dead_reason)
         parsed = read_request(request)
-        builder = response_builder(parsed, self.tokenizer, stream=parsed.stream)
+        builder = response_builder(parsed, self.tokenizer, stream=parsed.stream, stream_interval=self.stream_interval)
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
         pending = _Pending(request_id, request, sender, builder)
         # Registered before the engine sees it: its first event may come before add_request returns.
@@ -165,17 +176,19 @@ class OrcaModel(EngineAdapter):
             _send_final(pending.sender, make_response(builder.flush()))
 
     def _poll_cancelled(self) -> None:
-        """Checks a bounded round-robin slice of the pending requests.
+        """Checks a round-robin slice of the pending requests.
 
         Sending to a cancelled request does not fail, so cancellation is only seen by asking,
-        and each question is an IPC round trip: a cap keeps a large crowd from starving sends.
+        and each question is an IPC round trip: the slice covers everyone once per
+        CANCEL_CHECK_PERIOD_S, and a cap keeps a large crowd from starving sends.
         """
         with self._lock:
             request_ids = list(self._pending)
         if not request_ids:
             return
         start = self._cancel_cursor % len(request_ids)
-        chosen = (request_ids[start:] + request_ids[:start])[:CANCEL_CHECKS_PER_POLL]
+        size = min(CANCEL_CHECKS_PER_POLL, math.ceil(len(request_ids) * CANCEL_POLL_S / CANCEL_CHECK_PERIOD_S))
+        chosen = (request_ids[start:] + request_ids[:start])[:size]
         self._cancel_cursor = start + len(chosen)
         for request_id in chosen:
             pending = self._pending.get(request_id)
@@ -225,6 +238,14 @@ class OrcaModel(EngineAdapter):
         self._thread.join(timeout=10)
         super().finalize()
         self._fail_all(EngineUnavailable(self._dead_reason))
+
+
+def stream_interval_parameter(triton_config: dict[str, Any]) -> int:
+    """The `stream_interval` parameter: tokens per streamed response after the first (default 1)."""
+    value = parameter_values(triton_config.get("parameters", {}) or {}).get("stream_interval", "") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise pb_utils.TritonModelException(f"parameter stream_interval must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def _send(sender: Any, response: Any, flags: int = 0) -> bool:

@@ -31,6 +31,9 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     exclude_input: bool = True  # as in Triton's vLLM backend: the prompt is left out unless asked for
+    # The outputs the client asked for (Triton lists every output when a client names none).
+    # Only these are built: a response's cost in the stub grows with its tensors.
+    outputs: tuple[str, ...] = OUTPUT_NAMES
 
 
 def parse_inputs(
@@ -149,14 +152,18 @@ class ResponseBuilder:
 
     Streaming: each flush holds what is new since the previous one (several events may be merged
     when responses fall behind the engine); the first also carries the prompt when it is not
-    excluded, so the concatenated deltas equal the non-streaming answer. Non-streaming: one
-    payload holding everything, ready once the request finished.
+    excluded, so the concatenated deltas equal the non-streaming answer. After the first token,
+    a flush waits for `stream_interval` new tokens (or the end): fewer, larger responses, each
+    costing the stub and tritonserver the same. Non-streaming: one payload holding everything,
+    ready once the request finished.
     """
 
     stream: bool
     prefix_ids: list[int] = field(default_factory=list)  # the prompt, when exclude_input_in_output is false
     prefix_text: str = ""
     batched: bool = False
+    outputs: tuple[str, ...] = OUTPUT_NAMES
+    stream_interval: int = 1
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
     num_input_tokens: int = 0
@@ -164,7 +171,7 @@ class ResponseBuilder:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    _prefix_sent: bool = False
+    _first_sent: bool = False
 
     def add(self, event: RequestOutput) -> None:
         self._ids.extend(event.new_token_ids)
@@ -183,19 +190,24 @@ class ResponseBuilder:
         """Whether a flush has something to send now."""
         if self.finished:
             return True
-        return self.stream and bool(self._ids or self._text)
+        if not self.stream:
+            return False
+        if not self._first_sent:  # the first token goes out at once: time to first token is not traded
+            return bool(self._ids or self._text)
+        return len(self._ids) >= self.stream_interval
 
     def flush(self) -> dict[str, np.ndarray]:
         ids, text = self._ids, "".join(self._text)
-        if not self._prefix_sent:
+        if not self._first_sent:
             ids, text = self.prefix_ids + ids, self.prefix_text + text
-            self._prefix_sent = True
+            self._first_sent = True
         self._ids, self._text = [], []
         return output_arrays(ids, text, self.finish_reason if self.finished else "",
-                             self.num_input_tokens, self.num_output_tokens, self.batched)
+                             self.num_input_tokens, self.num_output_tokens, self.batched, self.outputs)
 
 
-def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False) -> ResponseBuilder:
+def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False,
+                     stream_interval: int = 1) -> ResponseBuilder:
     """The builder for one parsed request; with exclude_input_in_output false it echoes the prompt."""
     prefix_ids: list[int] = []
     prefix_text = ""
@@ -207,19 +219,26 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
         else:
             prefix_ids = list(request.prompt)
             prefix_text = tokenizer.decode(prefix_ids) if tokenizer is not None else ""
-    return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched)
+    return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
+                           outputs=request.outputs, stream_interval=stream_interval)
 
 
 def output_arrays(
     ids: list[int], text: str, finish_reason: str, num_input_tokens: int, num_output_tokens: int, batched: bool,
+    names: tuple[str, ...] = OUTPUT_NAMES,
 ) -> dict[str, np.ndarray]:
-    arrays = {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "output_ids": np.array(ids, dtype=np.int32),
-        "finish_reason": np.array([(finish_reason or "").encode("utf-8")], dtype=np.object_),
-        "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([num_output_tokens], dtype=np.int32),
-    }
+    """The response payload: the outputs in `names`."""
+    arrays = {}
+    if "text_output" in names:
+        arrays["text_output"] = np.array([text.encode("utf-8")], dtype=np.object_)
+    if "output_ids" in names:
+        arrays["output_ids"] = np.array(ids, dtype=np.int32)
+    if "finish_reason" in names:
+        arrays["finish_reason"] = np.array([(finish_reason or "").encode("utf-8")], dtype=np.object_)
+    if "num_input_tokens" in names:
+        arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.int32)
+    if "num_output_tokens" in names:
+        arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.int32)
     if batched:  # the baseline's outputs carry the batch dimension too
         arrays = {name: value[np.newaxis, ...] for name, value in arrays.items()}
     return arrays
@@ -234,7 +253,10 @@ def read_request(request: Any, batched: bool = False) -> ParsedRequest:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
-    return parse_inputs(tensors, request.parameters(), batched=batched)
+    parsed = parse_inputs(tensors, request.parameters(), batched=batched)
+    requested = set(request.requested_output_names())
+    parsed.outputs = tuple(name for name in OUTPUT_NAMES if name in requested) or OUTPUT_NAMES
+    return parsed
 
 
 def make_response(arrays: Mapping[str, np.ndarray]) -> Any:
