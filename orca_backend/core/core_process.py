@@ -37,8 +37,6 @@ CoreHook = Callable[[EngineCore], None]
 
 logger = logging.getLogger("orca.engine")
 
-OutputRow = tuple[str, list[int], bool, str | None, str | None]
-
 
 # ------------------------------------------------------------------------------- the messages
 def dumps(message: tuple) -> bytes:
