@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_TOP_K = 2**31 - 1  # anything at or above the vocabulary means no cut
 
 
 @dataclass
@@ -27,10 +31,15 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        # Every value below reaches the sampler in a batch with other requests: one the sampler cannot
+        # take (an infinite temperature, a seed torch refuses, a top_k beyond int64) must be refused here.
+        _check(isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
+               f"top_k must be -1, 0 or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
+               f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
 

@@ -99,7 +99,7 @@ def test_request_parameters_ignore_foreign_keys():
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
-        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"temperature": -1}, "temperature must be a finite number >= 0"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -5}, "top_k"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),

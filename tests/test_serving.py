@@ -212,7 +212,7 @@ BAD_REQUESTS = [
     ({"input_ids": []}, "input_ids is empty"),
     ({"input_ids": [1] * 100, "max_tokens": 1000}, "context length of 1024"),
     ({"input_ids": [1], "sampling": '{"temperature": 0,'}, "not valid JSON"),
-    ({"input_ids": [1], "sampling": {"temperature": -1}}, "temperature must be >= 0"),
+    ({"input_ids": [1], "sampling": {"temperature": -1}}, "temperature must be a finite number >= 0"),
     ({"input_ids": [1], "sampling": {"top_p": 2}}, "top_p must be in"),
     ({"input_ids": [1], "sampling": {"temprature": 0}}, "unknown sampling parameter"),
     ({"input_ids": [1], "max_tokens": 0}, "max_tokens must be a positive integer"),

@@ -17,7 +17,12 @@ def llm(tiny_checkpoint) -> LLM:
     [
         (lambda: SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
         (lambda: SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
-        (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0"),
+        (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+        (lambda: SamplingParams.from_json('{"temperature": NaN}'), "temperature must be a finite number"),
+        (lambda: SamplingParams(seed=2**64), r"seed must be an integer in \[0, 18446744073709551615\]"),
+        (lambda: SamplingParams(seed=-1), "seed must be an integer in"),
+        (lambda: SamplingParams(top_k=2**63), "top_k must be -1, 0 or a positive integer up to 2147483647"),
         (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(top_k=-2), "top_k must be"),
@@ -47,6 +52,9 @@ def test_numeric_strings_are_accepted_as_genai_perf_sends_them():
         ([1] * 100, SamplingParams(max_tokens=29), "exceeds the model's context length of 128"),
         ([1] * 100, SamplingParams(max_tokens=20), None),  # fits the context: must be accepted
         ([1.5, 2], SamplingParams(), "string or a sequence of integer"),
+        ([1, 2], SamplingParams(stop_token_ids=[5, 10_000]), r"stop_token_ids: 10000 is outside the model's vocabulary"),
+        # The largest values the params accept must run, not fail inside the batch.
+        ([1, 2], SamplingParams(max_tokens=4, seed=2**64 - 1, top_k=2**31 - 1, ignore_eos=True), None),
     ],
 )
 def test_bad_prompts_fail_alone_and_engine_keeps_serving(llm, prompt, params, message):
@@ -72,6 +80,12 @@ def test_text_prompt_without_tokenizer_is_an_error():
     llm = LLM("gpt2-tiny")
     with pytest.raises(ValueError, match="needs a tokenizer"):
         llm.generate("hello")
+
+
+def test_stop_strings_without_tokenizer_are_an_error_not_ignored():
+    llm = LLM("gpt2-tiny")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(stop=["x"]))
 
 
 def test_duplicate_request_id_is_rejected(tiny_checkpoint):

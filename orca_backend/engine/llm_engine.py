@@ -149,6 +149,12 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
         total = len(ids) + params.max_tokens
         context = self.model_config.max_context
         if total > context:
