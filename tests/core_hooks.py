@@ -8,7 +8,6 @@ spawned, and drives it from the test's side.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from typing import Any
 
 _ctx = mp.get_context("spawn")
@@ -73,30 +72,3 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                children.setdefault(parent(int(entry)), []).append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found

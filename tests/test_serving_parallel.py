@@ -7,11 +7,12 @@ import os
 import signal
 
 import pytest
-from core_hooks import cmdline, descendants, parent, pid_alive
+from core_hooks import pid_alive
 
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
+from orca_client.served_path import process_tree, stub_model
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
@@ -69,11 +70,15 @@ def doomed_tp2_server(checkpoint, tmp_path):
 def test_killed_engine_core_process_ends_every_stream_and_leaves_nothing_running(doomed_tp2_server):
     """SIGKILL the engine core process (the tp=2 workers' master) while streams are under way."""
     server = doomed_tp2_server
-    (stub,) = [p for p in descendants(server.process.pid) if "triton_python_backend_stub" in cmdline(p)]
-    # Spawning also starts multiprocessing's resource tracker beside the engine core process.
-    (core,) = [p for p in descendants(stub) if parent(p) == stub and "resource_tracker" not in cmdline(p)]
-    workers = [p for p in descendants(core) if "resource_tracker" not in cmdline(p)]
-    assert len(workers) == 2, [cmdline(p) for p in workers]
+    tree = process_tree(server.process.pid)
+    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
+
+    def spawned(p) -> bool:  # spawning also starts multiprocessing's resource tracker beside a child
+        return "resource_tracker" not in " ".join(p.cmdline)
+
+    (core,) = [p.pid for p in tree if p.ppid == stub and spawned(p)]
+    workers = [p.pid for p in process_tree(core) if p.pid != core and spawned(p)]
+    assert len(workers) == 2, [p.cmdline for p in process_tree(core)]
     # One gRPC stream per request: a stream's error names no request, so each session has one.
     sessions = [StreamSession(server.grpc_url) for _ in range(6)]
     try:

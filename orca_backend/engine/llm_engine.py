@@ -149,10 +149,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids:")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
         total = len(ids) + params.max_tokens
@@ -181,11 +178,14 @@ class LLMEngine:
                 raise ValueError("a prompt must be a string or a sequence of integer token ids") from None
         if not ids:
             raise ValueError("the prompt is empty")
+        self._check_in_vocabulary(ids, "token id")
+        return ids
+
+    def _check_in_vocabulary(self, ids: Sequence[int], what: str) -> None:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
-        return ids
+            raise ValueError(f"{what} {bad[0]} is outside the model's vocabulary [0, {vocab})")
 
     # ------------------------------------------------------------------ driving it
     def has_work(self) -> bool:

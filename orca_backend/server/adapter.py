@@ -37,7 +37,8 @@ class EngineAdapter:
         )
 
     def check_triton_config(self) -> None:
-        """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter."""
+        """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter, and reads the
+        adapter's own parameters; runs before the engine starts."""
         raise NotImplementedError
 
     def engine_config(self) -> EngineConfig:

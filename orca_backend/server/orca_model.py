@@ -16,7 +16,6 @@ Who removes a request from `_pending` owns its sender's final response: no doubl
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import queue
 import threading
@@ -73,9 +72,9 @@ class OrcaModel(EngineAdapter):
                 f"{self.model_name}: max_batch_size must be 0 — the engine batches; set max_num_seqs "
                 "in `parameters` instead"
             )
+        self.stream_interval = stream_interval_parameter(self.triton_config)  # before the engine starts
 
     def initialize(self, args: dict[str, str]) -> None:
-        self.stream_interval = stream_interval_parameter(json.loads(args["model_config"]))
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
