@@ -159,8 +159,12 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
     gate = StepGate()
     engine = LLMEngine.launch(EngineConfig(model=str(path)), core_hook=gate)
     try:
-        long = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
-        short = engine.add_request([4, 5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        # Added together, so both join the first iteration: five iterations finish the short one.
+        long, short = engine.add_requests(
+            [[1, 2, 3], [4, 5]],
+            [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)],
+        )  # fmt: skip
         gate.allow(5)
         got = [o for o in short]
         assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
