@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -69,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--decode", type=int, nargs=2, default=[62, 1024], metavar=("N", "CTX"), help="decodes in the batch"
     )
+    p.add_argument("--block-size", type=int, default=16, help="K/V pool block size, tokens")
     p.add_argument("--peak-bw-gbs", type=float, default=3350.0, help="device memory bandwidth, GB/s")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device dense TFLOP/s for --dtype")
     p.add_argument("--json", help="also write the results here")
@@ -98,33 +100,40 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
 
 
 def make_batch(args: argparse.Namespace, device: torch.device):
-    """A selectively batched step: prompts (n == ctx) then decodes, K/V regions with gaps in the pool."""
+    """A selectively batched step: prompts (n == ctx) then decodes, over a paged K/V pool whose
+    blocks are handed out in a shuffled order, as a pool that has served for a while would."""
     from orca_kernels import AttentionMetadata
 
     requests = [(args.prefill[1], args.prefill[1])] * args.prefill[0] + [(1, args.decode[1])] * args.decode[0]
-    query_start, kv_starts, slot_mapping, slot = [0], [], [], 0
-    for n, ctx in requests:
+    size = args.block_size
+    counts = [-(-ctx // size) for _, ctx in requests]
+    free = list(range(sum(counts)))
+    random.Random(0).shuffle(free)
+    query_start, tables, slot_mapping = [0], [], []
+    for (n, ctx), count in zip(requests, counts, strict=True):
         query_start.append(query_start[-1] + n)
-        kv_starts.append(slot)
-        slot_mapping.extend(range(slot + ctx - n, slot + ctx))
-        slot += ctx + 16
+        table, free = free[:count], free[count:]
+        tables.append(table)
+        slot_mapping.extend(table[j // size] * size + j % size for j in range(ctx - n, ctx))
     context_lens = [ctx for _, ctx in requests]
+    width = max(counts)
 
-    def dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     meta = AttentionMetadata(
         query_start=dev(query_start, torch.int32),
         context_lens=dev(context_lens, torch.int32),
-        kv_starts=dev(kv_starts, torch.int32),
+        block_tables=dev([t + [0] * (width - len(t)) for t in tables], torch.int32),
         slot_mapping=dev(slot_mapping, torch.int64),
+        block_size=size,
         max_query_len=max(n for n, _ in requests),
         max_context_len=max(context_lens),
         query_start_host=query_start,
         context_lens_host=context_lens,
-        kv_starts_host=kv_starts,
+        block_tables_host=tables,
     )
-    return requests, meta, slot
+    return requests, meta, sum(counts) * size
 
 
 def padded_sdpa_inputs(q, k_cache, v_cache, requests, meta):
@@ -136,10 +145,10 @@ def padded_sdpa_inputs(q, k_cache, v_cache, requests, meta):
     mask = torch.zeros(b, 1, max_q, max_ctx, dtype=torch.bool, device=q.device)
     mask[:, :, :, 0] = True  # padded query rows see key 0, so no row is all -inf (NaN)
     for i, (n, ctx) in enumerate(requests):
-        lo, start = meta.query_start_host[i], meta.kv_starts_host[i]
+        lo, slots = meta.query_start_host[i], meta.context_slots(i)
         qp[i, :, :n] = q[lo : lo + n].transpose(0, 1)
-        kp[i, :, :ctx] = k_cache[start : start + ctx].transpose(0, 1)
-        vp[i, :, :ctx] = v_cache[start : start + ctx].transpose(0, 1)
+        kp[i, :, :ctx] = k_cache[slots].transpose(0, 1)
+        vp[i, :, :ctx] = v_cache[slots].transpose(0, 1)
         rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
         mask[i, 0, :n, :ctx] = torch.arange(ctx, device=q.device)[None, :] <= rows
     return qp, kp, vp, mask
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"rows {args.tokens} x hidden {args.hidden}; attention: {args.prefill[0]} prompts of {args.prefill[1]}"
         f" + {args.decode[0]} decodes at context {args.decode[1]}, {args.heads} heads x {args.head_dim}"
-        f" (GQA case: {args.kv_heads} K/V heads)"
+        f" (GQA case: {args.kv_heads} K/V heads), K/V blocks of {args.block_size} tokens"
     )
     results = run(args)
     print(HEADER)

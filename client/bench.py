@@ -6,14 +6,19 @@
     orca-bench --echo                           # only the load generator's own overhead, against `echo`
     orca-bench --url host:8001 --baseline-models baseline   # a server that is already running
     orca-bench --served-path-only --model gpt2-mini   # served vs offline throughput and CPU per token
+    orca-bench --orca-variants 'paged:kv_policy=paged' --kv-capacity-tokens 4096   # K/V policies side by side
+    orca-bench --shared-prefix 256 --orca-variants 'cached:kv_policy=paged,enable_prefix_caching=true'
 
-Steps: start tritonserver with `orca`, one `baseline` copy per --baseline-batch-sizes and `echo`;
+Steps: start tritonserver with `orca`, one `orca_<name>` copy per --orca-variants entry (orca with
+other engine parameters), one `baseline` copy per --baseline-batch-sizes and `echo`;
 warm every model up; measure the unloaded per-token latency (one typical request alone on orca)
 and set the SLO to --slo-factor times it; run a burst of equal-length requests on orca and on the
 baseline (the fairness check, which also estimates orca's capacity for the auto rate grid); the
 served-path stage (bursts of --served-path-streams requests on orca against the same requests on
 the offline engine, with the CPU per token of each server process: client/served_path.py); sweep
-the request rates (each rate: orca, then every baseline, same requests and arrival pattern); run the
+the request rates (each rate: orca, its variants, then every baseline, same requests and arrival
+pattern; orca-kind runs also record the engine's peak running requests, preemptions, prompt tokens
+computed and prefix-cache hits from the metrics endpoint); run the
 same trace against `echo` to measure the load generator's overhead; write bench.json, summary.md,
 curve.png. A model stops climbing the rate grid after its first point that misses the SLO (its
 curve has turned up; higher rates would only queue longer).
@@ -27,6 +32,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -41,7 +47,7 @@ from typing import Any
 
 from orca_client import bench_server, protocol, served_path
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
-from orca_client.bench_server import ServedModel
+from orca_client.bench_server import EngineRunStats, ServedModel
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
 from orca_client.report import write_all
 from orca_client.workload import (
@@ -54,7 +60,9 @@ from orca_client.workload import (
     dist_median,
     load_trace,
     mean_rate,
+    salted,
     save_trace,
+    shared_prefix_ids,
     synthetic_trace,
 )
 
@@ -154,9 +162,21 @@ class Workload:
     native_rate: float  # the base trace's mean rate (synthetic: 1 req/s by construction)
     description: str
     typical: TraceRequest  # the unloaded probe: median prompt and output lengths
+    vocab_size: int = 0
+    shared_prefix: int = 0  # tokens every synthetic prompt starts with (--shared-prefix)
+    seed: int = 0
+    # Set when a served engine caches prefixes (synthetic workloads only): each rate's prompts differ
+    # from the first token after the shared prefix on, so a rate finds no prompt of an earlier one in
+    # the cache (workload.salted); every model still gets the same requests at a given rate.
+    distinct_per_rate: bool = False
 
     def at(self, rate: float | None, n: int) -> list[TraceRequest]:
-        prefix = self.base[:n]
+        trace = self._scaled(rate, self.base[:n])
+        if self.distinct_per_rate:
+            trace = salted(trace, self.shared_prefix, self.vocab_size, f"{self.seed}:{_fmt_rate(rate)}")
+        return trace
+
+    def _scaled(self, rate: float | None, prefix: list[TraceRequest]) -> list[TraceRequest]:
         if rate is None:  # "native": as recorded
             return prefix
         if not math.isfinite(rate):
@@ -182,14 +202,22 @@ def make_workload(args: argparse.Namespace, geometry: Geometry, max_requests: in
         typical = TraceRequest(0.0, typical.prompt_ids, typical.max_tokens, typical.prompt_text)
         return Workload(base, mean_rate(base), f"trace {args.trace} ({len(base)} requests, {mean_rate(base):.3f} req/s as recorded)",
                         typical)
+    prefix_len = args.shared_prefix
     base = synthetic_trace(max_requests, args.prompt_dist, args.output_dist, geometry.vocab_size,
-                           request_rate=1.0, seed=args.seed, arrival=args.arrival)
-    check_fits(base, geometry.context_len, geometry.vocab_size)
-    typical = TraceRequest(0.0, [rng.randrange(geometry.vocab_size) for _ in range(dist_median(args.prompt_dist))],
+                           request_rate=1.0, seed=args.seed, arrival=args.arrival, shared_prefix=prefix_len)
+    # The unloaded probe is a typical request of this workload: the shared prefix included.
+    own = [rng.randrange(geometry.vocab_size) for _ in range(dist_median(args.prompt_dist))]
+    typical = TraceRequest(0.0, shared_prefix_ids(prefix_len, geometry.vocab_size, args.seed) + own,
                            dist_median(args.output_dist))
+    try:
+        check_fits(base + [typical], geometry.context_len, geometry.vocab_size, shared_prefix=prefix_len)
+    except ValueError as exc:
+        raise SystemExit(f"orca-bench: {exc}") from None
     arrival = "Poisson" if args.arrival == "poisson" else args.arrival
-    return Workload(base, 1.0, f"{arrival} arrivals, prompt {args.prompt_dist}, output {args.output_dist} tokens "
-                               f"(ignore_eos), seed {args.seed}", typical)
+    prompt = f"{prefix_len}-token shared prefix + {args.prompt_dist}" if prefix_len else args.prompt_dist
+    return Workload(base, 1.0, f"{arrival} arrivals, prompt {prompt}, output {args.output_dist} tokens "
+                               f"(ignore_eos), seed {args.seed}", typical,
+                    vocab_size=geometry.vocab_size, shared_prefix=prefix_len, seed=args.seed)
 
 
 def requests_for(args: argparse.Namespace, rate: float | None, workload: Workload) -> int:
@@ -228,11 +256,20 @@ class Bench:
         self.progress = progress
         self.result: dict[str, Any] = {"runs": [], "notes": []}
         self.batched = {m.name: m.kind == "baseline" for m in self.models}
+        # Record the engine's metrics around orca-kind runs; off where a stage measures CPU itself.
+        self.watch_engines = True
         self._dirty = False
 
     # -- helpers
     def model(self, kind: str) -> list[ServedModel]:
         return [m for m in self.models if m.kind == kind]
+
+    def prefix_caching(self) -> list[str]:
+        """Orca-kind models whose served config enables the prefix cache (variants: orca's value
+        unless their overrides change it)."""
+        default = self.orca_parameters.get("enable_prefix_caching", "false")
+        return [m.name for m in self.models if m.is_orca
+                and m.overrides.get("enable_prefix_caching", default).strip().lower() == "true"]
 
     def run(self, model: ServedModel, trace: list[TraceRequest], label: str, rate: float | None = None,
             slo: float | None = None) -> tuple[RunResult, RunMetrics]:
@@ -246,9 +283,20 @@ class Bench:
         span = trace[-1].arrival if trace else 0.0
         options = LoadOptions(num_channels=self.args.channels, deadline_s=span + self.args.run_timeout,
                               stream=not self.args.no_stream, progress=self.progress.update)
-        result = run_trace(self.url, model.name, trace, options, batched=self.batched[model.name],
-                           rate=mean_rate(trace) if rate is None else rate)
+        watch = None
+        if model.is_orca and self.watch_engines:
+            watch = bench_server.EngineWatch(self.metrics_url, model.name).start()
+        try:
+            result = run_trace(self.url, model.name, trace, options, batched=self.batched[model.name],
+                               rate=mean_rate(trace) if rate is None else rate)
+        except BaseException:
+            if watch is not None:
+                watch.cancel()
+            raise
+        engine = watch.stop() if watch is not None else None
         metrics = summarize(result, slo)
+        if engine is not None:
+            apply_engine_stats(metrics, engine)
         if before is not None:
             metrics.batches = bench_server.batches_since(self.url, model.name, before, metrics.completed)
         self._dirty = result.truncated  # cancelled requests must leave the engine before the next run
@@ -410,6 +458,14 @@ class Bench:
         return m
 
 
+def apply_engine_stats(metrics: RunMetrics, engine: EngineRunStats) -> None:
+    """Copies what the engine's metrics said about a run into its RunMetrics."""
+    metrics.peak_running = engine.peak_running
+    for key, value in engine.counters.items():
+        setattr(metrics, key, value)
+    metrics.engine_metrics_note = engine.note
+
+
 def _fmt_rate(rate: float | None) -> str:
     if rate is None:
         return "native"
@@ -450,8 +506,13 @@ def headline(sustained: dict[str, Sustained], models: list[ServedModel], baselin
 @contextlib.contextmanager
 def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator[Endpoint]:
     """Yields the Endpoint of a server of our own, or of the one at --url."""
+    variants = {} if args.echo else args.orca_variants
     if args.url:
-        names = [] if args.echo else ["orca", *[n.strip() for n in args.baseline_models.split(",") if n.strip()]]
+        baselines = [n.strip() for n in args.baseline_models.split(",") if n.strip()]
+        names = [] if args.echo else ["orca", *map(bench_server.variant_name, variants), *baselines]
+        if any(variants.values()):
+            progress.info("with --url the variants' key=value settings are not applied: orca-bench reads what "
+                          "each orca_<name> serves (bench.json models[].overrides)")
         if args.echo or not args.no_echo:
             names.append("echo")
         models = []
@@ -463,6 +524,7 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
                     progress.info(f"no echo model at {args.url} ({exc}); skipping the overhead check")
                     continue
                 raise SystemExit(f"orca-bench: model {name!r} is not served at {args.url}: {exc}") from None
+        bench_server.describe_variants(args.url, models)
         yield Endpoint(args.url, args.metrics_url, models)
         return
 
@@ -471,7 +533,8 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
     sizes = [] if args.echo else args.baseline_batch_sizes
     run_dir = Path(tempfile.mkdtemp(prefix="orca-bench-"))
     names = bench_server.build_repository(run_dir / "repository", sizes, echo=args.echo or not args.no_echo,
-                                          orca=not args.echo, max_queue_delay_us=args.max_queue_delay_us)
+                                          orca=not args.echo, max_queue_delay_us=args.max_queue_delay_us,
+                                          orca_variants=variants)
     params: dict[str, str] = {}
     if not args.echo:
         model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
@@ -494,7 +557,9 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
             per_model.setdefault("orca", {}).update(raised)
             notes.append("orca runs with " + ", ".join(f"{k}={v}" for k, v in raised.items())
                          + " (above its config.pbtxt) so the served-path stage's largest burst is one batch; "
-                         "every orca run of this bench used it (--served-path-streams '' keeps config.pbtxt's).")
+                         "every orca run of this bench used it (--served-path-streams '' keeps config.pbtxt's)"
+                         + (", and so did its variants." if variants else "."))
+    per_model.update(variant_parameters(per_model["orca"], variants))
     options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
                             parameters={} if args.echo else params,
                             model_parameters={} if args.echo else per_model,
@@ -509,13 +574,94 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         server.wait_ready(timeout_s=args.ready_timeout)
         progress.info(f"server ready in {time.monotonic() - started:.0f} s at {server.grpc_url}")
         models = [bench_server.describe_model(server.grpc_url, name) for name in names]
+        bench_server.describe_variants(server.grpc_url, models)
+        for m in models:  # configs unreadable: what we asked for is what it runs
+            if m.kind == "orca_variant" and not m.overrides:
+                m.overrides = dict(variants.get(m.variant or "", {}))
         yield Endpoint(server.grpc_url, server.metrics_url, models, server.process.pid if server.process else None, notes)
     finally:
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def variant_parameters(orca: dict[str, str], variants: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Per-model parameter overrides of each orca_<name>: every orca-wide one, then its own keys.
+
+    The variant's keys are in its config.pbtxt already; they are repeated here because the server
+    applies per-model overrides over the file and over the settings of every model (--kv-capacity-tokens
+    ...), and a variant's own key must win over all of those."""
+    return {bench_server.variant_name(name): {**orca, **own} for name, own in variants.items()}
+
+
 # -------------------------------------------------------------------------------------- main
+# Values orca-bench can check before starting a server; other keys go to the engine as given.
+_VARIANT_CHOICES = {"kv_policy": ("reserve", "paged"), "enable_prefix_caching": ("true", "false")}
+_VARIANT_MIN_INT = {"block_size": 1, "max_num_batched_tokens": 0, "max_num_seqs": 1, "kv_capacity_tokens": 1,
+                    "stream_interval": 1}
+_VARIANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def _orca_parameter_keys() -> set[str] | None:
+    """The parameter keys of the checked-in orca config.pbtxt (None: unreadable, keys not checked)."""
+    from orca_backend.serve import default_model_repository
+
+    try:
+        text = (default_model_repository() / "orca" / "config.pbtxt").read_text()
+    except OSError:
+        return None
+    return set(re.findall(r'parameters\s*\{\s*key:\s*"([^"]+)"', text))
+
+
+def parse_orca_variants(text: str) -> dict[str, dict[str, str]]:
+    """'name:key=value,key=value;name2:key=value' -> {name: {key: value}} (argparse type of --orca-variants).
+
+    A bare 'name' is an unchanged copy of orca (an A/A check of the bench's noise). Raises
+    ArgumentTypeError naming the part that is wrong."""
+    known = _orca_parameter_keys()
+    variants: dict[str, dict[str, str]] = {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, _, settings = (x.strip() for x in part.partition(":"))
+        if not _VARIANT_NAME_RE.fullmatch(name):
+            raise argparse.ArgumentTypeError(f"variant {part!r}: the name before ':' must be letters, digits, "
+                                             f"'_' or '-' (it is served as model orca_<name>), got {name!r}")
+        if name in variants:
+            raise argparse.ArgumentTypeError(f"variant {name!r} is given twice")
+        variants[name] = _variant_settings(name, settings, known)
+    return variants
+
+
+def _variant_settings(name: str, settings: str, known: set[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (i.strip() for i in settings.split(",")):
+        if not item:
+            continue
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {item!r} is not key=value")
+        if known is not None and key not in known:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {key!r} is not a parameter of orca's config.pbtxt "
+                                             f"(known: {', '.join(sorted(known))})")
+        if key in out:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {key!r} is given twice")
+        if key in _VARIANT_CHOICES:
+            value = value.lower()
+            if value not in _VARIANT_CHOICES[key]:
+                raise argparse.ArgumentTypeError(f"variant {name!r}: {key}={value!r}, expected one of "
+                                                 + ", ".join(_VARIANT_CHOICES[key]))
+        if key in _VARIANT_MIN_INT:
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if number is None or number < _VARIANT_MIN_INT[key]:
+                raise argparse.ArgumentTypeError(f"variant {name!r}: {key}={value!r}, expected an integer "
+                                                 f">= {_VARIANT_MIN_INT[key]}")
+        out[key] = value
+    return out
+
+
 def _rate_list(text: str) -> list[float] | str:
     if text in ("auto", "native"):
         return text
@@ -556,12 +702,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--url", help="use the tritonserver at this gRPC address instead of starting one")
     g.add_argument("--metrics-url", help="with --url: its metrics endpoint (to wait for idle engines between runs)")
     g.add_argument("--baseline-models", default="baseline", help="with --url: baseline model names (comma-separated)")
+    g.add_argument("--orca-variants", type=parse_orca_variants, default={}, metavar="SPEC",
+                   help="extra copies of orca with other config.pbtxt parameters, swept beside it on the same "
+                        "traces: 'name:key=value,key=value;name2:key=value', each served as model orca_<name> "
+                        "with every orca-wide flag too (e.g. 'paged:kv_policy=paged' or "
+                        "'cached:kv_policy=paged,enable_prefix_caching=true;chunked:max_num_batched_tokens=256'; "
+                        "keys: kv_policy, block_size, enable_prefix_caching, max_num_batched_tokens, ...). "
+                        "With --url: the orca_<name> models already served")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="JSONL trace (arrival, prompt_ids or prompt, max_tokens) instead of a synthetic one")
     w.add_argument("--prompt-dist", default=DEFAULT_PROMPT_DIST, help=f"prompt lengths: {DIST_HELP}")
     w.add_argument("--output-dist", default=DEFAULT_OUTPUT_DIST, help=f"output lengths: {DIST_HELP}")
     w.add_argument("--arrival", default="poisson", help=f"arrival process: {ARRIVAL_HELP}")
+    w.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every synthetic prompt starts with the same N random tokens (a system prompt), then "
+                        "its own --prompt-dist tokens (default 0)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--rates", type=_rate_list, default="auto",
                    help="request rates in req/s, comma-separated; 'auto' (default): fractions of orca's measured "
@@ -606,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("orca-bench: --echo and --no-echo exclude each other")
     if args.rates == "native" and not args.trace:
         raise SystemExit("orca-bench: --rates native needs --trace")
+    if args.shared_prefix < 0 or (args.shared_prefix and args.trace):
+        raise SystemExit("orca-bench: --shared-prefix takes N >= 0 and applies to synthetic workloads (not --trace)")
+    if args.orca_variants and (args.echo or args.served_path_only):
+        raise SystemExit("orca-bench: --orca-variants are swept beside orca; --echo and --served-path-only run no sweep")
     if args.served_path_only:
         if args.echo or not args.served_path_streams:
             raise SystemExit("orca-bench: --served-path-only needs orca and non-empty --served-path-streams")
@@ -626,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         save_trace(workload.base, out / "trace.jsonl")
 
     n_baselines = 0 if args.echo else (len(args.baseline_batch_sizes) if not args.url else len(args.baseline_models.split(",")))
+    n_baselines += len(args.orca_variants)  # progress only: variants run wherever a baseline does
     n_rates = len(explicit_rates) if explicit_rates else (1 if args.rates == "native" else len(AUTO_FRACTIONS))
     stage = 0 if args.echo else len(args.served_path_streams) * (args.served_path_repeats + 1)
     if args.served_path_only:
@@ -689,10 +850,19 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
         rate = max((r for r in explicit_rates or [] if math.isfinite(r)), default=None)
         bench.echo_overhead(workload, rate if rate is not None else 4.0, None, None)
         return
+    cached = bench.prefix_caching()
+    if cached and not args.trace:
+        workload.distinct_per_rate = True
+        result["notes"].append(f"{', '.join(cached)} cache(s) prompt prefixes: each rate's prompts differ from the "
+                               "first token after the shared prefix on, so no rate reuses an earlier rate's prompts "
+                               "(every model still got the same requests at a given rate).")
+    elif cached:
+        result["notes"].append(f"{', '.join(cached)} cache(s) prompt prefixes and the same trace is replayed at every "
+                               "rate: later rates can find earlier rates' prompts in the cache.")
     bench.warm_up(workload)
     if args.served_path_only:
         bench.fairness(workload)
-        result["served_path"] = served_path.run_stage(bench)
+        result["served_path"] = _served_path(bench)
         return
     unloaded_ms = bench.unloaded(workload)
     slo = args.slo_ms if args.slo_ms else args.slo_factor * unloaded_ms
@@ -700,7 +870,7 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
                      "definition": "median normalized latency (end-to-end / output tokens) of a run ≤ this"}
     capacity_tokens = bench.fairness(workload)
     if args.served_path_streams:
-        result["served_path"] = served_path.run_stage(bench)
+        result["served_path"] = _served_path(bench)
     if explicit_rates is not None:
         rates: list[float | None] = list(explicit_rates)
     elif args.rates == "native":
@@ -720,14 +890,25 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
     curves = bench.sweep(workload, rates, slo, start=AUTO_START if explicit_rates is None and len(rates) > 1 else 0)
     sustained = {name: sustained_throughput(points, slo) for name, points in curves.items() if points}
     result["sustained"] = sustained
+    kinds = {m.name: m.kind for m in bench.models}
     baseline_rates = [m.offered_rate for name, points in curves.items() for m in points
-                      if name != "orca" and math.isfinite(m.offered_rate)]
+                      if kinds.get(name) == "baseline" and math.isfinite(m.offered_rate)]
     result["headline"] = headline(sustained, bench.models, baseline_rates)
     if not args.no_echo:
         top = max((r for r in rates if r is not None and math.isfinite(r)), default=None)
         peak = max((m.output_token_throughput for points in curves.values() for m in points), default=None)
         bench.echo_overhead(workload, top, unloaded_ms, peak)
     result["notes"] += sweep_notes([run["metrics"] for run in result["runs"]], bench.models)
+
+
+def _served_path(bench: Bench) -> dict[str, Any]:
+    """The served-path stage, without the engine-metrics watcher: the stage measures client and
+    server CPU per token, and the watcher's scrapes would add to both."""
+    bench.watch_engines = False
+    try:
+        return served_path.run_stage(bench)
+    finally:
+        bench.watch_engines = True
 
 
 def sweep_notes(points: list[RunMetrics], models: list[ServedModel]) -> list[str]:
@@ -744,6 +925,12 @@ def sweep_notes(points: list[RunMetrics], models: list[ServedModel]) -> list[str
     if shares:
         notes.append(f"The load generator used at most {100 * max(shares):.1f}% of one CPU during a run "
                      f"(it shares the machine with the server).")
+    missing: dict[tuple[str, str], int] = {}
+    for m in points:
+        if m.engine_metrics_note:
+            missing[(m.model, m.engine_metrics_note)] = missing.get((m.model, m.engine_metrics_note), 0) + 1
+    for (model, why), count in list(missing.items())[:5]:
+        notes.append(f"Engine metrics of {model} incomplete in {count} run(s): {why}.")
     return notes
 
 

@@ -9,7 +9,9 @@ Per request (times in the load generator's clock, seconds after the run's start)
   response after the first; a response carrying k tokens is one sample, as in vLLM's benchmark)
 Per run: throughput = completed requests / run duration (trace time 0 to the last completion),
 output-token throughput likewise, and goodput = requests whose normalized latency met the SLO.
-Everything is recomputable from the JSON's raw records; tests do exactly that.
+Everything is recomputable from the JSON's raw records; tests do exactly that. The exceptions are
+the engine's own numbers for orca-kind models (peak running requests, preemptions, prompt tokens
+computed, prefix-cache hits), read from the server's metrics endpoint around the run.
 """
 
 from __future__ import annotations
@@ -97,6 +99,13 @@ class RunMetrics:
     client_cpu_share: float = math.nan  # the load generator's CPU seconds per second of the run
     batches: int | None = None  # model executions during the run (Triton statistics; baseline: batches)
     first_error: str | None = None
+    # Orca-kind models, from the engine's metrics (None: not an orca model, or unreadable: see the note).
+    peak_running: int | None = None  # most orca_requests_running seen, sampled every ~0.2 s
+    preemptions: int | None = None  # increase of orca_preemptions_total over the run
+    prompt_tokens_computed: int | None = None  # ... of orca_prompt_tokens_computed_total (cache hits are not)
+    prefix_cache_hits: int | None = None  # ... of orca_prefix_cache_hits_total (tokens)
+    prefix_cache_queries: int | None = None  # ... of orca_prefix_cache_queries_total (tokens)
+    engine_metrics_note: str | None = None  # why some of the five above are None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -188,6 +197,13 @@ def sustained_throughput(points: Sequence[RunMetrics], slo_ms_per_token: float) 
             interpolated = max(x0, x0 + frac * (x1 - x0))
     return Sustained(model, best.request_throughput, best.offered_rate, interpolated, len(met), len(ordered),
                      above_grid=ordered[-1].slo_met is True)
+
+
+def hit_rate(hits: int | None, queries: int | None) -> float | None:
+    """Prefix-cache hits over queries, in tokens (None: unknown or no query)."""
+    if hits is None or not queries:
+        return None
+    return hits / queries
 
 
 def ratio(numerator: float, denominator: float) -> float:

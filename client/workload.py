@@ -4,6 +4,12 @@ distributions, every request generating exactly its length (ignore_eos); or a JS
 A sweep replays *one* request set at several rates: `synthetic_trace` draws arrivals at the given
 rate, and `at_rate` rescales any trace's arrival times to another mean rate, so every point of a
 throughput–latency curve serves the same requests in the same relative pattern.
+
+A shared prefix (`shared_prefix` tokens, like a system prompt) starts every synthetic prompt; its
+tokens come from their own seeded stream, so the rest of the trace is the same with or without it.
+With a prefix cache on the server, replaying one request set at every rate would let a later rate
+find whole prompts of an earlier one in the cache; `salted` varies the first token after the shared
+prefix per rate (same lengths, same shared part) so only what the workload really shares is reused.
 """
 
 from __future__ import annotations
@@ -87,6 +93,13 @@ def inter_arrival(rate: float, cv: float, rng: random.Random) -> float:
     return rng.gammavariate(shape, 1.0 / (rate * shape))
 
 
+def shared_prefix_ids(length: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """The `length` tokens every prompt of a --shared-prefix workload starts with (its own stream:
+    adding a prefix leaves the rest of the trace as it was)."""
+    rng = random.Random(f"shared-prefix:{seed}")
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
 def synthetic_trace(
     num_requests: int,
     prompt_dist: str,
@@ -95,18 +108,42 @@ def synthetic_trace(
     request_rate: float = math.inf,
     seed: int = 0,
     arrival: str = "poisson",
+    shared_prefix: int = 0,
 ) -> list[TraceRequest]:
-    """request_rate in req/s; inf puts every arrival at 0 (an offline batch or a burst)."""
+    """request_rate in req/s; inf puts every arrival at 0 (an offline batch or a burst).
+
+    shared_prefix: every prompt is the same `shared_prefix` tokens followed by its own prompt
+    drawn from prompt_dist (so prompt_len = shared_prefix + that draw)."""
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be >= 0, got {shared_prefix}")
     cv = parse_arrival(arrival)
     rng = random.Random(seed)
+    prefix = shared_prefix_ids(shared_prefix, vocab_size, seed)
     t = 0.0
     trace = []
     for _ in range(num_requests):
         if math.isfinite(request_rate):
             t += inter_arrival(request_rate, cv, rng)
         prompt = [rng.randrange(vocab_size) for _ in range(sample_length(prompt_dist, rng))]
-        trace.append(TraceRequest(t, prompt, sample_length(output_dist, rng)))
+        trace.append(TraceRequest(t, prefix + prompt, sample_length(output_dist, rng)))
     return trace
+
+
+def salted(trace: list[TraceRequest], position: int, vocab_size: int, salt: str) -> list[TraceRequest]:
+    """The trace with each prompt's token at `position` replaced by another one drawn from `salt`.
+
+    Prefix caches hash whole blocks chained from the start, so one changed token makes everything
+    from its block on new to the cache; lengths (and so the work) stay the same. A prompt no longer
+    than `position` (or a text prompt) is left as it is."""
+    rng = random.Random(f"salt:{salt}")
+    out = []
+    for r in trace:
+        ids = r.prompt_ids
+        if r.prompt_text is None and len(ids) > position and vocab_size > 1:
+            token = (ids[position] + 1 + rng.randrange(vocab_size - 1)) % vocab_size  # never the original
+            ids = [*ids[:position], token, *ids[position + 1:]]
+        out.append(TraceRequest(r.arrival, ids, r.max_tokens, r.prompt_text))
+    return out
 
 
 def burst_trace(num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> list[TraceRequest]:
@@ -133,18 +170,21 @@ def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
     return [TraceRequest((r.arrival - start) * scale, r.prompt_ids, r.max_tokens, r.prompt_text) for r in trace]
 
 
-def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int) -> None:
+def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int, shared_prefix: int = 0) -> None:
     """Raises ValueError naming the first request the model would refuse (so a sweep does not
-    discover it as an error rate)."""
+    discover it as an error rate). Prompts include any shared prefix; `shared_prefix` only words
+    the advice."""
     for i, r in enumerate(trace):
         if r.max_tokens < 1:
             raise ValueError(f"request {i}: max_tokens must be >= 1, got {r.max_tokens}")
         if r.prompt_text is None and (not r.prompt_ids or max(r.prompt_ids) >= vocab_size or min(r.prompt_ids) < 0):
             raise ValueError(f"request {i}: prompt ids must be non-empty and within the vocabulary [0, {vocab_size})")
         if r.prompt_len + r.max_tokens > context_len:
+            prefix = f" (of which {shared_prefix} shared prefix)" if shared_prefix else ""
+            flags = "--shared-prefix/--prompt-dist/--output-dist" if shared_prefix else "--prompt-dist/--output-dist"
             raise ValueError(
-                f"request {i}: prompt ({r.prompt_len}) + max_tokens ({r.max_tokens}) exceeds the model's context "
-                f"of {context_len} tokens; shorten --prompt-dist/--output-dist"
+                f"request {i}: prompt ({r.prompt_len}{prefix}) + max_tokens ({r.max_tokens}) exceeds the model's "
+                f"context of {context_len} tokens; shorten {flags}"
             )
 
 

@@ -1,11 +1,19 @@
 """Attention for selective batching: torch reference and the metadata every implementation reads.
 
 The batch is one flattened run of tokens. Request i owns queries
-``q[query_start[i]:query_start[i+1]]`` and a contiguous K/V region of the per-layer pool starting at
-slot ``kv_starts[i]``; after this step's K/V is written the region holds ``context_lens[i]`` tokens.
+``q[query_start[i]:query_start[i+1]]`` and, after this step's K/V is written, ``context_lens[i]``
+tokens of K/V in the per-layer pool. The pool is paged: its flat ``[num_slots, kv_heads, head_dim]``
+layout is cut into blocks of ``block_size`` consecutive slots, and row i of ``block_tables`` lists
+request i's blocks in context order, so its context token j lives at slot
+``block_tables[i][j // block_size] * block_size + j % block_size``. A request's blocks may sit
+anywhere in the pool, in any order; within a block its tokens are consecutive slots. Entries of a
+row past ``ceil(context_lens[i] / block_size)`` are padding and never read, nor are the slots of
+the last block past the context.
+
 A prefill request has as many queries as context (causal over its prompt); a decode request has one
-query that sees its whole context. Queries are always the *last* ``n`` positions of the context, so
-query ``t`` of ``n`` may see keys ``0 .. context_len - n + t``.
+query that sees its whole context; a chunked prefill has n queries over a context of earlier K/V
+plus the chunk itself. Queries are always the *last* ``n`` positions of the context, so query ``t``
+of ``n`` may see keys ``0 .. context_len - n + t`` (a bottom-right aligned causal mask).
 
 Grouped-query attention (Llama 2 70B onwards, Mistral, Qwen2/3): the pool holds ``Hkv`` K/V heads
 and q has ``Hq`` heads, a multiple of ``Hkv``; query head ``h`` attends with K/V head
@@ -15,6 +23,7 @@ order). ``Hkv == Hq`` is ordinary multi-head attention and ``Hkv == 1`` multi-qu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +34,36 @@ import torch.nn.functional as F
 class AttentionMetadata:
     query_start: torch.Tensor  # int32 [B + 1]: offsets of each request's queries in the flat batch
     context_lens: torch.Tensor  # int32 [B]: K/V tokens of each request after this step's write
-    kv_starts: torch.Tensor  # int32 [B]: first pool slot of each request's K/V region
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: pool blocks in context order, right-padded
     slot_mapping: torch.Tensor  # int64 [T]: pool slot that each new token's K/V is written to
+    block_size: int  # slots per block; any value >= 1
     max_query_len: int
     max_context_len: int
     # Host copies, so the per-request torch loop does not sync a device tensor in every layer.
     query_start_host: list[int]
     context_lens_host: list[int]
-    kv_starts_host: list[int]
+    block_tables_host: list[list[int]]  # ragged: request i's blocks (at least ceil(context_len / block_size))
 
     @property
     def num_requests(self) -> int:
         return len(self.context_lens_host)
+
+    def context_slots(self, i: int) -> torch.Tensor:
+        """int64 [context_lens[i]]: the pool slot of each of request i's context tokens, in context
+        order, on the block table's device. Built from the device table (no host sync) on the first
+        call and kept on this object, so every layer of a step reuses it: the tables must not be
+        changed after that."""
+        slots = self._context_slots.get(i)
+        if slots is None:
+            ctx, size = self.context_lens_host[i], self.block_size
+            blocks = self.block_tables[i, : -(-ctx // size)].long()
+            offsets = torch.arange(size, dtype=torch.int64, device=blocks.device)
+            slots = self._context_slots[i] = (blocks[:, None] * size + offsets).flatten()[:ctx]
+        return slots
+
+    @functools.cached_property
+    def _context_slots(self) -> dict[int, torch.Tensor]:
+        return {}  # not a dataclass field (no annotation): a per-object cache for context_slots
 
 
 def write_kv_torch(
@@ -68,13 +95,12 @@ def attention_torch(
     num_kv_heads = k_cache.shape[1]
     group = gqa_group_size(q.shape[1], num_kv_heads)
     out = torch.empty_like(q)
-    qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
+    qs = meta.query_start_host
     q_scaled = q * scale  # for the decode path, once for the whole batch
     for i in range(meta.num_requests):
-        q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
+        q_lo, q_hi = qs[i], qs[i + 1]
         n = q_hi - q_lo
-        ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)  # [Hkv, ctx, head_dim]
-        vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+        ki, vi = gather_context(k_cache, v_cache, meta, i)
         if n == 1:
             # Decode: one query over its whole context. Two matmuls and a softmax cost a third of
             # SDPA's CPU dispatch here (which picks its unfused math path for these strided views).
@@ -86,6 +112,14 @@ def attention_torch(
             continue
         out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
     return out
+
+
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request i's context K and V copied out of the paged pool, each [Hkv, ctx, head_dim]."""
+    slots = meta.context_slots(i)
+    return k_cache.index_select(0, slots).transpose(0, 1), v_cache.index_select(0, slots).transpose(0, 1)
 
 
 def prefill_attention(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, scale: float) -> torch.Tensor:

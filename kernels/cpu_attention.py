@@ -6,6 +6,9 @@ is ~6 small ops. The C kernel (csrc/decode_attention.c) does every one-query req
 in one call; prefill requests have enough queries per request for SDPA to be efficient, so they
 stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
 
+Paged K/V: the C kernel walks each decode's block table itself, reading K/V in place block by
+block; a prefill's context is gathered through its table (`gather_context`) for SDPA.
+
 Grouped-query attention: the K/V pool may have fewer heads than q (Llama-style GQA, or multi-query
 with one KV head); query head h reads KV head h // (q_heads // kv_heads). The C kernel reads each
 KV head's row once for its whole group of query heads, so K/V is never repeated for decodes;
@@ -20,7 +23,13 @@ import functools
 import torch
 
 from orca_kernels import native
-from orca_kernels.attention import AttentionMetadata, attention_torch, gqa_group_size, prefill_attention
+from orca_kernels.attention import (
+    AttentionMetadata,
+    attention_torch,
+    gather_context,
+    gqa_group_size,
+    prefill_attention,
+)
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -32,9 +41,10 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     declared once per process (every layer calls it). Raises NativeBuildError with the reason."""
     fn = native.load("decode_attention").orca_decode_attention_f32
     i64 = ctypes.c_int64
-    # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, kv_starts,
-    # num_requests, q_heads, kv_heads, head_dim, max_context, scale, scratch, num_threads
-    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64, i64,
+    # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
+    # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
+    # scratch, num_threads
+    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64, i64, i64, i64,
                    ctypes.c_float, _F32P, ctypes.c_int]  # fmt: skip
     fn.restype = None
     return fn
@@ -61,24 +71,39 @@ def attention_cpu(
         return attention_torch(q, k_cache, v_cache, meta, scale)
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
-    for index in (meta.query_start, meta.context_lens, meta.kv_starts):
+    tables = meta.block_tables
+    for index in (meta.query_start, meta.context_lens, tables):
         if index.dtype != torch.int32 or not index.is_contiguous():
-            raise ValueError("attention_cpu needs contiguous int32 query_start, context_lens and kv_starts")
+            raise ValueError(
+                "attention_cpu needs contiguous int32 query_start, context_lens and block_tables"
+            )
+    # The kernel trusts every row to hold the blocks of its longest context: check the shape here.
+    if (
+        meta.block_size < 1
+        or tables.dim() != 2
+        or tables.shape[0] < meta.num_requests
+        or tables.shape[1] * meta.block_size < meta.max_context_len
+    ):
+        raise ValueError(
+            f"attention_cpu needs block_size >= 1 and block_tables [requests, >= ceil(max_context_len / "
+            f"block_size)], got block_size {meta.block_size}, block_tables {tuple(tables.shape)} for "
+            f"{meta.num_requests} requests of up to {meta.max_context_len} tokens"
+        )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
     scratch = torch.empty((threads, heads, meta.max_context_len), dtype=torch.float32)
     load_decode_kernel()(
         _ptr(q, _F32P), q.stride(0), q.stride(1), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), _ptr(out, _F32P),
-        _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(meta.kv_starts, _I32P),
-        meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, _ptr(scratch, _F32P), threads,
+        _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(tables, _I32P), tables.stride(0),
+        meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale,
+        _ptr(scratch, _F32P), threads,
     )  # fmt: skip
     if meta.max_query_len > 1:
-        qs, ctxs, starts = meta.query_start_host, meta.context_lens_host, meta.kv_starts_host
+        qs = meta.query_start_host
         for i in range(meta.num_requests):
-            q_lo, q_hi, ctx, kv_lo = qs[i], qs[i + 1], ctxs[i], starts[i]
+            q_lo, q_hi = qs[i], qs[i + 1]
             if q_hi - q_lo > 1:
                 # [kv_heads, ctx, head_dim]: prefill_attention shares each K/V head over its group
-                ki = k_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
-                vi = v_cache[kv_lo : kv_lo + ctx].transpose(0, 1)
+                ki, vi = gather_context(k_cache, v_cache, meta, i)
                 out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
     return out

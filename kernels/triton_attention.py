@@ -3,8 +3,14 @@
 One launch covers the whole selectively-batched step, prefill and decode requests alike, with no
 padding: the grid is (query block, K/V head), and a small host-built table maps every query block to
 its request and to the block's first query inside that request. Each program streams its request's
-keys from the pool (``kv_starts[i] + j``) in blocks with an online softmax in fp32, flash-attention
+keys from the paged pool in tiles of ``BLOCK_N`` with an online softmax in fp32, flash-attention
 style, and applies the bottom-right causal rule: query ``t`` of ``n`` sees keys ``0 .. ctx - n + t``.
+
+Paged K/V: key ``j`` of request ``i`` is pool slot ``block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE +
+j % BLOCK_SIZE``. Each key tile looks up the pool block of each of its ``BLOCK_N`` keys (one int32
+load per key, shared by the K and V loads), so a tile may straddle any number of pool blocks and
+``BLOCK_SIZE`` (the pool's block size, a compile-time constant: one engine uses one) need neither
+divide ``BLOCK_N`` nor be a power of two. Table entries past a request's context are never loaded.
 
 Grouped-query attention needs no copy of the pool, and each K/V tile is read once per query block:
 a program takes all the query heads that share its K/V head (``GROUP`` of them; query head ``h``
@@ -38,6 +44,7 @@ def _attention_inner(
     v_base,
     stride_kt,
     stride_vt,
+    table_row,
     q_pos,
     lo,
     hi,
@@ -46,18 +53,26 @@ def _attention_inner(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Folds keys [lo, hi) into the running (acc, l_i, m_i); MASKED blocks straddle the causal edge."""
+    """Folds keys [lo, hi) into the running (acc, l_i, m_i); MASKED tiles straddle the causal edge.
+    k_base/v_base point at the K/V head in pool slot 0; table_row at the request's block table row."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM  # constant-folds away when HEAD_DIM is a power of two
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        rows = offs_n.to(tl.int64)  # int64: slot * stride can pass 2**31 in a large pool
         load_mask = d_mask[None, :]
         if MASKED:
-            load_mask = load_mask & (offs_n < hi)[:, None]
+            # Keys past hi (past the context, for the last tile) read no table entry and no K/V.
+            in_range = offs_n < hi
+            load_mask = load_mask & in_range[:, None]
+            blocks = tl.load(table_row + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            blocks = tl.load(table_row + offs_n // BLOCK_SIZE)  # unmasked tiles end inside the context
+        # int64: slot * stride can pass 2**31 in a large pool
+        rows = blocks.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=load_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=load_mask, other=0.0)
         if DOT_FP32:
@@ -86,7 +101,8 @@ def _attention_kernel(
     block_m_ptr,
     query_start_ptr,
     context_lens_ptr,
-    kv_starts_ptr,
+    block_tables_ptr,
+    stride_bt,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -100,6 +116,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     GROUP: tl.constexpr,
@@ -116,7 +133,7 @@ def _attention_kernel(
     q_lo = tl.load(query_start_ptr + req)
     n = tl.load(query_start_ptr + req + 1) - q_lo
     ctx = tl.load(context_lens_ptr + req)
-    kv_start = tl.load(kv_starts_ptr + req).to(tl.int64)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
 
     # BLOCK_M queries x HEADS heads stacked query-major into the rows of one tile: a token's heads
     # sit next to each other in q and out, so each row group is one contiguous HEADS * D run.
@@ -140,23 +157,23 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M * HEADS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * HEADS], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * HEADS, BLOCK_D], dtype=tl.float32)
-    k_base = k_ptr + kv_start * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + kv_start * stride_vt + kv_head * stride_vh
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
 
-    # Keys up to the block's first query position are visible to every row (every head of the
-    # group alike): those whole key blocks skip all masking. The rest, up to the last query's
-    # position, get the causal mask.
+    # Keys up to the query block's first query position are visible to every row (every head of
+    # the group alike): those whole BLOCK_N key tiles skip all masking. The rest, up to the last
+    # query's position, get the causal mask.
     first_pos = ctx - n + m_start
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(first_pos + BLOCK_M, ctx)
     # fmt: off
     acc, l_i, m_i = _attention_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, 0, full_end, qk_scale,
-        False, HEAD_DIM, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, 0, full_end,
+        qk_scale, False, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
     )
     acc, l_i, m_i = _attention_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, q_pos, full_end, kv_end, qk_scale,
-        True, HEAD_DIM, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, kv_end,
+        qk_scale, True, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
     )
     # fmt: on
 
@@ -201,13 +218,14 @@ def _write_kv_kernel(
 
 INTERPRETED: bool = not isinstance(_attention_kernel, JITFunction)
 
-# One-entry cache of the block table: every layer of a step passes the same batch layout, so only
-# the first layer pays for building it and copying it to the device.
+# One-entry cache of the query-block table: every layer of a step passes the same batch layout, so
+# only the first layer pays for building it and copying it to the device.
 _table_cache: tuple[tuple, torch.Tensor] | None = None
 
 
-def _block_table(meta: AttentionMetadata, block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [2, num_blocks]: (request, first query within the request) of every query block."""
+def _query_block_table(meta: AttentionMetadata, block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [2, num_blocks]: (request, first query within the request) of every query block (not
+    to be confused with the K/V block tables in ``meta``)."""
     global _table_cache
     key = (tuple(meta.query_start_host), tuple(meta.context_lens_host), block_m, device)
     cached = _table_cache
@@ -279,7 +297,8 @@ def attention_triton(
     heads, splits = _attention_heads(group)
     default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
     block_m, block_n = block_m or default_m, block_n or default_n
-    table = _block_table(meta, block_m, q.device)
+    table = _query_block_table(meta, block_m, q.device)
+    block_tables = meta.block_tables if meta.block_tables.stride(-1) == 1 else meta.block_tables.contiguous()
     block_d = max(triton.next_power_of_2(head_dim), 16)
     # fp32 inputs would otherwise run the dot products in TF32 on NVIDIA GPUs (~1e-3 error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -293,7 +312,8 @@ def attention_triton(
         table[1],
         meta.query_start,
         meta.context_lens,
-        meta.kv_starts,
+        block_tables,
+        block_tables.stride(0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -307,6 +327,7 @@ def attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_SIZE=meta.block_size,
         INPUT_PRECISION=precision,
         # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot; GPUs never take this path.
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,

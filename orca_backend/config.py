@@ -252,8 +252,14 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 32  # requests in one iteration (Triton's max_batch_size is the baseline batcher's)
-    kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer
-    kv_policy: str = "reserve"  # ORCA: reserve prompt + max_tokens slots at admission
+    kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer (whole blocks of it are used)
+    # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted; "paged" (vLLM):
+    # blocks as the context grows, preempting the newest request when they run out.
+    kv_policy: str = "reserve"
+    block_size: int = 16  # K/V slots per block
+    enable_prefix_caching: bool = False  # share the K/V of full blocks of equal prefixes
+    max_num_batched_tokens: int = 0  # tokens per iteration, long prompts chunked to fit; 0: no limit
+    kv_watermark: float = 0.01  # paged: share of blocks admission leaves free for running requests
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
@@ -265,8 +271,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling not in ("iteration", "request"):
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
-        if self.kv_policy != "reserve":
-            raise ValueError(f"kv_policy must be 'reserve' (the only policy implemented), got {self.kv_policy!r}")
+        if self.kv_policy not in ("reserve", "paged"):
+            raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {self.kv_policy!r}")
+        if int(self.block_size) < 1 or int(self.kv_capacity_tokens) < int(self.block_size):
+            raise ValueError(f"block_size must be >= 1 and at most kv_capacity_tokens ({self.kv_capacity_tokens}), "
+                             f"got {self.block_size!r}")  # fmt: skip
+        if int(self.max_num_batched_tokens) < 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
+        if not 0.0 <= float(self.kv_watermark) < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         if self.kernels not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(f"kernels must be auto, triton, cpu or torch, got {self.kernels!r}")
         for name in ("max_num_seqs", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -313,12 +326,15 @@ class EngineConfig:
                 continue
             default = known[key].default
             if isinstance(default, bool):
+                if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"parameter {key} must be true or false, got {value!r}")
                 kwargs[key] = value.lower() in ("1", "true", "yes")
-            elif isinstance(default, int):
+            elif isinstance(default, (int, float)):
                 try:
-                    kwargs[key] = int(value)
+                    kwargs[key] = type(default)(value)
                 except ValueError:
-                    raise ValueError(f"parameter {key} must be an integer, got {value!r}") from None
+                    kind = "an integer" if isinstance(default, int) else "a number"
+                    raise ValueError(f"parameter {key} must be {kind}, got {value!r}") from None
             else:
                 kwargs[key] = value
         return cls(**kwargs)

@@ -360,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, help="baseline: Triton's dynamic-batcher max_batch_size")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
+    p.add_argument("--kv-policy", choices=("reserve", "paged"),
+                   help="orca: reserve prompt + max_tokens at admission (ORCA) or page K/V on demand (vLLM)")
+    p.add_argument("--block-size", type=int, help="orca: K/V slots per block")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                   help="orca: share the K/V of equal prompt prefixes")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="orca: tokens per engine iteration; longer prompts are prefilled in chunks (0: no limit)")
     p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
     p.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages (layers split), one batch in flight each")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -383,8 +390,15 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         value = getattr(args, flag)
         if value is not None:
             params[flag] = str(Path(value).resolve()) if flag in ("model", "tokenizer") and Path(value).exists() else str(value)
+    # The K/V and chunking knobs are orca's: the baseline stays ORCA-reserved, request-level serving.
+    orca_params = {
+        flag: str(value).lower()
+        for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens")
+        if (value := getattr(args, flag)) is not None
+    }
     return ServerOptions(
         models=models, model_repository=args.model_repository, parameters=params,
+        model_parameters={"orca": orca_params} if orca_params else {},
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from orca_kernels import AttentionMetadata
@@ -12,35 +14,80 @@ BATCHES = {
     "mixed": [(20, 20), (1, 37), (1, 1), (5, 30), (1, 50)],
     "prefill_only": [(17, 17), (33, 33), (2, 2)],
     "decode_only": [(1, 5), (1, 40), (1, 16), (1, 1)],
+    # chunked prefill: chunks over earlier K/V, starting and ending mid-block and spanning several
+    # blocks, beside a first chunk (n == ctx) and a decode
+    "chunked": [(7, 40), (16, 48), (3, 19), (12, 12), (1, 33)],
 }
 
+# Pool block sizes: one token per block, the engine's default, and one that is neither a power of
+# two nor a divisor of the Triton kernel's key tiles (16 and up).
+BLOCK_SIZES = [1, 5, 16]
 
-def make_meta(device: str | torch.device, requests: list[tuple[int, int]], gap: int = 7) -> AttentionMetadata:
-    """K/V regions laid out back to front with gaps: non-zero, non-adjacent, out of request order."""
-    kv_starts, slot = [0] * len(requests), gap
-    for i in reversed(range(len(requests))):
-        kv_starts[i] = slot
-        slot += requests[i][1] + gap
+
+def make_meta(
+    device: str | torch.device, requests: list[tuple[int, int]], block_size: int = 16, seed: int = 0
+) -> AttentionMetadata:
+    """Paged K/V laid out to catch a kernel that assumes anything its block table does not say: the
+    used blocks are the odd ones (so an unused block sits between any two, block 0 included),
+    shuffled across and within requests; a request's last block is partly unused; and every table
+    row ends in padding naming a nonzero, unused block of the pool (random K/V in the tests), so a
+    kernel reading a table entry past the context gets wrong results, not a crash."""
+    counts = [-(-ctx // block_size) for _, ctx in requests]
+    blocks = list(range(1, 2 * sum(counts), 2))
+    random.Random(seed).shuffle(blocks)
+    pad = 2 * sum(counts)  # the pool's last block, never used
+    tables, used = [], 0
+    for count in counts:
+        tables.append(blocks[used : used + count])
+        used += count
+    width = max(counts) + 1  # at least one padding entry in every row
     query_start, slot_mapping = [0], []
-    for (n, ctx), start in zip(requests, kv_starts, strict=True):
+    for (n, ctx), table in zip(requests, tables, strict=True):
         query_start.append(query_start[-1] + n)
-        slot_mapping.extend(range(start + ctx - n, start + ctx))
+        slot_mapping.extend(table[j // block_size] * block_size + j % block_size for j in range(ctx - n, ctx))
     context_lens = [ctx for _, ctx in requests]
     return AttentionMetadata(
         query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        kv_starts=torch.tensor(kv_starts, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(
+            [table + [pad] * (width - len(table)) for table in tables], dtype=torch.int32, device=device
+        ),
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        block_size=block_size,
         max_query_len=max(n for n, _ in requests),
         max_context_len=max(context_lens),
         query_start_host=query_start,
         context_lens_host=context_lens,
-        kv_starts_host=kv_starts,
+        block_tables_host=tables,
     )
 
 
 def pool_slots(meta: AttentionMetadata) -> int:
-    return max(s + c for s, c in zip(meta.kv_starts_host, meta.context_lens_host, strict=True)) + 3
+    """Slots of a pool holding every block the metadata names, padding included."""
+    return (int(meta.block_tables.max()) + 1) * meta.block_size
+
+
+def dense_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention written out from its definition in float64, independently of `attention_torch`: each
+    context token's slot computed from the host block tables, GQA as K/V head h // group, the causal
+    rule as the count of visible keys, an explicit softmax. Slow, test-only; returns float64 on CPU."""
+    q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
+    q_heads, kv_heads = q.shape[1], k_cache.shape[1]
+    kv_head = torch.arange(q_heads) // (q_heads // kv_heads)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    size, qs = meta.block_size, meta.query_start_host
+    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables_host, strict=True)):
+        slots = [table[j // size] * size + j % size for j in range(ctx)]
+        k, v = k_cache[slots][:, kv_head], v_cache[slots][:, kv_head]  # [ctx, q_heads, head_dim]
+        n = qs[i + 1] - qs[i]
+        for t in range(n):
+            visible = ctx - n + t + 1
+            scores = torch.einsum("khd,hd->hk", k[:visible], q[qs[i] + t]) * scale
+            p = (scores - scores.max(dim=1, keepdim=True).values).exp()
+            out[qs[i] + t] = torch.einsum("hk,khd->hd", p / p.sum(dim=1, keepdim=True), v[:visible])
+    return out
 
 
 # (query heads, K/V heads) for grouped-query attention: query head h reads K/V head

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from core_hooks import StepGate
+from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
@@ -25,10 +27,11 @@ def step_until_done(engine: LLMEngine, streams, max_steps: int = 10_000) -> None
     raise AssertionError("engine did not finish")
 
 
-def test_batch_invariance_alone_vs_batch_of_16_vs_joining(tiny_checkpoint):
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_batch_invariance_alone_vs_batch_of_16_vs_joining(tiny_checkpoint, mode):
     path, config = tiny_checkpoint
     prompts = random_prompts(16, config.vocab_size, seed=5)
-    llm = LLM(str(path), max_num_seqs=16)
+    llm = LLM(str(path), max_num_seqs=16, **KV_MODES[mode])
     alone = [llm.generate([p], GREEDY)[0].output_ids for p in prompts]
     together = [o.output_ids for o in llm.generate(prompts, GREEDY)]
     assert together == alone
@@ -130,8 +133,8 @@ def test_max_batch_size_bounds_every_iteration(tiny_checkpoint):
 
 def test_kv_capacity_limits_admission_without_overcommit(tiny_checkpoint):
     path, config = tiny_checkpoint
-    # Each request reserves 10 + 12 = 22 slots; 50 slots hold two at a time.
-    llm = LLM(str(path), kv_capacity_tokens=50, max_num_seqs=16)
+    # Each request reserves 10 + 12 = 22 slots (blocks of one slot); 50 slots hold two at a time.
+    llm = LLM(str(path), kv_capacity_tokens=50, block_size=1, max_num_seqs=16)
     engine = llm.engine
     peak = 0
     original = engine.core.executor.runner.execute
@@ -182,3 +185,25 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
         assert engine.stats().kv_used_tokens == 0 and engine.stats().num_running == 0
     finally:
         engine.shutdown()
+
+
+def test_paged_pool_runs_more_requests_at_once_and_preempts_without_changing_tokens(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    prompts = [[i + 1] * 10 for i in range(6)]
+    reserved = [o.output_ids for o in LLM(str(path), kv_capacity_tokens=50, block_size=1).generate(prompts, GREEDY)]
+    # The same 50 slots, paged: admission asks for the prompt only, so five requests start at once
+    # and then run out of room as they decode: the newest are preempted and recomputed.
+    llm = LLM(str(path), kv_capacity_tokens=50, block_size=1, kv_policy="paged", max_num_seqs=16)
+    runner = llm.engine.core.executor.runner
+    sizes = []
+    original = runner.execute
+
+    def spy(meta):
+        sizes.append(len(meta.request_ids))
+        return original(meta)
+
+    runner.execute = spy
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_ids for o in outs] == reserved
+    stats = llm.engine.stats()
+    assert max(sizes) == 5 and stats.num_preemptions > 0 and stats.kv_used_blocks == 0

@@ -1,5 +1,6 @@
-"""The CPU attention path (C decode kernel + SDPA prefills) against the torch reference, and how
-dispatch chooses it."""
+"""The CPU attention path (C decode kernel + SDPA prefills) against the torch reference, the torch
+reference against attention written out densely from its definition, both over paged K/V, and how
+dispatch chooses the CPU path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 import torch
-from attention_cases import BATCHES, make_meta, pool_slots
+from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
 
 from orca_kernels import dispatch, get_ops, native
 from orca_kernels.attention import attention_torch
@@ -23,23 +24,46 @@ def _inputs(meta, heads: int, head_dim: int, seed: int, dtype=torch.float32):
     return q, pool[0, 1], pool[1, 1]  # caches: one layer of a multi-layer pool
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(3, 3), (8, 2), (4, 1)])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_reference_matches_dense_attention(batch: str, q_heads: int, kv_heads: int, block_size: int) -> None:
+    """attention_torch (block-table gather, SDPA, batched decode matmuls) against the definition."""
+    meta = make_meta("cpu", BATCHES[batch], block_size=block_size, seed=block_size)
+    q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, 64, seed=block_size + q_heads)
+    out = attention_torch(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(
+        out.double(), dense_attention(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_context_slots_follow_the_table_and_are_cached() -> None:
+    meta = make_meta("cpu", BATCHES["mixed"], block_size=5)
+    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables_host, strict=True)):
+        slots = meta.context_slots(i)
+        assert slots.dtype == torch.int64
+        assert slots.tolist() == [table[j // 5] * 5 + j % 5 for j in range(ctx)]
+        assert meta.context_slots(i) is slots  # built once per metadata object, for every layer
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads", [1, 3, 12])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_matches_reference(batch: str, head_dim: int, heads: int) -> None:
-    meta = make_meta("cpu", BATCHES[batch])
+def test_matches_reference(batch: str, head_dim: int, heads: int, block_size: int) -> None:
+    meta = make_meta("cpu", BATCHES[batch], block_size=block_size)
     q, k_cache, v_cache = _inputs(meta, heads, head_dim, seed=head_dim + heads)
     scale = head_dim**-0.5
     out = attention_cpu(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out, attention_torch(q, k_cache, v_cache, meta, scale), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_many_decodes_any_thread_count(threads: int) -> None:
+@pytest.mark.parametrize(("threads", "block_size"), [(1, 16), (2, 5), (3, 1)])
+def test_many_decodes_any_thread_count(threads: int, block_size: int) -> None:
     """Long, uneven contexts spread over the OpenMP threads; each thread has its own scratch row."""
     rng = random.Random(threads)
     requests = [(1, rng.randint(1, 700)) for _ in range(40)] + [(9, 30)]
-    meta = make_meta("cpu", requests, gap=3)
+    meta = make_meta("cpu", requests, block_size=block_size, seed=threads)
     q, k_cache, v_cache = _inputs(meta, 4, 64, seed=threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -56,6 +80,7 @@ GQA_LAYOUTS = [(4, 4), (8, 4), (8, 2), (16, 2), (8, 1), (3, 1)]
 GQA_BATCHES = {
     "mixed": BATCHES["mixed"],
     "decode_only": BATCHES["decode_only"],
+    "chunked": BATCHES["chunked"],
     "uneven_decodes": [(1, c) for c in (1, 400, 3, 257, 64, 65, 129, 2, 33)] + [(9, 30)],
 }
 
@@ -76,11 +101,14 @@ def _gqa_reference(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     return attention_torch(q, k_rep, v_rep, meta, scale)
 
 
+@pytest.mark.parametrize("block_size", [1, 12, 16])
 @pytest.mark.parametrize(("q_heads", "kv_heads"), GQA_LAYOUTS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch", list(GQA_BATCHES))
-def test_gqa_matches_reference(batch: str, head_dim: int, q_heads: int, kv_heads: int) -> None:
-    meta = make_meta("cpu", GQA_BATCHES[batch], gap=3)
+def test_gqa_matches_reference(
+    batch: str, head_dim: int, q_heads: int, kv_heads: int, block_size: int
+) -> None:
+    meta = make_meta("cpu", GQA_BATCHES[batch], block_size=block_size, seed=3)
     seed = head_dim + 31 * q_heads + kv_heads
     q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, head_dim, seed)
     scale = head_dim**-0.5
@@ -91,7 +119,7 @@ def test_gqa_matches_reference(batch: str, head_dim: int, q_heads: int, kv_heads
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_gqa_any_thread_count(threads: int) -> None:
     """Every group size over long, uneven contexts spread over the OpenMP threads."""
-    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"], gap=3)
+    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"], block_size=12, seed=threads)
     cases = []
     for q_heads, kv_heads in GQA_LAYOUTS:
         for head_dim in (64, 128):
@@ -112,7 +140,7 @@ def test_gqa_any_thread_count(threads: int) -> None:
 def test_gqa_decodes_equal_multi_head_over_repeated_kv(q_heads: int, kv_heads: int) -> None:
     """Sharing a K/V row across a group changes no arithmetic: bit-identical to the multi-head
     kernel fed K/V repeated per query head."""
-    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"])
+    meta = make_meta("cpu", GQA_BATCHES["uneven_decodes"], block_size=5)
     q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, 64, seed=q_heads + kv_heads)
     group = q_heads // kv_heads
     k_rep, v_rep = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
@@ -140,9 +168,22 @@ def test_other_dtypes_use_the_reference() -> None:
 
 def test_rejects_index_tensors_of_the_wrong_type() -> None:
     meta = make_meta("cpu", BATCHES["decode_only"])
-    meta.kv_starts = meta.kv_starts.long()
     q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0)
-    with pytest.raises(ValueError, match="int32"):
+    tables = meta.block_tables
+    for wrong in (tables.long(), torch.cat([tables, tables], dim=1)[:, ::2]):  # int64; not contiguous
+        meta.block_tables = wrong
+        with pytest.raises(ValueError, match="contiguous int32 query_start, context_lens and block_tables"):
+            attention_cpu(q, k_cache, v_cache, meta, 0.125)
+
+
+def test_rejects_block_tables_too_narrow_for_the_context() -> None:
+    """The C kernel reads ceil(context / block_size) entries of a row: a narrower table is an error."""
+    meta = make_meta("cpu", BATCHES["decode_only"], block_size=16)  # longest context 40: 3 blocks
+    q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0)
+    meta.block_tables = meta.block_tables[:, :2].contiguous()
+    with pytest.raises(
+        ValueError, match=r"block_tables \[requests, >= ceil\(max_context_len / block_size\)\]"
+    ):
         attention_cpu(q, k_cache, v_cache, meta, 0.125)
 
 

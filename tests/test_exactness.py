@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_modes import KV_MODES
 
 from orca_backend import LLM, ModelConfig, SamplingParams
 from orca_backend.core.batch_builder import build_batch_meta
@@ -31,19 +32,24 @@ def prompts_for(vocab: int, seed: int) -> list[list[int]]:
 def test_greedy_tokens_equal_transformers(make_checkpoint, geometry):
     path, config = make_checkpoint(geometry, seed=7)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
-    llm = LLM(str(path), max_num_seqs=8)
     prompts = prompts_for(config.vocab_size, seed=1)
     max_tokens = 20
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs, strict=True):
+    refs = []
+    for prompt in prompts:
         with torch.no_grad():
-            ref = hf.generate(
+            refs.append(hf.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-            )[0, len(prompt):].tolist()  # fmt: skip
-        assert out.output_ids == ref, f"prompt {prompt}"
-        assert out.finish_reason == "length"
-    assert llm.engine.core.kv.used_tokens == 0
+            )[0, len(prompt):].tolist())  # fmt: skip
+    for mode, options in KV_MODES.items():
+        llm = LLM(str(path), max_num_seqs=8, **options)
+        # Twice: the second run finds the first one's prompts in the prefix cache, when it is on.
+        for _ in range(2):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            for prompt, out, ref in zip(prompts, outs, refs, strict=True):
+                assert out.output_ids == ref, f"{mode}: prompt {prompt}"
+                assert out.finish_reason == "length"
+        assert llm.engine.core.kv.used_tokens == 0
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES[:2], ids=lambda g: f"h{g.n_embd}-nh{g.n_head}")
@@ -57,11 +63,11 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     params = SamplingParams(max_tokens=4, temperature=0.0)
     requests = [Request(f"r{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts)]
     for r in requests:
-        engine.core.kv.admit(r)
+        assert engine.core.kv.admit(r, others_running=True)
     runner = engine.core.executor.runner
 
     def logits_of(batch: ScheduledBatch) -> torch.Tensor:
-        return runner.run_stage(build_batch_meta(batch, 0, None, []))
+        return runner.run_stage(build_batch_meta(batch, 0, engine.core.kv.block_size, None, []))
 
     # Iteration 1: all prompts prefilled in one flat batch.
     prefill = logits_of(ScheduledBatch(requests, [len(p) for p in prompts]))
@@ -72,7 +78,7 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     # Iteration 2: decode for the first three, while two fresh copies of prompts are prefilled beside them.
     fresh = [Request(f"f{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts[:2])]
     for r in fresh:
-        engine.core.kv.admit(r)
+        assert engine.core.kv.admit(r, others_running=True)
     mixed = logits_of(ScheduledBatch(requests[:3] + fresh, [1, 1, 1] + [len(p) for p in prompts[:2]]))
 
     with torch.no_grad():

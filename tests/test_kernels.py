@@ -141,13 +141,9 @@ def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int)
 
 # --- attention ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype) -> None:
-    meta = make_meta(DEVICE, BATCHES[batch])
-    g = torch.Generator().manual_seed(head_dim)
-    heads, tokens, slots = 2, meta.query_start_host[-1], pool_slots(meta)
+def _attention_check(ops: KernelOps, meta, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
     # q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool.
     q = randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
     pool = randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
@@ -160,10 +156,34 @@ def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 64)])
-def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> None:
-    """Other tilings move the causal edge and the unmasked/masked split of the key loop."""
-    meta = make_meta(DEVICE, BATCHES["mixed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype) -> None:
+    _attention_check(ops, make_meta(DEVICE, BATCHES[batch]), 2, head_dim, dtype, seed=head_dim)
+
+
+# Pool block sizes against the interpreter's 16-key tiles: one token per block, blocks that do not
+# divide the tile (5, 12), one that is a tile, and blocks spanning several tiles (64). The dtype
+# and head_dim matrix above runs at the default 16 only: the interpreter is slow.
+@pytest.mark.parametrize("block_size", [1, 5, 12, 16, 64])
+@pytest.mark.parametrize("batch", ["mixed", "chunked"])
+def test_attention_paged(ops: KernelOps, batch: str, block_size: int) -> None:
+    meta = make_meta(DEVICE, BATCHES[batch], block_size=block_size, seed=block_size)
+    _attention_check(ops, meta, 2, 80, torch.float32, seed=block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 5])
+def test_attention_paged_bf16(ops: KernelOps, block_size: int) -> None:
+    meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size, seed=block_size)
+    _attention_check(ops, meta, 2, 64, torch.bfloat16, seed=block_size)
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "block_size"), [(32, 16, 12), (16, 32, 5), (64, 64, 16)])
+def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int, block_size: int) -> None:
+    """Other tilings move the causal edge and the unmasked/masked split of the key loop, and the
+    pool blocks' edges within the key tiles."""
+    meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size)
     g = torch.Generator().manual_seed(block_m + block_n)
     heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], pool_slots(meta)
     q = randn(tokens, heads, head_dim, g=g)
@@ -174,9 +194,10 @@ def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int) -> No
     assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
 
-def test_write_then_attend(ops: KernelOps) -> None:
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_write_then_attend(ops: KernelOps, block_size: int) -> None:
     """One model step: scatter this step's K/V by slot_mapping, then attend over the pool."""
-    meta = make_meta(DEVICE, BATCHES["mixed"])
+    meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size)
     g = torch.Generator().manual_seed(11)
     heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], pool_slots(meta)
     q, k, v = randn(3, tokens, heads, head_dim, g=g).unbind(0)
@@ -192,11 +213,11 @@ def test_write_then_attend(ops: KernelOps) -> None:
     assert_close(out, expected, torch.float32)
 
 
-def test_block_table_covers_every_query_once(ops: KernelOps) -> None:
-    from orca_kernels.triton_attention import _block_table
+def test_query_block_table_covers_every_query_once(ops: KernelOps) -> None:
+    from orca_kernels.triton_attention import _query_block_table
 
     meta = make_meta(DEVICE, BATCHES["mixed"])
-    table = _block_table(meta, 16, torch.device("cpu"))
+    table = _query_block_table(meta, 16, torch.device("cpu"))
     sizes = [n for n, _ in BATCHES["mixed"]]
     covered = sorted(
         (req, m0 + j) for req, m0 in table.t().tolist() for j in range(16) if m0 + j < sizes[req]

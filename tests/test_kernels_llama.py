@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import BATCHES, GQA_HEADS, expand_kv, make_meta, pool_slots
+from attention_cases import BATCHES, BLOCK_SIZES, GQA_HEADS, dense_attention, expand_kv, make_meta, pool_slots
 from triton_testing import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -265,14 +265,15 @@ def _gqa_inputs(meta, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, seed
     return q, pool[0, 1], pool[1, 1]
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", list(GQA_HEADS))
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_gqa_attention_torch_is_mha_over_repeated_kv(
-    batch: str, layout: str, head_dim: int, dtype: torch.dtype
+    batch: str, layout: str, head_dim: int, dtype: torch.dtype, block_size: int
 ) -> None:
-    meta = make_meta(DEVICE, BATCHES[batch])
+    meta = make_meta(DEVICE, BATCHES[batch], block_size=block_size, seed=block_size)
     hq, hkv = GQA_HEADS[layout]
     q, k_cache, v_cache = _gqa_inputs(meta, hq, hkv, head_dim, dtype, seed=head_dim + hq + hkv)
     scale = head_dim**-0.5
@@ -284,6 +285,8 @@ def test_gqa_attention_torch_is_mha_over_repeated_kv(
         assert torch.equal(out, expected)
     else:
         assert_close(out, expected, dtype)
+    # And both against attention written out from its definition (float64, its own slot arithmetic).
+    assert_close(out, dense_attention(q, k_cache, v_cache, meta, scale), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -301,10 +304,21 @@ def test_gqa_attention(ops: KernelOps, layout: str, head_dim: int, dtype: torch.
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("batch", ["prefill_only", "decode_only"])
+@pytest.mark.parametrize("batch", ["prefill_only", "decode_only", "chunked"])
 def test_gqa_attention_batches(ops: KernelOps, batch: str) -> None:
     meta = make_meta(DEVICE, BATCHES[batch])
     q, k_cache, v_cache = _gqa_inputs(meta, 8, 2, 64, torch.float32, seed=3)
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125)
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [1, 12])
+@pytest.mark.parametrize("layout", ["group4", "mqa"])
+def test_gqa_attention_paged(ops: KernelOps, layout: str, block_size: int) -> None:
+    """A K/V tile's block lookups serve every query head the program stacks over its K/V head."""
+    meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size, seed=block_size)
+    hq, hkv = GQA_HEADS[layout]
+    q, k_cache, v_cache = _gqa_inputs(meta, hq, hkv, 64, torch.float32, seed=block_size)
     out = ops.attention(q, k_cache, v_cache, meta, 0.125)
     assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125), torch.float32)
 
@@ -351,7 +365,7 @@ def test_gqa_attention_block_m_override(ops: KernelOps) -> None:
 def test_gqa_write_then_attend(ops: KernelOps) -> None:
     """One Llama step: rotary on q/k views of the fused projection, scatter K/V into a pool of Hkv
     heads, attend with Hq query heads; all Triton against all torch."""
-    meta = make_meta(DEVICE, BATCHES["mixed"])
+    meta = make_meta(DEVICE, BATCHES["mixed"], block_size=5)
     g = torch.Generator().manual_seed(11)
     hq, hkv, head_dim, tokens, slots = 4, 2, 64, meta.query_start_host[-1], pool_slots(meta)
     qkv, q, k = _qk_views(tokens, hq, hkv, head_dim, g, torch.float32)

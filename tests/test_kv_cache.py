@@ -1,60 +1,277 @@
-"""ORCA's reservation K/V manager: contiguous first-fit regions, freed and coalesced on leave."""
+"""K/V block accounting: the block pool, both policies, prefix caching, and the engine core's use of
+them under chunking, preemption, aborts and failed batches, checked against a fake model.
+
+The fake model (`TokenEchoExecutor`) keeps a pool of token ids where the real one keeps K/V: it
+writes each new token to its slot and answers with a function of the context it reads back
+through the request's block table. Any mistake in slots, block tables, prefix sharing, chunk
+positions or preemption then changes the answer, in pure Python, fast enough for many seeds.
+"""
 
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
-from orca_backend.core.kv_cache_manager import ReservationKVManager
+from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.core.block_pool import BlockPool, block_key
+from orca_backend.core.engine_core import EngineCore
+from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVManager
 from orca_backend.core.request import Request
 from orca_backend.sampling_params import SamplingParams
+from orca_backend.worker.batch_meta import BatchMeta
+
+VOCAB = 97
 
 
-def req(rid: str, prompt: int, max_tokens: int) -> Request:
-    return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
+def req(rid: str, prompt: list[int] | int, max_tokens: int) -> Request:
+    ids = [1] * prompt if isinstance(prompt, int) else prompt
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=0.0)
 
 
-def test_reserves_prompt_plus_max_tokens_and_frees():
-    kv = ReservationKVManager(100)
+# ---------------------------------------------------------------------------- the pool and policies
+def test_reservation_holds_prompt_plus_max_tokens_in_blocks_and_frees():
+    kv = ReservationKVManager(100, block_size=8)  # 12 whole blocks: 96 slots
+    assert (kv.num_blocks, kv.capacity_tokens) == (12, 96)
     a, b = req("a", 10, 20), req("b", 5, 5)
-    kv.admit(a)
-    kv.admit(b)
-    assert (a.kv_start, b.kv_start) == (0, 30)
-    assert kv.used_tokens == 40
+    assert kv.admit(a, others_running=False) and kv.admit(b, others_running=True)
+    assert (len(a.block_table), len(b.block_table)) == (4, 2)
+    assert not set(a.block_table) & set(b.block_table)
+    assert kv.grow(a, 20)  # a's whole future was reserved
+    assert len(a.block_table) == 4 and kv.used_tokens == 48
     kv.free(a)
-    assert kv.used_tokens == 10 and a.kv_start == -1
+    assert kv.used_tokens == 16 and a.block_table == []
     kv.free(a)  # double free is a no-op
-    assert kv.used_tokens == 10
+    assert kv.used_tokens == 16
+    assert not kv.admit(req("c", 50, 40), others_running=True)  # 12 blocks asked, 10 free
     kv.free(b)
-    assert kv.used_tokens == 0 and kv.can_admit(req("c", 50, 50))
+    assert kv.used_blocks == 0 and kv.admit(req("c", 50, 40), others_running=False)
 
 
-def test_never_overcommits_and_regions_never_overlap():
-    rng = random.Random(0)
-    kv = ReservationKVManager(500)
-    live: dict[str, Request] = {}
-    for step in range(2000):
-        if live and rng.random() < 0.45:
-            kv.free(live.pop(rng.choice(sorted(live))))
-        else:
-            r = req(f"r{step}", rng.randint(1, 40), rng.randint(1, 40))
-            if kv.can_admit(r):
-                kv.admit(r)
-                live[r.request_id] = r
-            else:
-                with pytest.raises(RuntimeError):
-                    kv.admit(r)
-        spans = sorted((r.kv_start, r.kv_start + r.max_total_tokens) for r in live.values())
-        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
-        assert spans == [] or spans[-1][1] <= 500
-        assert kv.used_tokens == sum(r.max_total_tokens for r in live.values())
-    for r in list(live.values()):
+def test_paged_admits_the_prompt_and_grows_a_block_at_a_time():
+    kv = PagedKVManager(64, block_size=4, watermark=0.0)
+    a = req("a", 6, 100)  # would never fit under reservation: 106 > 64
+    assert not kv.fits_ever(a)
+    a = req("a", 6, 50)
+    assert kv.fits_ever(a) and kv.admit(a, others_running=False)
+    assert len(a.block_table) == 2
+    a.num_computed = 6
+    assert kv.grow(a, 1) and len(a.block_table) == 2  # position 6 is in block 1
+    a.num_computed = 8
+    assert kv.grow(a, 1) and len(a.block_table) == 3  # position 8 opens block 2
+    hog = req("hog", 52, 1)
+    assert kv.admit(hog, others_running=True) and kv.used_blocks == 16
+    a.num_computed = 12
+    assert not kv.grow(a, 1) and len(a.block_table) == 3  # full: the scheduler must preempt
+    kv.free(hog)
+    assert kv.grow(a, 1)
+
+
+def test_paged_admission_keeps_the_watermark_unless_alone():
+    kv = PagedKVManager(400, block_size=4, watermark=0.1)  # 100 blocks, 10 kept free
+    assert kv.admit(req("a", 4 * 85, 4), others_running=False)
+    assert not kv.admit(req("b", 4 * 6, 4), others_running=True)  # would leave 9 < 10 free
+    assert kv.admit(req("c", 4 * 5, 4), others_running=True)  # leaves exactly 10
+
+
+def test_prefix_cache_shares_full_blocks_and_always_computes_the_last_token():
+    kv = ReservationKVManager(64, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10, 22))  # 12 tokens: three full blocks
+    a = req("a", prompt, 4)
+    assert kv.admit(a, others_running=False) and a.num_computed == 0
+    a.num_computed = 12
+    kv.register_computed(a)
+    assert kv.pool.num_cached == 3
+    b = req("b", prompt, 4)  # the same prompt: the last block is recomputed for its logits
+    assert kv.admit(b, others_running=True)
+    assert b.num_computed == 8 and b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    c = req("c", prompt[:6] + [99] * 6, 4)  # shares the first block only
+    assert kv.admit(c, others_running=True) and c.num_computed == 4 and c.block_table[0] == a.block_table[0]
+    assert kv.pool.blocks[a.block_table[0]].ref_count == 3
+    assert (kv.prefix_queried_tokens, kv.prefix_hit_tokens) == (36, 12)
+    for r in (a, b, c):
         kv.free(r)
-    assert kv.used_tokens == 0 and kv._free == [(0, 500)]
+    assert kv.used_blocks == 0 and kv.pool.num_cached == 3  # cached, free, evictable
 
 
-def test_fits_ever():
-    kv = ReservationKVManager(64)
-    assert kv.fits_ever(req("a", 32, 32))
-    assert not kv.fits_ever(req("b", 32, 33))
+def test_cached_blocks_are_evicted_lru_and_never_while_held():
+    pool = BlockPool(4)
+    held, old = pool.allocate(1), pool.allocate(1)
+    pool.cache(held[0], block_key(None, (1,)))
+    pool.cache(old[0], block_key(None, (2,)))
+    pool.release(old)  # free, still cached
+    assert pool.lookup(block_key(None, (2,))) == old[0]
+    taken = pool.allocate(2)  # the two never-used blocks go first (freed before `old`)
+    assert old[0] not in taken and pool.lookup(block_key(None, (2,))) == old[0]
+    assert pool.allocate(1) == old  # now evicted
+    assert pool.lookup(block_key(None, (2,))) is None
+    assert pool.lookup(block_key(None, (1,))) == held[0]  # held: never handed out
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+
+
+def test_block_keys_name_the_whole_prefix():
+    first = block_key(None, (1, 2))
+    assert block_key(first, (3, 4)) != block_key(block_key(None, (9, 9)), (3, 4))
+    assert block_key(first, (3, 4)) == block_key(block_key(None, (1, 2)), (3, 4))
+
+
+# ------------------------------------------------------------------------- the core, on a fake model
+def expected_next(context: list[int]) -> int:
+    return hash(tuple(context)) % VOCAB
+
+
+class TokenEchoExecutor:
+    """A model whose K/V is the token id itself, and whose next token is a hash of the context it
+    reads back through the block table. `fail_rate` makes batches raise, as a failed forward does."""
+
+    def __init__(self, num_slots: int, max_in_flight: int, seed: int, fail_rate: float = 0.0) -> None:
+        self.pool = [-1] * num_slots
+        self.max_in_flight = max_in_flight
+        self.rng = random.Random(seed)
+        self.fail_rate = fail_rate
+        self._pending: deque[BatchMeta] = deque()
+        self.block_size = 0  # set by the test from the engine config
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def submit(self, batch_meta: BatchMeta) -> None:
+        for token, slot in zip(batch_meta.input_ids, batch_meta.slot_mapping, strict=True):
+            self.pool[slot] = token
+        self._pending.append(batch_meta)
+
+    def collect_oldest(self) -> list[int]:
+        meta = self._pending.popleft()
+        if self.rng.random() < self.fail_rate:
+            raise RuntimeError("injected forward failure")
+        size, tokens = self.block_size, []
+        for table, ctx, sample in zip(meta.block_tables, meta.context_lens, meta.sample, strict=True):
+            context = [self.pool[table[j // size] * size + j % size] for j in range(ctx)]
+            tokens.append(expected_next(context) if sample else -1)
+        return tokens
+
+    def shutdown(self) -> None:
+        self._pending.clear()
+
+
+def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    context, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(expected_next(context))
+        context.append(out[-1])
+    return out
+
+
+def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth: int = 1, fail_rate: float = 0.0,
+             abort_rate: float = 0.0, shared_prefix: int = 0) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
+    rng = random.Random(seed)
+    executor = TokenEchoExecutor(config.kv_capacity_tokens // config.block_size * config.block_size,
+                                 pipeline_depth, seed, fail_rate)  # fmt: skip
+    executor.block_size = config.block_size
+    core = EngineCore(config, ModelConfig(vocab_size=VOCAB, eos_token_id=None), executor=executor)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
+    prompts, got, ended = {}, {}, {}
+    pending = []
+    for i in range(num_requests):
+        prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True), arrival_time=0.0)
+        assert core.kv.fits_ever(r)
+        prompts[r.request_id] = (prompt, r.params.max_tokens)
+        pending.append(r)
+    steps = 0
+    while pending or core.has_work():
+        if pending and rng.random() < 0.5:
+            core.add_requests([pending.pop(0)])
+        if got and rng.random() < abort_rate:
+            core.abort(rng.choice(sorted(got)), "cancelled")
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                assert out.request_id not in ended, "a request ended twice"
+                ended[out.request_id] = out.finish_reason
+        steps += 1
+        assert steps < 50_000
+        check_accounting(core)
+    return core, prompts, got, ended
+
+
+def check_accounting(core: EngineCore) -> None:
+    """Every block is held exactly as often as block tables name it; free ones are held by none."""
+    pool = core.kv.pool
+    holders: dict[int, int] = {}
+    for request in core.scheduler.running:
+        for block_id in request.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for request in core.scheduler.waiting:
+        assert request.block_table == [], "a waiting request holds blocks"
+    for block in pool.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0), f"block {block.block_id}"
+    assert pool.num_free == pool.num_blocks - len(holders)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("policy", ["reserve", "paged"])
+def test_fake_model_tokens_are_exact_under_chunks_preemption_and_prefix_sharing(policy, seed):
+    rng = random.Random(seed)
+    config = EngineConfig(
+        kv_policy=policy, block_size=rng.choice([1, 3, 4, 16]), kv_capacity_tokens=rng.choice([64, 96, 200]),
+        max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([0, 1, 7, 64]),
+        enable_prefix_caching=rng.random() < 0.6, kv_watermark=0.0,
+    )  # fmt: skip
+    core, prompts, got, ended = run_fake(config, seed, num_requests=20, pipeline_depth=rng.choice([1, 2]),
+                                         shared_prefix=rng.choice([0, 8, 20]))  # fmt: skip
+    for rid, (prompt, max_tokens) in prompts.items():
+        assert ended[rid] == "length"
+        assert got[rid] == reference_tokens(prompt, max_tokens), rid
+    assert core.kv.used_blocks == 0
+    if policy == "reserve":
+        assert core.scheduler.num_preemptions == 0
+
+
+def test_a_small_paged_pool_preempts_and_still_gives_exact_tokens():
+    preempted = 0
+    for seed in range(8):
+        config = EngineConfig(kv_policy="paged", block_size=4, kv_capacity_tokens=64, max_num_seqs=8, kv_watermark=0.0)
+        core, prompts, got, _ = run_fake(config, seed, num_requests=16)
+        for rid, (prompt, max_tokens) in prompts.items():
+            assert got[rid] == reference_tokens(prompt, max_tokens), rid
+        preempted += core.scheduler.num_preemptions
+        assert core.stats().num_preemptions == core.scheduler.num_preemptions
+    assert preempted > 10
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_aborts_and_failed_batches_never_leak_a_block(seed):
+    rng = random.Random(seed)
+    config = EngineConfig(
+        kv_policy=rng.choice(["reserve", "paged"]), block_size=4, kv_capacity_tokens=96, max_num_seqs=4,
+        max_num_batched_tokens=rng.choice([0, 5]), enable_prefix_caching=True, kv_watermark=0.0,
+    )  # fmt: skip
+    core, prompts, got, ended = run_fake(config, seed, num_requests=24, pipeline_depth=rng.choice([1, 2]),
+                                         fail_rate=0.15, abort_rate=0.1, shared_prefix=8)  # fmt: skip
+    assert set(ended) == set(prompts)
+    assert {"error", "cancelled"} & set(ended.values())
+    for rid, (prompt, max_tokens) in prompts.items():
+        # Whatever ended it, every token it got is the right one, in order.
+        assert got.get(rid, []) == reference_tokens(prompt, max_tokens)[: len(got.get(rid, []))], rid
+    assert core.kv.used_blocks == 0
+    assert core.kv.pool.num_free == core.kv.num_blocks  # only cached blocks left, and those are evictable
+    every = core.kv.pool.allocate(core.kv.num_blocks)
+    assert sorted(every) == list(range(core.kv.num_blocks)) and core.kv.pool.num_cached == 0
+
+
+def test_shared_prefixes_compute_fewer_prompt_tokens():
+    computed = {}
+    for caching in (False, True):
+        config = EngineConfig(kv_policy="paged", block_size=4, kv_capacity_tokens=512, max_num_seqs=4,
+                              enable_prefix_caching=caching)  # fmt: skip
+        core, prompts, got, _ = run_fake(config, 3, num_requests=12, shared_prefix=40)
+        for rid, (prompt, max_tokens) in prompts.items():
+            assert got[rid] == reference_tokens(prompt, max_tokens)
+        stats = core.stats()
+        computed[caching] = stats.num_prompt_tokens_computed
+        assert (stats.prefix_cache_hit_tokens > 0) == caching
+    assert computed[True] <= computed[False] - 40 * 6

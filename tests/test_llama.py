@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import LlamaConfig, model_config_from_hf
@@ -82,13 +83,16 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 def test_greedy_tokens_equal_transformers_in_a_mixed_batch(checkpoints, case_id):
     path, hf = checkpoints[case_id]
     # max_num_seqs 3 < 5 requests: later requests join as earlier ones leave (different lengths).
-    llm = LLM(path, max_num_seqs=3, kv_capacity_tokens=1024)
     ps = prompts(320, seed=1)
     lengths = [12, 5, 9, 3, 7]
-    outs = llm.generate(ps, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
-    for prompt, n, out in zip(ps, lengths, outs, strict=True):
-        assert out.output_ids == hf_greedy(hf, prompt, n), f"prompt {prompt}"
-    assert llm.engine.core.kv.used_tokens == 0
+    refs = [hf_greedy(hf, prompt, n) for prompt, n in zip(ps, lengths, strict=True)]
+    for mode, options in KV_MODES.items():
+        llm = LLM(path, max_num_seqs=3, kv_capacity_tokens=1024, **options)
+        for _ in range(2):  # the second run hits the prefix cache, when it is on
+            outs = llm.generate(ps, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+            for prompt, out, ref in zip(ps, outs, refs, strict=True):
+                assert out.output_ids == ref, f"{mode}: prompt {prompt}"
+        assert llm.engine.core.kv.used_tokens == 0
 
 
 @pytest.mark.parametrize("case_id", [c[0] for c in CASES])

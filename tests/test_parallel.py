@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from core_hooks import pid_alive
+from kv_modes import KV_MODES
 
 from orca_backend import EngineConfig, ModelConfig, SamplingParams
 from orca_backend.engine.llm_engine import EngineDeadError, LLMEngine
@@ -54,10 +55,12 @@ def reference(checkpoint):
     return prompts, lengths, staggered_run(engine, prompts, lengths)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
-def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp):
+@pytest.mark.parametrize(("tp", "pp", "mode"), [(2, 1, "reserve"), (1, 2, "reserve"), (2, 2, "reserve"),
+                                                (2, 1, "paged-chunked-cached"), (1, 2, "paged-chunked-cached")])
+def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp, mode):
     prompts, lengths, expected = reference
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp, **KV_MODES[mode]))  # fmt: skip
     try:
         assert staggered_run(engine, prompts, lengths) == expected
         # Pipeline parallelism keeps one batch per stage in flight when enough requests wait.

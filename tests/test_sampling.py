@@ -51,8 +51,8 @@ def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
     engine = llm.engine
     r = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
-    engine.core.kv.admit(r)
-    logits = engine.core.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, None, []))[0]
+    assert engine.core.kv.admit(r, others_running=False)
+    logits = engine.core.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, engine.core.kv.block_size, None, []))[0]
     engine.core.kv.free(r)
     return logits
 

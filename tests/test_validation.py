@@ -105,11 +105,36 @@ def test_duplicate_request_id_is_rejected(tiny_checkpoint):
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
         ({"model": "/no/such/dir"}, "neither a preset"),
         ({"device": "tpu"}, "device must be cpu, cuda or cuda:N"),
+        ({"kv_policy": "lru"}, "kv_policy must be 'reserve' or 'paged'"),
+        ({"block_size": 0}, "block_size must be >= 1"),
+        ({"block_size": 32, "kv_capacity_tokens": 16}, "at most kv_capacity_tokens"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be >= 1, or 0"),
+        ({"kv_watermark": 1.0}, r"kv_watermark must be in \[0, 1\)"),
     ],
 )
 def test_bad_engine_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs).model_config()
+
+
+def test_kv_parameters_from_config_pbtxt_are_typed_and_checked():
+    config = EngineConfig.from_parameters({
+        "kv_policy": {"string_value": "paged"}, "block_size": {"string_value": "8"},
+        "enable_prefix_caching": {"string_value": "true"}, "max_num_batched_tokens": {"string_value": "256"},
+        "kv_watermark": {"string_value": "0.05"},
+    })  # fmt: skip
+    assert (config.kv_policy, config.block_size, config.enable_prefix_caching, config.max_num_batched_tokens,
+            config.kv_watermark) == ("paged", 8, True, 256, 0.05)  # fmt: skip
+    with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
+        EngineConfig.from_parameters({"enable_prefix_caching": "ture"})
+    with pytest.raises(ValueError, match="kv_watermark must be a number"):
+        EngineConfig.from_parameters({"kv_watermark": "a lot"})
+
+
+def test_paged_policy_still_refuses_what_could_never_finish(tiny_checkpoint):
+    small = LLM(str(tiny_checkpoint[0]), kv_capacity_tokens=64, kv_policy="paged")
+    with pytest.raises(ValueError, match="K/V capacity of 64 tokens"):
+        small.generate([[1] * 50], SamplingParams(max_tokens=20))
 
 
 def test_a_cuda_device_this_machine_lacks_is_refused():

@@ -1,9 +1,15 @@
 /* Decode attention on CPU for selective batching, float32, with grouped-query attention (GQA).
  *
  * For every request whose step has exactly one query (a decode, or a one-token prompt), attends
- * that query over the request's whole context in its own contiguous K/V region. Requests with
- * more queries (prefills) are skipped: the caller handles them. Semantics equal attention_torch in
+ * that query over the request's whole context in the paged K/V pool. Requests with more queries
+ * (prefills) are skipped: the caller handles them. Semantics equal attention_torch in
  * attention.py: out = softmax(scale * q.K^T) V per head, fp32 throughout.
+ *
+ * Paged K/V: the pool is cut into blocks of block_size consecutive slots, and row r of
+ * block_tables (block_table_stride int32 per row) lists request r's blocks in context order, so
+ * context token j is slot block_tables[r][j / block_size] * block_size + j % block_size. Only the
+ * first ceil(ctx / block_size) entries of a row are read (the rest is padding), and of the last
+ * block only its first ctx % block_size slots when that is not 0.
  *
  * GQA: q has q_heads heads and the K/V pool kv_heads heads (q_heads % kv_heads == 0, checked by
  * the caller); query head h reads KV head h / group with group = q_heads / kv_heads. kv_heads ==
@@ -13,12 +19,15 @@
  * this is what makes GQA's smaller cache a speed-up and not only a memory saving.
  *
  * Why C: in torch this is a Python loop of ~6 small ops per request and layer (~0.15 ms each, a
- * third of it dispatch); here it is one call per layer that streams each K/V row once, in memory
- * order, with requests spread over the OpenMP threads of the caller (torch's own libgomp: same
- * soname, so the process has one OpenMP runtime).
+ * third of it dispatch, plus a gather of the context out of its blocks); here it is one call per
+ * layer that streams each K/V row once, in place, with requests spread over the OpenMP threads of
+ * the caller (torch's own libgomp: same soname, so the process has one OpenMP runtime). A block's
+ * tokens are consecutive rows, so the walk goes block by block and, inside a block, straight
+ * through memory: one table lookup per block, and the prefetcher sees block_size-row runs.
  *
  * Layouts: q rows at q_row_stride floats, heads at q_head_stride; caches are contiguous
- * [slots, kv_heads, head_dim]; out is contiguous [tokens, q_heads, head_dim]; scratch is
+ * [slots, kv_heads, head_dim] (slots = num_blocks * block_size); block_tables is [requests,
+ * block_table_stride] int32; out is contiguous [tokens, q_heads, head_dim]; scratch is
  * [num_threads, q_heads, max_context].
  */
 #include <math.h>
@@ -32,28 +41,34 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-/* One query token (q_heads heads) over ctx tokens of K/V (kv_heads heads each), into out
- * (q_heads * head_dim floats). scores holds q_heads rows of ctx floats.
+/* One query token (q_heads heads) over ctx tokens of K/V (kv_heads heads each) held in the blocks
+ * listed by `blocks`, into out (q_heads * head_dim floats). scores holds q_heads rows of ctx floats.
  *
- * Both passes walk the context token by token in memory order (a token's K or V is one
- * kv_heads * head_dim row), and within a token KV head by KV head; each KV head's head_dim floats
- * are then reused for the `group` consecutive query heads g * group .. g * group + group - 1. Per
- * (query head, token) the arithmetic, and the order in which a head's output sums over tokens, do
- * not depend on group, so kv_heads == q_heads computes exactly what the multi-head kernel did. */
-static void attend_one(const float *q, int64_t q_head_stride, const float *k, const float *v, float *out,
-                       int64_t ctx, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                       float *scores) {
+ * Both passes walk the context in token order, block by block; a block's tokens are consecutive
+ * kv_heads * head_dim rows of the pool, so within a block the walk is in memory order. Within a
+ * token it goes KV head by KV head; each KV head's head_dim floats are then reused for the `group`
+ * consecutive query heads g * group .. g * group + group - 1. Per (query head, token) the
+ * arithmetic, and the order in which a head's output sums over tokens, depend neither on group nor
+ * on the block layout, so kv_heads == q_heads computes exactly what the multi-head kernel did. */
+static void attend_one(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
+                       const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t q_heads,
+                       int64_t kv_heads, int64_t head_dim, float scale, float *scores) {
     const int64_t group = q_heads / kv_heads;
     const int64_t kv_row = kv_heads * head_dim; /* floats per token in the K/V pool */
+    const int64_t block_floats = block_size * kv_row;
     for (int64_t i = 0; i < q_heads * head_dim; i++) out[i] = 0.0f;
     if (ctx < 1) return; /* nothing to attend to (never for a real decode); avoids reading s[0] below */
 
-    for (int64_t t = 0; t < ctx; t++)
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *kt = k + t * kv_row + g * head_dim; /* read from memory once for the group */
-            for (int64_t h = g * group; h < (g + 1) * group; h++)
-                scores[h * ctx + t] = scale * dot(q + h * q_head_stride, kt, head_dim);
-        }
+    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+        const float *kb = k_cache + blocks[b] * block_floats; /* int64: the offset can pass 2**31 */
+        const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t t = 0; t < len; t++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const float *kt = kb + t * kv_row + g * head_dim; /* read from memory once for the group */
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    scores[h * ctx + t0 + t] = scale * dot(q + h * q_head_stride, kt, head_dim);
+            }
+    }
 
     for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */
         float *s = scores + h * ctx, max = s[0], sum = 0.0f;
@@ -66,32 +81,38 @@ static void attend_one(const float *q, int64_t q_head_stride, const float *k, co
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
     }
 
-    for (int64_t t = 0; t < ctx; t++)
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const float *vt = v + t * kv_row + g * head_dim; /* read from memory once for the group */
-            for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                const float p = scores[h * ctx + t];
-                float *o = out + h * head_dim;
+    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+        const float *vb = v_cache + blocks[b] * block_floats;
+        const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t t = 0; t < len; t++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const float *vt = vb + t * kv_row + g * head_dim; /* read from memory once for the group */
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float p = scores[h * ctx + t0 + t];
+                    float *o = out + h * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
+                }
             }
-        }
+    }
 }
 
-/* q_heads % kv_heads == 0 and kv_heads >= 1 are the caller's to guarantee (attention_cpu checks). */
+/* The caller guarantees (attention_cpu checks) q_heads % kv_heads == 0, kv_heads >= 1,
+ * block_size >= 1 and rows of at least ceil(max_context / block_size) blocks; the block ids
+ * themselves are trusted to lie in the pool, as slot_mapping's slots are by write_kv. */
 void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, const float *k_cache,
                                const float *v_cache, float *out, const int32_t *query_start,
-                               const int32_t *context_lens, const int32_t *kv_starts, int64_t num_requests,
+                               const int32_t *context_lens, const int32_t *block_tables,
+                               int64_t block_table_stride, int64_t block_size, int64_t num_requests,
                                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
                                float scale, float *scratch, int num_threads) {
-    const int64_t kv_row = kv_heads * head_dim, out_row = q_heads * head_dim;
+    const int64_t out_row = q_heads * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t r = 0; r < num_requests; r++) {
         const int64_t first = query_start[r];
         if (query_start[r + 1] - first != 1) continue;
-        const int64_t region = (int64_t)kv_starts[r] * kv_row;
-        attend_one(q + first * q_row_stride, q_head_stride, k_cache + region, v_cache + region, out + first * out_row,
-                   context_lens[r], q_heads, kv_heads, head_dim, scale,
+        attend_one(q + first * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
+                   block_size, out + first * out_row, context_lens[r], q_heads, kv_heads, head_dim, scale,
                    scratch + (int64_t)omp_get_thread_num() * q_heads * max_context);
     }
 }

@@ -7,7 +7,9 @@ from orca_backend.core.stop import banned_token_ids
 from orca_backend.worker.batch_meta import BatchMeta
 
 
-def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | None, released_ids: list[str]) -> BatchMeta:
+def build_batch_meta(
+    batch: ScheduledBatch, batch_id: int, block_size: int, eos_token_id: int | None, released_ids: list[str]
+) -> BatchMeta:  # fmt: skip
     """Flattens a scheduled batch. This runs every iteration for every request, so it stays lean:
     per-request fields are list comprehensions, and a decode request (the common case) adds three
     appends to the flat token lists."""
@@ -17,21 +19,24 @@ def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | N
     slots: list[int] = []
     query_start = [0]
     context_lens: list[int] = []
+    sample: list[bool] = []
     end = 0
     for request, num_new in zip(requests, batch.num_new_tokens, strict=True):
         first = request.num_computed  # position of the first new token
-        kv_start = request.kv_start
+        table = request.block_table
         if num_new == 1:
-            input_ids.append(request.output_ids[-1] if request.output_ids else request.prompt_ids[first])
+            prompt_len = request.num_prompt_tokens
+            input_ids.append(request.prompt_ids[first] if first < prompt_len else request.output_ids[first - prompt_len])
             positions.append(first)
-            slots.append(kv_start + first)
+            slots.append(table[first // block_size] * block_size + first % block_size)
         else:
             input_ids += request.all_token_ids()[first : first + num_new]
             positions += range(first, first + num_new)
-            slots += range(kv_start + first, kv_start + first + num_new)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(first, first + num_new)]
         end += num_new
         query_start.append(end)
         context_lens.append(first + num_new)
+        sample.append(first + num_new == request.num_tokens)
     params = [request.params for request in requests]
     return BatchMeta(
         batch_id=batch_id,
@@ -41,7 +46,8 @@ def build_batch_meta(batch: ScheduledBatch, batch_id: int, eos_token_id: int | N
         slot_mapping=slots,
         query_start=query_start,
         context_lens=context_lens,
-        kv_starts=[request.kv_start for request in requests],
+        block_tables=[request.block_table[: -(-n // block_size)] for request, n in zip(requests, context_lens, strict=True)],
+        sample=sample,
         temperature=[p.temperature for p in params],
         top_k=[p.top_k if p.top_k > 0 else 0 for p in params],
         top_p=[p.top_p for p in params],

@@ -36,12 +36,26 @@ class EngineDeadError(RuntimeError):
 class EngineStats:
     num_waiting: int
     num_running: int
-    kv_used_tokens: int
+    kv_used_tokens: int  # in whole blocks: the blocks requests hold, times the block size
     kv_capacity_tokens: int
     num_iterations: int
     num_generated_tokens: int
     last_iteration_seconds: float
     max_batches_in_flight: int  # > 1 only with pipeline parallelism
+    kv_used_blocks: int = 0
+    kv_num_blocks: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model; prefix-cache hits are not
+    prefix_cache_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, found cached (and not computed)
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return self.kv_num_blocks - self.kv_used_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
 
 
 class EngineCore:
@@ -49,10 +63,10 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
-        self.kv = make_kv_manager(config.kv_policy, config.kv_capacity_tokens)
+        self.kv = make_kv_manager(config)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,
-            pipeline_depth=self.executor.max_in_flight,
+            pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
@@ -93,6 +107,12 @@ class EngineCore:
             num_generated_tokens=self.num_generated_tokens,
             last_iteration_seconds=self.last_iteration_seconds,
             max_batches_in_flight=self.max_batches_in_flight,
+            kv_used_blocks=self.kv.used_blocks,
+            kv_num_blocks=self.kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
         )
 
     # ------------------------------------------------------------------ core thread
@@ -114,7 +134,9 @@ class EngineCore:
             if batch is None:
                 break
             released, self._released_ids = self._released_ids, []
-            batch_meta = build_batch_meta(batch, next(self._batch_ids), self.model_config.eos_token_id, released)
+            batch_meta = build_batch_meta(
+                batch, next(self._batch_ids), self.kv.block_size, self.model_config.eos_token_id, released
+            )
             self.executor.submit(batch_meta)
             self._in_flight.append(batch)
             self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
@@ -129,7 +151,9 @@ class EngineCore:
         except Exception as exc:  # a failed forward ends its batch, never the engine
             logger.exception("iteration failed; ending its %d requests", len(batch.requests))
             return outputs + self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
-        self.num_generated_tokens += sum(not request.finished for request in batch.requests)
+        self.num_generated_tokens += sum(  # a prefill chunk short of the last token generates nothing
+            not r.finished and r.num_computed + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+        )
         updated = self.scheduler.update_from_output(batch, sampled)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started

@@ -1,105 +1,176 @@
-"""K/V bookkeeping: which slots of the pool each request holds (the pool itself is worker/kv_pool.py).
+"""K/V bookkeeping: the block table of every request, over the block pool (core/block_pool.py).
 
-`KVCacheManager` is the interface the scheduler talks to. `ReservationKVManager` is ORCA's policy:
-at admission a request gets one contiguous region of ``prompt + max_tokens`` slots, so a running
-request can never run out and nothing is ever preempted; the region is freed when it leaves. A
-paged, on-demand policy (vLLM) implements the same interface, growing in `reserve_step`.
+Both policies page the pool into blocks of `block_size` slots and give each request a block table;
+they differ in how much a request holds, and when:
+
+- `ReservationKVManager` is ORCA's: at admission a request gets blocks for ``prompt + max_tokens``,
+  so a running request can never run out and nothing is ever preempted, but a request that stops
+  early held memory it never used.
+- `PagedKVManager` is vLLM's: at admission a request gets blocks for the tokens it has (its prompt),
+  and one more block each time its context crosses a block boundary. When none is free the
+  scheduler preempts (core/scheduler.py). Admission keeps a watermark of blocks free, so requests
+  just admitted do not preempt each other at once.
+
+Prefix caching works the same under both: a full, computed block is registered under its key, and
+a request admitted later whose tokens start with registered blocks shares them (reference counts)
+instead of computing them again. The last token is always computed, since its logits are needed.
 """
 
 from __future__ import annotations
 
-import bisect
 from abc import ABC, abstractmethod
 
+from orca_backend.config import EngineConfig
+from orca_backend.core.block_pool import BlockKey, BlockPool, block_key
 from orca_backend.core.request import Request
 
 
 class KVCacheManager(ABC):
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = capacity_tokens
+    def __init__(self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(capacity_tokens // block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        # Prefix-cache counters, in tokens: what admissions looked up, and what they found.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
-    @abstractmethod
-    def used_tokens(self) -> int: ...
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
-    @abstractmethod
-    def can_admit(self, request: Request) -> bool:
-        """Whether `admit` would succeed now."""
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
 
-    @abstractmethod
-    def admit(self, request: Request) -> None:
-        """Reserves the request's K/V at admission; sets `request.kv_start`."""
-
-    def reserve_step(self, request: Request) -> bool:
-        """Makes room for the request's next token; False means it must wait (or be preempted).
-
-        Under reservation the room was taken at admission, so this always succeeds.
-        """
-        return True
-
-    @abstractmethod
-    def free(self, request: Request) -> None:
-        """Returns everything the request holds; a no-op for a request holding nothing."""
-
-    def fits_ever(self, request: Request) -> bool:
-        """Whether the request fits an empty pool; if not, queueing it would wait forever."""
-        return request.max_total_tokens <= self.capacity_tokens
-
-
-class ReservationKVManager(KVCacheManager):
-    """First-fit allocator of contiguous slot ranges over [0, capacity)."""
-
-    def __init__(self, capacity_tokens: int) -> None:
-        super().__init__(capacity_tokens)
-        self._free: list[tuple[int, int]] = [(0, capacity_tokens)]  # sorted, coalesced (start, length)
-        self._held: dict[str, tuple[int, int]] = {}
-        self._used = 0
+    @property
+    def used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
 
     @property
     def used_tokens(self) -> int:
-        return self._used
+        return self.used_blocks * self.block_size
 
-    def _find(self, size: int) -> int | None:
-        for i, (_, length) in enumerate(self._free):
-            if length >= size:
-                return i
-        return None
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def can_admit(self, request: Request) -> bool:
-        return self._find(request.max_total_tokens) is not None
+    def fits_ever(self, request: Request) -> bool:
+        """Whether the request can run to `max_tokens` in an empty pool; if not, queueing it would
+        wait (or be preempted) forever."""
+        return self.blocks_for(request.max_total_tokens) <= self.num_blocks
 
-    def admit(self, request: Request) -> None:
-        size = request.max_total_tokens
-        i = self._find(size)
-        if i is None:
-            raise RuntimeError(f"K/V pool cannot hold {size} more slots for request {request.request_id}")
-        start, length = self._free[i]
-        if length == size:
-            del self._free[i]
-        else:
-            self._free[i] = (start + size, length - size)
-        self._held[request.request_id] = (start, size)
-        self._used += size
-        request.kv_start = start
+    @abstractmethod
+    def _tokens_at_admission(self, request: Request) -> int:
+        """How many of the request's tokens get blocks when it is admitted."""
+
+    def _watermark_blocks(self) -> int:
+        return 0
+
+    def admit(self, request: Request, others_running: bool) -> bool:
+        """Gives a waiting request its block table if the pool allows; False leaves it untouched.
+
+        Cached prefix blocks are shared and count as computed (`request.num_computed`). The
+        watermark is only kept while `others_running`: alone, a request that fits is admitted.
+        """
+        hits = self._prefix_hits(request)
+        new_blocks = self.blocks_for(self._tokens_at_admission(request)) - len(hits)
+        from_free = new_blocks + sum(self.pool.blocks[b].ref_count == 0 for b in hits)
+        if from_free + (self._watermark_blocks() if others_running else 0) > self.pool.num_free:
+            return False
+        for block_id in hits:
+            self.pool.share(block_id)
+        request.block_table = hits + self.pool.allocate(new_blocks)
+        request.num_computed = len(hits) * self.block_size
+        request.num_registered_blocks = len(hits)
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += request.num_tokens
+            self.prefix_hit_tokens += request.num_computed
+        return True
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Makes room for the request's next `num_new_tokens`; False if the pool has too few free
+        blocks (never under reservation, whose blocks were all taken at admission)."""
+        missing = self.blocks_for(request.num_computed + num_new_tokens) - len(request.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.pool.num_free:
+            return False
+        request.block_table += self.pool.allocate(missing)
+        return True
 
     def free(self, request: Request) -> None:
-        held = self._held.pop(request.request_id, None)
-        request.kv_start = -1
-        if held is None:
+        """Returns everything the request holds; a no-op for a request holding nothing."""
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.num_registered_blocks = 0
+
+    def register_computed(self, request: Request) -> None:
+        """After a step landed: the request's blocks that are now full and computed become cached
+        prefixes (a no-op without prefix caching)."""
+        if not self.enable_prefix_caching:
             return
-        start, size = held
-        self._used -= size
-        i = bisect.bisect(self._free, (start, size))
-        self._free.insert(i, (start, size))
-        # Coalesce with the right, then the left neighbour.
-        if i + 1 < len(self._free) and start + size == self._free[i + 1][0]:
-            self._free[i] = (start, size + self._free.pop(i + 1)[1])
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
-            prev_start, prev_len = self._free[i - 1]
-            self._free[i - 1] = (prev_start, prev_len + self._free.pop(i)[1])
+        num_full = request.num_computed // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        keys = self._block_keys(request, num_full)
+        for index in range(request.num_registered_blocks, num_full):
+            self.pool.cache(request.block_table[index], keys[index])
+        request.num_registered_blocks = num_full
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """The cached blocks the request's tokens start with, stopping short of its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for key in self._block_keys(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _block_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
+        """The keys of the request's first `num_blocks` full blocks, computed once per request."""
+        keys = request.block_keys
+        if len(keys) < num_blocks:
+            tokens, size = request.all_token_ids(), self.block_size
+            for index in range(len(keys), num_blocks):
+                keys.append(block_key(keys[-1] if keys else None, tuple(tokens[index * size : (index + 1) * size])))
+        return keys
 
 
-def make_kv_manager(policy: str, capacity_tokens: int) -> KVCacheManager:
-    if policy == "reserve":
-        return ReservationKVManager(capacity_tokens)
-    raise ValueError(f"unknown K/V policy {policy!r}")
+class ReservationKVManager(KVCacheManager):
+    """ORCA: every token the request may ever have gets its block at admission."""
+
+    def _tokens_at_admission(self, request: Request) -> int:
+        return request.max_total_tokens
+
+
+class PagedKVManager(KVCacheManager):
+    """vLLM: blocks for the tokens the request has now; decoding grows the table a block at a time."""
+
+    def __init__(
+        self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False, watermark: float = 0.01
+    ) -> None:  # fmt: skip
+        super().__init__(capacity_tokens, block_size, enable_prefix_caching)
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.watermark = watermark
+
+    def _tokens_at_admission(self, request: Request) -> int:
+        return request.num_tokens
+
+    def _watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_blocks)
+
+
+def make_kv_manager(config: EngineConfig) -> KVCacheManager:
+    """The K/V manager `config.kv_policy` names, over `config.kv_capacity_tokens` slots."""
+    if config.kv_policy == "reserve":
+        return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching)
+    if config.kv_policy == "paged":
+        return PagedKVManager(
+            config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, config.kv_watermark
+        )
+    raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {config.kv_policy!r}")

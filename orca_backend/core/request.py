@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from orca_backend.core.block_pool import BlockKey
 from orca_backend.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # not admitted yet, or preempted
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -26,8 +27,11 @@ class Request:
     finish_reason: str | None = None
     # Written by the scheduler alone: part of a batch that has not returned yet (pipeline parallelism).
     in_flight: bool = False
-    kv_start: int = -1  # first slot of the K/V region reserved for it, -1 while it has none
+    block_table: list[int] = field(default_factory=list)  # its K/V blocks, in context order
+    block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
     num_computed: int = 0  # tokens whose K/V is in the cache
+    num_preemptions: int = 0
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
 
     @property

@@ -1,11 +1,17 @@
 """Iteration-level FCFS scheduling (ORCA §4.2), and the request-level mode the baseline uses.
 
-Between two iterations `schedule()` lets waiting requests join (first come, first served, while the
-batch stays within `max_num_seqs` and the K/V manager can reserve their slots) and returns the
-batch to run; `update_from_output()` appends the sampled tokens, ends the requests that are done
-(`check_stop`), so they leave before the next iteration, and returns what changed as CoreOutputs.
-With pipeline parallelism several batches are in flight; a request in flight is never scheduled
-again until its batch returns.
+Between two iterations `schedule()` builds the next batch: running requests' decodes, then their
+unfinished prefills, then waiting requests admitted first come, first served while the batch stays
+within `max_num_seqs` and the K/V manager gives them blocks. With a token budget
+(`max_num_batched_tokens`) a long prompt is prefilled in chunks over several iterations, beside the
+decodes (chunked prefill); without one, a prompt runs whole. `update_from_output()` appends the
+sampled tokens, ends the requests that are done (`check_stop`), so they leave before the next
+iteration, and returns what changed as CoreOutputs. With pipeline parallelism several batches are
+in flight; a request in flight is never scheduled again until its batch returns.
+
+Under the paged K/V policy a decode may find no free block: the most recently admitted running
+request is then preempted by recompute and waits at the head of the queue (FCFS order is kept).
+Under ORCA's reservation nothing is ever preempted.
 
 Request-level mode (the baseline's FasterTransformer-style serving) lives here too, whole: a batch
 is admitted only when nothing runs, it runs until its last request finishes (nobody joins), and
@@ -14,6 +20,7 @@ its outputs are held until then, because a request-level server answers a batch 
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,7 +32,7 @@ from orca_backend.core.stop import check_stop
 @dataclass
 class ScheduledBatch:
     requests: list[Request]
-    num_new_tokens: list[int]  # the whole prompt for a request's first iteration, then 1
+    num_new_tokens: list[int]  # a prompt (or a chunk of it) on a request's first iterations, then 1
 
     @property
     def num_tokens(self) -> int:
@@ -35,16 +42,20 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
-        pipeline_depth: int = 1,
+        pipeline_depth: int = 1, max_num_batched_tokens: int = 0,
     ) -> None:  # fmt: skip
         self.kv = kv
         self.max_num_seqs = max_num_seqs  # requests in one batch
         # With `pipeline_depth` batches in flight, that many batches' worth of requests may run.
         self.max_running = max_num_seqs * pipeline_depth
+        # Tokens in one batch; 0 means none: a prompt is prefilled whole in one iteration, ORCA's way.
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.request_level = request_level
         self.eos_token_id = eos_token_id
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
         self._held: list[CoreOutput] = []  # request-level mode: the running batch's outputs
 
     def has_work(self) -> bool:
@@ -53,38 +64,81 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def _admit(self) -> None:
-        if self.request_level and self.running:
-            return
-        while self.waiting and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            if not self.kv.can_admit(request):
-                break  # strict FCFS: a later, smaller request does not overtake the head of the queue
-            self.waiting.popleft()
-            self.kv.admit(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-
     def schedule(self) -> ScheduledBatch | None:
-        self._admit()
-        requests, num_new = [], []
-        for request in self.running:
-            if len(requests) == self.max_num_seqs:
+        """The next batch: running decodes first, then running prefills, then newly admitted
+        requests (FCFS), within `max_num_seqs` requests and the token budget. A prompt longer than
+        the budget left is split into chunks over several iterations."""
+        budget = self.max_num_batched_tokens or sys.maxsize
+        batch = ScheduledBatch([], [])
+        idle = not self.running
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for request in decodes + prefills:
+            if len(batch.requests) == self.max_num_seqs or budget == 0:
                 break
-            if request.in_flight or not self.kv.reserve_step(request):
+            if request.in_flight or request.status is not RequestStatus.RUNNING:  # preempted in this loop
                 continue
-            request.in_flight = True
-            requests.append(request)
-            num_new.append(request.num_tokens - request.num_computed)
-        return ScheduledBatch(requests, num_new) if requests else None
+            num_new = min(request.num_tokens - request.num_computed, budget)
+            if self._make_room(request, num_new, batch):
+                budget -= self._add(batch, request, num_new)
+        if not self.request_level or idle:
+            while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
+                    and budget > 0:  # fmt: skip
+                request = self.waiting[0]
+                if not self.kv.admit(request, others_running=bool(self.running)):
+                    break  # strict FCFS: a later, smaller request does not overtake the head of the queue
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
+        return batch if batch.requests else None
+
+    def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
+        request.in_flight = True
+        batch.requests.append(request)
+        batch.num_new_tokens.append(num_new)
+        first = request.num_computed
+        self.num_prompt_tokens_computed += max(min(first + num_new, request.num_prompt_tokens) - first, 0)
+        return num_new
+
+    def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Grows the request's block table for its next tokens, preempting the most recently
+        admitted running requests (never one in flight or in this batch) until it fits. False if
+        it cannot run this iteration: nothing left to preempt, or it was itself the one preempted."""
+        while not self.kv.grow(request, num_new):
+            victim = next(
+                (r for r in reversed(self.running) if not r.in_flight and r not in batch.requests), None
+            )
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: its blocks go back to the pool and it waits at the head of the
+        queue with the tokens it produced; re-admitted, it prefills prompt and outputs together.
+        Its reported tokens are never sent again, and its sampler state lives on in the workers."""
+        self.kv.free(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.running.remove(request)
+        self.waiting.appendleft(request)
 
     def update_from_output(self, batch: ScheduledBatch, sampled: list[int]) -> list[CoreOutput]:
-        """Appends each request's new token and finishes those that hit a token-level stop."""
+        """Appends each request's new token and finishes those that hit a token-level stop. A
+        request whose prompt chunk did not reach its last token gets no token and no output."""
         outputs = []
         for request, num_new, token in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
             if not self._landed(request):
                 continue
             request.num_computed += num_new
+            self.kv.register_computed(request)
+            if request.num_computed < request.num_tokens:
+                continue  # a prefill chunk short of the last token: nothing was sampled
             request.output_ids.append(token)
             reason = check_stop(request, token, self.eos_token_id)
             if reason is not None:

@@ -65,7 +65,7 @@ class LLMEngine:
                 f"tokenizer {tokenizer_path} has {self.tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {self.model_config.vocab_size}"
             )
-        self._kv_limits = make_kv_manager(config.kv_policy, config.kv_capacity_tokens)  # validation's arithmetic
+        self._kv_limits = make_kv_manager(config)  # validation's arithmetic
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()

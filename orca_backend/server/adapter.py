@@ -33,7 +33,9 @@ class EngineAdapter:
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
             f"scheduling={config.scheduling}, max_num_seqs={config.max_num_seqs}, "
-            f"kv_capacity_tokens={config.kv_capacity_tokens})"
+            f"kv_capacity_tokens={config.kv_capacity_tokens}, kv_policy={config.kv_policy}, "
+            f"block_size={config.block_size}, enable_prefix_caching={config.enable_prefix_caching}, "
+            f"max_num_batched_tokens={config.max_num_batched_tokens})"
         )
 
     def check_triton_config(self) -> None:

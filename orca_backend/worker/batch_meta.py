@@ -19,10 +19,13 @@ class BatchMeta:
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]  # K/V pool slot each new token is written to
-    # Per request: where its queries sit in the flat batch, and its K/V region.
+    # Per request: where its queries sit in the flat batch, and its K/V blocks.
     query_start: list[int]  # [B + 1]
     context_lens: list[int]
-    kv_starts: list[int]
+    block_tables: list[list[int]]  # pool blocks in context order: token j is in block j // block_size
+    # False for a prefill chunk that stops short of the request's last token: no token is sampled,
+    # so its random stream is not advanced either.
+    sample: list[bool]
     # Per request sampling: temperature 0 is greedy; top_k 0 is off.
     temperature: list[float]
     top_k: list[int]

@@ -33,8 +33,10 @@ class ModelRunner:
             tune_cpu_allocator()
         self.layout = layout
         self.model = load_model(config, model_config, self.device, layout, tp)
+        self.block_size = config.block_size
+        num_slots = config.kv_capacity_tokens // config.block_size * config.block_size  # whole blocks
         self.kv_caches = allocate_kv_pool(
-            len(self.model.weights.layers), config.kv_capacity_tokens, self.model.num_kv_heads, model_config.head_dim,
+            len(self.model.weights.layers), num_slots, self.model.num_kv_heads, model_config.head_dim,
             torch_dtype(config.dtype), self.device,
         )  # fmt: skip
         self.sampler = Sampler()
@@ -56,28 +58,35 @@ class ModelRunner:
         return self.sampler.sample(logits, batch_meta)
 
     def _prepare_inputs(self, batch_meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Every per-iteration index tensor from one host list and one device copy: this runs every
-        iteration, and one conversion of B + T numbers is far cheaper than seven small ones."""
+        """Every per-iteration index tensor from one host array and one device copy, the block
+        tables from a second: this runs every iteration, and one conversion of many numbers is far
+        cheaper than several small ones."""
         num_tokens, num_requests = batch_meta.num_tokens, len(batch_meta.context_lens)
         logits_indices = [end - 1 for end in batch_meta.query_start[1:]]
         host = np.array(
-            batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start + batch_meta.context_lens
-            + batch_meta.kv_starts + logits_indices,
+            batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start
+            + batch_meta.context_lens + logits_indices,
             dtype=np.int64,
-        )  # numpy converts a list of ints several times faster than torch.tensor()
-        flat = torch.from_numpy(host).to(self.device, non_blocking=True)  # fmt: skip
-        input_ids, positions, slot_mapping, query_start, context_lens, kv_starts, logits_index_tensor = flat.split(
-            [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests, num_requests]
+        )  # numpy converts a list of ints several times faster than torch.tensor()  # fmt: skip
+        flat = torch.from_numpy(host).to(self.device, non_blocking=True)
+        input_ids, positions, slot_mapping, query_start, context_lens, logits_index_tensor = flat.split(
+            [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests]
         )
+        tables = batch_meta.block_tables
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((num_requests, width), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
         attn_meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             context_lens=context_lens.to(torch.int32),
-            kv_starts=kv_starts.to(torch.int32),
+            block_tables=torch.from_numpy(block_tables).to(self.device, non_blocking=True),
             slot_mapping=slot_mapping,
+            block_size=self.block_size,
             max_query_len=max(b - a for a, b in zip(batch_meta.query_start, batch_meta.query_start[1:], strict=False)),
             max_context_len=max(batch_meta.context_lens),
             query_start_host=batch_meta.query_start,
             context_lens_host=batch_meta.context_lens,
-            kv_starts_host=batch_meta.kv_starts,
+            block_tables_host=tables,
         )
         return input_ids, positions, attn_meta, logits_index_tensor

@@ -27,12 +27,14 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> list[int]:
-        """logits: [B, vocab] float32, one row per request. Returns one token id per request."""
+        """logits: [B, vocab] float32, one row per request. Returns one token id per request (the
+        scheduler ignores the rows of prefill chunks, `batch_meta.sample` False)."""
         for row, banned in enumerate(batch_meta.banned_ids):
             if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
                 logits[row, banned] = float("-inf")
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, t in enumerate(batch_meta.temperature) if t > 0]
+        # A prefill chunk short of its last token samples nothing: its generator must not advance.
+        random_rows = [i for i, (t, s) in enumerate(zip(batch_meta.temperature, batch_meta.sample, strict=True)) if t > 0 and s]
         if random_rows:
             tokens[random_rows] = self._sample_random(logits[random_rows], batch_meta, random_rows)
         return tokens.tolist()

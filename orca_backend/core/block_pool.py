@@ -1,0 +1,93 @@
+"""The K/V pool's blocks as the engine core sees them: who holds each, which are free, which cache a prefix.
+
+The pool is `num_blocks` fixed-size blocks (worker/kv_pool.py holds the tensors). A block is held
+by the requests whose block tables name it (its reference count); at zero it is free. A free block
+may still hold a cached prefix: it keeps its key until it is handed out again, and free blocks are
+handed out least recently freed first, so cached prefixes are evicted LRU and never while held.
+
+A block's key is (its parent block's hash, its own token ids): the key of a block therefore names
+every token before it, and two requests whose prompts agree up to a block boundary share the keys
+of every block up to it. The dictionary compares keys by value, so a hash collision can never match
+different tokens in this block; only a collision of two parents' 64-bit hashes could.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, or 0 for the first; token ids)
+
+
+def block_key(parent: BlockKey | None, token_ids: tuple[int, ...]) -> BlockKey:
+    return (0 if parent is None else hash(parent), token_ids)
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None  # set while the block's K/V is a cached prefix
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in the order they are handed out: least recently freed first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockKey, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no request holds, cached ones included (they are evicted on demand)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block caching `key`, held or free, or None."""
+        return self._cached.get(key)
+
+    def allocate(self, n: int) -> list[int]:
+        """Hands out n free blocks (evicting what they cached); the caller checked `num_free`."""
+        if n > len(self._free):
+            raise RuntimeError(f"K/V pool: {n} blocks asked, {len(self._free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.key is not None:
+                del self._cached[block.key]
+                block.key = None
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def share(self, block_id: int) -> None:
+        """One more holder of a cached block (a prefix hit); a free one leaves the free list."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drops one holder of each block. A block table is released tail first, so a request's
+        last blocks, the least likely to be shared, are the first evicted."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+            elif block.ref_count < 0:
+                raise RuntimeError(f"K/V block {block_id} released more often than held")
+
+    def cache(self, block_id: int, key: BlockKey) -> None:
+        """Marks a full, computed block as caching `key`. If another block already caches the same
+        tokens (two requests computed one prefix at once), that one stays the cached copy."""
+        block = self.blocks[block_id]
+        if block.key is None and key not in self._cached:
+            block.key = key
+            self._cached[key] = block_id
