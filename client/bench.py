@@ -173,7 +173,7 @@ class Workload:
     def at(self, rate: float | None, n: int) -> list[TraceRequest]:
         trace = self._scaled(rate, self.base[:n])
         if self.distinct_per_rate:
-            trace = salted(trace, self.shared_prefix, self.vocab_size, f"{self.seed}:{_fmt_rate(rate)}")
+            trace = salted(trace, self.shared_prefix, self.vocab_size, f"{self.seed}:{rate!r}")
         return trace
 
     def _scaled(self, rate: float | None, prefix: list[TraceRequest]) -> list[TraceRequest]:
@@ -602,14 +602,19 @@ _VARIANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def _orca_parameter_keys() -> set[str] | None:
-    """The parameter keys of the checked-in orca config.pbtxt (None: unreadable, keys not checked)."""
+    """Keys orca reads from its parameters: the engine's settings (EngineConfig) and the checked-in
+    config.pbtxt's (the adapter's, like stream_interval). None: unreadable, keys not checked. A
+    misspelt key would otherwise be carried along unread, and the variant would equal orca."""
+    from dataclasses import fields
+
+    from orca_backend.config import EngineConfig
     from orca_backend.serve import default_model_repository
 
     try:
         text = (default_model_repository() / "orca" / "config.pbtxt").read_text()
     except OSError:
         return None
-    return set(re.findall(r'parameters\s*\{\s*key:\s*"([^"]+)"', text))
+    return {f.name for f in fields(EngineConfig)} | set(re.findall(r'parameters\s*\{\s*key:\s*"([^"]+)"', text))
 
 
 def parse_orca_variants(text: str) -> dict[str, dict[str, str]]:
@@ -730,7 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-ms", type=float, help="an absolute SLO in ms/token instead")
     s.add_argument("--unloaded-repeats", type=int, default=3)
     s.add_argument("--fairness-tokens", type=int, default=32, help="output tokens of each fairness-burst request")
-    s.add_argument("--skip-fairness", action="store_true", help="no equal-length burst on the baseline")
+    s.add_argument("--skip-fairness", action="store_true",
+                   help="no equal-length burst on the baseline; with explicit --rates, none on orca either")
     s.add_argument("--no-echo", action="store_true", help="skip the load generator overhead check")
     s.add_argument("--echo", action="store_true", help="only measure the load generator's overhead against `echo`")
     s.add_argument("--no-early-stop", action="store_true", help="run every rate even after a model missed the SLO")
@@ -868,7 +874,9 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
     slo = args.slo_ms if args.slo_ms else args.slo_factor * unloaded_ms
     result["slo"] = {"factor": args.slo_factor if not args.slo_ms else None, "ms_per_token": slo,
                      "definition": "median normalized latency (end-to-end / output tokens) of a run ≤ this"}
-    capacity_tokens = bench.fairness(workload)
+    # orca's burst is the fairness check's first half and the auto grid's capacity estimate: with
+    # --skip-fairness and rates given, nothing reads it (long prompts make it cost tens of seconds).
+    capacity_tokens = bench.fairness(workload) if not (args.skip_fairness and args.rates != "auto") else None
     if args.served_path_streams:
         result["served_path"] = _served_path(bench)
     if explicit_rates is not None:

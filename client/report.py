@@ -82,12 +82,17 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += ["## Headline", "", _headline_text(result), ""]
         table = ["| model | max req/s under SLO | at offered req/s | interpolated req/s | points met |",
                  "|---|---|---|---|---|"]
+        kinds = _kinds(result)
         for name, s in result.get("sustained", {}).items():
+            if kinds.get(name) == "orca_variant":
+                continue  # orca's variants have their own section; the headline is orca vs the baselines
             label = result.get("labels", {}).get(name, name)
             flag = " (below the lowest rate)" if s.get("below_grid") else (" (≥: top rate met)" if s.get("above_grid") else "")
             table.append(f"| {label} | {_f(s['max_throughput'], 3)}{flag} | {_rate(s.get('at_rate'))} | "
                          f"{_f(s.get('interpolated'), 3)} | {s['points_met']}/{s['points']} |")
         lines += table + [""]
+    if any(kind == "orca_variant" for kind in _kinds(result).values()):
+        lines += _variants_lines(result)
     unloaded = result.get("unloaded")
     if unloaded:
         lines += [
@@ -145,6 +150,98 @@ def render_markdown(result: dict[str, Any]) -> str:
     if result.get("wall_s") is not None:
         lines.append(f"Finished {result.get('finished', '')} after {_f(result['wall_s'], 0)} s.")
     return "\n".join(lines) + "\n"
+
+
+def _kinds(result: dict[str, Any]) -> dict[str, str]:
+    """Model name -> kind ("orca", "orca_variant", "baseline", "echo") from the result's models."""
+    return {m["name"]: m["kind"] for m in result.get("models", []) if "name" in m and "kind" in m}
+
+
+def common_rate(result: dict[str, Any], models: list[str]) -> float | None:
+    """The highest finite offered rate at which every one of `models` has a sweep run (None: none)."""
+    rates: set[float] | None = None
+    for name in models:
+        mine = {_num(r["metrics"]["offered_rate"]) for r in result.get("runs", []) if r["metrics"]["model"] == name}
+        rates = mine if rates is None else rates & mine
+    finite = [r for r in rates or () if math.isfinite(r)]
+    return max(finite) if finite else None
+
+
+def _prompt_tokens_sent(run: dict[str, Any]) -> int | None:
+    raw = run.get("raw") or {}
+    requests = raw.get("requests") if isinstance(raw, dict) else None
+    return sum(r.get("prompt_len", 0) for r in requests) if requests else None
+
+
+def _count(value: Any) -> str:
+    return "–" if value is None else f"{int(value):,}"
+
+
+def _variants_lines(result: dict[str, Any]) -> list[str]:
+    """One row per orca-kind model: sustained throughput against plain orca, and the engine's numbers.
+
+    Latencies and engine counters come from the one rate every orca-kind model ran (the same trace
+    for all), so they compare like for like; the early stop leaves higher rates to some models only."""
+    kinds, labels = _kinds(result), result.get("labels", {})
+    names = [m["name"] for m in result.get("models", []) if kinds.get(m["name"]) in ("orca", "orca_variant")]
+    overrides = {m["name"]: m.get("overrides") or {} for m in result.get("models", [])}
+    sustained = result.get("sustained", {})
+    rate = common_rate(result, names)
+    at_rate = {r["metrics"]["model"]: r for r in result.get("runs", [])
+               if rate is not None and _num(r["metrics"]["offered_rate"]) == rate}
+    reference = sustained.get("orca", {})
+    o_max, o_i = _num(reference.get("max_throughput")), _num(reference.get("interpolated"))
+    where = (f"at {_rate(rate)} req/s, the highest rate every orca-kind model ran" if rate is not None
+             else "no rate was run by every orca-kind model: –")
+    lines = [
+        "## K/V policies and variants",
+        "",
+        "Each variant is a copy of `orca` with only the listed config.pbtxt parameters changed, swept on the same "
+        "traces. Max req/s under the SLO as in the headline (interpolated at the SLO crossing in parentheses); "
+        "peak running = most requests in the engine's running batch in any of its runs (sampled every ~0.2 s); "
+        f"preemptions, prompt tokens computed (of those sent), prefix-cache hit rate (tokens), TTFT and ITL {where} "
+        "(preemptions over all its runs in parentheses).",
+        "",
+        "| model | changes | max req/s under SLO | vs orca | peak running | preemptions | TTFT p50 ms | TTFT p99 ms | "
+        "ITL p99 ms | prompt tokens computed | prefix-cache hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        s = sustained.get(name, {})
+        mine = [r["metrics"] for r in result.get("runs", []) if r["metrics"]["model"] == name]
+        best, interp = _num(s.get("max_throughput")), _num(s.get("interpolated"))
+        flag = " (below the lowest rate)" if s.get("below_grid") else (" (≥: top rate met)" if s.get("above_grid") else "")
+        throughput = f"{_f(best, 3)}{flag}" + (f" ({_f(interp, 3)})" if math.isfinite(interp) else "")
+        vs = "1.00×" if name == "orca" else _vs(best, o_max, interp, o_i)
+        peaks = [m["peak_running"] for m in mine if m.get("peak_running") is not None]
+        total_pre = [m["preemptions"] for m in mine if m.get("preemptions") is not None]
+        run = at_rate.get(name)
+        m = run["metrics"] if run else {}
+        pre = _count(m.get("preemptions")) + (f" ({sum(total_pre):,})" if total_pre else "")
+        sent = _prompt_tokens_sent(run) if run else None
+        computed = _count(m.get("prompt_tokens_computed")) + (f" of {sent:,}" if sent and m.get("prompt_tokens_computed") is not None else "")
+        queries, hits = m.get("prefix_cache_queries"), m.get("prefix_cache_hits")
+        hit_rate = f"{100 * hits / queries:.0f}%" if queries and hits is not None else "–"
+        changes = ", ".join(f"{k}={v}" for k, v in overrides.get(name, {}).items()) or ("reference" if name == "orca" else "none")
+        lines.append(
+            f"| {labels.get(name, name)} | {changes} | {throughput} | {vs} | {max(peaks) if peaks else '–'} | {pre} | "
+            f"{_f((m.get('ttft_ms') or {}).get('median'), 0)} | {_f((m.get('ttft_ms') or {}).get('p99'), 0)} | "
+            f"{_f((m.get('itl_ms') or {}).get('p99'), 1)} | {computed} | {hit_rate} |"
+        )
+    return lines + [""]
+
+
+def _vs(best: float, orca: float, interp: float, orca_interp: float) -> str:
+    """A variant's max throughput over orca's, and the interpolated ratio as the headline forms it."""
+    if not orca > 0:
+        return "–"
+    text = f"{best / orca:.2f}×"
+    if math.isfinite(interp) or math.isfinite(orca_interp):
+        num = interp if math.isfinite(interp) else best
+        den = orca_interp if math.isfinite(orca_interp) else orca
+        if den > 0:
+            text += f" ({num / den:.2f}×)"
+    return text
 
 
 def _served_path_lines(section: dict[str, Any]) -> list[str]:
@@ -220,6 +317,7 @@ def plot_curves(result: dict[str, Any], out_dir: Path) -> Path | None:
     if not runs:
         return None
     labels = result.get("labels", {})
+    kinds = _kinds(result)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     markers = iter("os^Dv<>p")
     all_y = []
@@ -228,7 +326,7 @@ def plot_curves(result: dict[str, Any], out_dir: Path) -> Path | None:
         xs = [_num(m["request_throughput"]) for m in points]
         ys = [_num(m["normalized_ms"]["median"]) for m in points]
         all_y += [y for y in ys if math.isfinite(y)]
-        style = "-" if model == "orca" else "--"
+        style = "-" if model == "orca" else ("-." if kinds.get(model) == "orca_variant" else "--")
         ax.plot(xs, ys, style, marker=next(markers, "o"), label=labels.get(model, model), linewidth=2 if model == "orca" else 1.3)
     slo = result.get("slo", {}).get("ms_per_token")
     if slo:

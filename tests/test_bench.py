@@ -3,11 +3,13 @@ checkpoint against a real tritonserver (and the echo-only mode), checked from it
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 
@@ -361,6 +363,350 @@ def test_served_path_flags():
         bench.main(["--served-path-only", "--served-path-streams", ""])
 
 
+# ----------------------------------------------------------- orca variants and shared prefixes (no server)
+
+
+def test_orca_variants_parsing():
+    parser = bench.build_parser()
+    assert parser.parse_args([]).orca_variants == {}
+    spec = "cached:kv_policy=paged,enable_prefix_caching=TRUE;chunked:max_num_batched_tokens=256;"
+    assert parser.parse_args(["--orca-variants", spec]).orca_variants == {
+        "cached": {"kv_policy": "paged", "enable_prefix_caching": "true"},
+        "chunked": {"max_num_batched_tokens": "256"}}
+    assert bench.parse_orca_variants("same") == {"same": {}}  # an unchanged copy: an A/A check
+    assert bench.parse_orca_variants(" paged : kv_policy = paged ") == {"paged": {"kv_policy": "paged"}}
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    ("paged:kv_policy", "'kv_policy' is not key=value"),
+    ("paged:kv_polcy=paged", "'kv_polcy' is not a parameter"),
+    ("paged:kv_policy=lazy", "kv_policy='lazy'"),
+    ("a:block_size=0", "block_size='0'"),
+    ("a:max_num_batched_tokens=lots", "max_num_batched_tokens='lots'"),
+    ("a:kv_policy=paged;a:kv_policy=reserve", "variant 'a' is given twice"),
+    ("a:kv_policy=paged,kv_policy=reserve", "'kv_policy' is given twice"),
+    ("my variant:kv_policy=paged", "got 'my variant'"),
+    (":kv_policy=paged", "got ''"),
+])  # fmt: skip
+def test_bad_orca_variants_name_the_bad_part(spec, named, capsys):
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--orca-variants", spec])
+    err = capsys.readouterr().err
+    assert "--orca-variants" in err and named in err
+
+
+def test_variants_are_orca_kind_with_their_own_label():
+    from orca_client.bench_server import ServedModel, served_model
+
+    config = {"max_batch_size": 0, "parameters": {"max_num_seqs": {"string_value": "32"}}}
+    paged = served_model("orca_paged", config)
+    assert (paged.kind, paged.variant, paged.max_num_seqs, paged.label) == ("orca_variant", "paged", 32, "orca (paged)")
+    assert paged.is_orca and served_model("orca", config).kind == "orca"
+    assert not served_model("baseline_bs8", {"max_batch_size": 8}).is_orca
+    assert ServedModel("orca", "orca").label == "orca"
+    assert bench.bench_server.parameter_differences({"kv_policy": "paged", "seed": "0"},
+                                                    {"kv_policy": "reserve", "seed": "0"}) == {"kv_policy": "paged"}
+
+
+def _served_config(path):
+    """What Triton would report for a rendered config.pbtxt: its batch size and string parameters."""
+    from orca_backend.serve import _PARAM_RE
+
+    text = path.read_text()
+    batch = int(re.search(r"(?m)^max_batch_size:\s*(\d+)", text).group(1))
+    return {"max_batch_size": batch,
+            "parameters": {m["key"]: {"string_value": m["value"]} for m in _PARAM_RE.finditer(text)}}
+
+
+def _params(path):
+    return {k: v["string_value"] for k, v in _served_config(path)["parameters"].items()}
+
+
+def test_build_repository_writes_variant_copies(tmp_path):
+    repo = tmp_path / "repo"
+    names = bench.bench_server.build_repository(repo, [8], echo=False, orca_variants={
+        "paged": {"kv_policy": "paged", "block_size": "32"}, "same": {}})
+    assert names == ["orca", "orca_paged", "orca_same", "baseline_bs8"]
+    text = (repo / "orca_paged" / "config.pbtxt").read_text()
+    assert re.search(r'(?m)^name: "orca_paged"$', text) and text.count("\nname:") + text.startswith("name:") == 1
+    assert (repo / "orca_paged" / "1" / "model.py").is_file()
+    orca, paged, same = (_params(repo / n / "config.pbtxt") for n in ("orca", "orca_paged", "orca_same"))
+    assert bench.bench_server.parameter_differences(paged, orca) == {"kv_policy": "paged", "block_size": "32"}
+    assert same == orca
+
+
+def test_serving_gives_variants_every_orca_wide_override(tmp_path, monkeypatch):
+    """serving() with a stand-in server: the rendered repository is what tritonserver would load."""
+    import orca_backend.serve as serve
+
+    rendered, real_server = {}, serve.TritonServer
+
+    class FakeServer:
+        def __init__(self, options):
+            self.options, self.process = options, None
+            self.grpc_url, self.metrics_url = "127.0.0.1:1", "http://127.0.0.1:2/metrics"
+
+        def start(self):
+            real = real_server.__new__(real_server)
+            real.options, real.run_dir = self.options, self.options.run_dir
+            rendered["repo"] = real.render_repository()  # the per-model overrides applied, as at start
+
+        def wait_ready(self, timeout_s):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(serve, "TritonServer", FakeServer)
+    monkeypatch.setattr(bench.bench_server, "fetch_model_config",
+                        lambda url, name: _served_config(rendered["repo"] / name / "config.pbtxt"))
+    args = bench.build_parser().parse_args([
+        "--model", "gpt2-tiny", "--max-num-seqs", "48", "--stream-interval", "2", "--kv-capacity-tokens", "4096",
+        "--baseline-batch-sizes", "8", "--served-path-streams", "", "--no-echo",
+        "--orca-variants", "paged:kv_policy=paged,kv_capacity_tokens=2048;chunked:max_num_batched_tokens=64"])
+    with bench.serving(args, tmp_path, bench.Progress(1, enabled=False)) as endpoint:
+        models = {m.name: m for m in endpoint.models}
+        params = {n: _params(rendered["repo"] / n / "config.pbtxt") for n in ("orca", "orca_paged", "orca_chunked")}
+        chunked_text = (rendered["repo"] / "orca_chunked" / "config.pbtxt").read_text()
+    assert [m.name for m in endpoint.models] == ["orca", "orca_paged", "orca_chunked", "baseline_bs8"]
+    for name in ("orca", "orca_paged", "orca_chunked"):
+        assert params[name]["max_num_seqs"] == "48" and params[name]["stream_interval"] == "2"
+        assert params[name]["model"] == "gpt2-tiny"
+    assert params["orca"]["kv_capacity_tokens"] == params["orca_chunked"]["kv_capacity_tokens"] == "4096"
+    assert params["orca_paged"]["kv_capacity_tokens"] == "2048"  # its own key beats --kv-capacity-tokens
+    assert models["orca_paged"].overrides == {"kv_policy": "paged", "kv_capacity_tokens": "2048"}
+    assert models["orca_chunked"].overrides == {"max_num_batched_tokens": "64"}
+    assert models["orca_paged"].label == "orca (paged)" and models["orca_paged"].max_num_seqs == 48
+    assert re.search(r'(?m)^name: "orca_chunked"$', chunked_text)
+    assert not rendered["repo"].exists()  # serving() removed its run directory
+
+
+def test_served_path_raised_limits_apply_to_variants():
+    raised = {"max_num_seqs": "256", "kv_capacity_tokens": "24576"}
+    per_model = bench.variant_parameters(raised, {"a": {"kv_policy": "paged"}, "b": {"max_num_seqs": "8"}})
+    assert per_model == {"orca_a": {**raised, "kv_policy": "paged"},
+                         "orca_b": {"max_num_seqs": "8", "kv_capacity_tokens": "24576"}}
+
+
+def test_shared_prefix_prompts_share_exactly_n_tokens():
+    n = 40
+    trace = workload.synthetic_trace(30, "uniform:4:16", "fixed:8", 1000, request_rate=1.0, seed=5, shared_prefix=n)
+    plain = workload.synthetic_trace(30, "uniform:4:16", "fixed:8", 1000, request_rate=1.0, seed=5)
+    prefix = trace[0].prompt_ids[:n]
+    assert all(r.prompt_ids[:n] == prefix for r in trace)
+    assert len({r.prompt_ids[n] for r in trace}) > 1  # the shared part ends at n
+    # The rest of the trace is the one without a prefix: same own prompts, arrivals and outputs.
+    assert [r.prompt_ids[n:] for r in trace] == [r.prompt_ids for r in plain]
+    assert [(r.arrival, r.max_tokens) for r in trace] == [(r.arrival, r.max_tokens) for r in plain]
+    assert workload.synthetic_trace(3, "fixed:4", "fixed:1", 1000, seed=5, shared_prefix=n)[0].prompt_ids[:n] == prefix
+    assert workload.synthetic_trace(3, "fixed:4", "fixed:1", 1000, seed=6, shared_prefix=n)[0].prompt_ids[:n] != prefix
+    longest = max(r.prompt_len for r in trace)  # the prefix counts in the context check
+    workload.check_fits(trace, context_len=longest + 8, vocab_size=1000)
+    with pytest.raises(ValueError, match="of which 40 shared prefix.*--shared-prefix"):
+        workload.check_fits(trace, context_len=longest + 7, vocab_size=1000, shared_prefix=n)
+
+
+def _workload_args(*extra):
+    return bench.build_parser().parse_args(["--prompt-dist", "uniform:4:16", "--output-dist", "fixed:8", *extra])
+
+
+def test_workload_with_a_shared_prefix_fits_the_context():
+    geometry = bench.Geometry(vocab_size=1000, context_len=64)
+    w = bench.make_workload(_workload_args("--shared-prefix", "40"), geometry, 50)
+    assert all(r.prompt_ids[:40] == w.base[0].prompt_ids[:40] for r in w.base)
+    assert all(r.prompt_len + r.max_tokens <= 64 for r in w.base)
+    assert w.typical.prompt_ids[:40] == w.base[0].prompt_ids[:40] and w.typical.prompt_len == 40 + 10
+    assert "40-token shared prefix" in w.description
+    with pytest.raises(SystemExit, match="--shared-prefix"):  # 41 + up to 16 + 8 > 64
+        bench.make_workload(_workload_args("--shared-prefix", "41"), geometry, 50)
+    with pytest.raises(SystemExit, match="--shared-prefix"):
+        bench.main(["--shared-prefix", "8", "--trace", "t.jsonl"])
+
+
+def test_prefix_caching_makes_each_rate_s_prompts_distinct():
+    w = bench.make_workload(_workload_args("--shared-prefix", "8"), bench.Geometry(1000, 64), 50)
+    assert w.at(2.0, 10) == w.at(2.0, 10) and w.at(2.0, 10)[0].prompt_ids == w.base[0].prompt_ids
+    w.distinct_per_rate = True
+    a, b = w.at(2.0, 10), w.at(4.0, 10)
+    assert a == w.at(2.0, 10)  # every model gets the same requests at a rate
+    for x, y, base in zip(a, b, w.base, strict=False):
+        assert x.prompt_len == y.prompt_len == base.prompt_len and x.max_tokens == base.max_tokens
+        assert x.prompt_ids[:8] == y.prompt_ids[:8] == base.prompt_ids[:8]  # the shared prefix stays
+        assert x.prompt_ids[8] != base.prompt_ids[8] and x.prompt_ids[9:] == base.prompt_ids[9:]
+    assert [r.prompt_ids[8] for r in a] != [r.prompt_ids[8] for r in b]
+
+
+_METRICS = """# HELP orca_requests_running Requests admitted to the engine's running batch
+# TYPE orca_requests_running gauge
+orca_requests_running{{model="orca",version="1"}} {running}
+orca_requests_running{{model="orca_paged",version="1"}} {paged}
+orca_preemptions_total{{model="orca",version="1"}} {preempted}
+orca_prompt_tokens_computed_total{{model="orca",version="1"}} {computed}
+orca_prefix_cache_hits_total{{model="orca",version="1"}} 0
+orca_prefix_cache_queries_total{{model="orca",version="1"}} {computed}
+orca_requests_finished_total{{model="orca",reason="length",version="1"}} 3
+nv_inference_count{{model="orca",version="1"}} 12
+"""
+
+
+def test_engine_samples_read_prometheus_text():
+    text = _METRICS.format(running=3, paged=9, preempted=2, computed=500)
+    samples = bench.bench_server.engine_samples(text, ["orca_requests_running", "orca_preemptions_total"],
+                                                ["orca", "orca_paged"])
+    assert samples == {"orca": {"orca_requests_running": 3.0, "orca_preemptions_total": 2.0},
+                       "orca_paged": {"orca_requests_running": 9.0}}
+
+
+class _FakeEndpoint:
+    """A metrics endpoint: while `busy`, each scrape of the running gauge shows the next value of
+    `running` (the last one sticks; orca_paged shows 9); idle engines show 0."""
+
+    def __init__(self, running=(4, 7, 5), fail=False, busy=False):
+        self.running, self.fail, self.busy, self.calls = list(running), fail, busy, 0
+        self.preempted, self.computed = 10, 1000
+
+    def __call__(self, url, metrics, models):
+        self.calls += 1
+        if self.fail:
+            raise ConnectionRefusedError("connection refused")
+        running = paged = 0
+        if self.busy and "orca_requests_running" in metrics:
+            running, paged = self.running.pop(0) if len(self.running) > 1 else self.running[0], 9
+        text = _METRICS.format(running=running, paged=paged, preempted=self.preempted, computed=self.computed)
+        return bench.bench_server.engine_samples(text, metrics, models)
+
+
+def test_engine_watch_peak_and_counter_deltas():
+    import time
+
+    fake = _FakeEndpoint(busy=True)
+    watch = bench.bench_server.EngineWatch("http://fake/metrics", "orca", period_s=0.01, settle_s=0, read=fake).start()
+    time.sleep(0.2)
+    fake.preempted, fake.computed, fake.busy = 13, 1800, False
+    stats = watch.stop()
+    assert stats.peak_running == 7 and stats.note is None
+    assert stats.counters == {"preemptions": 3, "prompt_tokens_computed": 800, "prefix_cache_hits": 0,
+                              "prefix_cache_queries": 800}
+    assert bench_metrics.hit_rate(0, 800) == 0.0 and bench_metrics.hit_rate(None, 800) is None
+    # A model that does not export a counter: that one is None, and the note says which.
+    other = _FakeEndpoint(busy=True)
+    watch = bench.bench_server.EngineWatch("http://fake/metrics", "orca_paged", period_s=0.01, settle_s=0,
+                                           read=other).start()
+    time.sleep(0.05)
+    other.busy = False
+    stats = watch.stop()
+    assert stats.peak_running == 9 and set(stats.counters.values()) == {None}
+    assert "not exported: orca_preemptions_total" in stats.note
+
+
+def test_engine_watch_never_fails_the_run():
+    stats = bench.bench_server.EngineWatch("http://fake/metrics", "orca", period_s=0.01, settle_s=0,
+                                           read=_FakeEndpoint(fail=True)).start().stop()
+    assert stats.peak_running is None and set(stats.counters.values()) == {None}
+    assert "peak running not recorded: ConnectionRefusedError" in stats.note and "counters not recorded" in stats.note
+    none = bench.bench_server.EngineWatch(None, "orca").start().stop()
+    assert none.peak_running is None and "--metrics-url" in none.note
+
+
+def test_bench_run_records_engine_metrics_for_orca_kinds_only(monkeypatch):
+    from orca_client.bench_server import ServedModel
+
+    fake = _FakeEndpoint(running=(2, 6, 3))
+    monkeypatch.setattr(bench.bench_server, "read_engine_metrics", fake)
+    monkeypatch.setattr(bench.bench_server, "inference_counts", lambda url, name: None)
+
+    def fake_run_trace(url, model, trace, options, batched, rate):
+        import time
+
+        fake.busy, fake.running = True, [2, 6, 3]
+        time.sleep(0.5)  # the watcher samples a few times meanwhile
+        fake.computed += 64
+        fake.busy = False
+        records = [_record(i, 0.1 * i, [0.1 * i + 0.02 * (k + 1) for k in range(3)], [1] * 3) for i in range(len(trace))]
+        return RunResult(model, rate, records, duration_s=1.0, client_cpu_s=0.0)
+
+    monkeypatch.setattr(bench, "run_trace", fake_run_trace)
+    models = [ServedModel("orca", "orca"), ServedModel("orca_paged", "orca_variant", variant="paged"),
+              ServedModel("baseline_bs8", "baseline", 8)]
+    endpoint = bench.Endpoint("127.0.0.1:1", "http://fake/metrics", models)
+    b = bench.Bench(bench.build_parser().parse_args([]), endpoint, bench.Geometry(1000, 64), bench.Progress(1, False))
+    trace = [workload.TraceRequest(0.0, [1, 2], 3)] * 2
+    _, orca = b.run(models[0], trace, "orca", rate=1.0)
+    assert orca.peak_running == 6 and orca.prompt_tokens_computed == 64 and orca.preemptions == 0
+    assert orca.engine_metrics_note is None
+    _, variant = b.run(models[1], trace, "variant", rate=1.0)
+    assert variant.peak_running == 9 and variant.preemptions is None and "not exported" in variant.engine_metrics_note
+    calls = fake.calls
+    _, baseline = b.run(models[2], trace, "baseline", rate=1.0)
+    assert baseline.peak_running is None and baseline.engine_metrics_note is None
+    assert fake.calls - calls <= 1  # only wait_idle's scrape: no watcher for the request-level baseline
+    notes = bench.sweep_notes([orca, variant, baseline], models)
+    assert any("Engine metrics of orca_paged incomplete in 1 run(s)" in n for n in notes)
+
+
+def _variant_result():
+    from orca_client.bench_server import ServedModel
+
+    records = [_record(i, 0.1 * i, [0.1 * i + 0.02 * (k + 1) for k in range(3)], [1] * 3) for i in range(4)]
+    models = [ServedModel("orca", "orca", max_num_seqs=32),
+              ServedModel("orca_paged", "orca_variant", max_num_seqs=32, variant="paged",
+                          overrides={"kv_policy": "paged"}),
+              ServedModel("orca_cached", "orca_variant", variant="cached",
+                          overrides={"kv_policy": "paged", "enable_prefix_caching": "true"}),
+              ServedModel("baseline_bs8", "baseline", 8)]
+    # peak running, preemptions, prompt tokens computed, prefix-cache hits, queries (the runs send 4 × 4 tokens)
+    engine = {"orca": (8, 0, 16, 0, 0), "orca_paged": (14, 3, 20, 0, 0), "orca_cached": (16, 1, 6, 10, 16)}
+    runs, sustained = [], {}
+    for name, rates in (("orca", (1.0, 2.0, 4.0)), ("orca_paged", (1.0, 2.0)), ("orca_cached", (1.0, 2.0, 4.0)),
+                        ("baseline_bs8", (1.0,))):
+        points = []
+        for rate in rates:
+            raw = RunResult(name, rate, records, duration_s=2.0 / rate, client_cpu_s=0.0)
+            m = summarize(raw, 30.0)
+            if name in engine:
+                peak, pre, computed, hits, queries = engine[name]
+                m.peak_running, m.preemptions = peak - (rate < 2), pre
+                m.prompt_tokens_computed, m.prefix_cache_hits, m.prefix_cache_queries = computed, hits, queries
+            points.append(m)
+            runs.append({"metrics": m, "raw": raw})
+        sustained[name] = sustained_throughput(points, 30.0)
+    sustained["orca"] = dataclasses.replace(sustained["orca"], max_throughput=2.0, interpolated=2.5, above_grid=False)
+    sustained["orca_paged"] = dataclasses.replace(sustained["orca_paged"], max_throughput=3.0, above_grid=False)
+    return {
+        "command": "orca-bench --orca-variants x", "labels": {m.name: m.label for m in models},
+        "models": [dataclasses.asdict(m) for m in models],
+        "slo": {"factor": 6.0, "ms_per_token": 30.0}, "runs": runs, "notes": [], "sustained": sustained,
+        "headline": {"orca_rps": 2.0, "best_baseline": "baseline_bs8", "best_baseline_rps": 0.5, "ratio": 4.0,
+                     "ratio_interpolated": None, "qualifier": ""},
+    }  # fmt: skip
+
+
+def test_report_renders_the_variants_section(tmp_path):
+    result = _variant_result()
+    paths = report.write_all(result, tmp_path)
+    text = paths["markdown"].read_text()
+    data = json.loads(paths["json"].read_text())
+    assert data["runs"][0]["metrics"]["peak_running"] == 7 and data["runs"][0]["metrics"]["preemptions"] == 0
+    assert data["models"][1]["overrides"] == {"kv_policy": "paged"}
+    section = text.split("## K/V policies and variants", 1)[1].split("\n## ", 1)[0]
+    assert "at 2.000 req/s, the highest rate every orca-kind model ran" in section
+    rows = {line.split(" | ")[0][2:]: line for line in section.splitlines() if line.startswith("| orca")}
+    assert set(rows) == {"orca", "orca (paged)", "orca (cached)"}
+    assert "| reference | 2.000 (2.500) | 1.00× | 8 | 0 (0) |" in rows["orca"]
+    # 3.0 / 2.0 on the grid; interpolated as the headline does: 3.0 (none of its own) / 2.5.
+    assert "| kv_policy=paged | 3.000 | 1.50× (1.20×) | 14 | 3 (6) |" in rows["orca (paged)"]
+    assert "| 6 of 16 | 62% |" in rows["orca (cached)"] and "(≥: top rate met)" in rows["orca (cached)"]
+    assert "| 20 of 16 |" in rows["orca (paged)"] and rows["orca (paged)"].endswith("| – |")
+    header = [line for line in section.splitlines() if line.startswith("| model")][0]
+    assert all(row.count("|") == header.count("|") for row in rows.values())
+    # The headline is orca vs the baselines, as without variants: no variant in its table.
+    headline = text.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    assert "**4.00×**" in headline and "orca (paged)" not in headline
+    assert report.render_markdown(data) == text  # a view of the JSON
+    without = {**data, "models": [m for m in data["models"] if m["kind"] != "orca_variant"]}
+    assert "K/V policies" not in report.render_markdown(without)  # no variants, no section
+
+
 # ------------------------------------------------------------------------ real server (integration)
 
 needs_server = pytest.mark.skipif(
@@ -385,6 +731,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
         "--rates", "3,12", "--num-requests", "10", "--baseline-batch-sizes", "4,8",
         "--unloaded-repeats", "1", "--fairness-tokens", "8", "--no-early-stop", "--out", str(out), "--quiet",
         "--served-path-streams", "8", "--served-path-tokens", "16", "--served-path-repeats", "1",
+        "--orca-variants", "paged:kv_policy=paged",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
@@ -395,7 +742,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     trace = workload.synthetic_trace(64, "uniform:4:24", "uniform:1:24", config.vocab_size, request_rate=1.0, seed=0)
     runs = data["runs"]
     assert {(r["metrics"]["model"], r["metrics"]["offered_rate"]) for r in runs} == {
-        (m, rate) for m in ("orca", "baseline_bs4", "baseline_bs8") for rate in (3.0, 12.0)}
+        (m, rate) for m in ("orca", "orca_paged", "baseline_bs4", "baseline_bs8") for rate in (3.0, 12.0)}
     for run in runs:
         m, raw = run["metrics"], run["raw"]
         assert m["errors"] == 0 and m["completed"] == 10 and not m["truncated"]
@@ -406,20 +753,29 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
             assert rec["finish_reason"] == "length"
             # orca streams (a response may merge tokens when responses fall behind the engine);
             # the request-level baseline answers once at the end.
-            assert 1 <= len(rec["response_times"]) <= (req.max_tokens if m["model"] == "orca" else 1)
-        if m["model"] == "orca":
+            assert 1 <= len(rec["response_times"]) <= (req.max_tokens if m["model"].startswith("orca") else 1)
+        if m["model"].startswith("orca"):
             assert sum(len(r["response_times"]) for r in raw["requests"]) > len(raw["requests"])
+            # The engine's metrics over the run: every prompt computed once, nothing preempted.
+            assert m["engine_metrics_note"] is None and 1 <= m["peak_running"] <= 10
+            assert m["prompt_tokens_computed"] == sum(r["prompt_len"] for r in raw["requests"])
+            assert m["preemptions"] == 0 and m["prefix_cache_hits"] == 0
+        else:
+            assert m["peak_running"] is None and m["prompt_tokens_computed"] is None
         assert m["request_throughput"] == pytest.approx(m["completed"] / m["duration_s"])
         end = max(r["done_time"] for r in raw["requests"])
         assert m["duration_s"] == pytest.approx(end)
         assert m["normalized_ms"]["median"] == pytest.approx(_recomputed_median_normalized_ms(raw), rel=1e-9)
-        if m["model"] != "orca":
+        if m["model"].startswith("baseline"):
             assert 1 <= m["batches"] <= 10  # Triton's batcher ran the baseline's requests in batches
 
     assert data["slo"]["ms_per_token"] == pytest.approx(6.0 * data["unloaded"]["median_ms_per_token"])
     for run in runs:
         assert run["metrics"]["slo_met"] == (run["metrics"]["normalized_ms"]["median"] <= data["slo"]["ms_per_token"])
-    assert set(data["sustained"]) == {"orca", "baseline_bs4", "baseline_bs8"}
+    assert set(data["sustained"]) == {"orca", "orca_paged", "baseline_bs4", "baseline_bs8"}
+    paged = next(m for m in data["models"] if m["name"] == "orca_paged")
+    assert (paged["kind"], paged["overrides"]) == ("orca_variant", {"kv_policy": "paged"})
+    assert "## K/V policies and variants" in (out / "summary.md").read_text()
     assert data["headline"]["best_baseline"] in ("baseline_bs4", "baseline_bs8")
     fair = data["fairness"]
     assert len(fair["runs"]) == 2 and fair["runs"][1]["batches"] >= 1
