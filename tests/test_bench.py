@@ -756,8 +756,9 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
             assert 1 <= len(rec["response_times"]) <= (req.max_tokens if m["model"].startswith("orca") else 1)
         if m["model"].startswith("orca"):
             assert sum(len(r["response_times"]) for r in raw["requests"]) > len(raw["requests"])
-            # The engine's metrics over the run: every prompt computed once, nothing preempted.
-            assert m["engine_metrics_note"] is None and 1 <= m["peak_running"] <= 10
+            # The engine's metrics over the run: every prompt computed once, nothing preempted. The
+            # peak is sampled every 0.2 s: a tiny model's requests can all fall between samples.
+            assert m["engine_metrics_note"] is None and 0 <= m["peak_running"] <= 10
             assert m["prompt_tokens_computed"] == sum(r["prompt_len"] for r in raw["requests"])
             assert m["preemptions"] == 0 and m["prefix_cache_hits"] == 0
         else:
