@@ -8,6 +8,7 @@
     orca-bench --served-path-only --model gpt2-mini   # served vs offline throughput and CPU per token
     orca-bench --orca-variants 'paged:kv_policy=paged' --kv-capacity-tokens 4096   # K/V policies side by side
     orca-bench --shared-prefix 256 --orca-variants 'cached:kv_policy=paged,enable_prefix_caching=true'
+    orca-bench --max-tokens 512 --rates 1,2 --orca-variants 'paged:kv_policy=paged'   # answers stop early
 
 Steps: start tritonserver with `orca`, one `orca_<name>` copy per --orca-variants entry (orca with
 other engine parameters), one `baseline` copy per --baseline-batch-sizes and `echo`;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import platform
@@ -48,6 +50,7 @@ from typing import Any
 from orca_client import bench_server, protocol, served_path
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import EngineRunStats, ServedModel
+from orca_client.early_stop import with_early_stops
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
 from orca_client.report import write_all
 from orca_client.workload import (
@@ -183,7 +186,7 @@ class Workload:
             return at_rate(prefix, math.inf)
         scale = self.native_rate / rate
         start = prefix[0].arrival if prefix else 0.0
-        return [TraceRequest((r.arrival - start) * scale, r.prompt_ids, r.max_tokens, r.prompt_text) for r in prefix]
+        return [dataclasses.replace(r, arrival=(r.arrival - start) * scale) for r in prefix]
 
     @property
     def mean_output(self) -> float:
@@ -218,6 +221,22 @@ def make_workload(args: argparse.Namespace, geometry: Geometry, max_requests: in
     return Workload(base, 1.0, f"{arrival} arrivals, prompt {prompt}, output {args.output_dist} tokens "
                                f"(ignore_eos), seed {args.seed}", typical,
                     vocab_size=geometry.vocab_size, shared_prefix=prefix_len, seed=args.seed)
+
+
+def with_early_stop_workload(args: argparse.Namespace, workload: Workload, geometry: Geometry) -> Workload:
+    """--max-tokens: the workload's requests end at stop tokens (client/early_stop.py)."""
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    sys.stderr.write(f"computing the stop tokens of {len(workload.base)} requests offline ({model}) ...\n")
+    try:
+        base = with_early_stops(workload.base, args.max_tokens, model, args.device, args.dtype)
+        check_fits(base, geometry.context_len, geometry.vocab_size, shared_prefix=workload.shared_prefix)
+    except ValueError as exc:
+        raise SystemExit(f"orca-bench: {exc}") from None
+    mean = statistics.fmean(r.max_tokens for r in base)
+    median = statistics.median(r.max_tokens for r in base)
+    description = (f"{workload.description}; early stops: max_tokens {args.max_tokens} sent, each request ends "
+                   f"at its stop token (outputs mean {mean:.1f}, median {median:g} tokens)")
+    return dataclasses.replace(workload, base=base, description=description)
 
 
 def requests_for(args: argparse.Namespace, rate: float | None, workload: Workload) -> int:
@@ -723,6 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every synthetic prompt starts with the same N random tokens (a system prompt), then "
                         "its own --prompt-dist tokens (default 0)")
+    w.add_argument("--max-tokens", type=int, default=None, metavar="M",
+                   help="early stops: send max_tokens M and end each request with a stop token at about its "
+                        "--output-dist length, as answers end at EOS well inside a loose bound (greedy outputs "
+                        "computed once offline with the served weights; needs explicit --rates)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--rates", type=_rate_list, default="auto",
                    help="request rates in req/s, comma-separated; 'auto' (default): fractions of orca's measured "
@@ -770,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("orca-bench: --rates native needs --trace")
     if args.shared_prefix < 0 or (args.shared_prefix and args.trace):
         raise SystemExit("orca-bench: --shared-prefix takes N >= 0 and applies to synthetic workloads (not --trace)")
+    if args.max_tokens is not None and (args.trace or args.echo or not isinstance(args.rates, list)):
+        raise SystemExit("orca-bench: --max-tokens applies to synthetic workloads at explicit --rates (each "
+                         "request's stop token is computed offline, once)")
     if args.orca_variants and (args.echo or args.served_path_only):
         raise SystemExit("orca-bench: --orca-variants are swept beside orca; --echo and --served-path-only run no sweep")
     if args.served_path_only:
@@ -788,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     if explicit_rates is None and not args.num_requests:
         max_requests = max(max_requests, 2000)
     workload = make_workload(args, geometry, max_requests)
+    if args.max_tokens is not None:
+        workload = with_early_stop_workload(args, workload, geometry)
     if args.save_trace:
         save_trace(workload.base, out / "trace.jsonl")
 
@@ -857,6 +885,9 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
         bench.echo_overhead(workload, rate if rate is not None else 4.0, None, None)
         return
     cached = bench.prefix_caching()
+    if cached and args.max_tokens is not None:
+        raise SystemExit("orca-bench: --max-tokens computes each prompt's stop token once, but with prefix caching "
+                         f"({', '.join(cached)}) each rate's prompts change; run them apart")
     if cached and not args.trace:
         workload.distinct_per_rate = True
         result["notes"].append(f"{', '.join(cached)} cache(s) prompt prefixes: each rate's prompts differ from the "

@@ -79,8 +79,11 @@ class LoadOptions:
 
 def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> list[Any]:
     """InferInputs of one trace request: its prompt (text or ids) and sampling_parameters JSON carrying
-    max_tokens (with options.sampling's temperature 0 and ignore_eos, so output length is the trace's)."""
-    sampling = {**options.sampling, "max_tokens": req.max_tokens}
+    max_tokens (with options.sampling's temperature 0 and ignore_eos, so output length is the trace's;
+    in early-stop mode the looser sent_max_tokens and the stop token that ends it at that length)."""
+    sampling = {**options.sampling, "max_tokens": req.sent_max_tokens or req.max_tokens}
+    if req.stop_token_ids:
+        sampling["stop_token_ids"] = list(req.stop_token_ids)
     ids = req.prompt_ids if req.prompt_text is None else None  # a text prompt is sent as text alone
     return protocol.build_inputs(text=req.prompt_text, input_ids=ids, sampling=sampling,
                                  stream=options.stream, batched=batched)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 DIST_HELP = "uniform:LO:HI, lognormal:MEDIAN:MAX (long-tailed, like chat traffic) or fixed:N"
@@ -28,8 +28,12 @@ ARRIVAL_HELP = "poisson, or gamma:CV (bursty when CV > 1: inter-arrival coeffici
 class TraceRequest:
     arrival: float  # seconds after the start of the run
     prompt_ids: list[int]
-    max_tokens: int
+    max_tokens: int  # the output tokens it generates
     prompt_text: str | None = None  # set only by JSONL traces that carry text; sent as text_input then
+    # Early-stop mode (`orca-bench --max-tokens`, see early_stop.py): sent with this looser max_tokens,
+    # the request ends at its stop token after `max_tokens` tokens, as an answer ends at EOS.
+    sent_max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def prompt_len(self) -> int:
@@ -142,7 +146,7 @@ def salted(trace: list[TraceRequest], position: int, vocab_size: int, salt: str)
         if r.prompt_text is None and len(ids) > position and vocab_size > 1:
             token = (ids[position] + 1 + rng.randrange(vocab_size - 1)) % vocab_size  # never the original
             ids = [*ids[:position], token, *ids[position + 1:]]
-        out.append(TraceRequest(r.arrival, ids, r.max_tokens, r.prompt_text))
+        out.append(replace(r, prompt_ids=ids))
     return out
 
 
@@ -167,7 +171,7 @@ def at_rate(trace: list[TraceRequest], rate: float) -> list[TraceRequest]:
         scale = 0.0 if not math.isfinite(rate) else 1.0
     else:
         scale = native / rate
-    return [TraceRequest((r.arrival - start) * scale, r.prompt_ids, r.max_tokens, r.prompt_text) for r in trace]
+    return [replace(r, arrival=(r.arrival - start) * scale) for r in trace]
 
 
 def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int, shared_prefix: int = 0) -> None:
@@ -179,11 +183,13 @@ def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int, sha
             raise ValueError(f"request {i}: max_tokens must be >= 1, got {r.max_tokens}")
         if r.prompt_text is None and (not r.prompt_ids or max(r.prompt_ids) >= vocab_size or min(r.prompt_ids) < 0):
             raise ValueError(f"request {i}: prompt ids must be non-empty and within the vocabulary [0, {vocab_size})")
-        if r.prompt_len + r.max_tokens > context_len:
+        sent = max(r.max_tokens, r.sent_max_tokens or 0)
+        if r.prompt_len + sent > context_len:
             prefix = f" (of which {shared_prefix} shared prefix)" if shared_prefix else ""
             flags = "--shared-prefix/--prompt-dist/--output-dist" if shared_prefix else "--prompt-dist/--output-dist"
+            flags += "/--max-tokens" if r.sent_max_tokens else ""
             raise ValueError(
-                f"request {i}: prompt ({r.prompt_len}{prefix}) + max_tokens ({r.max_tokens}) exceeds the model's "
+                f"request {i}: prompt ({r.prompt_len}{prefix}) + max_tokens ({sent}) exceeds the model's "
                 f"context of {context_len} tokens; shorten {flags}"
             )
 

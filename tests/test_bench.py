@@ -807,3 +807,31 @@ def test_echo_mode_measures_the_load_generator(tmp_path):
         assert m["client_cpu_us_per_response"] > 0
     assert overhead["burst_run"]["num_requests"] >= 64
     assert "echo" in overhead["summary"]
+
+
+def test_early_stops_end_each_request_at_its_computed_length_inside_a_loose_max_tokens(monkeypatch):
+    from orca_backend import LLM, SamplingParams
+    from orca_client.early_stop import with_early_stops
+    from orca_client.loadgen import LoadOptions, request_inputs
+    from orca_client.workload import synthetic_trace
+
+    trace = synthetic_trace(12, "uniform:4:24", "uniform:2:40", 512, seed=3)
+    stopped = with_early_stops(trace, 100, "gpt2-tiny", "cpu", "float32")
+    assert [r.prompt_ids for r in stopped] == [r.prompt_ids for r in trace]
+    assert all(r.sent_max_tokens == 100 and len(r.stop_token_ids) == 1 for r in stopped)
+    assert all(1 <= s.max_tokens <= t.max_tokens for s, t in zip(stopped, trace, strict=True))
+    # Served as the load generator sends them, each request stops at its stop token, at that length.
+    llm = LLM("gpt2-tiny")
+    params = [SamplingParams(max_tokens=r.sent_max_tokens, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=list(r.stop_token_ids)) for r in stopped]  # fmt: skip
+    outs = llm.generate([r.prompt_ids for r in stopped], params)
+    assert [len(o.output_ids) for o in outs] == [r.max_tokens for r in stopped]
+    assert {o.finish_reason for o in outs} == {"stop"}
+    # The load generator sends the loose bound and the stop token.
+    from orca_client import loadgen
+
+    monkeypatch.setattr(loadgen.protocol, "build_inputs", lambda **request: request)
+    sent = request_inputs(stopped[0], False, LoadOptions())["sampling"]
+    assert (sent["max_tokens"], sent["stop_token_ids"], sent["ignore_eos"]) == (100, list(stopped[0].stop_token_ids), True)
+    with pytest.raises(ValueError, match="below request"):
+        with_early_stops(trace, 10, "gpt2-tiny", "cpu", "float32")
