@@ -253,9 +253,9 @@ class EngineConfig:
     dtype: str = "float32"
     max_num_seqs: int = 32  # requests in one iteration (Triton's max_batch_size is the baseline batcher's)
     kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer (whole blocks of it are used)
-    # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted; "paged" (vLLM):
-    # blocks as the context grows, preempting the newest request when they run out.
-    kv_policy: str = "reserve"
+    # "paged" (vLLM): blocks as the context grows, preempting the newest request when they run out;
+    # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted.
+    kv_policy: str = "paged"
     block_size: int = 16  # K/V slots per block
     enable_prefix_caching: bool = False  # share the K/V of full blocks of equal prefixes
     max_num_batched_tokens: int = 0  # tokens per iteration, long prompts chunked to fit; 0: no limit

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 KV_MODES: dict[str, dict[str, Any]] = {
-    "reserve": {},
+    "reserve": {"kv_policy": "reserve"},
     "paged": {"kv_policy": "paged", "block_size": 4},
     "paged-chunked-cached": {"kv_policy": "paged", "block_size": 4, "max_num_batched_tokens": 7,
                              "enable_prefix_caching": True},

@@ -134,7 +134,7 @@ def test_max_batch_size_bounds_every_iteration(tiny_checkpoint):
 def test_kv_capacity_limits_admission_without_overcommit(tiny_checkpoint):
     path, config = tiny_checkpoint
     # Each request reserves 10 + 12 = 22 slots (blocks of one slot); 50 slots hold two at a time.
-    llm = LLM(str(path), kv_capacity_tokens=50, block_size=1, max_num_seqs=16)
+    llm = LLM(str(path), kv_capacity_tokens=50, block_size=1, max_num_seqs=16, kv_policy="reserve")
     engine = llm.engine
     peak = 0
     original = engine.core.executor.runner.execute
@@ -190,7 +190,8 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
 def test_paged_pool_runs_more_requests_at_once_and_preempts_without_changing_tokens(tiny_checkpoint):
     path, _ = tiny_checkpoint
     prompts = [[i + 1] * 10 for i in range(6)]
-    reserved = [o.output_ids for o in LLM(str(path), kv_capacity_tokens=50, block_size=1).generate(prompts, GREEDY)]
+    reserve = LLM(str(path), kv_capacity_tokens=50, block_size=1, kv_policy="reserve")
+    reserved = [o.output_ids for o in reserve.generate(prompts, GREEDY)]
     # The same 50 slots, paged: admission asks for the prompt only, so five requests start at once
     # and then run out of room as they decode: the newest are preempted and recomputed.
     llm = LLM(str(path), kv_capacity_tokens=50, block_size=1, kv_policy="paged", max_num_seqs=16)

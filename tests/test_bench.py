@@ -425,13 +425,13 @@ def _params(path):
 def test_build_repository_writes_variant_copies(tmp_path):
     repo = tmp_path / "repo"
     names = bench.bench_server.build_repository(repo, [8], echo=False, orca_variants={
-        "paged": {"kv_policy": "paged", "block_size": "32"}, "same": {}})
-    assert names == ["orca", "orca_paged", "orca_same", "baseline_bs8"]
-    text = (repo / "orca_paged" / "config.pbtxt").read_text()
-    assert re.search(r'(?m)^name: "orca_paged"$', text) and text.count("\nname:") + text.startswith("name:") == 1
-    assert (repo / "orca_paged" / "1" / "model.py").is_file()
-    orca, paged, same = (_params(repo / n / "config.pbtxt") for n in ("orca", "orca_paged", "orca_same"))
-    assert bench.bench_server.parameter_differences(paged, orca) == {"kv_policy": "paged", "block_size": "32"}
+        "reserve": {"kv_policy": "reserve", "block_size": "32"}, "same": {}})
+    assert names == ["orca", "orca_reserve", "orca_same", "baseline_bs8"]
+    text = (repo / "orca_reserve" / "config.pbtxt").read_text()
+    assert re.search(r'(?m)^name: "orca_reserve"$', text) and text.count("\nname:") + text.startswith("name:") == 1
+    assert (repo / "orca_reserve" / "1" / "model.py").is_file()
+    orca, reserve, same = (_params(repo / n / "config.pbtxt") for n in ("orca", "orca_reserve", "orca_same"))
+    assert bench.bench_server.parameter_differences(reserve, orca) == {"kv_policy": "reserve", "block_size": "32"}
     assert same == orca
 
 
@@ -463,20 +463,20 @@ def test_serving_gives_variants_every_orca_wide_override(tmp_path, monkeypatch):
     args = bench.build_parser().parse_args([
         "--model", "gpt2-tiny", "--max-num-seqs", "48", "--stream-interval", "2", "--kv-capacity-tokens", "4096",
         "--baseline-batch-sizes", "8", "--served-path-streams", "", "--no-echo",
-        "--orca-variants", "paged:kv_policy=paged,kv_capacity_tokens=2048;chunked:max_num_batched_tokens=64"])
+        "--orca-variants", "reserve:kv_policy=reserve,kv_capacity_tokens=2048;chunked:max_num_batched_tokens=64"])
     with bench.serving(args, tmp_path, bench.Progress(1, enabled=False)) as endpoint:
         models = {m.name: m for m in endpoint.models}
-        params = {n: _params(rendered["repo"] / n / "config.pbtxt") for n in ("orca", "orca_paged", "orca_chunked")}
+        params = {n: _params(rendered["repo"] / n / "config.pbtxt") for n in ("orca", "orca_reserve", "orca_chunked")}
         chunked_text = (rendered["repo"] / "orca_chunked" / "config.pbtxt").read_text()
-    assert [m.name for m in endpoint.models] == ["orca", "orca_paged", "orca_chunked", "baseline_bs8"]
-    for name in ("orca", "orca_paged", "orca_chunked"):
+    assert [m.name for m in endpoint.models] == ["orca", "orca_reserve", "orca_chunked", "baseline_bs8"]
+    for name in ("orca", "orca_reserve", "orca_chunked"):
         assert params[name]["max_num_seqs"] == "48" and params[name]["stream_interval"] == "2"
         assert params[name]["model"] == "gpt2-tiny"
     assert params["orca"]["kv_capacity_tokens"] == params["orca_chunked"]["kv_capacity_tokens"] == "4096"
-    assert params["orca_paged"]["kv_capacity_tokens"] == "2048"  # its own key beats --kv-capacity-tokens
-    assert models["orca_paged"].overrides == {"kv_policy": "paged", "kv_capacity_tokens": "2048"}
+    assert params["orca_reserve"]["kv_capacity_tokens"] == "2048"  # its own key beats --kv-capacity-tokens
+    assert models["orca_reserve"].overrides == {"kv_policy": "reserve", "kv_capacity_tokens": "2048"}
     assert models["orca_chunked"].overrides == {"max_num_batched_tokens": "64"}
-    assert models["orca_paged"].label == "orca (paged)" and models["orca_paged"].max_num_seqs == 48
+    assert models["orca_reserve"].label == "orca (reserve)" and models["orca_reserve"].max_num_seqs == 48
     assert re.search(r'(?m)^name: "orca_chunked"$', chunked_text)
     assert not rendered["repo"].exists()  # serving() removed its run directory
 
@@ -731,7 +731,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
         "--rates", "3,12", "--num-requests", "10", "--baseline-batch-sizes", "4,8",
         "--unloaded-repeats", "1", "--fairness-tokens", "8", "--no-early-stop", "--out", str(out), "--quiet",
         "--served-path-streams", "8", "--served-path-tokens", "16", "--served-path-repeats", "1",
-        "--orca-variants", "paged:kv_policy=paged",
+        "--orca-variants", "reserve:kv_policy=reserve",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
@@ -742,7 +742,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     trace = workload.synthetic_trace(64, "uniform:4:24", "uniform:1:24", config.vocab_size, request_rate=1.0, seed=0)
     runs = data["runs"]
     assert {(r["metrics"]["model"], r["metrics"]["offered_rate"]) for r in runs} == {
-        (m, rate) for m in ("orca", "orca_paged", "baseline_bs4", "baseline_bs8") for rate in (3.0, 12.0)}
+        (m, rate) for m in ("orca", "orca_reserve", "baseline_bs4", "baseline_bs8") for rate in (3.0, 12.0)}
     for run in runs:
         m, raw = run["metrics"], run["raw"]
         assert m["errors"] == 0 and m["completed"] == 10 and not m["truncated"]
@@ -773,9 +773,9 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     assert data["slo"]["ms_per_token"] == pytest.approx(6.0 * data["unloaded"]["median_ms_per_token"])
     for run in runs:
         assert run["metrics"]["slo_met"] == (run["metrics"]["normalized_ms"]["median"] <= data["slo"]["ms_per_token"])
-    assert set(data["sustained"]) == {"orca", "orca_paged", "baseline_bs4", "baseline_bs8"}
-    paged = next(m for m in data["models"] if m["name"] == "orca_paged")
-    assert (paged["kind"], paged["overrides"]) == ("orca_variant", {"kv_policy": "paged"})
+    assert set(data["sustained"]) == {"orca", "orca_reserve", "baseline_bs4", "baseline_bs8"}
+    reserve = next(m for m in data["models"] if m["name"] == "orca_reserve")
+    assert (reserve["kind"], reserve["overrides"]) == ("orca_variant", {"kv_policy": "reserve"})
     assert "## K/V policies and variants" in (out / "summary.md").read_text()
     assert data["headline"]["best_baseline"] in ("baseline_bs4", "baseline_bs8")
     fair = data["fairness"]
