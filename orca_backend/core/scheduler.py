@@ -70,7 +70,7 @@ class Scheduler:
         the budget left is split into chunks over several iterations."""
         budget = self.max_num_batched_tokens or sys.maxsize
         batch = ScheduledBatch([], [])
-        idle = not self.running
+        idle, preemptions = not self.running, self.num_preemptions
         decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         for request in decodes + prefills:
@@ -81,7 +81,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed, budget)
             if self._make_room(request, num_new, batch):
                 budget -= self._add(batch, request, num_new)
-        if not self.request_level or idle:
+        # Nobody is admitted in an iteration that had to preempt: the blocks it freed would go straight
+        # to a newcomer, and the pool would thrash (vLLM's rule too).
+        if (not self.request_level or idle) and self.num_preemptions == preemptions:
             while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
                     and budget > 0:  # fmt: skip
                 request = self.waiting[0]
