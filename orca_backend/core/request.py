@@ -31,7 +31,6 @@ class Request:
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
     num_computed: int = 0  # tokens whose K/V is in the cache
-    num_preemptions: int = 0
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
 
     @property

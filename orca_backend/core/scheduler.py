@@ -124,7 +124,6 @@ class Scheduler:
         Its reported tokens are never sent again, and its sampler state lives on in the workers."""
         self.kv.free(request)
         request.num_computed = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.running.remove(request)

@@ -69,7 +69,7 @@ class ModelRunner:
             batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start
             + batch_meta.context_lens + logits_indices,
             dtype=np.int64,
-        )  # numpy converts a list of ints several times faster than torch.tensor()  # fmt: skip
+        )  # numpy converts a list of ints several times faster than torch.tensor()
         flat = torch.from_numpy(host).to(self.device, non_blocking=True)
         input_ids, positions, slot_mapping, query_start, context_lens, logits_index_tensor = flat.split(
             [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests]
