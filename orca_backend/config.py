@@ -260,6 +260,10 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # share the K/V of full blocks of equal prefixes
     max_num_batched_tokens: int = 0  # tokens per iteration, long prompts chunked to fit; 0: no limit
     kv_watermark: float = 0.01  # paged: share of blocks admission leaves free for running requests
+    # Admission control: requests accepted but not started (no token yet) beyond these are refused
+    # at once with a retry-later error; 0 means no limit.
+    max_queued_requests: int = 0
+    max_queued_prompt_tokens: int = 0
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
@@ -278,6 +282,9 @@ class EngineConfig:
                              f"got {self.block_size!r}")  # fmt: skip
         if int(self.max_num_batched_tokens) < 0:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
+        for name in ("max_queued_requests", "max_queued_prompt_tokens"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 1, or 0 for no limit, got {getattr(self, name)!r}")
         if not 0.0 <= float(self.kv_watermark) < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark!r}")
         if self.kernels not in ("auto", "triton", "cpu", "torch"):

@@ -233,6 +233,29 @@ def test_orca_builds_only_the_requested_outputs(pb_utils):
         model.finalize()
 
 
+def test_orca_refuses_past_its_queue_limit_at_once_with_unavailable(pb_utils):
+    gate = StepGate()
+    params = {**PARAMETERS, "max_queued_requests": {"string_value": "2"}}
+    model = load("orca", gate, model_transaction_policy={"decoupled": True}, parameters=params)
+    try:
+        # No iteration runs, so nothing leaves the queue: the third request is one too many.
+        requests = [ids_request([1, 2, 3], 4), ids_request([4, 5], 4), ids_request([6], 4)]
+        assert model.execute(requests) is None
+        (refused, flags), = requests[2].sender.sent
+        assert flags == FINAL and refused.error.code == FakeError.UNAVAILABLE
+        assert "max_queued_requests=2" in refused.error.message and "retry later" in refused.error.message
+        gate.open()
+        for request, prompt in ((requests[0], [1, 2, 3]), (requests[1], [4, 5])):
+            assert finish(request).ids() == expected(prompt, 4)
+        retry = ids_request([6], 4)  # the queue drained: the same request is taken now
+        model.execute([retry])
+        assert finish(retry).ids() == expected([6], 4)
+    finally:
+        model.finalize()
+    for request in requests:
+        assert_one_final(request.sender)
+
+
 def test_orca_merges_a_streams_tokens_while_its_sender_lags(pb_utils):
     gate = StepGate()
     model = load("orca", gate, model_transaction_policy={"decoupled": True})

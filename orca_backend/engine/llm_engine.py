@@ -26,11 +26,16 @@ from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineSta
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import CoreOutput, Request
 from orca_backend.engine.core_client import EngineCoreProcess
-from orca_backend.engine.output_processor import OutputProcessor, OutputSink, RequestOutput
+from orca_backend.engine.output_processor import (
+    EngineOverloadedError,
+    OutputProcessor,
+    OutputSink,
+    RequestOutput,
+)
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
 
-__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "OutputSink", "Prompt", "RequestOutput", "RequestStream"]
+__all__ = ["EngineDeadError", "EngineOverloadedError", "EngineStats", "LLMEngine", "OutputSink", "Prompt", "RequestOutput", "RequestStream"]
 
 Prompt = str | Sequence[int]
 
@@ -66,7 +71,7 @@ class LLMEngine:
                 f"vocabulary of {self.model_config.vocab_size}"
             )
         self._kv_limits = make_kv_manager(config)  # validation's arithmetic
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.max_queued_requests, config.max_queued_prompt_tokens)
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
         self._next_id = itertools.count()
@@ -109,7 +114,8 @@ class LLMEngine:
         """Validates and queues requests, all or none; in request-level mode they are admitted together.
 
         Events go to `on_output` (it must not block) or, without one, to the returned streams.
-        Raises ValueError for bad input and EngineDeadError once the loop died.
+        Raises ValueError for bad input, EngineOverloadedError when the queue limits are reached
+        (config.max_queued_requests / max_queued_prompt_tokens) and EngineDeadError once the loop died.
         """
         if self.core.dead_reason is not None:
             raise EngineDeadError(f"the engine is not serving: {self.core.dead_reason}")

@@ -52,25 +52,66 @@ class _RequestState:
     detok: DetokenizerState | None = None  # None without a tokenizer
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full: the request was refused at once and may be retried later."""
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, max_queued_requests: int = 0, max_queued_prompt_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         self._lock = threading.Lock()  # guards id registration against the thread that processes
+        # Admission control: requests registered that have had no event yet (waiting, or in their
+        # first iteration), with their prompt tokens. 0 means no limit.
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_prompt_tokens = max_queued_prompt_tokens
+        self._queued: dict[str, int] = {}
+        self._queued_tokens = 0
+
+    @property
+    def num_queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) registered that have not had an event yet."""
+        return len(self._queued), self._queued_tokens
 
     def add(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
             sinks: list[OutputSink]) -> None:  # fmt: skip
-        """Registers requests before the core sees them; a ValueError if an id is still in use."""
+        """Registers requests before the core sees them; a ValueError if an id is still in use, an
+        EngineOverloadedError if the queue is not empty and taking them would pass a queue limit
+        (into an empty queue anything goes, so no request is refused for its size alone)."""
         with self._lock:
             clash = sorted({rid for rid in request_ids if rid in self._states})
             if clash or len(set(request_ids)) != len(request_ids):
                 raise ValueError(f"request id already in use: {clash or request_ids}")
+            self._check_queue(len(request_ids), sum(len(p) for p in prompts))
             for rid, prompt, p, sink in zip(request_ids, prompts, params, sinks, strict=True):
                 detok = DetokenizerState(list(prompt), p.stop) if self.tokenizer is not None else None
                 self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok)
+                self._queued[rid] = len(prompt)
+                self._queued_tokens += len(prompt)
+
+    def _check_queue(self, requests: int, tokens: int) -> None:
+        queued, queued_tokens = len(self._queued), self._queued_tokens
+        if not queued:
+            return
+        if self.max_queued_requests and queued + requests > self.max_queued_requests:
+            limit = f"{queued} requests queued, max_queued_requests={self.max_queued_requests}"
+        elif self.max_queued_prompt_tokens and queued_tokens + tokens > self.max_queued_prompt_tokens:
+            limit = f"{queued_tokens} prompt tokens queued, max_queued_prompt_tokens={self.max_queued_prompt_tokens}"
+        else:
+            return
+        raise EngineOverloadedError(f"the engine's queue is full ({limit}): retry later")
+
+    def _dequeue(self, request_id: str) -> None:
+        """The request had its first event: it no longer counts against the queue limits."""
+        with self._lock:
+            tokens = self._queued.pop(request_id, None)
+            if tokens is not None:
+                self._queued_tokens -= tokens
 
     def discard(self, request_ids: list[str]) -> None:
         """Forgets requests the core never accepted."""
+        for rid in request_ids:
+            self._dequeue(rid)
         with self._lock:
             for rid in request_ids:
                 self._states.pop(rid, None)
@@ -80,6 +121,8 @@ class OutputProcessor:
         now = time.perf_counter()
         to_abort = []
         for out in outputs:
+            if out.request_id in self._queued:  # its first event: a plain dict read, the lock only then
+                self._dequeue(out.request_id)
             state = self._states.get(out.request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
                 continue
@@ -107,6 +150,7 @@ class OutputProcessor:
         """Ends every registered request with an error event (the core that held them is gone)."""
         with self._lock:
             failed, self._states = self._states, {}
+            self._queued, self._queued_tokens = {}, 0
         now = time.perf_counter()
         for request_id, state in failed.items():
             state.sink(RequestOutput(request_id, [], "", True, "error", state.num_prompt_tokens,

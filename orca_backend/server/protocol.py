@@ -17,7 +17,7 @@ import numpy as np
 
 from orca_backend.config import EngineConfig
 from orca_backend.core.engine_core import EngineDeadError
-from orca_backend.engine.output_processor import RequestOutput
+from orca_backend.engine.output_processor import EngineOverloadedError, RequestOutput
 from orca_backend.sampling_params import SamplingParams, parse_sampling_json
 
 INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output")
@@ -290,6 +290,8 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     """(TritonError code name, message) for an exception raised while handling a request."""
     if isinstance(exc, EngineDeadError | EngineUnavailable):
         return "UNAVAILABLE", f"the ORCA engine is unavailable: {exc}"
+    if isinstance(exc, EngineOverloadedError):
+        return "UNAVAILABLE", str(exc)
     if isinstance(exc, ValueError):
         return "INVALID_ARG", str(exc)
     return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
