@@ -264,6 +264,12 @@ class EngineConfig:
     # at once with a retry-later error; 0 means no limit.
     max_queued_requests: int = 0
     max_queued_prompt_tokens: int = 0
+    # Watchdog (served engines): with requests outstanding and no iteration finished for this long,
+    # the engine core process is killed and every request ends with an error; 0 turns it off.
+    iteration_timeout_s: float = 60.0
+    # Failure budget: this many failed iterations in a row end the engine (a sticky device error
+    # fails every batch); 0 never does.
+    max_consecutive_failed_iterations: int = 10
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
@@ -282,7 +288,9 @@ class EngineConfig:
                              f"got {self.block_size!r}")  # fmt: skip
         if int(self.max_num_batched_tokens) < 0:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
-        for name in ("max_queued_requests", "max_queued_prompt_tokens"):
+        if float(self.iteration_timeout_s) < 0:
+            raise ValueError(f"iteration_timeout_s must be > 0, or 0 to turn the watchdog off, got {self.iteration_timeout_s!r}")
+        for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_consecutive_failed_iterations"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 1, or 0 for no limit, got {getattr(self, name)!r}")
         if not 0.0 <= float(self.kv_watermark) < 1.0:

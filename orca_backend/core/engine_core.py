@@ -80,6 +80,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.last_iteration_seconds = 0.0
         self.max_batches_in_flight = 0
+        self._failed_in_a_row = 0  # the failure budget's count (config.max_consecutive_failed_iterations)
 
     # ----------------------------------------------------------------- any thread
     def add_requests(self, requests: Sequence[Request]) -> None:
@@ -148,9 +149,15 @@ class EngineCore:
             sampled = self.executor.collect_oldest()
         except WorkerFailure as exc:
             return outputs + self._die(f"a model worker failed: {exc}")
-        except Exception as exc:  # a failed forward ends its batch, never the engine
+        except Exception as exc:  # a failed forward ends its batch; only a run of them ends the engine
             logger.exception("iteration failed; ending its %d requests", len(batch.requests))
-            return outputs + self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
+            outputs += self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
+            self._failed_in_a_row += 1
+            budget = self.config.max_consecutive_failed_iterations
+            if budget and self._failed_in_a_row >= budget:
+                outputs += self._die(f"{self._failed_in_a_row} iterations in a row failed; the last: {exc}")
+            return outputs
+        self._failed_in_a_row = 0
         self.num_generated_tokens += sum(  # a prefill chunk short of the last token generates nothing
             not r.finished and r.num_computed + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
         )
@@ -167,9 +174,12 @@ class EngineCore:
             while not self._stopping:
                 idle = not (self.scheduler.has_work() or self._in_flight)
                 outputs = self._drain_inbox(block=True) if idle else []
+                iterations = self.num_iterations
                 if not self._stopping:
                     outputs += self.step()
-                if outputs:
+                # Every iteration is reported, outputs or not (a prompt chunk has none): the
+                # frontend's watchdog takes silence while requests are outstanding as a hang.
+                if outputs or self.num_iterations != iterations:
                     emit(outputs)
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must reach every waiting client
             logger.exception("engine loop died")

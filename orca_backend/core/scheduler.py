@@ -159,7 +159,8 @@ class Scheduler:
         return self._release([self._output(request, error)])
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[CoreOutput]:
-        """A batch whose forward failed: its requests end with the error; the engine goes on."""
+        """A batch whose forward failed: its requests end with the error; the engine goes on (unless
+        the failure budget, EngineCore's, is spent)."""
         outputs = []
         for request in batch.requests:
             if self._landed(request):

@@ -6,6 +6,11 @@ Its output thread ("orca-output") receives one frame per iteration and hands the
 frontend's callback, which detokenizes and reports them; it also keeps the stats the last frame
 carried. The process's death, however it happens (its loop failed, it was killed), reaches the
 frontend as `on_dead(reason)` once, after the last outputs the process managed to send.
+
+The watchdog ("orca-watchdog") covers what no exception reports: a hang. The core sends a frame for
+every iteration, so while requests are outstanding, silence for `iteration_timeout_s` means an
+iteration is stuck (a stopped or deadlocked worker, a forward that never returns). The watchdog then
+kills the process, whose workers follow their master, and the death path above ends every request.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import atexit
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -52,6 +59,11 @@ class EngineCoreProcess:
         self.dead_reason: str | None = None
         self._closing = False
         self._send_lock = threading.Lock()  # adds, aborts and stop come from several threads
+        # The watchdog's view: requests sent and not finished, and when the core last showed progress.
+        self._iteration_timeout_s = float(config.iteration_timeout_s)
+        self._outstanding = 0
+        self._progress_at = time.monotonic()
+        self._hang_reason: str | None = None
         self._stats = EngineStats(0, 0, 0, config.kv_capacity_tokens, 0, 0, 0.0, 0)
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe(duplex=True)
@@ -70,6 +82,8 @@ class EngineCoreProcess:
         self.worker_pids: list[int] = info["worker_pids"]
         self._thread = threading.Thread(target=self._output_loop, name="orca-output", daemon=True)
         self._thread.start()
+        if self._iteration_timeout_s > 0:
+            threading.Thread(target=self._watchdog, name="orca-watchdog", daemon=True).start()
 
     def _startup_answer(self, timeout_s: float | None) -> dict:
         if not wait([self._conn, self.process.sentinel], timeout=timeout_s):
@@ -86,6 +100,10 @@ class EngineCoreProcess:
 
     # ----------------------------------------------------------------- any thread
     def add_requests(self, requests: list[Request]) -> None:
+        with self._send_lock:
+            if self._outstanding == 0:  # the clock starts with the first outstanding request
+                self._progress_at = time.monotonic()
+            self._outstanding += len(requests)
         self._send(add_message(requests))
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
@@ -132,6 +150,10 @@ class EngineCoreProcess:
             except (EOFError, OSError):
                 break
             outputs, self._stats, dead_reason = read_frame(message)
+            finished = sum(o.finished for o in outputs)
+            with self._send_lock:
+                self._progress_at = time.monotonic()
+                self._outstanding -= finished
             if dead_reason is not None:
                 # Marked dead before its failed requests are reported, so their errors say the engine is gone.
                 self._mark_dead(dead_reason)
@@ -146,10 +168,33 @@ class EngineCoreProcess:
         self.process.join(timeout=5)
         if self._closing:
             reason = "the engine was shut down"
+        elif self._hang_reason is not None:
+            reason = self._hang_reason
         else:
             reason = f"the engine core process (pid {self.process.pid}) {_exit_description(self.process.exitcode)}"
         if self._mark_dead(reason):
             self._on_dead(reason)
+
+    # ---------------------------------------------------------------- watchdog thread
+    def _watchdog(self) -> None:
+        period = min(1.0, self._iteration_timeout_s / 4)
+        while not self._closing and self.dead_reason is None:
+            time.sleep(period)
+            with self._send_lock:
+                stalled = time.monotonic() - self._progress_at if self._outstanding > 0 else 0.0
+            if stalled > self._iteration_timeout_s and not self._closing and self.dead_reason is None:
+                self._hang_reason = (
+                    f"no engine iteration finished in {stalled:.0f} s with {self._outstanding} requests outstanding "
+                    f"(iteration_timeout_s={self._iteration_timeout_s:g}): a worker or the forward is hung; the "
+                    f"engine core process (pid {self.process.pid}) was killed"
+                )
+                logger.error("watchdog: %s", self._hang_reason)
+                # Workers too: a stopped (SIGSTOP) worker would not notice its master's death.
+                for pid in self.worker_pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.process.kill()  # the output thread reads EOF and ends every request with this reason
+                return
 
     def _mark_dead(self, reason: str) -> bool:
         """Sets the dead reason once; False if it was already set."""
