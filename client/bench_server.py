@@ -228,25 +228,30 @@ def read_engine_metrics(metrics_url: str, metrics: Iterable[str], models: Iterab
     return engine_samples(text, metrics, models)
 
 
-def engine_busy(metrics_url: str, models: list[str]) -> dict[str, float] | None:
+Reader = Any  # (metrics_url, metrics, models) -> read_engine_metrics()'s result
+
+
+def engine_busy(metrics_url: str, models: list[str], read: Reader | None = None) -> dict[str, float] | None:
     """Sum of waiting + running requests and used K/V per model, from the engine gauges (None: unreadable)."""
-    samples = read_engine_metrics(metrics_url, BUSY_GAUGES, models)
+    samples = (read or read_engine_metrics)(metrics_url, BUSY_GAUGES, models)
     if samples is None:
         return None
     return {model: sum(values.values()) for model, values in samples.items()}
 
 
-def wait_idle(metrics_url: str | None, models: list[str], timeout_s: float = 60.0) -> bool:
-    """Waits until no engine holds requests or K/V (after a cancelled run); True when idle."""
+def wait_idle(metrics_url: str | None, models: list[str], timeout_s: float = 60.0, read: Reader | None = None,
+              interval_s: float = 0.25) -> bool:  # fmt: skip
+    """Waits until no engine holds requests or K/V (after a cancelled run); True when idle or unreadable."""
     if not metrics_url:
         return True
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = engine_busy(metrics_url, models)
+    while True:
+        busy = engine_busy(metrics_url, models, read)
         if busy is None or not any(busy.values()):
             return True
-        time.sleep(0.25)
-    return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
 
 
 # ------------------------------------------------------------------ engine metrics over one run
@@ -261,8 +266,6 @@ ENGINE_COUNTERS = {
 # The engine exports its stats every 0.2 s (orca_backend/server/metrics.py, MetricsPoller): a run's
 # last increments reach the metrics port up to about one period after its last response.
 ENGINE_EXPORT_PERIOD_S = 0.2
-
-Reader = Any  # (metrics_url, metrics, models) -> read_engine_metrics()'s result
 
 
 @dataclass
@@ -335,18 +338,15 @@ class EngineWatch:
         return EngineRunStats(peak, counters, "; ".join(notes) or None)
 
     def _wait_idle(self, timeout_s: float) -> bool:
-        """wait_idle() for this model through our reader; True when idle or unreadable."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        """wait_idle() for this model through our reader, whose errors read as unreadable (idle)."""
+
+        def read(url: str, metrics: Iterable[str], models: Iterable[str]) -> dict[str, dict[str, float]] | None:
             try:
-                samples = self._read(self.metrics_url, BUSY_GAUGES, [self.model])
+                return self._read(url, metrics, models)
             except Exception:
-                return True
-            if samples is None or not any(samples.get(self.model, {}).values()):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
+                return None
+
+        return wait_idle(self.metrics_url, [self.model], timeout_s, read=read, interval_s=0.1)
 
     def _poll(self) -> None:
         while not self._stop.is_set():

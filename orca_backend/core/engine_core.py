@@ -77,7 +77,6 @@ class EngineCore:
         self._stopping = False
         self.dead_reason: str | None = None
         self.num_iterations = 0
-        self.num_generated_tokens = 0
         self.last_iteration_seconds = 0.0
         self.max_batches_in_flight = 0
         self._failed_in_a_row = 0  # the failure budget's count (config.max_consecutive_failed_iterations)
@@ -105,7 +104,7 @@ class EngineCore:
             kv_used_tokens=self.kv.used_tokens,
             kv_capacity_tokens=self.kv.capacity_tokens,
             num_iterations=self.num_iterations,
-            num_generated_tokens=self.num_generated_tokens,
+            num_generated_tokens=self.scheduler.num_generated_tokens,
             last_iteration_seconds=self.last_iteration_seconds,
             max_batches_in_flight=self.max_batches_in_flight,
             kv_used_blocks=self.kv.used_blocks,
@@ -158,9 +157,6 @@ class EngineCore:
                 outputs += self._die(f"{self._failed_in_a_row} iterations in a row failed; the last: {exc}")
             return outputs
         self._failed_in_a_row = 0
-        self.num_generated_tokens += sum(  # a prefill chunk short of the last token generates nothing
-            not r.finished and r.num_computed + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-        )
         updated = self.scheduler.update_from_output(batch, sampled)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started

@@ -25,6 +25,16 @@ from orca_backend.core.block_pool import BlockKey, BlockPool, block_key
 from orca_backend.core.request import Request
 
 
+def pool_capacity_tokens(capacity_tokens: int, block_size: int) -> int:
+    """The slots of a pool of `capacity_tokens` cut into whole blocks."""
+    return capacity_tokens // block_size * block_size
+
+
+def fits_in_pool(num_tokens: int, capacity_tokens: int, block_size: int) -> bool:
+    """Whether `num_tokens` tokens fit an empty pool of whole blocks (validation needs no pool)."""
+    return -(-num_tokens // block_size) <= capacity_tokens // block_size
+
+
 class KVCacheManager(ABC):
     def __init__(self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False) -> None:
         if block_size < 1:
@@ -58,7 +68,7 @@ class KVCacheManager(ABC):
     def fits_ever(self, request: Request) -> bool:
         """Whether the request can run to `max_tokens` in an empty pool; if not, queueing it would
         wait (or be preempted) forever."""
-        return self.blocks_for(request.max_total_tokens) <= self.num_blocks
+        return fits_in_pool(request.max_total_tokens, self.capacity_tokens, self.block_size)
 
     @abstractmethod
     def _tokens_at_admission(self, request: Request) -> int:

@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
+        self.num_generated_tokens = 0
         self._held: list[CoreOutput] = []  # request-level mode: the running batch's outputs
 
     def has_work(self) -> bool:
@@ -141,6 +142,7 @@ class Scheduler:
             if request.num_computed < request.num_tokens:
                 continue  # a prefill chunk short of the last token: nothing was sampled
             request.output_ids.append(token)
+            self.num_generated_tokens += 1
             reason = check_stop(request, token, self.eos_token_id)
             if reason is not None:
                 self._end(request, reason)

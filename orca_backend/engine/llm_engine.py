@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from orca_backend.config import EngineConfig
 from orca_backend.core.core_process import CoreHook
 from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
-from orca_backend.core.kv_cache_manager import make_kv_manager
+from orca_backend.core.kv_cache_manager import fits_in_pool, pool_capacity_tokens
 from orca_backend.core.request import CoreOutput, Request
 from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import (
@@ -70,7 +70,6 @@ class LLMEngine:
                 f"tokenizer {tokenizer_path} has {self.tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {self.model_config.vocab_size}"
             )
-        self._kv_limits = make_kv_manager(config)  # validation's arithmetic
         self.outputs = OutputProcessor(self.tokenizer, config.max_queued_requests, config.max_queued_prompt_tokens)
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
@@ -165,10 +164,11 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context length of {context} tokens"
             )
-        if not self._kv_limits.fits_ever(Request("validate", ids, params, arrival_time=0.0)):
+        if not fits_in_pool(total, self.config.kv_capacity_tokens, self.config.block_size):
+            capacity = pool_capacity_tokens(self.config.kv_capacity_tokens, self.config.block_size)
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the K/V capacity of {self._kv_limits.capacity_tokens} tokens; raise kv_capacity_tokens"
+                f"the K/V capacity of {capacity} tokens; raise kv_capacity_tokens"
             )
         return ids
 

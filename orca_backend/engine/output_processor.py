@@ -104,16 +104,18 @@ class OutputProcessor:
     def _dequeue(self, request_id: str) -> None:
         """The request had its first event: it no longer counts against the queue limits."""
         with self._lock:
-            tokens = self._queued.pop(request_id, None)
-            if tokens is not None:
-                self._queued_tokens -= tokens
+            self._dequeue_locked(request_id)
+
+    def _dequeue_locked(self, request_id: str) -> None:
+        tokens = self._queued.pop(request_id, None)
+        if tokens is not None:
+            self._queued_tokens -= tokens
 
     def discard(self, request_ids: list[str]) -> None:
         """Forgets requests the core never accepted."""
-        for rid in request_ids:
-            self._dequeue(rid)
         with self._lock:
             for rid in request_ids:
+                self._dequeue_locked(rid)
                 self._states.pop(rid, None)
 
     def process(self, outputs: list[CoreOutput]) -> list[str]:
