@@ -270,6 +270,14 @@ class EngineConfig:
     # Failure budget: this many failed iterations in a row end the engine (a sticky device error
     # fails every batch); 0 never does.
     max_consecutive_failed_iterations: int = 10
+    # Limits a deployment sets on each request, checked before it reaches the engine (0: none).
+    max_input_tokens: int = 0  # prompt tokens; the model's context length bounds it anyway
+    max_stop_sequences: int = 16  # stop strings per request
+    max_stop_length: int = 256  # characters per stop string
+    max_request_bytes: int = 4 * 2**20  # a served request's input tensors, before any decoding or tokenizing
+    # Priorities: a waiting request gains one priority level (lower is served first) per this many
+    # seconds it waits, so no class starves; 0 turns aging off (strict priority).
+    priority_aging_s: float = 10.0
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
@@ -290,7 +298,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
         if float(self.iteration_timeout_s) < 0:
             raise ValueError(f"iteration_timeout_s must be > 0, or 0 to turn the watchdog off, got {self.iteration_timeout_s!r}")
-        for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_consecutive_failed_iterations"):
+        if float(self.priority_aging_s) < 0:
+            raise ValueError(f"priority_aging_s must be > 0, or 0 for strict priority, got {self.priority_aging_s!r}")
+        for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_consecutive_failed_iterations",
+                     "max_input_tokens", "max_stop_sequences", "max_stop_length", "max_request_bytes"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 1, or 0 for no limit, got {getattr(self, name)!r}")
         if not 0.0 <= float(self.kv_watermark) < 1.0:

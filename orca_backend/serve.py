@@ -29,6 +29,11 @@ from orca_backend.net import free_port
 
 ALL_MODELS = ("orca", "baseline")
 
+# orca-serve's exit codes besides tritonserver's own: 1 for a failed start, this one when
+# --exit-on-model-failure saw a served model stop being ready.
+EXIT_MODEL_FAILED = 3
+MODEL_POLL_INTERVAL_S = 1.0
+
 
 def default_model_repository() -> Path:
     """The repository checked in next to this package (editable install), else ./model_repository."""
@@ -264,10 +269,19 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return 0
 
+    def model_ready_status(self, name: str) -> int:
+        """HTTP status of the model's readiness endpoint: 200 ready, 0 no answer (down, or too busy)."""
+        return self._get(f"/v2/models/{name}/ready")
+
     def is_ready(self) -> bool:
         return self._get("/v2/health/ready") == 200 and all(
-            self._get(f"/v2/models/{name}/ready") == 200 for name in self.options.models
+            self.model_ready_status(name) == 200 for name in self.options.models
         )
+
+    def failed_models(self) -> list[str]:
+        """Served models whose readiness endpoint answers with an error: a model whose engine died
+        unloads itself. No answer at all is no verdict (a busy server may miss the timeout)."""
+        return [name for name in self.options.models if self.model_ready_status(name) not in (0, 200)]
 
     def is_live(self) -> bool:
         return self._get("/v2/health/live") == 200
@@ -348,8 +362,37 @@ def _parse_key_values(items: list[str]) -> dict[str, str]:
     return out
 
 
+class ModelFailureMonitor:
+    """Polls the served models' readiness once a second and names those that stopped being ready.
+
+    Triton's /v2/health/ready skips unloaded models, so this is the only way a supervisor outside
+    hears that a model's engine died. A model counts as failed when two polls in a row say so.
+    """
+
+    def __init__(self, server: TritonServer, interval_s: float = MODEL_POLL_INTERVAL_S) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self._next_poll = time.monotonic()
+        self._suspects: set[str] = set()
+
+    def poll(self) -> list[str]:
+        """The models confirmed failed (empty until one is); polls only when the interval is over."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + self.interval_s
+        failed = self.server.failed_models()
+        confirmed = [name for name in failed if name in self._suspects]
+        self._suspects = set(failed)
+        return confirmed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="orca-serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="orca-serve", description=__doc__.splitlines()[0],
+        epilog=f"exit status: 0 after SIGINT/SIGTERM, 1 when the server does not start, {EXIT_MODEL_FAILED} when "
+               "--exit-on-model-failure saw a model fail, else tritonserver's own when it exits by itself",
+    )  # fmt: skip
     p.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated models to load (orca,baseline)")
     p.add_argument("--model-repository", type=Path, default=None, help="default: the checked-in model_repository")
     p.add_argument("--model", help="preset name (gpt2-small, llama-150m, ...) or HF checkpoint directory (GPT-2, Llama, Mistral, Qwen2, Qwen3)")
@@ -377,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
+    p.add_argument("--exit-on-model-failure", action="store_true",
+                   help="once every model was ready, poll each model's readiness every second; when one stops "
+                        "being ready (its engine died and it unloaded itself), stop tritonserver and exit with "
+                        f"code {EXIT_MODEL_FAILED}, so that a supervisor (compose restart policy, systemd, "
+                        "Kubernetes) restarts the deployment. Without it the other models go on serving")
+    p.add_argument("--triton-arg", action="append", default=[], metavar="ARG",
+                   help="an extra tritonserver argument, appended as is (repeatable); write the value after '=', "
+                        "e.g. --triton-arg=--http-restricted-api=model-repository:admin-key=SECRET")
     return p
 
 
@@ -401,7 +452,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         model_parameters={"orca": orca_params} if orca_params else {},
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        log_verbose=args.log_verbose,
+        log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg),
     )
 
 
@@ -440,7 +491,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"  metrics  {server.metrics_url}",
                 flush=True,
             )
+        monitor = ModelFailureMonitor(server) if args.exit_on_model_failure else None
         while not stop_requested and server.process is not None and server.process.poll() is None:
+            failed = monitor.poll() if monitor is not None else []
+            if failed:
+                print(
+                    f"orca-serve: model {', '.join(map(repr, failed))} is no longer ready (its engine failed and it "
+                    "unloaded itself, or the model-repository API unloaded it; the tritonserver log above says "
+                    "which); --exit-on-model-failure: "
+                    f"stopping tritonserver and exiting with code {EXIT_MODEL_FAILED} for a supervisor to restart",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                return EXIT_MODEL_FAILED
             time.sleep(0.25)
         if not stop_requested:
             print(f"orca-serve: tritonserver exited with code {server.process.returncode}", file=sys.stderr)

@@ -41,6 +41,27 @@ class StepGate:
         self._permits.release()
 
 
+class PoisonSampling:
+    """Makes the sampling of one request's rows fail inside the workers, after every collective (a
+    banned id past the vocabulary makes the sampler's indexing raise), as a fault that strikes only
+    that batch would."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    def __call__(self, core: Any) -> None:  # in the core process
+        executor = core.executor
+        submit = executor.submit
+
+        def poisoned(batch_meta: Any) -> None:
+            for row, rid in enumerate(batch_meta.request_ids):
+                if rid == self.request_id:
+                    batch_meta.banned_ids[row] = [10**9]
+            submit(batch_meta)
+
+        executor.submit = poisoned
+
+
 class Crash(BaseException):
     """Kills the engine loop (its per-batch guard only catches Exception)."""
 

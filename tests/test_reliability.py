@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from core_hooks import StepGate, pid_alive
+from core_hooks import PoisonSampling, StepGate, pid_alive
 from serving_utils import wait_until
 
 from orca_backend import LLM, SamplingParams
@@ -87,4 +87,27 @@ def test_a_stopped_tensor_parallel_worker_is_noticed_and_no_process_outlives_it(
     # SIGKILLed, but reaped by whichever process adopts them: give that a moment.
     assert wait_until(lambda: not pid_alive(engine.core.pid) and not any(pid_alive(pid) for pid in workers)), [
         (pid, pid_alive(pid)) for pid in workers]
+
+
+def test_a_batch_whose_sampling_fails_in_a_tensor_parallel_worker_fails_only_its_culprit(tiny_checkpoint):
+    """Sampling runs after every collective, so a worker that fails there reports the batch and goes
+    on: the engine narrows the failure down to the request that causes it, as in one process."""
+    path = str(tiny_checkpoint[0])
+    engine = LLMEngine.launch(EngineConfig(model=path, tensor_parallel_size=2, max_consecutive_failed_iterations=3),
+                              core_hook=PoisonSampling("poison"))  # fmt: skip
+    try:
+        prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+        ids = ["a", "b", "poison", "c"]
+        streams = engine.add_requests(prompts, PARAMS, request_ids=ids)
+        events = {s.request_id: list(s) for s in streams}
+        assert events["poison"][-1].finish_reason == "error" and "sampling failed" in events["poison"][-1].error
+        reference = LLM(path).generate(prompts, PARAMS)
+        for rid, ref in zip(ids, reference, strict=True):
+            if rid != "poison":
+                assert [t for e in events[rid] for t in e.new_token_ids] == ref.output_ids
+        assert engine.healthy and all(pid_alive(pid) for pid in engine.core.worker_pids)
+        again = engine.add_request([1, 2, 3], PARAMS)
+        assert [t for e in again for t in e.new_token_ids] == reference[0].output_ids
+    finally:
+        engine.shutdown()
 

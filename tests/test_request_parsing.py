@@ -207,6 +207,56 @@ def test_error_codes():
     assert error_code(KeyError("x"))[0] == "INTERNAL"
 
 
+# ---- priority, timeout, request size ----------------------------------------------------------
+def test_priority_and_timeout_come_from_request_parameters():
+    parsed = parse_inputs({"input_ids": ids(1, 2)}, {"priority": 3, "timeout_s": 2.5})
+    assert (parsed.priority, parsed.timeout_s) == (3, 2.5)
+    parsed = parse_inputs({"input_ids": ids(1, 2)}, '{"priority": "-1", "timeout_s": "0.5"}')  # HTTP may send strings
+    assert (parsed.priority, parsed.timeout_s) == (-1, 0.5)
+    assert (parse_inputs({"input_ids": ids(1)}).priority, parse_inputs({"input_ids": ids(1)}).timeout_s) == (0, None)
+
+
+def test_the_shorter_of_the_parameter_and_tritons_request_timeout_wins():
+    assert parse_inputs({"input_ids": ids(1)}, triton_timeout_us=3_000_000).timeout_s == 3.0
+    assert parse_inputs({"input_ids": ids(1)}, {"timeout_s": 2}, triton_timeout_us=3_000_000).timeout_s == 2.0
+    assert parse_inputs({"input_ids": ids(1)}, {"timeout_s": 9}, triton_timeout_us=3_000_000).timeout_s == 3.0
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"priority": 1.5}, "request parameter priority must be an integer"),
+        ({"priority": "high"}, "request parameter priority must be an integer"),
+        ({"priority": 2**40}, "priority must be an integer in"),
+        ({"timeout_s": "soon"}, "request parameter timeout_s must be a number"),
+        ({"timeout_s": -1}, "timeout_s must be a number of seconds > 0"),
+        ({"timeout_s": True}, "request parameter timeout_s must be a number"),
+    ],
+)
+def test_bad_priority_or_timeout_parameters(parameters, message):
+    with pytest.raises(ValueError, match=message):
+        parse_inputs({"input_ids": ids(1, 2)}, parameters)
+
+
+def test_max_request_bytes_bounds_the_inputs_before_anything_is_decoded():
+    prompt = "x" * 1000
+    assert parse_inputs({"text_input": text(prompt)}, max_request_bytes=1000).prompt == prompt
+    with pytest.raises(ValueError, match="1001 bytes, more than this deployment's max_request_bytes of 1000"):
+        parse_inputs({"text_input": text(prompt + "y")}, max_request_bytes=1000)
+    with pytest.raises(ValueError, match="max_request_bytes of 100"):
+        parse_inputs({"input_ids": np.ones(26, dtype=np.int32)}, max_request_bytes=100)  # 104 bytes
+    with pytest.raises(ValueError, match="max_request_bytes"):  # checked before the invalid UTF-8 is seen
+        parse_inputs({"text_input": np.array([b"\xff" * 200], dtype=np.object_)}, max_request_bytes=100)
+
+
+def test_a_timeout_is_answered_unavailable_and_other_failures_internal_or_unavailable():
+    from orca_backend.server.protocol import request_failure
+
+    assert error_code(request_failure("the request timed out", True, "timeout"))[0] == "UNAVAILABLE"
+    assert error_code(request_failure("batch failed", True))[0] == "INTERNAL"
+    assert error_code(request_failure("engine gone", False))[0] == "UNAVAILABLE"
+
+
 # ---- the model repository and orca-serve's rendering of it -------------------------------------
 def _declared(config_text: str, section: str) -> dict[str, str]:
     block = re.search(rf"{section}\s*\[(.*?)\n\]", config_text, re.S).group(1)

@@ -32,3 +32,50 @@ def test_checked_in_orca_config_parses_and_a_rendered_override_takes():
     assert (config.kv_policy, config.enable_prefix_caching, config.block_size, config.max_num_batched_tokens) == (
         "paged", True, 16, 0)
     assert options_from_args(build_parser().parse_args([])).model_parameters == {}
+
+
+def test_triton_args_pass_through_to_the_command_line(tmp_path):
+    from pathlib import Path
+
+    from orca_backend.serve import TritonBinary, TritonServer
+
+    restricted = "--http-restricted-api=model-repository:admin-key=k"
+    args = build_parser().parse_args([f"--triton-arg={restricted}", "--triton-arg=--log-info=false"])
+    options = options_from_args(args)
+    assert options.extra_args == (restricted, "--log-info=false")
+    options.run_dir = tmp_path
+    command = TritonServer(options).command(TritonBinary(Path("/opt/tritonserver/bin/tritonserver")), tmp_path)
+    assert command[-2:] == [restricted, "--log-info=false"]
+    assert "--model-control-mode=explicit" in command  # models can still unload themselves
+    assert options_from_args(build_parser().parse_args([])).extra_args == ()
+
+
+def test_model_failure_monitor_confirms_a_failure_on_a_second_poll(tmp_path):
+    """A model counts as failed when its readiness answers non-200 twice in a row; no answer at all
+    (a busy or stopping server) is no verdict."""
+    from orca_backend.serve import ModelFailureMonitor, ServerOptions, TritonServer
+
+    server = TritonServer(ServerOptions(run_dir=tmp_path))
+    statuses = {"/v2/models/orca/ready": 200, "/v2/models/baseline/ready": 200}
+    server._get = statuses.__getitem__  # type: ignore[method-assign]
+    monitor = ModelFailureMonitor(server, interval_s=0.0)
+    assert monitor.poll() == []
+    statuses["/v2/models/baseline/ready"] = 0  # timed out: not a failure
+    assert monitor.poll() == [] and monitor.poll() == []
+    statuses["/v2/models/orca/ready"] = 400
+    assert monitor.poll() == []  # suspected
+    statuses["/v2/models/orca/ready"] = 200
+    assert monitor.poll() == []  # and cleared
+    statuses["/v2/models/orca/ready"] = 400
+    assert monitor.poll() == []
+    assert monitor.poll() == ["orca"]
+
+
+def test_exit_on_model_failure_is_off_by_default_and_documents_its_code():
+    from orca_backend.serve import EXIT_MODEL_FAILED
+
+    parser = build_parser()
+    assert parser.parse_args([]).exit_on_model_failure is False
+    assert parser.parse_args(["--exit-on-model-failure"]).exit_on_model_failure is True
+    help_text = " ".join(parser.format_help().split())
+    assert f"exit with code {EXIT_MODEL_FAILED}" in help_text and EXIT_MODEL_FAILED not in (0, 1)

@@ -62,9 +62,13 @@ class FakeSender:
         self.finished = threading.Event()
         self.release: threading.Event | None = None  # when set up, send() waits for it: a lagging client
         self.sending = threading.Event()
+        self.refuse_finals = 0  # this many final sends raise, as a real sender's failing send does
 
     def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
         self.sending.set()
+        if flags & FINAL and self.refuse_finals:
+            self.refuse_finals -= 1
+            raise RuntimeError("the final response could not be delivered")
         if self.release is not None:
             assert self.release.wait(60), "the test never released the sender"
         # Recorded, not asserted: the adapter swallows a sender's exceptions (a real one raises when
@@ -82,9 +86,11 @@ class FakeSender:
 
 
 class FakeRequest:
-    def __init__(self, parameters: str = "", outputs: tuple[str, ...] = OUTPUT_NAMES, **tensors: np.ndarray) -> None:
+    def __init__(self, parameters: str = "", outputs: tuple[str, ...] = OUTPUT_NAMES, timeout_us: int = 0,
+                 **tensors: np.ndarray) -> None:  # fmt: skip
         self.tensors = tensors
         self._parameters = parameters
+        self._timeout_us = timeout_us
         self._outputs = outputs  # Triton lists every output when the client names none
         self.sender = FakeSender()
 
@@ -99,6 +105,9 @@ class FakeRequest:
 
     def parameters(self) -> str:
         return self._parameters
+
+    def timeout(self) -> int:  # Triton's request timeout in microseconds, 0 when the client set none
+        return self._timeout_us
 
     def is_cancelled(self) -> bool:
         return self.sender.cancelled
@@ -253,6 +262,55 @@ def test_orca_refuses_past_its_queue_limit_at_once_with_unavailable(pb_utils):
     finally:
         model.finalize()
     for request in requests:
+        assert_one_final(request.sender)
+
+
+def test_orca_request_timeout_ends_the_request_unavailable_and_the_others_go_on(pb_utils):
+    gate = StepGate()
+    model = load("orca", gate, model_transaction_policy={"decoupled": True})
+    try:
+        timed = ids_request([1, 2, 3], 8)
+        timed._timeout_us = 1  # Triton's request timeout: long gone when the engine first looks
+        other = ids_request([4, 5], 6)
+        model.execute([timed, other])
+        gate.open()
+        (error, flags), = finish(timed).sent
+        assert flags == FINAL and error.error.code == FakeError.UNAVAILABLE
+        assert "timed out: its timeout of 1e-06 s passed while it was waiting in the queue" in error.error.message
+        assert finish(other).ids() == expected([4, 5], 6)
+        assert wait_for(lambda: model.engine.stats().kv_used_blocks == 0)
+    finally:
+        model.finalize()
+    assert_one_final(timed.sender)
+
+
+def test_orca_a_final_response_that_cannot_be_built_or_sent_becomes_an_error(pb_utils):
+    import orca_backend.server.orca_model as orca_model
+
+    model = load("orca", model_transaction_policy={"decoupled": True})
+    make_response = orca_model.make_response
+
+    def failing_final(arrays):
+        if arrays["finish_reason"][0]:
+            raise ValueError("an output that cannot be built")
+        return make_response(arrays)
+
+    try:
+        unbuildable = ids_request([1, 2, 3], 4)
+        orca_model.make_response = failing_final
+        model.execute([unbuildable])
+        error, flags = finish(unbuildable).sent[-1]
+        assert flags == FINAL and "an output that cannot be built" in error.error.message
+        orca_model.make_response = make_response
+        unsendable = ids_request([1, 2, 3], 4)
+        unsendable.sender.refuse_finals = 1
+        model.execute([unsendable])
+        error, flags = finish(unsendable).sent[-1]
+        assert flags == FINAL and "the final response could not be sent" in error.error.message
+    finally:
+        orca_model.make_response = make_response
+        model.finalize()
+    for request in (unbuildable, unsendable):
         assert_one_final(request.sender)
 
 

@@ -53,6 +53,8 @@ def test_numeric_strings_are_accepted_as_genai_perf_sends_them():
         ([1] * 100, SamplingParams(max_tokens=20), None),  # fits the context: must be accepted
         ([1.5, 2], SamplingParams(), "string or a sequence of integer"),
         ([1, 2], SamplingParams(stop_token_ids=[5, 10_000]), r"stop_token_ids: 10000 is outside the model's vocabulary"),
+        ([1, 2], SamplingParams(min_tokens=1, stop_token_ids=list(range(384))), "ban every token of the vocabulary"),
+        ([1, 2], SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=list(range(1, 384)), ignore_eos=True), None),
         # The largest values the params accept must run, not fail inside the batch.
         ([1, 2], SamplingParams(max_tokens=4, seed=2**64 - 1, top_k=2**31 - 1, ignore_eos=True), None),
     ],

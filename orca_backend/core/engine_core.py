@@ -67,6 +67,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,
             pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
+            priority_aging_s=config.priority_aging_s,
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
@@ -129,6 +130,7 @@ class EngineCore:
         outputs = self._drain_inbox(block=False)
         if self.dead_reason is not None:
             return outputs
+        outputs += self._note_finished(self.scheduler.expire())
         while self.executor.num_in_flight < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
@@ -148,8 +150,9 @@ class EngineCore:
             sampled = self.executor.collect_oldest()
         except WorkerFailure as exc:
             return outputs + self._die(f"a model worker failed: {exc}")
-        except Exception as exc:  # a failed forward ends its batch; only a run of them ends the engine
-            logger.exception("iteration failed; ending its %d requests", len(batch.requests))
+        except Exception as exc:  # a failed forward ends only the request that fails alone; a run of them, the engine
+            logger.exception("iteration failed; %s", "ending its request" if len(batch.requests) == 1
+                             else f"re-running its {len(batch.requests)} requests in halves to find the one that fails")
             outputs += self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
             self._failed_in_a_row += 1
             budget = self.config.max_consecutive_failed_iterations
@@ -181,8 +184,12 @@ class EngineCore:
             logger.exception("engine loop died")
             emit(self._die(f"engine loop crashed: {exc!r}"))
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+    def shutdown(self) -> list[CoreOutput]:
+        """Stops serving and the executor: every request not finished fails, and later adds are
+        refused. Returns the failed requests' outputs."""
+        if self.dead_reason is not None:
+            return []
+        return self._die("the engine was shut down", expected=True)
 
     def _drain_inbox(self, block: bool) -> list[CoreOutput]:
         outputs: list[CoreOutput] = []
@@ -206,8 +213,8 @@ class EngineCore:
         self._released_ids += [o.request_id for o in outputs if o.finished]
         return outputs
 
-    def _die(self, reason: str) -> list[CoreOutput]:
-        logger.error("engine stops serving: %s", reason)
+    def _die(self, reason: str, expected: bool = False) -> list[CoreOutput]:
+        (logger.info if expected else logger.error)("engine stops serving: %s", reason)
         with self._inbox_lock:
             self.dead_reason = reason
             self._stopping = True

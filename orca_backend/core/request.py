@@ -20,8 +20,10 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival_time: float
+    arrival_time: float  # time.monotonic() when the frontend took it (one clock for every process)
     sampling_seed: int = 0  # params.seed, or drawn by the engine at arrival (see worker/sampler.py)
+    priority: int = 0  # lower is served first (vLLM's convention); equal priorities are FCFS
+    timeout_s: float | None = None  # it ends with finish_reason "timeout" this long after arrival
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -47,6 +49,10 @@ class Request:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def deadline(self) -> float | None:
+        return None if self.timeout_s is None else self.arrival_time + self.timeout_s
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -58,8 +64,8 @@ class Request:
 class CoreOutput:
     """What one iteration (or an abort) did to one request: its new tokens, and whether it ended.
 
-    `finish_reason` is "length" | "stop" | "cancelled" | "error" (with `error` holding the message),
-    or the reason an abort named.
+    `finish_reason` is "length" | "stop" | "cancelled" | "timeout" | "error" ("timeout" and "error"
+    with `error` holding the message), or the reason an abort named.
     """
 
     request_id: str

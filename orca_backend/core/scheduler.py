@@ -1,8 +1,9 @@
 """Iteration-level FCFS scheduling (ORCA §4.2), and the request-level mode the baseline uses.
 
 Between two iterations `schedule()` builds the next batch: running requests' decodes, then their
-unfinished prefills, then waiting requests admitted first come, first served while the batch stays
-within `max_num_seqs` and the K/V manager gives them blocks. With a token budget
+unfinished prefills, then waiting requests admitted first come, first served (within a priority,
+core/waiting_queue.py) while the batch stays within `max_num_seqs` and the K/V manager gives them
+blocks. With a token budget
 (`max_num_batched_tokens`) a long prompt is prefilled in chunks over several iterations, beside the
 decodes (chunked prefill); without one, a prompt runs whole. `update_from_output()` appends the
 sampled tokens, ends the requests that are done (`check_stop`), so they leave before the next
@@ -10,8 +11,13 @@ iteration, and returns what changed as CoreOutputs. With pipeline parallelism se
 in flight; a request in flight is never scheduled again until its batch returns.
 
 Under the paged K/V policy a decode may find no free block: the most recently admitted running
-request is then preempted by recompute and waits at the head of the queue (FCFS order is kept).
-Under ORCA's reservation nothing is ever preempted.
+request of the lowest priority is then preempted by recompute and waits at the head of its queue
+(FCFS order is kept). Under ORCA's reservation nothing is ever preempted.
+
+A request with a timeout ends with finish_reason "timeout" once its deadline passes, queued or
+running (`expire`). A batch whose forward failed is not failed whole: its requests are re-run in
+halves, each half alone, until the request that fails alone is found (`fail_batch`), so one poison
+request costs the others about 2 log2(batch size) iterations and nothing else.
 
 Request-level mode (the baseline's FasterTransformer-style serving) lives here too, whole: a batch
 is admitted only when nothing runs, it runs until its last request finishes (nobody joins), and
@@ -20,13 +26,18 @@ its outputs are held until then, because a request-level server answers a batch 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import sys
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orca_backend.core.kv_cache_manager import KVCacheManager
 from orca_backend.core.request import CoreOutput, Request, RequestStatus
 from orca_backend.core.stop import check_stop
+from orca_backend.core.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -42,7 +53,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
-        pipeline_depth: int = 1, max_num_batched_tokens: int = 0,
+        pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         self.kv = kv
         self.max_num_seqs = max_num_seqs  # requests in one batch
@@ -52,8 +64,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.request_level = request_level
         self.eos_token_id = eos_token_id
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(priority_aging_s)
         self.running: list[Request] = []  # in admission order: the last is preempted first
+        self._requests: dict[str, Request] = {}  # waiting and running, by id
+        self._deadlines: list[tuple[float, int, Request]] = []  # a heap; finished requests leave it lazily
+        self._deadline_seq = itertools.count()
+        # Halves of failed batches, each to be re-run alone (see fail_batch); head first.
+        self._suspects: deque[list[Request]] = deque()
+        self.clock = clock
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
         self.num_generated_tokens = 0
@@ -64,12 +82,35 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._requests[request.request_id] = request
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
+
+    def expire(self) -> list[CoreOutput]:
+        """Ends every request whose deadline has passed, queued or running, with finish_reason "timeout"."""
+        outputs: list[CoreOutput] = []
+        if len(self._deadlines) > 2 * len(self._requests) + 64:  # mostly finished requests: drop them
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].finished]
+            heapq.heapify(self._deadlines)
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if request.finished:
+                continue
+            where = "waiting in the queue" if request.status is RequestStatus.WAITING else "running"
+            self._end(request, "timeout")
+            error = (f"the request timed out: its timeout of {request.timeout_s:g} s passed while it was {where} "
+                     f"({len(request.output_ids)} tokens generated)")
+            outputs.append(self._output(request, error))
+        return self._release(outputs)
 
     def schedule(self) -> ScheduledBatch | None:
         """The next batch: running decodes first, then running prefills, then newly admitted
         requests (FCFS), within `max_num_seqs` requests and the token budget. A prompt longer than
         the budget left is split into chunks over several iterations."""
         budget = self.max_num_batched_tokens or sys.maxsize
+        if self._suspects:
+            return self._schedule_suspects(budget)
         batch = ScheduledBatch([], [])
         idle, preemptions = not self.running, self.num_preemptions
         decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
@@ -87,14 +128,29 @@ class Scheduler:
         if (not self.request_level or idle) and self.num_preemptions == preemptions:
             while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
                     and budget > 0:  # fmt: skip
-                request = self.waiting[0]
+                request = self.waiting.head(self.clock())
+                assert request is not None
                 if not self.kv.admit(request, others_running=bool(self.running)):
                     break  # strict FCFS: a later, smaller request does not overtake the head of the queue
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
         return batch if batch.requests else None
+
+    def _schedule_suspects(self, budget: int) -> ScheduledBatch | None:
+        """The next half of a failed batch, alone: its members still running, nobody else."""
+        while self._suspects:
+            batch = ScheduledBatch([], [])
+            for request in self._suspects.popleft():
+                if request.status is not RequestStatus.RUNNING or request.in_flight or budget == 0:
+                    continue  # ended or preempted meanwhile: no longer a suspect
+                num_new = min(request.num_tokens - request.num_computed, budget)
+                if self._make_room(request, num_new, batch):
+                    budget -= self._add(batch, request, num_new)
+            if batch.requests:
+                return batch
+        return None
 
     def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
         request.in_flight = True
@@ -105,13 +161,13 @@ class Scheduler:
         return num_new
 
     def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
-        """Grows the request's block table for its next tokens, preempting the most recently
-        admitted running requests (never one in flight or in this batch) until it fits. False if
-        it cannot run this iteration: nothing left to preempt, or it was itself the one preempted."""
+        """Grows the request's block table for its next tokens, preempting running requests (the
+        lowest priority, the most recently admitted of it first; never one in flight or in this batch)
+        until it fits. False if it cannot run this iteration: nothing left to preempt, or it was
+        itself the one preempted."""
         while not self.kv.grow(request, num_new):
-            victim = next(
-                (r for r in reversed(self.running) if not r.in_flight and r not in batch.requests), None
-            )
+            candidates = (r for r in reversed(self.running) if not r.in_flight and r not in batch.requests)
+            victim = max(candidates, key=lambda r: r.priority, default=None)  # max keeps the first, the newest
             if victim is None:
                 return False
             self._preempt(victim)
@@ -161,18 +217,27 @@ class Scheduler:
         return self._release([self._output(request, error)])
 
     def fail_batch(self, batch: ScheduledBatch, error: str) -> list[CoreOutput]:
-        """A batch whose forward failed: its requests end with the error; the engine goes on (unless
-        the failure budget, EngineCore's, is spent)."""
+        """A batch whose forward failed. A request that failed alone ends with the error; a larger
+        batch is split in halves, each re-run alone next (head of the line), so the failure is
+        narrowed down to the request that causes it while the others go on. Nothing of the failed
+        iteration was recorded, so a re-run computes the same tokens (a request's sampler state has
+        advanced only if the failure came after its token was drawn). The engine goes on, unless
+        the failure budget (EngineCore's) is spent."""
+        landed = [r for r in batch.requests if self._landed(r)]
+        if len(batch.requests) > 1 and len(landed) > 1:
+            middle = len(landed) // 2
+            self._suspects.extendleft([landed[middle:], landed[:middle]])
+            return []
         outputs = []
-        for request in batch.requests:
-            if self._landed(request):
-                self._end(request, "error")
-                outputs.append(self._output(request, error))
+        for request in landed:
+            self._end(request, "error")
+            outputs.append(self._output(request, error))
         return self._release(outputs)
 
     def fail_all(self, error: str) -> list[CoreOutput]:
         """The model is gone: every request ends with the error, held outputs included."""
         outputs, self._held = self._held, []
+        self._suspects.clear()
         for request in list(self.running) + list(self.waiting):
             request.in_flight = False
             self._end(request, "error")
@@ -189,12 +254,13 @@ class Scheduler:
         return True
 
     def _end(self, request: Request, reason: str) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
         if not request.in_flight:
             self.kv.free(request)
 
@@ -214,10 +280,4 @@ class Scheduler:
         return released
 
     def _find(self, request_id: str) -> Request | None:
-        for request in self.running:
-            if request.request_id == request_id:
-                return request
-        for request in self.waiting:
-            if request.request_id == request_id:
-                return request
-        return None
+        return self._requests.get(request_id)

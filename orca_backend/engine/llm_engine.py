@@ -13,6 +13,7 @@ Validation needs only the config, so a launched engine's process never imports t
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import queue
 import random
@@ -99,9 +100,9 @@ class LLMEngine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-        on_output: OutputSink | None = None,
+        on_output: OutputSink | None = None, priority: int = 0, timeout_s: float | None = None,
     ) -> RequestStream:  # fmt: skip
-        return self.add_requests([prompt], [params or SamplingParams()], [request_id], on_output)[0]
+        return self.add_requests([prompt], [params or SamplingParams()], [request_id], on_output, priority, timeout_s)[0]
 
     def add_requests(
         self,
@@ -109,10 +110,15 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams],
         request_ids: Sequence[str | None] | None = None,
         on_output: OutputSink | None = None,
+        priority: int | Sequence[int] = 0,
+        timeout_s: float | Sequence[float | None] | None = None,
     ) -> list[RequestStream]:
         """Validates and queues requests, all or none; in request-level mode they are admitted together.
 
         Events go to `on_output` (it must not block) or, without one, to the returned streams.
+        `priority` (one for all, or one each): lower is served first (default 0; equal priorities are
+        first come, first served). `timeout_s` (likewise): the request ends with finish_reason
+        "timeout" that long after now, queued or running.
         Raises ValueError for bad input, EngineOverloadedError when the queue limits are reached
         (config.max_queued_requests / max_queued_prompt_tokens) and EngineDeadError once the loop died.
         """
@@ -122,11 +128,17 @@ class LLMEngine:
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         if not (len(params_list) == len(ids) == len(prompts)):
             raise ValueError(f"got {len(prompts)} prompts, {len(params_list)} sampling params and {len(ids)} request ids")
-        now = time.perf_counter()
+        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(prompts)
+        timeouts = list(timeout_s) if isinstance(timeout_s, Sequence) else [timeout_s] * len(prompts)
+        if not (len(priorities) == len(timeouts) == len(prompts)):
+            raise ValueError(f"got {len(prompts)} prompts, {len(priorities)} priorities and {len(timeouts)} timeouts")
+        now = time.monotonic()
         requests = []
-        for prompt, p, rid in zip(prompts, params_list, ids, strict=True):
+        for prompt, p, rid, prio, timeout in zip(prompts, params_list, ids, priorities, timeouts, strict=True):
+            check_priority(prio)
+            check_timeout(timeout)
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
-            requests.append(Request(rid, self.validate(prompt, p), p, arrival_time=now))
+            requests.append(Request(rid, self.validate(prompt, p), p, arrival_time=now, priority=prio, timeout_s=timeout))
         with self._seeds_lock:
             for r in requests:
                 r.sampling_seed = r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63)
@@ -153,10 +165,13 @@ class LLMEngine:
         """The prompt's token ids, or a ValueError saying why this engine would refuse the request."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        self._check_stop_strings(params.stop)
         ids = self._prompt_ids(prompt)
         self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids:")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
+        self._check_something_can_be_sampled(params)
+        limit = self.config.max_input_tokens
+        if limit and len(ids) > limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than this deployment's max_input_tokens of {limit}")
         total = len(ids) + params.max_tokens
         context = self.model_config.max_context
         if total > context:
@@ -171,6 +186,31 @@ class LLMEngine:
                 f"the K/V capacity of {capacity} tokens; raise kv_capacity_tokens"
             )
         return ids
+
+    def _check_something_can_be_sampled(self, params: SamplingParams) -> None:
+        """Before min_tokens, EOS and the stop ids are banned from sampling (core/stop.py): they
+        must leave at least one token, or the sampler would have nothing to draw from."""
+        if not params.min_tokens:
+            return
+        eos = self.model_config.eos_token_id
+        banned = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
+        if len(banned) >= self.model_config.vocab_size:
+            raise ValueError(f"with min_tokens={params.min_tokens}, stop_token_ids and EOS ban every token of the "
+                             f"vocabulary ({self.model_config.vocab_size}) until then: nothing could be sampled")
+
+    def _check_stop_strings(self, stop: list[str]) -> None:
+        """Before any tokenizing: each stop string is searched for in every new piece of text."""
+        if not stop:
+            return
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids instead")
+        limit, length = self.config.max_stop_sequences, self.config.max_stop_length
+        if limit and len(stop) > limit:
+            raise ValueError(f"{len(stop)} stop strings, more than this deployment's max_stop_sequences of {limit}")
+        longest = max(len(s) for s in stop)
+        if length and longest > length:
+            raise ValueError(f"a stop string of {longest} characters, longer than this deployment's "
+                             f"max_stop_length of {length}")  # fmt: skip
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -215,4 +255,25 @@ class LLMEngine:
         self.outputs.fail_all(reason)
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        """Stops the engine: every request not finished ends with an error, later adds are refused."""
+        if isinstance(self.core, EngineCore):
+            self._process(self.core.shutdown())
+        else:
+            self.core.shutdown()  # the output thread then fails what the core process left unfinished
+
+
+MAX_PRIORITY = 2**31 - 1
+
+
+def check_priority(priority: int) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower is served first), "
+                         f"got {priority!r}")  # fmt: skip
+
+
+def check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not (
+            math.isfinite(timeout_s) and timeout_s > 0):  # fmt: skip
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")

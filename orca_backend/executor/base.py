@@ -16,6 +16,11 @@ class WorkerFailure(RuntimeError):
     """A worker process died or raised: the model is gone, every request in it must end."""
 
 
+class BatchFailed(RuntimeError):
+    """One batch failed where the workers could go on (its sampling, after every collective): the
+    engine core treats it as any failed forward."""
+
+
 class Executor(Protocol):
     max_in_flight: int
 
@@ -25,7 +30,8 @@ class Executor(Protocol):
     def submit(self, batch_meta: BatchMeta) -> None: ...
 
     def collect_oldest(self) -> list[int]:
-        """Sampled tokens of the oldest submitted batch, blocking; raises WorkerFailure if the model is gone."""
+        """Sampled tokens of the oldest submitted batch, blocking; raises WorkerFailure if the model is
+        gone, and any other exception (BatchFailed from workers) if only this batch failed."""
         ...
 
     def shutdown(self) -> None: ...

@@ -3,6 +3,10 @@ to them over the control channel (one pipe each: batch metadata out, tokens and 
 
 A worker that raises or dies turns into `WorkerFailure` within one poll interval; every other
 worker is then stopped too, so no process is left behind and nothing waits forever.
+
+The workers listen on loopback only (single node): they meet through a file store in a private
+temporary directory (torch's TCP store listens on every interface, whatever address it is given),
+and gloo/NCCL open their sockets on `lo` unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set.
 """
 
 from __future__ import annotations
@@ -11,17 +15,75 @@ import contextlib
 import json
 import logging
 import multiprocessing as mp
+import os
+import re
+import shutil
+import tempfile
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
-from orca_backend.executor.base import WorkerFailure
-from orca_backend.net import free_port
+from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.worker.batch_meta import BatchMeta
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
+
+# The data plane's sockets: on loopback, where the ranks of one node reach each other.
+LOOPBACK_SOCKET_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+STORE_DIR_PREFIX = "orca-dist-"
+
+
+def worker_socket_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The interface settings the workers get: loopback for each one the user did not set."""
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in LOOPBACK_SOCKET_ENV.items() if not environ.get(key)}
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def make_store_dir() -> str:
+    """A private (0700) directory for the workers' file store, named after its master process:
+    orca-dist-<pid namespace>-<pid>-<random>."""
+    return tempfile.mkdtemp(prefix=f"{STORE_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-")
+
+
+def remove_stale_store_dirs(parent: str | None = None) -> list[str]:
+    """Removes this user's store directories whose master is gone: a master killed before its
+    shutdown (an engine core killed by SIGKILL, or with its whole process group) leaves one behind.
+    Only masters of this pid namespace are judged; returns the removed paths."""
+    pattern = re.compile(rf"{re.escape(STORE_DIR_PREFIX)}{_pid_namespace()}-(\d+)-")
+    removed = []
+    with os.scandir(parent or tempfile.gettempdir()) as entries:
+        for entry in entries:
+            match = pattern.match(entry.name)
+            if match is None:
+                continue
+            try:
+                mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+            except OSError:  # removed meanwhile
+                continue
+            if mine and not _process_exists(int(match.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class WorkerPoolExecutor:
@@ -33,13 +95,23 @@ class WorkerPoolExecutor:
         self._pending: deque[int] = deque()
         self._closed = False
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # Removed by shutdown(), by orphaned workers (worker_proc), or by the next pool's sweep.
+        for path in remove_stale_store_dirs():
+            logger.info("removed the file store of a killed worker pool: %s", path)
+        self.store_dir = make_store_dir()
+        init_method = f"file://{os.path.join(self.store_dir, 'store')}"
+        socket_env = worker_socket_env()
+        interfaces = {key: os.environ.get(key, "") for key in LOOPBACK_SOCKET_ENV} | socket_env
+        logger.info("workers meet through a file store in %s; data-plane sockets on %s (loopback unless set "
+                    "by the user: single node only)", self.store_dir,
+                    ", ".join(f"{k}={v}" for k, v in interfaces.items()))  # fmt: skip
         config_json, model_json = json.dumps(asdict(config)), model_config_to_json(model_config)
         self.conns: list[Connection] = []
         self.processes: list[mp.process.BaseProcess] = []
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_main, args=(rank, config_json, model_json, init_method, child_end),
+            proc = ctx.Process(target=worker_main,
+                               args=(rank, config_json, model_json, init_method, child_end, socket_env),
                                name=f"orca-worker-{rank}", daemon=True)  # fmt: skip
             proc.start()
             child_end.close()
@@ -76,6 +148,8 @@ class WorkerPoolExecutor:
     def collect_oldest(self) -> list[int]:
         expected = self._pending.popleft()
         msg = self._next_message()
+        if msg.get("kind") == "batch_failed" and msg["batch_id"] == expected:
+            raise BatchFailed(f"sampling failed in a worker:\n{msg['message']}")
         if msg.get("kind") != "tokens" or msg["batch_id"] != expected:
             self.shutdown()
             raise WorkerFailure(f"protocol error: expected tokens of batch {expected}, got {msg}")
@@ -121,3 +195,4 @@ class WorkerPoolExecutor:
         for conn in self.conns:
             conn.close()
         self._pending.clear()
+        shutil.rmtree(self.store_dir, ignore_errors=True)

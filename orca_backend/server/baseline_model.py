@@ -55,7 +55,7 @@ class BaselineModel(EngineAdapter):
         builders: dict[int, ResponseBuilder] = {}
         for index, request in enumerate(requests):
             try:
-                parsed[index] = read_request(request, batched=True)
+                parsed[index] = read_request(request, batched=True, max_request_bytes=self.engine.config.max_request_bytes)
                 # One answer per request: `stream` cannot apply, so it holds everything.
                 builders[index] = response_builder(parsed[index], self.tokenizer, stream=False, batched=True)
             except Exception as exc:  # this request alone fails; the rest of the batch runs
@@ -75,7 +75,9 @@ class BaselineModel(EngineAdapter):
         if admitted:
             try:
                 self.engine.add_requests([parsed[i].prompt for i in admitted], [parsed[i].params for i in admitted],
-                                         request_ids=[ids[i] for i in admitted], on_output=events.put)
+                                         request_ids=[ids[i] for i in admitted], on_output=events.put,
+                                         priority=[parsed[i].priority for i in admitted],
+                                         timeout_s=[parsed[i].timeout_s for i in admitted])  # fmt: skip
             except Exception as exc:
                 for index in admitted:
                     responses[index] = error_response(exc)
@@ -101,10 +103,14 @@ class BaselineModel(EngineAdapter):
                 remaining.discard(index)
                 builder = builders[index]
                 self.metrics.request_finished(builder.finish_reason)
-                if builder.error is not None:
-                    responses[index] = error_response(request_failure(builder.error, self.engine.healthy))
-                else:
-                    responses[index] = make_response(builder.flush())
+                try:
+                    if builder.error is not None:
+                        failure = request_failure(builder.error, self.engine.healthy, builder.finish_reason)
+                        responses[index] = error_response(failure)
+                    else:
+                        responses[index] = make_response(builder.flush())
+                except Exception as exc:  # this request alone fails; the batch's others are answered
+                    responses[index] = error_response(exc)
 
     def _admit(self, parsed: dict[int, ParsedRequest], responses: list[Any]) -> list[int]:
         """The requests the engine accepts; the others get their validation error."""

@@ -99,7 +99,7 @@ class OrcaModel(EngineAdapter):
     def _submit(self, request: Any, sender: Any) -> None:
         if self._dead_reason is not None:
             raise EngineUnavailable(self._dead_reason)
-        parsed = read_request(request)
+        parsed = read_request(request, max_request_bytes=self.engine.config.max_request_bytes)
         builder = response_builder(parsed, self.tokenizer, stream=parsed.stream, stream_interval=self.stream_interval)
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
         pending = _Pending(request_id, request, sender, builder)
@@ -107,7 +107,8 @@ class OrcaModel(EngineAdapter):
         with self._lock:
             self._pending[request_id] = pending
         try:
-            self.engine.add_request(parsed.prompt, parsed.params, request_id=request_id, on_output=self._events.put)
+            self.engine.add_request(parsed.prompt, parsed.params, request_id=request_id, on_output=self._events.put,
+                                    priority=parsed.priority, timeout_s=parsed.timeout_s)  # fmt: skip
         except Exception:
             with self._lock:
                 owned = self._pending.pop(request_id, None) is not None
@@ -169,10 +170,23 @@ class OrcaModel(EngineAdapter):
             if self._pending.pop(request_id, None) is None:
                 return
         self.metrics.request_finished(builder.finish_reason)
-        if builder.error is not None:
-            _send_final(pending.sender, error_response(request_failure(builder.error, self.engine.healthy)))
-        else:
-            _send_final(pending.sender, make_response(builder.flush()))
+        self._send_last(pending)
+
+    def _send_last(self, pending: _Pending) -> None:
+        """The request's one final response, whatever goes wrong: one that cannot be built or sent
+        is replaced by an error (a client that has gone away gets nothing, and needs nothing)."""
+        builder = pending.builder
+        try:
+            if builder.error is not None:
+                response = error_response(request_failure(builder.error, self.engine.healthy, builder.finish_reason))
+            else:
+                response = make_response(builder.flush())
+        except Exception as exc:
+            response = error_response(exc)
+        if not _send_final(pending.sender, response) and not _send_final(
+                pending.sender, error_response(RuntimeError("the final response could not be sent"))):  # fmt: skip
+            pb_utils.Logger.log_warn(f"{self.model_name}: {pending.request_id}: no final response could be sent "
+                                     "(the client is gone)")  # fmt: skip
 
     def _poll_cancelled(self) -> None:
         """Checks a round-robin slice of the pending requests.

@@ -17,6 +17,7 @@ import numpy as np
 
 from orca_backend.config import EngineConfig
 from orca_backend.core.engine_core import EngineDeadError
+from orca_backend.engine.llm_engine import check_priority, check_timeout
 from orca_backend.engine.output_processor import EngineOverloadedError, RequestOutput
 from orca_backend.sampling_params import SamplingParams, parse_sampling_json
 
@@ -34,12 +35,16 @@ class ParsedRequest:
     # The outputs the client asked for (Triton lists every output when a client names none).
     # Only these are built: a response's cost in the stub grows with its tensors.
     outputs: tuple[str, ...] = OUTPUT_NAMES
+    priority: int = 0  # request parameter `priority`: lower is served first
+    timeout_s: float | None = None  # request parameter `timeout_s`, or Triton's request timeout
 
 
 def parse_inputs(
     tensors: Mapping[str, np.ndarray | None],
     parameters: Mapping[str, Any] | str | None = None,
     batched: bool = False,
+    max_request_bytes: int = 0,
+    triton_timeout_us: int = 0,
 ) -> ParsedRequest:
     """Validates one request's input tensors and its request-level parameters.
 
@@ -47,15 +52,24 @@ def parse_inputs(
     batch dimension, which must be 1 (one prompt per request).
     Sampling values are merged with this precedence: the `max_tokens` input, then the
     `sampling_parameters` JSON, then request parameters (HTTP generate's top-level keys).
+    `max_request_bytes` (0: none) bounds the tensors' size before anything is decoded or tokenized.
+    The request's timeout is the shorter of its `timeout_s` parameter and Triton's request
+    timeout (`triton_timeout_us`, 0 when the client set none).
     """
-    arrays = {name: _unbatch(name, value, batched) for name, value in tensors.items() if value is not None}
+    present = {name: np.asarray(value) for name, value in tensors.items() if value is not None}
+    size = sum(_num_bytes(value) for value in present.values())
+    if max_request_bytes and size > max_request_bytes:
+        raise ValueError(f"the request's inputs hold {size} bytes, more than this deployment's max_request_bytes "
+                         f"of {max_request_bytes}")  # fmt: skip
+    arrays = {name: _unbatch(name, value, batched) for name, value in present.items()}
     unknown = sorted(set(arrays) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input(s) {', '.join(unknown)}; inputs are {', '.join(INPUT_NAMES)}")
 
     prompt = _parse_prompt(arrays.get("text_input"), arrays.get("input_ids"))
 
-    values: dict[str, Any] = {k: v for k, v in _parameters_dict(parameters).items() if k in _SAMPLING_KEYS}
+    request_parameters = _parameters_dict(parameters)
+    values: dict[str, Any] = {k: v for k, v in request_parameters.items() if k in _SAMPLING_KEYS}
     if "sampling_parameters" in arrays:
         values.update(parse_sampling_json(_scalar_string("sampling_parameters", arrays["sampling_parameters"])))
     if "max_tokens" in arrays:
@@ -65,7 +79,41 @@ def parse_inputs(
     stream = _scalar_bool("stream", arrays["stream"]) if "stream" in arrays else False
     exclude = _scalar_bool("exclude_input_in_output", arrays["exclude_input_in_output"]) \
         if "exclude_input_in_output" in arrays else True
-    return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude)
+    priority = _parameter_int("priority", request_parameters.get("priority", 0))
+    check_priority(priority)
+    timeouts = [t / 1e6 for t in (triton_timeout_us,) if t]
+    if "timeout_s" in request_parameters:
+        timeout_s = _parameter_float("timeout_s", request_parameters["timeout_s"])
+        check_timeout(timeout_s)
+        timeouts.append(timeout_s)
+    return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude, priority=priority,
+                         timeout_s=min(timeouts) if timeouts else None)  # fmt: skip
+
+
+def _num_bytes(value: np.ndarray) -> int:
+    if value.dtype == np.object_:  # BYTES tensors: the strings' lengths
+        return sum(len(item) if isinstance(item, bytes | str) else 8 for item in value.reshape(-1))
+    return value.nbytes
+
+
+def _parameter_int(name: str, raw: Any) -> int:
+    """A request parameter that must be an integer (gRPC sends int64, HTTP JSON numbers or strings)."""
+    if isinstance(raw, str):
+        raw = raw.strip()
+        if raw.lstrip("+-").isdigit():
+            return int(raw)
+    elif isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    raise ValueError(f"request parameter {name} must be an integer, got {raw!r}")
+
+
+def _parameter_float(name: str, raw: Any) -> float:
+    if not isinstance(raw, bool):
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"request parameter {name} must be a number, got {raw!r}")
 
 
 def _unbatch(name: str, value: np.ndarray, batched: bool) -> np.ndarray:
@@ -182,7 +230,7 @@ class ResponseBuilder:
         if event.finished:
             self.finished = True
             self.finish_reason = event.finish_reason
-            if event.finish_reason == "error":
+            if event.finish_reason in ("error", "timeout"):
                 self.error = event.error or "the engine failed this request"
 
     @property
@@ -244,8 +292,8 @@ def output_arrays(
     return arrays
 
 
-def read_request(request: Any, batched: bool = False) -> ParsedRequest:
-    """Collects a pb_utils.InferenceRequest's tensors and parameters and parses them."""
+def read_request(request: Any, batched: bool = False, max_request_bytes: int = 0) -> ParsedRequest:
+    """Collects a pb_utils.InferenceRequest's tensors, parameters and timeout and parses them."""
     import triton_python_backend_utils as pb_utils  # only importable inside the Python backend stub
 
     tensors = {}
@@ -253,7 +301,8 @@ def read_request(request: Any, batched: bool = False) -> ParsedRequest:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
-    parsed = parse_inputs(tensors, request.parameters(), batched=batched)
+    parsed = parse_inputs(tensors, request.parameters(), batched=batched, max_request_bytes=max_request_bytes,
+                          triton_timeout_us=int(request.timeout()))  # fmt: skip
     requested = set(request.requested_output_names())
     parsed.outputs = tuple(name for name in OUTPUT_NAMES if name in requested) or OUTPUT_NAMES
     return parsed
@@ -277,12 +326,18 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take or finish requests (it died or the model is shutting down)."""
 
 
-def request_failure(message: str, engine_healthy: bool) -> Exception:
-    """The exception for a request the engine ended with finish_reason "error".
+class RequestTimedOut(RuntimeError):
+    """The request's timeout passed before it finished (Triton's own queue timeouts say UNAVAILABLE too)."""
 
-    When the engine loop itself died the request may be retried elsewhere (UNAVAILABLE);
-    otherwise its batch failed inside a running engine (INTERNAL).
+
+def request_failure(message: str, engine_healthy: bool, finish_reason: str = "error") -> Exception:
+    """The exception for a request the engine ended with finish_reason "error" or "timeout".
+
+    A timeout, or a request whose engine loop died, may be retried (UNAVAILABLE); otherwise the
+    request failed inside a running engine (INTERNAL).
     """
+    if finish_reason == "timeout":
+        return RequestTimedOut(message)
     return RuntimeError(message) if engine_healthy else EngineUnavailable(message)
 
 
@@ -290,7 +345,7 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     """(TritonError code name, message) for an exception raised while handling a request."""
     if isinstance(exc, EngineDeadError | EngineUnavailable):
         return "UNAVAILABLE", f"the ORCA engine is unavailable: {exc}"
-    if isinstance(exc, EngineOverloadedError):
+    if isinstance(exc, EngineOverloadedError | RequestTimedOut):
         return "UNAVAILABLE", str(exc)
     if isinstance(exc, ValueError):
         return "INVALID_ARG", str(exc)

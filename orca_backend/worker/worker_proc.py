@@ -5,6 +5,9 @@ model, and passes activations to the next stage with point-to-point sends on the
 plane (torch.distributed: NCCL on GPUs, gloo on CPU). The first tensor-parallel rank of the last
 stage samples and answers the master with the batch's tokens; any failure is reported on the pipe
 before the process exits, so the master never waits on a dead worker.
+
+The ranks meet through the master's file store (`init_method` file://<private dir>/store) and
+open their data-plane sockets on the interface `socket_env` names (loopback; executor/multiproc.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -34,14 +38,20 @@ def send_message(conn: Connection, **message: object) -> None:
     conn.send_bytes(json.dumps(message).encode())
 
 
-def worker_main(rank: int, config_json: str, model_config_json: str, init_method: str, conn: Connection) -> None:
+def worker_main(rank: int, config_json: str, model_config_json: str, init_method: str, conn: Connection,
+                socket_env: dict[str, str] | None = None) -> None:
+    # Before torch.distributed reads them: gloo and NCCL pick their interface when a group is made.
+    os.environ.update(socket_env or {})
+    master = os.getppid()
     try:
         _serve(rank, EngineConfig(**json.loads(config_json)), model_config_from_json(model_config_json), init_method, conn)
     except Exception:  # noqa: BLE001 - the master must hear why this rank is gone
         try:
             send_message(conn, kind="error", rank=rank, message=traceback.format_exc())
         finally:
+            _remove_store_if_orphaned(master, init_method)
             os._exit(1)
+    _remove_store_if_orphaned(master, init_method)
 
 
 def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_method: str, conn: Connection) -> None:
@@ -82,5 +92,16 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
         if not layout.is_last_stage:
             dist.send(out.contiguous(), dst=rank + tp)
         elif samples:
-            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=runner.sample(out, batch_meta))
+            try:
+                tokens = runner.sample(out, batch_meta)
+            except Exception:  # noqa: BLE001 - after every collective: this batch alone failed, the ranks stay in step
+                send_message(conn, kind="batch_failed", batch_id=batch_meta.batch_id, message=traceback.format_exc())
+                continue
+            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=tokens)
     dist.destroy_process_group()
+
+
+def _remove_store_if_orphaned(master: int, init_method: str) -> None:
+    """A killed master cannot remove its file store's private directory: its orphaned workers do."""
+    if os.getppid() != master and init_method.startswith("file://"):
+        shutil.rmtree(os.path.dirname(init_method[len("file://"):]), ignore_errors=True)

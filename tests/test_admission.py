@@ -1,0 +1,298 @@
+"""What decides whether and when a request runs: deployment limits, priorities (with aging),
+deadlines (queued and running), and a failing batch narrowed down to the request that fails.
+
+Time is the scheduler's injected clock wherever the outcome depends on it, so no test races the
+machine: a deadline either has passed on that clock or it has not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orca_backend import LLM, EngineConfig, SamplingParams
+from orca_backend.core.request import Request
+from orca_backend.core.waiting_queue import WaitingQueue
+from orca_backend.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+class Clock:
+    """The scheduler's clock, moved by the test; starts at the real monotonic time."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine_with_clock(checkpoint, **config) -> tuple[LLMEngine, Clock]:
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), **config))
+    clock = Clock()
+    engine.core.scheduler.clock = clock
+    return engine, clock
+
+
+def drain(engine: LLMEngine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+class FirstEvents:
+    """An output sink recording the order in which requests had their first event."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def __call__(self, event) -> None:
+        if event.request_id not in self.order:
+            self.order.append(event.request_id)
+
+
+# ------------------------------------------------------------------------------ deployment limits
+@pytest.mark.parametrize(
+    ("config", "prompt", "params", "message"),
+    [
+        ({"max_input_tokens": 8}, [1] * 9, GREEDY, "9 tokens, more than this deployment's max_input_tokens of 8"),
+        ({"max_input_tokens": 8}, [1] * 8, GREEDY, None),
+        ({"max_stop_sequences": 2}, [1, 2], SamplingParams(stop=["a", "b", "c"]), "3 stop strings, more than .*max_stop_sequences of 2"),
+        ({"max_stop_sequences": 2}, [1, 2], SamplingParams(max_tokens=2, stop=["a", "b"]), None),
+        ({"max_stop_length": 4}, [1, 2], SamplingParams(stop=["abcde"]), "a stop string of 5 characters, longer than .*max_stop_length of 4"),
+        ({"max_stop_length": 4}, [1, 2], SamplingParams(max_tokens=2, stop=["abcd"]), None),
+    ],
+)
+def test_deployment_limits_refuse_with_the_limit_named(tiny_checkpoint, config, prompt, params, message):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), **config))
+    if message is None:
+        stream = engine.add_request(prompt, params)
+        drain(engine)
+        assert list(stream)[-1].finished
+    else:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+        assert not engine.has_work()
+
+
+def test_stop_limits_are_checked_before_the_prompt_is_tokenized(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_stop_sequences=1))
+    calls = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text: calls.append(text) or encode(text)
+    with pytest.raises(ValueError, match="max_stop_sequences"):
+        engine.add_request("a long prompt " * 100, SamplingParams(stop=["x", "y"]))
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"priority": 1.5}, "priority must be an integer"),
+        ({"priority": True}, "priority must be an integer"),
+        ({"priority": 2**31}, r"priority must be an integer in \[-2147483647, 2147483647\]"),
+        ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a number of seconds > 0"),
+        ({"timeout_s": "5"}, "timeout_s must be a number of seconds > 0"),
+    ],
+)
+def test_bad_priority_or_timeout_is_refused(tiny_checkpoint, kwargs, message):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request([1, 2], GREEDY, **kwargs)
+    assert not engine.has_work()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_input_tokens": -1}, "max_input_tokens must be >= 1, or 0"),
+        ({"max_request_bytes": -1}, "max_request_bytes must be >= 1, or 0"),
+        ({"priority_aging_s": -1}, "priority_aging_s must be > 0, or 0 for strict priority"),
+    ],
+)
+def test_bad_limit_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------- priorities
+def test_waiting_queue_serves_lower_priority_values_first_fcfs_within_one():
+    q = WaitingQueue()
+    reqs = {name: Request(name, [1], GREEDY, arrival_time=t, priority=p)
+            for name, t, p in [("a", 0, 1), ("b", 1, 0), ("c", 2, 1), ("d", 3, 0), ("e", 4, -1)]}  # fmt: skip
+    for r in reqs.values():
+        q.append(r)
+    order = []
+    while q:
+        head = q.head(now=10.0)
+        q.remove(head)
+        order.append(head.request_id)
+    assert order == ["e", "b", "d", "a", "c"]
+
+
+def test_aging_lifts_a_waiting_request_one_level_per_aging_period():
+    q = WaitingQueue(aging_s=10.0)
+    low = Request("low", [1], GREEDY, arrival_time=0.0, priority=2)
+    high = Request("high", [1], GREEDY, arrival_time=15.0, priority=0)
+    q.append(low)
+    q.append(high)
+    assert q.head(now=15.0) is high  # low has waited 15 s: one level up, still behind priority 0
+    assert q.head(now=19.9) is high
+    assert q.head(now=20.0) is low  # two levels up after 20 s: equal to high, and it arrived first
+
+
+def test_removing_from_the_middle_and_requeueing_at_the_head():
+    q = WaitingQueue()
+    reqs = [Request(f"r{i}", [1], GREEDY, arrival_time=i) for i in range(5)]
+    for r in reqs:
+        q.append(r)
+    q.remove(reqs[2])
+    assert reqs[2] not in q and len(q) == 4
+    preempted = Request("p", [1], GREEDY, arrival_time=9.0)
+    q.appendleft(preempted)
+    assert q.head(now=10.0) is preempted
+    assert [r.request_id for r in q] == ["p", "r0", "r1", "r3", "r4"]
+
+
+def test_the_engine_admits_by_priority_and_equal_priorities_first_come_first_served(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1, priority_aging_s=0))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = FirstEvents()
+    engine.add_request([1, 2], params, request_id="first", on_output=first)
+    engine.step()  # first runs; everyone below waits for the one seat
+    for rid, priority in [("b1", 1), ("c0", 0), ("d1", 1), ("e-1", -1), ("f0", 0)]:
+        engine.add_request([1, 2], params, request_id=rid, priority=priority, on_output=first)
+    drain(engine)
+    assert first.order == ["first", "e-1", "c0", "f0", "b1", "d1"]
+
+
+def test_preemption_takes_the_lowest_priority_first(tiny_checkpoint):
+    """Two running requests outgrow a small paged pool: the older, low-priority one is preempted
+    rather than the newest (which a priority-blind scheduler would take)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), kv_capacity_tokens=32, block_size=4,
+                                    kv_policy="paged", kv_watermark=0.0, priority_aging_s=0))  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    scheduler = engine.core.scheduler
+    preempt, victims = scheduler._preempt, []
+    scheduler._preempt = lambda request: victims.append(request.request_id) or preempt(request)
+    low = engine.add_request([1] * 8, params, request_id="low", priority=5)
+    engine.step()
+    high = engine.add_request([2] * 8, params, request_id="high", priority=0)
+    drain(engine)
+    assert victims and set(victims) == {"low"}
+    low_events, high_events = list(low), list(high)
+    assert high_events[-1].num_output_tokens == low_events[-1].num_output_tokens == 12
+    reference = LLM(str(tiny_checkpoint[0])).generate([[1] * 8, [2] * 8], params)
+    assert [t for e in low_events for t in e.new_token_ids] == reference[0].output_ids
+    assert [t for e in high_events for t in e.new_token_ids] == reference[1].output_ids
+
+
+# -------------------------------------------------------------------------------------- deadlines
+def test_a_queued_request_times_out_with_a_clear_error_and_holds_nothing(tiny_checkpoint):
+    engine, clock = engine_with_clock(tiny_checkpoint[0], max_num_seqs=1)
+    long = engine.add_request([1, 2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    queued = engine.add_request([3, 4], GREEDY, timeout_s=2.0)
+    engine.step()  # long runs; queued waits behind it (max_num_seqs 1)
+    clock.now += 100.0  # far past the deadline, however slowly the lines above ran
+    engine.step()
+    events = list(queued)
+    assert [e.finish_reason for e in events] == ["timeout"] and events[0].new_token_ids == []
+    assert "timeout of 2 s passed while it was waiting in the queue (0 tokens generated)" in events[0].error
+    drain(engine)
+    assert list(long)[-1].num_output_tokens == 6  # the other request is untouched
+    assert engine.core.kv.used_tokens == 0 and not engine.has_work()
+
+
+def test_a_running_request_times_out_keeping_what_it_streamed(tiny_checkpoint):
+    engine, clock = engine_with_clock(tiny_checkpoint[0], kv_policy="reserve")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    timed = engine.add_request([1, 2, 3], params, timeout_s=1.0)
+    other = engine.add_request([4, 5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    clock.now += 100.0
+    engine.step()
+    events = list(timed)
+    assert events[-1].finish_reason == "timeout" and events[-1].num_output_tokens == 3
+    assert "while it was running (3 tokens generated)" in events[-1].error
+    assert [t for e in events for t in e.new_token_ids] == \
+        LLM(str(tiny_checkpoint[0])).generate([[1, 2, 3]], params)[0].output_ids[:3]  # fmt: skip
+    drain(engine)
+    assert list(other)[-1].finish_reason == "length"
+    assert engine.core.kv.used_tokens == 0
+
+
+def test_a_request_finished_before_its_deadline_is_not_touched_by_it(tiny_checkpoint):
+    engine, clock = engine_with_clock(tiny_checkpoint[0])
+    stream = engine.add_request([1, 2], GREEDY, timeout_s=1.0)
+    drain(engine)
+    clock.now += 100.0
+    later = engine.add_request([1, 2], GREEDY)
+    drain(engine)
+    assert [e.finish_reason for e in stream][-1] == "length" and list(later)[-1].finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------- failing batch member
+def poison_runner(engine: LLMEngine, poison: set[str]) -> list[list[str]]:
+    """Makes any forward holding a request in `poison` raise, as a request that breaks the model
+    would; returns the request ids of every forward tried."""
+    runner = engine.core.executor.runner
+    original, tried = runner.execute, []
+
+    def execute(meta):
+        tried.append(list(meta.request_ids))
+        if poison & set(meta.request_ids):
+            raise RuntimeError("injected: this batch holds a poison request")
+        return original(meta)
+
+    runner.execute = execute
+    return tried
+
+
+@pytest.mark.parametrize("kv_policy", ["paged", "reserve"])
+def test_a_request_that_breaks_its_batch_fails_alone_and_the_others_are_exact(tiny_checkpoint, kv_policy):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), kv_policy=kv_policy, max_consecutive_failed_iterations=3))
+    tried = poison_runner(engine, {"r5"})
+    prompts = [[i + 1, i + 2, i + 3] for i in range(8)]
+    params = [SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True) for i in range(8)]
+    streams = engine.add_requests(prompts, params, request_ids=[f"r{i}" for i in range(8)])
+    drain(engine)
+    events = {s.request_id: list(s) for s in streams}
+    assert events["r5"][-1].finish_reason == "error" and "poison" in events["r5"][-1].error
+    reference = LLM(str(tiny_checkpoint[0])).generate(prompts, params)
+    for i in range(8):
+        if i != 5:
+            assert [t for e in events[f"r{i}"] for t in e.new_token_ids] == reference[i].output_ids
+    # Narrowed down in halves, each half alone: 8 -> 4 + 4 -> 2 -> 1 + 1 (never two failures in a row
+    # past the budget of 3); then the seven go on together.
+    r = [f"r{i}" for i in range(8)]
+    assert tried[:6] == [r, r[:4], r[4:], ["r4", "r5"], ["r4"], ["r5"]]
+    assert all("r5" not in ids for ids in tried[6:]) and max(len(ids) for ids in tried[6:]) == 7
+    assert engine.healthy
+    assert engine.core.kv.used_tokens == 0 and not engine.has_work()
+
+
+def test_every_member_failing_alone_still_spends_the_failure_budget(tiny_checkpoint):
+    """A sticky device error fails every batch: narrowing it down must not hide it from the budget."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_consecutive_failed_iterations=4))
+    poison_runner(engine, {f"r{i}" for i in range(8)})
+    streams = engine.add_requests([[1, 2]] * 8, GREEDY, request_ids=[f"r{i}" for i in range(8)])
+    drain(engine)
+    assert all(list(s)[-1].finish_reason == "error" for s in streams)
+    assert not engine.healthy and "4 iterations in a row failed" in engine.dead_reason
+
+
+def test_shutdown_ends_every_open_stream_and_refuses_later_requests(tiny_checkpoint):
+    from orca_backend.core.engine_core import EngineDeadError
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1))
+    streams = [engine.add_request([1, 2], GREEDY) for _ in range(3)]
+    engine.step()
+    engine.shutdown()
+    for s in streams:
+        last = list(s)[-1]
+        assert last.finish_reason == "error" and "shut down" in last.error
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.add_request([1, 2], GREEDY)
