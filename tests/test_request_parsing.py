@@ -209,9 +209,9 @@ def test_error_codes():
 
 # ---- priority, timeout, request size ----------------------------------------------------------
 def test_priority_and_timeout_come_from_request_parameters():
-    parsed = parse_inputs({"input_ids": ids(1, 2)}, {"priority": 3, "timeout_s": 2.5})
+    parsed = parse_inputs({"input_ids": ids(1, 2)}, {"scheduling_priority": 3, "timeout_s": 2.5})
     assert (parsed.priority, parsed.timeout_s) == (3, 2.5)
-    parsed = parse_inputs({"input_ids": ids(1, 2)}, '{"priority": "-1", "timeout_s": "0.5"}')  # HTTP may send strings
+    parsed = parse_inputs({"input_ids": ids(1, 2)}, '{"scheduling_priority": "-1", "timeout_s": "0.5"}')  # HTTP may send strings
     assert (parsed.priority, parsed.timeout_s) == (-1, 0.5)
     assert (parse_inputs({"input_ids": ids(1)}).priority, parse_inputs({"input_ids": ids(1)}).timeout_s) == (0, None)
 
@@ -225,9 +225,9 @@ def test_the_shorter_of_the_parameter_and_tritons_request_timeout_wins():
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        ({"priority": 1.5}, "request parameter priority must be an integer"),
-        ({"priority": "high"}, "request parameter priority must be an integer"),
-        ({"priority": 2**40}, "priority must be an integer in"),
+        ({"scheduling_priority": 1.5}, "request parameter scheduling_priority must be an integer"),
+        ({"scheduling_priority": "high"}, "request parameter scheduling_priority must be an integer"),
+        ({"scheduling_priority": 2**40}, "priority must be an integer in"),
         ({"timeout_s": "soon"}, "request parameter timeout_s must be a number"),
         ({"timeout_s": -1}, "timeout_s must be a number of seconds > 0"),
         ({"timeout_s": True}, "request parameter timeout_s must be a number"),

@@ -38,6 +38,7 @@ from orca_backend.core.core_process import (
 )
 from orca_backend.core.engine_core import EngineDeadError, EngineStats
 from orca_backend.core.request import CoreOutput, Request
+from orca_backend.executor import exit_description
 
 logger = logging.getLogger("orca.engine")
 
@@ -92,7 +93,7 @@ class EngineCoreProcess:
             message = loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self.process.join(timeout=5)
-            raise RuntimeError(f"the engine core process {_exit_description(self.process.exitcode)} while loading "
+            raise RuntimeError(f"the engine core process {exit_description(self.process.exitcode)} while loading "
                                "the model; its log says why") from None
         if message[0] == "failed":
             raise message[1]
@@ -171,7 +172,7 @@ class EngineCoreProcess:
         elif self._hang_reason is not None:
             reason = self._hang_reason
         else:
-            reason = f"the engine core process (pid {self.process.pid}) {_exit_description(self.process.exitcode)}"
+            reason = f"the engine core process (pid {self.process.pid}) {exit_description(self.process.exitcode)}"
         if self._mark_dead(reason):
             self._on_dead(reason)
 
@@ -205,14 +206,3 @@ class EngineCoreProcess:
         if not self._closing:
             logger.error("engine stops serving: %s", reason)
         return True
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"

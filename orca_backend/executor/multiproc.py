@@ -25,7 +25,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
-from orca_backend.executor.base import BatchFailed, WorkerFailure
+from orca_backend.executor.base import BatchFailed, WorkerFailure, exit_description
 from orca_backend.worker.batch_meta import BatchMeta
 from orca_backend.worker.worker_proc import STOP, worker_main
 
@@ -174,9 +174,12 @@ class WorkerPoolExecutor:
                 raise WorkerFailure(f"worker {msg['rank']} raised:\n{msg['message']}")
             return msg
         rank = sentinels[next(o for o in ready if o in sentinels)]
+        # The sentinel turns readable when the process's descriptors close, a moment before its exit
+        # status can be collected: join it briefly, or a SIGKILL would read as "no exit code yet".
+        self.processes[rank].join(timeout=5)
         code = self.processes[rank].exitcode
         self.shutdown()
-        raise WorkerFailure(f"worker {rank} (pid {self.processes[rank].pid}) exited with code {code}")
+        raise WorkerFailure(f"worker {rank} (pid {self.processes[rank].pid}) {exit_description(code)}")
 
     def shutdown(self) -> None:
         """Stops every worker: politely, then by force. Idempotent."""

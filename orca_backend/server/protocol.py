@@ -35,7 +35,9 @@ class ParsedRequest:
     # The outputs the client asked for (Triton lists every output when a client names none).
     # Only these are built: a response's cost in the stub grows with its tensors.
     outputs: tuple[str, ...] = OUTPUT_NAMES
-    priority: int = 0  # request parameter `priority`: lower is served first
+    # Request parameter `scheduling_priority`, lower served first (Triton reserves `priority` for its
+    # own request field, which the Python backend cannot read).
+    priority: int = 0
     timeout_s: float | None = None  # request parameter `timeout_s`, or Triton's request timeout
 
 
@@ -79,7 +81,7 @@ def parse_inputs(
     stream = _scalar_bool("stream", arrays["stream"]) if "stream" in arrays else False
     exclude = _scalar_bool("exclude_input_in_output", arrays["exclude_input_in_output"]) \
         if "exclude_input_in_output" in arrays else True
-    priority = _parameter_int("priority", request_parameters.get("priority", 0))
+    priority = _parameter_int("scheduling_priority", request_parameters.get("scheduling_priority", 0))
     check_priority(priority)
     timeouts = [t / 1e6 for t in (triton_timeout_us,) if t]
     if "timeout_s" in request_parameters:
