@@ -6,7 +6,10 @@ request runs for a while: long enough to see short requests overtake it and to c
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
+from orca_client.served_path import process_tree, stub_model
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
@@ -69,6 +73,14 @@ def reference(checkpoint):
         return llm.generate([prompt], params)[0]
 
     return generate
+
+
+def engine_core_pid(server) -> int:
+    """The orca stub's engine process (its one child that is not multiprocessing's resource tracker)."""
+    tree = process_tree(server.process.pid)
+    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
+    (core,) = [p.pid for p in tree if p.ppid == stub and "resource_tracker" not in " ".join(p.cmdline)]
+    return core
 
 
 def kv_used(server, model: str) -> float:
@@ -186,15 +198,29 @@ def test_cancelling_a_stream_frees_its_kv_and_the_server_keeps_serving(server, r
     generated_before = metric(server, "orca_generated_tokens_total", "orca")
     cancelled_before = metric(server, "orca_requests_finished_total", "orca", reason="cancelled")
     max_tokens = 1000
+    core = engine_core_pid(server)
     session = StreamSession(server.grpc_url)
+    closed = False
     try:
         result = session.send("orca", "doomed", input_ids=[9, 8, 7], max_tokens=max_tokens, sampling=GREEDY,
                               stream=True)
         assert wait_until(lambda: len(result.ids) >= 10, timeout_s=60, interval_s=0.005)
-        # Its K/V reservation is visible while it runs (gauges are exported every 50 ms).
-        assert wait_until(lambda: kv_used(server, "orca") > 0, timeout_s=10, interval_s=0.01)
+        # The engine is held still until the frontend has seen the cancel and sent the abort, so the
+        # request cannot run to max_tokens first however slowly the machine passes the cancel along.
+        os.kill(core, signal.SIGSTOP)
+        try:
+            # Its K/V is visible while it runs: the gauges (exported every 50 ms) keep the last
+            # iteration's figures while the engine is stopped.
+            assert wait_until(lambda: kv_used(server, "orca") > 0, timeout_s=10, interval_s=0.01)
+            session.close(cancel=True)
+            closed = True
+            assert wait_until(lambda: re.search(r"orca: doomed#\d+: cancelled by the client", server.log_tail(20000)),
+                              timeout_s=60)
+        finally:
+            os.kill(core, signal.SIGCONT)
     finally:
-        session.close(cancel=True)
+        if not closed:
+            session.close(cancel=True)
     assert wait_until(lambda: kv_used(server, "orca") == 0, timeout_s=30)
     assert wait_until(lambda: metric(server, "orca_requests_finished_total", "orca", reason="cancelled")
                       == cancelled_before + 1, timeout_s=10)

@@ -212,6 +212,7 @@ class OrcaModel(EngineAdapter):
         # The engine ends it with a final "cancelled" event and frees its K/V; that event's
         # response releases the request inside Triton.
         pending.abort_requested = True
+        pb_utils.Logger.log_info(f"{self.model_name}: {pending.request_id}: cancelled by the client; aborting")
         try:
             self.engine.abort_request(pending.request_id)
         except Exception as exc:
