@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--include-input", action="store_true", help="echo the prompt in the output")
+    p.add_argument("--include-input", action="store_true",
+                   help="echo the prompt in the output (with --no-stream: the contract refuses it in a stream)")
     p.add_argument("--no-stream", action="store_true", help="one response at the end")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     return p
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (args.prompt is None) == (args.input_ids is None):
         print("orca-client: give a prompt or --input-ids (exactly one)", file=sys.stderr)
+        return 2
+    if args.include_input and not args.no_stream:
+        print("orca-client: --include-input needs --no-stream (a stream never echoes the prompt)", file=sys.stderr)
         return 2
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
@@ -82,13 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         inputs = protocol.build_inputs(
             text=args.prompt, input_ids=ids, max_tokens=args.max_tokens, sampling=sampling,
             stream=not args.no_stream, exclude_input_in_output=not args.include_input,
+            return_outputs=protocol.STATUS_OUTPUTS,
             batched=protocol.is_batched(protocol.get_model_config(client, args.model)),
         )
         start = time.perf_counter()
         first = last = None
+        generated = 0
         for delta in stream_one(client, args.model, inputs):
             first = first or delta
             last = delta
+            generated += delta.num_output_tokens
             piece = " ".join(map(str, delta.ids)) + (" " if delta.ids else "") if args.ids else delta.text
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if last is not None and first is not None:
         total = last.time - start
         print(
-            f"\n[{last.finish_reason}] {last.num_input_tokens} input tokens, {last.num_output_tokens} output tokens; "
+            f"\n[{last.finish_reason}] {last.num_input_tokens} input tokens, {generated} output tokens; "
             f"first response {1000 * (first.time - start):.1f} ms, total {1000 * total:.1f} ms",
             file=sys.stderr,
         )

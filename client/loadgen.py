@@ -37,7 +37,7 @@ class RequestRecord:
     response_tokens: list[int] = field(default_factory=list)  # output ids per response
     done_time: float | None = None  # arrival of the final response
     finish_reason: str = ""
-    reported_output_tokens: int = 0  # num_output_tokens of the last response
+    reported_output_tokens: int = 0  # the sum of the responses' num_output_tokens
     error: str | None = None
 
     @property
@@ -85,8 +85,11 @@ def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> li
     if req.stop_token_ids:
         sampling["stop_token_ids"] = list(req.stop_token_ids)
     ids = req.prompt_ids if req.prompt_text is None else None  # a text prompt is sent as text alone
-    return protocol.build_inputs(text=req.prompt_text, input_ids=ids, sampling=sampling,
-                                 stream=options.stream, batched=batched)
+    # The prompt is never echoed (the baseline's single answer would echo it by default) and only
+    # the outputs READ_OUTPUTS names are switched on.
+    return protocol.build_inputs(text=req.prompt_text, input_ids=ids, sampling=sampling, stream=options.stream,
+                                 exclude_input_in_output=True, batched=batched,
+                                 return_outputs=(protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS))
 
 
 def _client(url: str, channel: int) -> Any:
@@ -110,7 +113,7 @@ def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
     record.response_times.append(now)
     record.response_tokens.append(counts.output_ids)
     if counts.num_output_tokens is not None:
-        record.reported_output_tokens = counts.num_output_tokens
+        record.reported_output_tokens += counts.num_output_tokens
     if counts.finish_reason:
         record.finish_reason = counts.finish_reason
         record.done_time = now

@@ -1,9 +1,9 @@
 """The client side of the request/response contract (docs/architecture.md), in one place.
 
-Both served models (`orca`, `baseline`) and `echo` take the input tensors of Triton's vLLM
-backend and answer with the same output tensors, so every client here (orca-client, the load
-generator, orca-bench, the tests) encodes requests, decodes responses and reads model configs
-through these functions. Only numpy is imported at module level: tritonclient is imported where
+Both served models (`orca`, `baseline`) take the input tensors of Triton's vLLM backend and answer
+with its output tensors (README, "The request/response contract"), so every client here
+(orca-client, the load generator, orca-bench, the tests) encodes requests, decodes responses and
+reads model configs through these functions. Only numpy is imported at module level: tritonclient is imported where
 a tensor object or a client is needed, and nothing here may pull in torch or the engine.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +29,15 @@ EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 TEXT_OUTPUT = "text_output"
 OUTPUT_IDS = "output_ids"
 FINISH_REASON = "finish_reason"
+CUMULATIVE_LOGPROB = "cumulative_logprob"
+LOGPROBS = "logprobs"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+# Outputs the server sends only when the request's `return_<output>` input is true.
+OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
+# What this project's clients ask for: when a request ended, and how many tokens it counted.
+STATUS_OUTPUTS = (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
+NOT_FINISHED = "None"  # finish_reason of every response but the last
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -59,9 +66,13 @@ def encode_request(
     sampling: Mapping[str, Any] | str | None = None,
     stream: bool | None = None,
     exclude_input_in_output: bool | None = None,
+    return_outputs: Iterable[str] = (),
     batched: bool = False,
 ) -> list[RequestTensor]:
     """The input tensors of one request; an argument left at None is not sent.
+
+    `return_outputs` names optional outputs (OPTIONAL_OUTPUTS) to switch on with their
+    `return_<output>` inputs; without them a response holds text_output and output_ids alone.
 
     `sampling` is a mapping (sent as JSON) or a string sent verbatim as `sampling_parameters`
     (tests send malformed JSON that way); an empty one is not sent. `batched` adds Triton's
@@ -82,6 +93,10 @@ def encode_request(
         tensors.append(_bool_tensor(STREAM, stream))
     if exclude_input_in_output is not None:
         tensors.append(_bool_tensor(EXCLUDE_INPUT_IN_OUTPUT, exclude_input_in_output))
+    for output in return_outputs:
+        if output not in OPTIONAL_OUTPUTS:
+            raise ValueError(f"{output} is not an optional output; those are {', '.join(OPTIONAL_OUTPUTS)}")
+        tensors.append(_bool_tensor(f"return_{output}", True))
     if batched:
         tensors = [RequestTensor(t.name, t.array[np.newaxis, ...], t.datatype) for t in tensors]
     return tensors
@@ -107,14 +122,19 @@ def build_inputs(*, module: Any = None, **request: Any) -> list[Any]:
 # --------------------------------------------------------------------------------- responses
 @dataclass
 class Delta:
-    """The fields of one response, batch dimension removed (in a stream: what is new since the last)."""
+    """The fields of one response, batch dimension removed (in a stream: what is new since the last).
+
+    Outputs the response did not carry read as "", 0 or None.
+    """
 
     text: str
     ids: list[int]
-    finish_reason: str  # "" until the last response
+    finish_reason: str  # "" until the last response (the server's "None")
     num_input_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # generated tokens this response counts: sum them over a stream
     final: bool
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[str, Any]] | None = None  # one {token id: {logprob, rank, decoded_token}} per token
     time: float = field(default_factory=time.perf_counter)  # when it was decoded
 
 
@@ -133,7 +153,10 @@ def decode_response(result: Any) -> Delta:
     ids = output(OUTPUT_IDS)
     reason = output(FINISH_REASON)
     finish = reason[0].decode() if reason is not None and reason.size else ""
+    finish = "" if finish == NOT_FINISHED else finish
     final = bool(finish)
+    cumulative = output(CUMULATIVE_LOGPROB)
+    logprobs = output(LOGPROBS)
     with contextlib.suppress(AttributeError, KeyError, TypeError):
         # Set on the empty last response of a decoupled gRPC stream (enable_empty_final_response).
         final = final or result.get_response().parameters["triton_final_response"].bool_param
@@ -144,6 +167,8 @@ def decode_response(result: Any) -> Delta:
         num_input_tokens=_first_int(output(NUM_INPUT_TOKENS)),
         num_output_tokens=_first_int(output(NUM_OUTPUT_TOKENS)),
         final=final,
+        cumulative_logprob=float(cumulative[0]) if cumulative is not None and cumulative.size else None,
+        logprobs=json.loads(logprobs[0]) if logprobs is not None and logprobs.size else None,
     )
 
 
@@ -152,7 +177,7 @@ class ResponseCounts:
     """What the load generator needs from one response, without decoding ids or text."""
 
     output_ids: int  # ids this response carries
-    num_output_tokens: int | None  # the server's count, when the response carries it
+    num_output_tokens: int | None  # the tokens this response counts, when it carries the count
     finish_reason: str  # "" until the last response
 
 
@@ -160,8 +185,8 @@ def read_response_counts(response: Any) -> ResponseCounts:
     """Reads a gRPC ModelInferResponse's raw output bytes directly.
 
     InferResult.as_numpy costs ~30 µs a call, and three calls per token were a third of the load
-    generator's CPU per response. Triton's raw layouts: INT32 little-endian; each BYTES element
-    a 4-byte little-endian length and then its bytes.
+    generator's CPU per response. Triton's raw layouts: INT32 and UINT32 little-endian; each BYTES
+    element a 4-byte little-endian length and then its bytes.
     """
     ids = 0
     reported: int | None = None
@@ -170,11 +195,11 @@ def read_response_counts(response: Any) -> ResponseCounts:
         if output.name == OUTPUT_IDS:
             ids = len(raw) // 4
         elif output.name == NUM_OUTPUT_TOKENS and len(raw) >= 4:
-            reported = int.from_bytes(raw[:4], "little", signed=True)
+            reported = int.from_bytes(raw[:4], "little", signed=output.datatype == "INT32")
         elif output.name == FINISH_REASON and len(raw) > 4:
             size = int.from_bytes(raw[:4], "little")
             finish = raw[4:4 + size].decode()
-    return ResponseCounts(ids, reported, finish)
+    return ResponseCounts(ids, reported, "" if finish == NOT_FINISHED else finish)
 
 
 # ----------------------------------------------------------------------------- model configs

@@ -8,6 +8,7 @@ from typing import Any
 
 from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine, Prompt, RequestOutput
+from orca_backend.engine.output_processor import Logprob
 from orca_backend.sampling_params import SamplingParams
 
 
@@ -17,8 +18,11 @@ class CompletionOutput:
     num_input_tokens: int
     output_ids: list[int] = field(default_factory=list)
     text: str | None = None  # None when the model has no tokenizer
-    finish_reason: str | None = None  # "length" | "stop"
+    finish_reason: str | None = None  # "length" | "stop" | "timeout" (others raise: see LLM.generate)
     event_times: list[float] = field(default_factory=list)  # one per output event, the last is the finish
+    # With SamplingParams.logprobs set (else None): one dict per output token, and their sum.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finish_time(self) -> float:
@@ -54,11 +58,20 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order.
 
         `prompts` is a string, a list of token ids, or a list of either; `params` one SamplingParams
-        for all or one per prompt. Bad input raises ValueError before anything runs.
+        for all or one per prompt. Bad input raises ValueError before anything runs (a structured-output
+        constraint that does not compile included); a request the engine failed raises RuntimeError.
         """
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # a single prompt
         params = params if params is not None else SamplingParams()
+        for p in [params] if isinstance(params, SamplingParams) else params:
+            spec = getattr(p, "structured_outputs", None)  # not SamplingParams: add_requests says so
+            if spec is not None:
+                # In this process the core's own check (ms, no tokenizer needed) can refuse a malformed
+                # constraint before anything runs; a served engine ends such a request "invalid" instead.
+                from orca_backend.core.structured_output import grammar_for
+
+                grammar_for(spec)
         events: dict[str, list[RequestOutput]] = {}
 
         def collect(output: RequestOutput) -> None:
@@ -75,10 +88,16 @@ class LLM:
         last = events[-1]
         if last.finish_reason == "error":
             raise RuntimeError(f"request {last.request_id} failed: {last.error}")
+        if last.finish_reason == "invalid":  # the request could not run as sent (e.g. a grammar that does not compile)
+            raise ValueError(f"request {last.request_id} was refused: {last.error}")
         out = CompletionOutput(last.request_id, last.num_input_tokens, finish_reason=last.finish_reason)
         for e in events:
             out.output_ids += e.new_token_ids
             out.event_times.append(e.time)
+            if e.logprobs is not None:
+                out.logprobs = out.logprobs or []
+                out.logprobs += e.logprobs
+        out.cumulative_logprob = last.cumulative_logprob
         if self.tokenizer is not None:
             out.text = "".join(e.new_text for e in events)
         return out

@@ -7,23 +7,52 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from orca_backend.structured_spec import StructuredOutputSpec, parse_structured_output
+
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_TOP_K = 2**31 - 1  # anything at or above the vocabulary means no cut
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (vLLM, OpenAI)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI)
 
 
 @dataclass
 class SamplingParams:
+    """vLLM's names and semantics. Logits are processed in vLLM v1's order: the structured-output mask,
+    logit_bias (and the min_tokens ban), then the repetition, frequency and presence penalties, then
+    temperature, top-k and top-p; greedy takes the argmax of the processed logits."""
+
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop conditions are ignored until this many tokens exist
     temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0 means greedy too (OpenAI allows it; vLLM refuses it)
     top_k: int = 0  # 0 or -1: no top-k cut
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     stop: list[str] = field(default_factory=list)  # stop strings; excluded from the returned text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # outputs per request: only 1 (send n requests, each with its own seed)
+    # Penalties, row-wise before temperature (vLLM v1): a token's logit loses presence_penalty once if
+    # the token occurs in the output so far, and frequency_penalty times its count there; the logit of
+    # any token of the prompt or the output is divided by repetition_penalty when positive, multiplied
+    # by it otherwise.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Return the sampled token's log-probability and rank with this many top alternatives (0: only
+    # the sampled token), from the model's raw logits (vLLM's default "raw_logprobs": before any
+    # processing above, but after the structured-output mask); None: no logprobs.
+    logprobs: int | None = None
+    # Structured output (a JSON schema, a regex, a choice, an EBNF grammar; structured_spec.py): every
+    # token is sampled from what the constraint allows, and the request ends ("stop") once the grammar is
+    # complete and EOS was sampled. A dict in vLLM's StructuredOutputsParams shape is parsed.
+    structured_outputs: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               f"n must be a positive integer, got {self.n!r}")
+        _check(self.n == 1, f"n > 1 is not supported (got n={self.n}): send n requests, each with its own seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -35,32 +64,71 @@ class SamplingParams:
         # take (an infinite temperature, a seed torch refuses, a top_k beyond int64) must be refused here.
         _check(isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_p, int | float) and 0 <= self.top_p <= 1,
+               f"top_p must be in [0, 1] (0 is greedy), got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
                f"top_k must be -1, 0 or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
                f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                   f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rep = self.repetition_penalty
+        _check(_is_number(rep) and math.isfinite(rep) and rep > 0,
+               f"repetition_penalty must be a finite number > 0 (1 is none), got {rep!r}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict),
+                   f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                       f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                _check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                       f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                       f"got {bias!r} for token {token}")  # fmt: skip
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives returned per token), "
+               f"got {self.logprobs!r}")  # fmt: skip
+        if isinstance(self.structured_outputs, dict | str):
+            self.structured_outputs, _ = parse_structured_output({"structured_outputs": self.structured_outputs})
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputSpec),
+               f"structured_outputs must be a StructuredOutputSpec or a dict like {{\"json\": <schema>}}, "
+               f"got {type(self.structured_outputs).__name__}")  # fmt: skip
+        # The grammar decides when the output may end, and may end it before min_tokens: EOS cannot be both
+        # banned (min_tokens) and the only token the grammar allows.
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               f"min_tokens={self.min_tokens} cannot be combined with structured output (the constraint may "
+               "complete before that many tokens); leave min_tokens at 0")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 or self.top_p == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty: the sampler must know the request's output tokens (and prompt, for repetition)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Builds params from a client's dict (e.g. Triton's `sampling_parameters` JSON).
 
         Numbers may arrive as strings (genai-perf sends ``{"max_tokens": "32"}``); unknown keys are
-        an error rather than silently ignored, so a typo never changes what a user gets.
+        an error rather than silently ignored, so a typo never changes what a user gets. Structured
+        output comes in any of its spellings (`structured_outputs`, `guided_decoding`, `guided_json`,
+        `guided_regex`, `guided_choice`, `guided_grammar`; structured_spec.py).
         """
+        spec, values = parse_structured_output(values)
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
         _check(not unknown, f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(known)}")
         kwargs: dict[str, Any] = {}
         for key, raw in values.items():
             kwargs[key] = _coerce(key, raw)
-        return cls(**kwargs)
+        return cls(**kwargs, structured_outputs=spec)
 
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:
@@ -80,12 +148,12 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
     return values
 
 
-_INT_KEYS = {"max_tokens", "min_tokens", "top_k", "seed"}
-_FLOAT_KEYS = {"temperature", "top_p"}
+_INT_KEYS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_FLOAT_KEYS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 
 
 def _coerce(key: str, raw: Any) -> Any:
-    if raw is None and key == "seed":
+    if raw is None and key in ("seed", "logprobs", "logit_bias"):
         return None
     if key in _INT_KEYS:
         if isinstance(raw, bool):
@@ -117,7 +185,33 @@ def _coerce(key: str, raw: Any) -> Any:
     if key == "stop_token_ids":
         _check(isinstance(raw, list), f"stop_token_ids must be a list of integers, got {raw!r}")
         return [_coerce("seed", t) for t in raw]
+    if key == "logit_bias":
+        # A JSON object's keys are strings: {"50256": -100}.
+        _check(isinstance(raw, dict), f"logit_bias must be an object mapping token ids to numbers, got {raw!r}")
+        return {_coerce_bias_key(token): _coerce_bias_value(bias) for token, bias in raw.items()}
     return raw
+
+
+def _coerce_bias_key(raw: Any) -> int:
+    if isinstance(raw, str):
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {raw!r}") from None
+    _check(isinstance(raw, int) and not isinstance(raw, bool), f"logit_bias keys must be token ids, got {raw!r}")
+    return raw
+
+
+def _coerce_bias_value(raw: Any) -> float:
+    try:
+        _check(not isinstance(raw, bool), "")
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias values must be numbers, got {raw!r}") from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -17,7 +17,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from orca_backend.serve import ServerOptions, TritonServer
-from orca_client.protocol import Delta, build_inputs, decode_response, get_model_config, is_batched
+from orca_client.protocol import (
+    STATUS_OUTPUTS,
+    Delta,
+    build_inputs,
+    decode_response,
+    get_model_config,
+    is_batched,
+)
 
 
 def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orca", "baseline"),
@@ -60,6 +67,15 @@ class StreamResult:
         return self.deltas[-1].finish_reason if self.deltas else ""
 
     @property
+    def num_output_tokens(self) -> int:
+        """The server's count: each response counts the tokens it carries."""
+        return sum(d.num_output_tokens for d in self.deltas)
+
+    @property
+    def num_input_tokens(self) -> int:
+        return self.deltas[-1].num_input_tokens if self.deltas else 0
+
+    @property
     def finished_at(self) -> float:
         return self.deltas[-1].time
 
@@ -85,7 +101,14 @@ class StreamSession:
         self.client.start_stream(callback=self._on_response)
 
     def send(self, model: str, request_id: str | None = None, **request: Any) -> StreamResult:
-        """Sends one request; `request` are orca_client.protocol.build_inputs keywords."""
+        """Sends one request; `request` are orca_client.protocol.build_inputs keywords.
+
+        Unless `request` says otherwise, the prompt is not echoed and finish_reason and the token
+        counts are switched on (pass exclude_input_in_output=None or return_outputs=() to test
+        the contract's defaults).
+        """
+        request.setdefault("exclude_input_in_output", True)
+        request.setdefault("return_outputs", STATUS_OUTPUTS)
         return self.send_inputs(model, build_inputs(batched=self.is_batched(model), **request), request_id)
 
     def send_inputs(self, model: str, inputs: list[Any], request_id: str | None = None) -> StreamResult:

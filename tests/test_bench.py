@@ -136,19 +136,21 @@ def test_read_response_from_raw_protobuf():
 
     response = service_pb2.ModelInferResponse()
     for name, dtype in [("text_output", "BYTES"), ("output_ids", "INT32"), ("finish_reason", "BYTES"),
-                        ("num_input_tokens", "INT32"), ("num_output_tokens", "INT32")]:
+                        ("num_input_tokens", "UINT32"), ("num_output_tokens", "UINT32")]:
         out = response.outputs.add()
         out.name, out.datatype = name, dtype
     ids = np.array([7, 8, 9], dtype=np.int32).tobytes()
     response.raw_output_contents.extend([b"\x02\x00\x00\x00ab", ids, b"\x06\x00\x00\x00length",
-                                         np.int32(5).tobytes(), np.int32(12).tobytes()])
+                                         np.uint32(5).tobytes(), np.uint32(12).tobytes()])
     record = RequestRecord(0, 0.0, 5, 12)
     assert _read_response(InferResult(response), record, 1.5) is True
     assert record.response_tokens == [3] and record.reported_output_tokens == 12
     assert record.finish_reason == "length" and record.done_time == 1.5
-    # A streamed delta: empty finish_reason is not final.
-    response.raw_output_contents[2] = b"\x00\x00\x00\x00"
+    # A streamed delta: finish_reason "None" is not final, and its count adds to the total.
+    response.raw_output_contents[2] = b"\x04\x00\x00\x00None"
+    response.raw_output_contents[4] = np.uint32(3).tobytes()
     assert _read_response(InferResult(response), record, 1.6) is False
+    assert record.reported_output_tokens == 15 and record.finish_reason == "length"
 
 
 # -------------------------------------------------------------------------- workloads (no server)

@@ -31,7 +31,7 @@ from core_hooks import pid_alive
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
-from orca_client.protocol import build_inputs
+from orca_client.protocol import STATUS_OUTPUTS, build_inputs
 from orca_client.served_path import parse_stat, process_tree, stub_model
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
@@ -115,7 +115,7 @@ class Poison:
 POISON_BASE: dict[str, Any] = {"input_ids": [5, 6, 7], "max_tokens": 8, "sampling": GREEDY, "stream": True}
 _SEED_RANGE = f"seed must be an integer in [0, {MAX_SEED}]"
 _TEMPERATURE = "temperature must be a finite number >= 0"
-_TOP_P = "top_p must be in (0, 1]"
+_TOP_P = "top_p must be in [0, 1] (0 is greedy)"
 _MAX_TOKENS = "max_tokens must be a positive integer"
 _DTYPE = "data-type is '{}', but model 'orca' expects 'INT32'"  # Triton's own check, before the model
 
@@ -133,7 +133,7 @@ POISONS: list[Poison] = [
     Poison("temperature nan", {"sampling": '{"temperature": NaN}'}, _TEMPERATURE),
     Poison("negative temperature", {"sampling": {"temperature": -0.5}}, _TEMPERATURE),
     Poison("temperature not a number", {"sampling": {"temperature": "hot"}}, "temperature must be a number"),
-    Poison("top_p 0", {"sampling": {"temperature": 1, "top_p": 0}}, _TOP_P),
+    Poison("negative top_p", {"sampling": {"temperature": 1, "top_p": -0.1}}, _TOP_P),
     Poison("top_p > 1", {"sampling": {"temperature": 1, "top_p": 1.5}}, _TOP_P),
     Poison("stop_token_ids = vocab size", {"sampling": {"stop_token_ids": [VOCAB]}},
            f"stop_token_ids: {VOCAB} is outside the model's vocabulary [0, {VOCAB})"),
@@ -162,6 +162,16 @@ POISONS: list[Poison] = [
     Poison("malformed JSON", {"sampling": '{"temperature": 0,'}, "sampling_parameters is not valid JSON"),
     Poison("JSON not an object", {"sampling": "[1, 2]"}, "sampling_parameters must be a JSON object"),
     Poison("ignore_eos not a boolean", {"sampling": {"ignore_eos": "yes"}}, "ignore_eos must be a boolean"),
+    Poison("n 2", {"sampling": {"n": 2}}, "n > 1 is not supported"),
+    Poison("presence_penalty 3", {"sampling": {"presence_penalty": 3}}, "presence_penalty must be a number in [-2, 2]"),
+    Poison("repetition_penalty 0", {"sampling": {"repetition_penalty": 0}},
+           "repetition_penalty must be a finite number > 0"),
+    Poison("logit_bias id = vocab size", {"sampling": {"logit_bias": {str(VOCAB): 5}}},
+           f"logit_bias: {VOCAB} is outside the model's vocabulary [0, {VOCAB})"),
+    Poison("logit_bias 200", {"sampling": {"logit_bias": {"5": 200}}}, "logit_bias values must be numbers in [-100, 100]"),
+    Poison("logprobs 21", {"sampling": {"logprobs": 21}}, "logprobs must be an integer in [0, 20]"),
+    Poison("prompt echo in a stream", {"exclude_input_in_output": False},
+           "When streaming, `exclude_input_in_output` = False is not allowed."),
     Poison("INT64 max_tokens", {"max_tokens": None}, _DTYPE.format("INT64"),
            tensors=(("max_tokens", "INT64", [8]),)),
     Poison("FP32 max_tokens", {"max_tokens": None}, _DTYPE.format("FP32"),
@@ -254,7 +264,7 @@ class Spec:
     def send(self, session: StreamSession, request_id: str, model: str = "orca") -> StreamResult:
         prompt = {"text": self.prompt} if isinstance(self.prompt, str) else {"input_ids": list(self.prompt)}
         inputs = build_inputs(batched=False, max_tokens=self.max_tokens, sampling=self.sampling_json, stream=True,
-                              **prompt)
+                              return_outputs=STATUS_OUTPUTS, **prompt)
         return session.send_inputs(model, inputs, request_id)
 
 
@@ -267,7 +277,7 @@ def reference(checkpoint):
     def generate(specs: list[Spec]) -> list[Any]:
         todo = list(dict.fromkeys(s for s in specs if s not in cache))
         if todo:
-            params = [SamplingParams(max_tokens=s.max_tokens, **s.sampling) for s in todo]
+            params = [SamplingParams.from_dict({"max_tokens": s.max_tokens, **s.sampling}) for s in todo]
             prompts = [s.prompt if isinstance(s.prompt, str) else list(s.prompt) for s in todo]
             cache.update(zip(todo, llm.generate(prompts, params), strict=True))
         return [cache[s] for s in specs]
@@ -297,6 +307,11 @@ def random_spec(rng: random.Random, max_tokens: int, stop: str | None = None) ->
         sampling["stop_token_ids"] = [rng.randrange(VOCAB)]
     if rng.random() < 0.2:
         sampling["ignore_eos"] = True
+    if rng.random() < 0.2:  # penalties keep per-request counts in the sampler: they must survive cancels too
+        sampling.update(rng.choice([{"presence_penalty": 1.5}, {"frequency_penalty": -0.5},
+                                    {"repetition_penalty": 1.3, "frequency_penalty": 0.4}]))  # fmt: skip
+    if rng.random() < 0.1:
+        sampling["logit_bias"] = {str(rng.randrange(VOCAB)): rng.choice([-100.0, 8.0])}
     if stop is not None:
         sampling["stop"] = [stop]
     return Spec(prompt, max_tokens, json.dumps(sampling, sort_keys=True))

@@ -39,6 +39,16 @@ def test_encode_every_input_unbatched():
     assert t["exclude_input_in_output"].array.tolist() == [False]
 
 
+def test_encode_return_outputs_switches_on_their_return_inputs():
+    tensors = _by_name(protocol.encode_request(input_ids=[1], return_outputs=protocol.STATUS_OUTPUTS, batched=True))
+    assert set(tensors) == {"input_ids", "return_finish_reason", "return_num_input_tokens",
+                            "return_num_output_tokens"}  # fmt: skip
+    assert all(t.datatype == "BOOL" and t.array.tolist() == [[True]]
+               for name, t in tensors.items() if name != "input_ids")  # fmt: skip
+    with pytest.raises(ValueError, match="output_ids is not an optional output"):
+        protocol.encode_request(input_ids=[1], return_outputs=["output_ids"])
+
+
 def test_encode_batched_adds_a_batch_dimension_of_one():
     tensors = _by_name(protocol.encode_request(input_ids=[5, 6, 7], max_tokens=2, stream=False, batched=True))
     assert set(tensors) == {"input_ids", "max_tokens", "stream"}
@@ -77,14 +87,17 @@ def test_load_generator_requests_carry_max_tokens_in_the_sampling_json():
     options = LoadOptions(stream=True)
     ids_request = TraceRequest(0.0, [3, 4], 9)
     inputs = request_inputs(ids_request, False, options)
+    flags = [("exclude_input_in_output", "BOOL", [1]), ("return_finish_reason", "BOOL", [1]),
+             ("return_num_output_tokens", "BOOL", [1])]  # fmt: skip
     assert [(i.name(), i.datatype(), i.shape()) for i in inputs] == [
-        ("input_ids", "INT32", [2]), ("sampling_parameters", "BYTES", [1]), ("stream", "BOOL", [1])]
-    encoded = protocol.encode_request(input_ids=[3, 4], stream=True,
-                                      sampling={"temperature": 0, "ignore_eos": True, "max_tokens": 9})
+        ("input_ids", "INT32", [2]), ("sampling_parameters", "BYTES", [1]), ("stream", "BOOL", [1]), *flags]
+    encoded = protocol.encode_request(input_ids=[3, 4], stream=True, exclude_input_in_output=True,
+                                      sampling={"temperature": 0, "ignore_eos": True, "max_tokens": 9},
+                                      return_outputs=(protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS))
     assert [i._get_content() for i in inputs] == [i._get_content() for i in protocol.to_infer_inputs(encoded)]
     text_request = TraceRequest(0.0, [], 5, prompt_text="hi")
     assert [i.name() for i in request_inputs(text_request, True, options)] == [
-        "text_input", "sampling_parameters", "stream"]
+        "text_input", "sampling_parameters", "stream", *(name for name, _, _ in flags)]
 
 
 # --------------------------------------------------------------------------------- responses
@@ -112,8 +125,8 @@ def test_decode_a_batched_final_response():
         "text_output": np.array([[b"caf", "é".encode()]], dtype=np.object_),
         "output_ids": np.array([[11, 12]], dtype=np.int32),
         "finish_reason": np.array([[b"length"]], dtype=np.object_),
-        "num_input_tokens": np.array([[4]], dtype=np.int32),
-        "num_output_tokens": np.array([[2]], dtype=np.int32),
+        "num_input_tokens": np.array([[4]], dtype=np.uint32),
+        "num_output_tokens": np.array([[2]], dtype=np.uint32),
     })  # fmt: skip
     delta = protocol.decode_response(result)
     assert (delta.text, delta.ids, delta.finish_reason) == ("café", [11, 12], "length")
@@ -124,7 +137,7 @@ def test_decode_a_batched_final_response():
 def test_decode_stream_deltas_and_the_empty_final_response():
     delta = protocol.decode_response(FakeResult({"text_output": np.array([b"a"], dtype=np.object_),
                                                  "output_ids": np.array([3], dtype=np.int32),
-                                                 "finish_reason": np.array([b""], dtype=np.object_)}))
+                                                 "finish_reason": np.array([b"None"], dtype=np.object_)}))
     assert (delta.text, delta.ids, delta.finish_reason, delta.final) == ("a", [3], "", False)
     empty_final = protocol.decode_response(FakeResult({}, final_flag=True))
     assert (empty_final.text, empty_final.ids, empty_final.finish_reason) == ("", [], "")
@@ -144,10 +157,10 @@ def _raw_response(outputs: list[tuple[str, str, bytes]]):
 def test_read_response_counts_from_raw_bytes():
     final = _raw_response([("output_ids", "INT32", np.array([7, 8, 9], dtype=np.int32).tobytes()),
                            ("finish_reason", "BYTES", b"\x04\x00\x00\x00stop"),
-                           ("num_output_tokens", "INT32", np.int32(12).tobytes())])
+                           ("num_output_tokens", "UINT32", np.uint32(12).tobytes())])
     assert protocol.read_response_counts(final) == protocol.ResponseCounts(3, 12, "stop")
     delta = _raw_response([("output_ids", "INT32", np.int32(5).tobytes()),
-                           ("finish_reason", "BYTES", b"\0\0\0\0")])
+                           ("finish_reason", "BYTES", b"\x04\0\0\0None")])
     assert protocol.read_response_counts(delta) == protocol.ResponseCounts(1, None, "")
 
 

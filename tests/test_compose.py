@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
 import shlex
@@ -180,3 +181,172 @@ def test_compose_console_scripts_exist():
     pyproject = (ROOT / "pyproject.toml").read_text()
     for script in ("orca-serve", "orca-bench"):
         assert re.search(rf'^{script}\s*=', pyproject, re.M), script
+
+
+# The `openai` service: Triton's OpenAI-compatible frontend (server repo python/openai) over a run
+# copy of the repository holding `orca` alone.
+
+FRONTEND = "/opt/tritonserver/python/openai/openai_frontend/main.py"
+
+
+def frontend_flag(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, (flag, args)
+    return args[args.index(flag) + 1]
+
+
+def run_openai_command(compose: dict, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Runs the openai service's shell command with stand-ins for cp, pip and the frontend (which
+    prints its arguments); the rendering step runs for real, into tmp_path/render instead of
+    /tmp/orca-openai, from the checked-in repository instead of the container's copy in /tmp/orca."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    frontend = f'if [ "$1" = {FRONTEND} ]; then shift; printf "%s\\0" "$@"; exit 0; fi'
+    python3 = f'{frontend}\nexec {sys.executable} "$@"'
+    for name, body in (("cp", "exit 0"), ("pip", 'printf "%s\\n" "$@" > "$PIP_ARGS"'), ("python3", python3)):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    render = tmp_path / "render"
+    service = compose["services"]["openai"]
+    argv = [
+        interpolate(word, {})
+        .replace("/tmp/orca/model_repository", str(ROOT / "model_repository"))
+        .replace("/tmp/orca-openai", str(render))
+        .replace("/tmp/orca", str(tmp_path / "copy"))  # never the host's /tmp
+        for word in service["command"]
+    ]
+    environment = {key: interpolate(str(value), env) for key, value in service["environment"].items()}
+    run_env = {**os.environ, **environment, "PIP_ARGS": str(tmp_path / "pip-args"),
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    return subprocess.run(argv, env=run_env, capture_output=True, timeout=120), render
+
+
+def test_openai_runs_on_demand_on_an_image_that_ships_the_frontend(compose):
+    """A profile keeps `docker compose up -d triton` (and a bare `up`) as it was; the image must be
+    new enough: the frontend ships in the image from 24.12, its tokenizer loading works with
+    transformers 5 from 26.06."""
+    openai = compose["services"]["openai"]
+    assert openai["profiles"] == ["openai"]
+    match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-py3", openai["image"])
+    assert match and (int(match[1]), int(match[2])) >= (26, 6), openai["image"]
+    assert "profiles" not in compose["services"]["triton"], "triton must start by default"
+
+
+def test_triton_service_is_unchanged_by_the_openai_service(compose):
+    triton = compose["services"]["triton"]
+    assert triton["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"
+    assert "openai" not in command_text(triton) and "9000" not in " ".join(triton["ports"])
+    assert compose["services"]["bench"]["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    ports = compose["services"]["triton"]["ports"] + compose["services"]["openai"]["ports"]
+    published = [interpolate(p, {}).rsplit(":", 2)[1] for p in ports]
+    assert len(published) == len(set(published)), f"the services publish the same host port: {published}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the service's bash command")
+def test_openai_serves_an_orca_only_repository_through_the_vllm_converter(compose, tmp_path):
+    checkpoint = tmp_path / "models" / "my-llama"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "tokenizer.json").write_text("{}")
+    result, render = run_openai_command(compose, tmp_path, ORCA_MODEL=str(checkpoint))
+    assert result.returncode == 0, result.stderr.decode()
+    args = result.stdout.decode().split("\0")[:-1]
+
+    assert frontend_flag(args, "--backend") == "vllm"
+    assert frontend_flag(args, "--tokenizer") == str(checkpoint)
+    assert frontend_flag(args, "--host") == "0.0.0.0"  # the published port is the boundary
+    assert frontend_flag(args, "--openai-port") == "9000"
+    # Default model control (none): every model of the repository loads, none can be loaded or
+    # unloaded by a request; so the repository itself must hold orca alone.
+    control = ("--model-control-mode", "--load-model", "--enable-kserve")
+    assert not any(arg.startswith(control) for arg in args), args
+    repository = Path(frontend_flag(args, "--model-repository"))
+    assert repository == render / "model_repository"
+    assert sorted(p.name for p in repository.iterdir()) == ["orca"]
+    assert (repository / "orca" / "1" / "model.py").is_file()
+
+    config = (repository / "orca" / "config.pbtxt").read_text()
+    params = dict(re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config))
+    assert params["model"] == str(checkpoint.resolve())
+    assert (params["device"], params["dtype"]) == ("cuda", "bfloat16")
+    assert re.search(r"(?m)^max_batch_size:\s*0\b", config), "the vLLM converter sends no batch dimension"
+    assert re.search(r'(?m)^backend:\s*"python"', config)
+
+    pip_args = (tmp_path / "pip-args").read_text().split("\n")
+    assert str(tmp_path / "copy") in pip_args, pip_args  # the container's /tmp/orca
+    assert any(arg.startswith("transformers") for arg in pip_args), pip_args
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the service's bash command")
+@pytest.mark.parametrize("model", [None, "gpt2-small", "/models/does-not-exist"])
+def test_openai_refuses_to_start_without_a_checkpoint_directory(compose, tmp_path, model):
+    """Text prompts and chat templates need a tokenizer; a preset has none."""
+    env = {} if model is None else {"ORCA_MODEL": model}
+    result, render = run_openai_command(compose, tmp_path, **env)
+    assert result.returncode != 0 and result.stdout == b"", "the frontend must not start"
+    assert "ORCA_MODEL" in result.stderr.decode() and "tokenizer" in result.stderr.decode()
+    assert not render.exists()
+
+
+def test_openai_port_is_published_on_the_hosts_loopback_unless_widened(compose):
+    ports = compose["services"]["openai"]["ports"]
+    assert [interpolate(p, {}) for p in ports] == ["127.0.0.1:9000:9000"]
+    assert [interpolate(p, {"ORCA_PUBLISH_ADDRESS": "0.0.0.0"}) for p in ports] == ["0.0.0.0:9000:9000"]
+
+
+def test_openai_runs_like_triton_on_the_gpus(compose):
+    openai, triton = compose["services"]["openai"], compose["services"]["triton"]
+    assert openai["deploy"] == triton["deploy"]
+    assert openai["shm_size"] and openai["ulimits"] == triton["ulimits"]
+    assert openai["restart"] == "unless-stopped"
+    assert [v.split(":")[:2] for v in openai["volumes"]] == [v.split(":")[:2] for v in triton["volumes"]]
+    assert compose["x-orca-env"].items() <= openai["environment"].items()
+
+
+class _OpenAIStandIn(http.server.BaseHTTPRequestHandler):
+    models = ["orca"]
+    failing: set[str] = set()
+    completions: list[dict] = []
+
+    def _reply(self, body: dict | None = None) -> None:
+        status = 400 if self.path in self.failing else 200
+        payload = json.dumps(body or {}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._reply({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers["Content-Length"])
+        _OpenAIStandIn.completions.append(json.loads(self.rfile.read(length)))
+        self._reply({"choices": [{"text": "!"}]})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_openai_healthcheck_needs_a_ready_server_orca_alone_and_a_generated_token(compose):
+    health = compose["services"]["openai"]["healthcheck"]
+    command = health["test"]
+    assert command[:3] == ["CMD", "python3", "-c"] and "localhost:9000" in command[3]
+    assert health.get("start_period"), "pip install and model loading need a start period"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OpenAIStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    code = command[3].replace("localhost:9000", f"127.0.0.1:{server.server_address[1]}")
+    try:
+        for models, failing, healthy in (
+            (["orca"], set(), True),
+            (["orca"], {"/health/ready"}, False),
+            (["orca"], {"/v1/completions"}, False),  # orca's engine died: it answers UNAVAILABLE
+            (["orca", "baseline"], set(), False),
+            ([], set(), False),
+        ):
+            _OpenAIStandIn.models, _OpenAIStandIn.failing, _OpenAIStandIn.completions = models, failing, []
+            result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+            assert (result.returncode == 0) == healthy, (models, failing, result.stderr.decode())
+            if healthy:
+                assert _OpenAIStandIn.completions == [{"model": "orca", "prompt": "ping", "max_tokens": 1}]
+    finally:
+        server.shutdown()
+        server.server_close()

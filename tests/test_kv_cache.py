@@ -20,7 +20,7 @@ from orca_backend.core.engine_core import EngineCore
 from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVManager
 from orca_backend.core.request import Request
 from orca_backend.sampling_params import SamplingParams
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 
 VOCAB = 97
 
@@ -143,7 +143,7 @@ class TokenEchoExecutor:
             self.pool[slot] = token
         self._pending.append(batch_meta)
 
-    def collect_oldest(self) -> list[int]:
+    def collect_oldest(self) -> SamplerOutput:
         meta = self._pending.popleft()
         if self.rng.random() < self.fail_rate:
             raise RuntimeError("injected forward failure")
@@ -151,7 +151,7 @@ class TokenEchoExecutor:
         for table, ctx, sample in zip(meta.block_tables, meta.context_lens, meta.sample, strict=True):
             context = [self.pool[table[j // size] * size + j % size] for j in range(ctx)]
             tokens.append(expected_next(context) if sample else -1)
-        return tokens
+        return SamplerOutput(tokens)
 
     def shutdown(self) -> None:
         self._pending.clear()

@@ -2,8 +2,9 @@
 
 Layers, top to bottom (docs/architecture.md): server adapters, the offline LLM and orca-serve ->
 engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop) -> executor ->
-worker -> model -> distributed -> shared plain modules (config, sampling params, tokenizer, net)
-and the kernels. A module may import its own layer or any layer below it, never one above.
+worker -> model -> distributed -> shared plain modules (config, sampling params, structured-output
+spec, tokenizer, net) and the kernels. A module may import its own layer or any layer below it, never
+one above.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LAYERS: dict[str, int] = {
     "orca_backend.distributed": 2,
     "orca_backend.config": 1,
     "orca_backend.sampling_params": 1,
+    "orca_backend.structured_spec": 1,
     "orca_backend.tokenizer": 1,
     "orca_backend.net": 1,
     "orca_kernels": 0,
@@ -110,6 +112,7 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 # The engine front and the server contract are what Triton's stub process imports: the model, and torch
 # with it, live in the engine core process only.
 @pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.sampling_params",
+                                    "orca_backend.structured_spec",
                                     "orca_backend.serve", "orca_backend.net", "orca_backend.engine.llm_engine",
                                     "orca_backend.server.protocol", "orca_backend.server.metrics"])
 def test_light_modules_do_not_import_torch(module):

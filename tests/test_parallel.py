@@ -11,7 +11,7 @@ import torch
 from core_hooks import pid_alive
 from kv_modes import KV_MODES
 
-from orca_backend import EngineConfig, ModelConfig, SamplingParams
+from orca_backend import LLM, EngineConfig, ModelConfig, SamplingParams
 from orca_backend.engine.llm_engine import EngineDeadError, LLMEngine
 
 # Heads and MLP width split over tp=2, layers over pp=2; the vocabulary (not a multiple of 2 x 64)
@@ -72,6 +72,32 @@ def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp, mod
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in engine.core.executor.processes)
+
+
+def test_penalties_and_logprobs_equal_single_process(checkpoint):
+    """The sampling rank of a worker pool holds the penalty state and returns logprobs as the
+    in-process sampler does: the extras of BatchMeta and the logprobs cross the pipes as JSON."""
+    prompts = make_prompts(4)
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=-0.5, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.9, seed=4, presence_penalty=0.7, logit_bias={3: 4.0}, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=5, frequency_penalty=1.0, ignore_eos=True),
+    ]
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(checkpoint), max_num_seqs=4, tensor_parallel_size=tp)
+        try:
+            outputs.append(llm.generate(prompts, params))
+        finally:
+            llm.engine.shutdown()
+    for one, two in zip(*outputs, strict=True):
+        assert one.output_ids == two.output_ids
+        assert (one.logprobs is None) == (two.logprobs is None)
+        for a, b in zip(one.logprobs or [], two.logprobs or [], strict=True):
+            assert a.keys() == b.keys() and all(a[t].rank == b[t].rank for t in a)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    assert outputs[0][0].logprobs is not None and outputs[0][1].logprobs is not None
 
 
 def _full_weights(checkpoint) -> list[torch.Tensor]:

@@ -42,7 +42,8 @@ def sampling(values: object) -> np.ndarray:
 def test_text_prompt_and_defaults():
     parsed = parse_inputs({"text_input": text("héllo wörld")})
     assert parsed.prompt == "héllo wörld"
-    assert parsed.stream is False and parsed.exclude_input is True
+    assert parsed.stream is False and parsed.exclude_input is None  # unset: the builder decides the echo
+    assert parsed.outputs == ("text_output", "output_ids")  # the others need their return_* input
     assert parsed.params.max_tokens == 16
 
 
@@ -100,7 +101,7 @@ def test_request_parameters_ignore_foreign_keys():
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
         ({"temperature": -1}, "temperature must be a finite number >= 0"),
-        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \[0, 1\] \(0 is greedy\)"),
         ({"top_k": -5}, "top_k"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"max_tokens": "many"}, "max_tokens must be an integer"),
@@ -150,20 +151,20 @@ def decode(arrays):
 
 
 def test_stream_deltas_with_prompt_prefix_concatenate_to_the_full_answer():
-    builder = ResponseBuilder(stream=True, prefix_ids=[7, 8], prefix_text="ab")
+    builder = ResponseBuilder(stream=True, prefix_ids=[7, 8], prefix_text="ab", outputs=OUTPUT_NAMES)
     assert not builder.ready
     builder.add(event([1], "x", n_out=1))
     assert builder.ready
-    assert decode(builder.flush()) == ("abx", [7, 8, 1], "", 3, 1)
+    assert decode(builder.flush()) == ("abx", [7, 8, 1], "None", 3, 1)
     assert not builder.ready
     builder.add(event([2], "y", n_out=2))
     builder.add(event([3], "z", finished=True, reason="length", n_out=3))  # merged when sending lags
     assert builder.finished and builder.ready
-    assert decode(builder.flush()) == ("yz", [2, 3], "length", 3, 3)
+    assert decode(builder.flush()) == ("yz", [2, 3], "length", 3, 2)  # the count is this response's
 
 
 def test_stream_interval_holds_tokens_after_the_first_until_n_or_the_end():
-    builder = ResponseBuilder(stream=True, stream_interval=3)
+    builder = ResponseBuilder(stream=True, stream_interval=3, outputs=OUTPUT_NAMES)
     builder.add(event([1], "a", n_out=1))
     assert builder.ready  # the first token at once
     assert decode(builder.flush())[1] == [1]
@@ -177,7 +178,7 @@ def test_stream_interval_holds_tokens_after_the_first_until_n_or_the_end():
 
 
 def test_non_stream_answers_once_with_everything():
-    builder = ResponseBuilder(stream=False)
+    builder = ResponseBuilder(stream=False, outputs=OUTPUT_NAMES)
     builder.add(event([1], "x", n_out=1))
     assert not builder.ready
     builder.add(event([2], "y", finished=True, reason="stop", n_out=2))
@@ -193,7 +194,8 @@ def test_error_event_is_kept_for_an_error_response():
 def test_output_arrays_types_and_batch_dimension():
     arrays = output_arrays([1, 2], "hi", "length", 4, 2, batched=False)
     assert list(arrays) == list(OUTPUT_NAMES)
-    assert arrays["output_ids"].dtype == np.int32 and arrays["num_output_tokens"].dtype == np.int32
+    assert arrays["output_ids"].dtype == np.int32 and arrays["num_output_tokens"].dtype == np.uint32
+    assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["cumulative_logprob"].dtype == np.float32
     assert arrays["text_output"].dtype == np.object_
     batched = output_arrays([1, 2], "hi", "length", 4, 2, batched=True)
     assert batched["output_ids"].shape == (1, 2) and batched["text_output"].shape == (1, 1)

@@ -6,6 +6,7 @@ request runs for a while: long enough to see short requests overtake it and to c
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -108,20 +109,119 @@ def test_greedy_grpc_stream_matches_offline_generate(server, reference, model):
         assert result.ids == expected.output_ids
         assert result.text == expected.text
         assert result.finish_reason == expected.finish_reason
-        assert result.deltas[-1].num_output_tokens == len(expected.output_ids)
-        assert result.deltas[-1].num_input_tokens == expected.num_input_tokens
+        assert result.num_output_tokens == len(expected.output_ids)  # the responses' counts summed
+        assert all(d.num_input_tokens == expected.num_input_tokens for d in result.deltas)
         if model == "baseline":
             assert len(result.deltas) == 1  # one answer per request, whatever `stream` says
 
 
-def test_exclude_input_in_output_false_prepends_the_prompt(server, reference):
+@pytest.mark.parametrize(("model", "stream", "exclude", "echoed"), [
+    ("orca", False, None, True), ("orca", False, False, True), ("orca", False, True, False),
+    ("orca", True, None, False), ("orca", True, True, False),
+    # The baseline answers once whatever `stream` says, so it echoes as a non-streaming answer does.
+    ("baseline", True, None, True), ("baseline", True, False, True), ("baseline", False, True, False),
+])  # fmt: skip
+def test_prompt_echo_follows_the_vllm_backend(server, reference, model, stream, exclude, echoed):
     expected = reference("the cat", 6)
-    for model in ("orca", "baseline"):
-        for stream in (True, False):
-            result = one_request(server.grpc_url, model, text="the cat", max_tokens=6, sampling=GREEDY,
-                                 stream=stream, exclude_input_in_output=False)
-            assert result.text == "the cat" + expected.text
-            assert result.ids[-len(expected.output_ids):] == expected.output_ids
+    result = one_request(server.grpc_url, model, text="the cat", max_tokens=6, sampling=GREEDY, stream=stream,
+                         exclude_input_in_output=exclude)  # fmt: skip
+    assert result.error is None
+    assert result.text == ("the cat" if echoed else "") + expected.text
+    assert result.ids[-len(expected.output_ids):] == expected.output_ids
+    assert len(result.ids) > len(expected.output_ids) if echoed else len(result.ids) == len(expected.output_ids)
+    assert result.num_output_tokens == len(expected.output_ids)  # the echo is not output
+
+
+def test_a_stream_asking_for_the_prompt_echo_is_refused_with_the_vllm_message(server):
+    result = one_request(server.grpc_url, "orca", text="the cat", max_tokens=6, stream=True,
+                         exclude_input_in_output=False)
+    assert result.error is not None and "When streaming, `exclude_input_in_output` = False is not allowed." \
+        in result.error, result.error
+
+
+def raw_responses(server, model: str, inputs: list, timeout_s: float = 60.0) -> list:
+    """Every InferResult of one request, as tritonclient hands them over (outputs not decoded)."""
+    import queue
+
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id="raw", enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = results.get(timeout=timeout_s)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                if result.get_response().outputs:
+                    responses.append(result)
+                return responses
+            responses.append(result)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+@pytest.mark.parametrize("returns", [(), ("finish_reason", "num_input_tokens", "num_output_tokens"),
+                                     ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                                      "num_output_tokens")])  # fmt: skip
+def test_optional_outputs_only_when_asked_with_the_vllm_backends_types(server, reference, model, returns):
+    from orca_client.protocol import build_inputs
+
+    expected = reference([3, 4, 5], 7)
+    inputs = build_inputs(input_ids=[3, 4, 5], max_tokens=7, sampling=GREEDY, stream=True, return_outputs=returns,
+                          batched=model == "baseline")  # fmt: skip
+    responses = raw_responses(server, model, inputs)
+    # orca streams (responses merge tokens when sending falls behind); the baseline answers once.
+    assert 1 <= len(responses) <= 7 if model == "orca" else len(responses) == 1
+    dtypes = {"finish_reason": np.object_, "cumulative_logprob": np.float32, "logprobs": np.object_,
+              "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}  # fmt: skip
+    for response in responses:
+        names = {o.name for o in response.get_response().outputs}
+        assert names == {"text_output", "output_ids", *returns}
+        for name in returns:
+            assert response.as_numpy(name).dtype == dtypes[name], name
+    if "finish_reason" in returns:
+        reasons = [r.as_numpy("finish_reason").reshape(-1)[0].decode() for r in responses]
+        assert reasons == ["None"] * (len(responses) - 1) + [expected.finish_reason]
+        counts = [int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in responses]
+        assert sum(counts) == len(expected.output_ids)
+        assert {int(r.as_numpy("num_input_tokens").reshape(-1)[0]) for r in responses} == {3}
+    if "logprobs" in returns:  # the `logprobs` sampling parameter was not set
+        assert {r.as_numpy("logprobs").reshape(-1)[0] for r in responses} == {b"null"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_and_cumulative_logprob_as_the_vllm_backend_sends_them(server, reference, stream):
+    """The checks of the vLLM backend's own additional-outputs test, plus equality with the engine."""
+    from orca_client.protocol import build_inputs
+
+    sampling = {**GREEDY, "logprobs": 2}
+    expected = reference([3, 4, 5], 9, logprobs=2)
+    inputs = build_inputs(input_ids=[3, 4, 5], max_tokens=9, sampling=sampling, stream=stream,
+                          return_outputs=("logprobs", "cumulative_logprob", "num_output_tokens"))  # fmt: skip
+    responses = raw_responses(server, "orca", inputs)
+    per_token, texts, totals = [], [], []
+    for response in responses:
+        logprobs = json.loads(response.as_numpy("logprobs")[0])
+        assert len(logprobs) == int(response.as_numpy("num_output_tokens")[0])  # one dict per new token
+        per_token += logprobs
+        texts.append(response.as_numpy("text_output")[0].decode())
+        totals.append(float(response.as_numpy("cumulative_logprob")[0]))
+    assert len(per_token) == len(expected.output_ids)
+    decoded = ""
+    for entry, token, want in zip(per_token, expected.output_ids, expected.logprobs, strict=True):
+        assert 1 <= len(entry) <= 3 and all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        (best,) = [v for v in entry.values() if v["rank"] == 1]  # greedy: the sampled token is the most likely
+        assert entry[str(token)] is best
+        decoded += best["decoded_token"]
+        assert {int(k): v["rank"] for k, v in entry.items()} == {k: v.rank for k, v in want.items()}
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx({k: v.logprob for k, v in want.items()})
+    prompt_text = "" if stream else texts[0][: len(texts[0]) - len(expected.text)]  # not streamed: echoed
+    assert prompt_text + decoded == "".join(texts)
+    assert totals[-1] == pytest.approx(expected.cumulative_logprob, abs=1e-4)
+    assert all(b < a for a, b in zip(totals, totals[1:], strict=False))  # a running total of negative logprobs
 
 
 # ---- scheduling: iteration-level vs request-level -------------------------------------------
@@ -173,13 +273,15 @@ def test_baseline_answers_a_batch_together_and_triton_batched_it(server, referen
 def test_http_generate_stream_sse_on_orca(server, reference):
     expected = reference("the cat", 12)
     status, events = http_generate(server, "orca", {"text_input": "the cat", "max_tokens": 12, "stream": True,
-                                                    "sampling_parameters": '{"temperature": "0"}'}, stream=True)
+                                                    "sampling_parameters": '{"temperature": "0"}',
+                                                    "return_finish_reason": True, "return_num_output_tokens": True},
+                                   stream=True)  # fmt: skip
     assert status == 200 and len(events) > 1
     ids = [t for e in events for t in (e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]])]
     assert ids == expected.output_ids
     assert "".join(e["text_output"] for e in events) == expected.text
-    assert events[-1]["finish_reason"] == expected.finish_reason
-    assert events[-1]["num_output_tokens"] == len(expected.output_ids)
+    assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + [expected.finish_reason]
+    assert sum(e["num_output_tokens"] for e in events) == len(expected.output_ids)
 
 
 def test_http_generate_on_both_models_with_top_level_parameters(server, reference):
@@ -188,7 +290,9 @@ def test_http_generate_on_both_models_with_top_level_parameters(server, referenc
         # `temperature` is no input: HTTP generate hands it over as a request parameter.
         status, (body,) = http_generate(server, model, {"input_ids": [4, 5, 6], "max_tokens": 5, "temperature": 0})
         assert status == 200, body
-        assert body["output_ids"] == expected.output_ids and body["text_output"] == expected.text
+        # Not streamed and exclude_input_in_output not sent: the prompt is echoed, as vLLM's backend does.
+        assert body["output_ids"] == [4, 5, 6] + expected.output_ids and body["text_output"].endswith(expected.text)
+        assert set(body) >= {"text_output", "output_ids"} and "finish_reason" not in body
     status, (body,) = http_generate(server, "orca", {"text_input": "", "max_tokens": 5})
     assert status == 400 and "text_input is empty" in body["error"]
 
@@ -297,7 +401,7 @@ def test_200_concurrent_streams_complete_with_exact_token_counts(server):
     for (request_id, prompt, n), result in zip(specs, results, strict=True):
         assert result.request_id == request_id and result.error is None
         assert len(result.ids) == n and result.finish_reason == "length"
-        assert result.deltas[-1].num_output_tokens == n and result.deltas[-1].num_input_tokens == len(prompt)
+        assert result.num_output_tokens == n and result.num_input_tokens == len(prompt)
     assert wait_until(lambda: metric(server, "orca_requests_finished_total", "orca", reason="length")
                       == finished_before + len(specs), timeout_s=10)
     assert wait_until(lambda: metric(server, "orca_requests_running", "orca") == 0, timeout_s=10)

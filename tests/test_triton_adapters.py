@@ -182,8 +182,11 @@ def load(kind: str, core_hook: Any = None, **config: Any) -> Any:
 
 
 def ids_request(ids: list[int], max_tokens: int, batched: bool = False, **extra: np.ndarray) -> FakeRequest:
+    """A streamed greedy request, prompt not echoed, with finish_reason and the counts switched on."""
     tensors = {"input_ids": np.array(ids, dtype=np.int32), "max_tokens": np.array([max_tokens], dtype=np.int32),
-               "stream": np.array([True]), **extra}
+               "stream": np.array([True]), "exclude_input_in_output": np.array([True]),
+               **{f"return_{name}": np.array([True]) for name in ("finish_reason", "num_input_tokens",
+                                                                  "num_output_tokens")}, **extra}
     if batched:
         tensors = {k: v[np.newaxis] for k, v in tensors.items()}
     return FakeRequest('{"temperature": 0}', **tensors)
@@ -218,7 +221,8 @@ def test_orca_streams_exact_tokens_and_returns_from_execute_at_once(pb_utils):
             assert sender.ids() == expected(prompt, n)
             assert_one_final(sender)
             final = sender.sent[-1][0]
-            assert final.output("finish_reason")[0] == b"length" and final.output("num_output_tokens")[0] == n
+            assert final.output("finish_reason")[0] == b"length"
+            assert sum(int(r.output("num_output_tokens")[0]) for r, _ in sender.sent) == n  # per-response counts
         (error, flags), = finish(requests[2]).sent
         assert flags == FINAL and error.error.code == FakeError.INVALID_ARG and "empty" in error.error.message
     finally:
@@ -374,7 +378,8 @@ def test_orca_cancellation_aborts_and_frees_kv(pb_utils):
         assert wait_for(lambda: all(p.abort_requested for p in model._pending.values()))
         gate.open()
         sender = finish(request)
-        assert sender.sent[-1][0].output("finish_reason")[0] == b"cancelled"
+        final = sender.sent[-1][0].error  # a cancelled stream ends in vLLM's CANCELLED error
+        assert (final.code, final.message) == (FakeError.CANCELLED, "Request was cancelled")
         assert len(sender.ids()) <= 3
         assert_one_final(sender)
         assert wait_for(lambda: model.engine.stats().kv_used_tokens == 0)
@@ -471,3 +476,49 @@ def wait_for(predicate, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_orca_a_schema_that_does_not_compile_is_invalid_arg_while_another_request_completes(pb_utils, tiny_checkpoint):
+    """The engine core finds the bad schema (finish_reason "invalid"): the client gets INVALID_ARG with the
+    compiler's message, and the request beside it runs on to its exact tokens."""
+    gate = StepGate()
+    parameters = {**PARAMETERS, "model": {"string_value": str(tiny_checkpoint[0])}}
+    model = load("orca", gate, model_transaction_policy={"decoupled": True}, parameters=parameters)
+
+    def step_until(done, progress) -> None:
+        """Lets iterations through one at a time (each gives `progress` a token) until `done()`."""
+        while not done():
+            count = progress()
+            gate.allow(1)
+            assert wait_for(lambda count=count: done() or progress() > count)
+
+    def structured(constraint: dict) -> np.ndarray:  # as Triton's OpenAI frontend sends it: a JSON string
+        fields = {"json": None, "regex": None, "choice": None, "grammar": None, "json_object": None,
+                  "disable_any_whitespace": False, "disable_additional_properties": False,
+                  "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+        text = json.dumps({"temperature": 0, "structured_outputs": json.dumps({**fields, **constraint})})
+        return np.array([text.encode()], dtype=np.object_)
+
+    try:
+        # The first constrained request imports xgrammar and builds the compiler in the core process.
+        warm = ids_request([1, 2], 30, sampling_parameters=structured({"choice": ["yes", "no"]}))
+        model.execute([warm])
+        step_until(warm.sender.finished.is_set, lambda: len(warm.sender.ids()))
+        assert warm.sender.sent[-1][0].output("finish_reason")[0] == b"stop"
+        good = ids_request([1, 2, 3], 40)
+        bad = ids_request([4, 5], 8, sampling_parameters=structured({"json": {"type": "nope"}}))
+        model.execute([good, bad])
+        step_until(bad.sender.finished.is_set, lambda: len(good.sender.ids()))
+        assert not good.sender.finished.is_set()  # still generating
+        (error, flags), = bad.sender.sent
+        assert flags == FINAL and error.error.code == FakeError.INVALID_ARG
+        assert error.error.message.startswith('invalid json for structured output: Unsupported type "nope"')
+        gate.open()
+        ours = LLM(str(tiny_checkpoint[0])).generate([[1, 2, 3]], SamplingParams(max_tokens=40, temperature=0))
+        assert finish(good).ids() == ours[0].output_ids
+        finished = FakeFamily.registry["orca_requests_finished_total"]
+        assert next(m.value for labels, m in finished.items() if ("reason", "invalid") in labels) == 1.0
+    finally:
+        model.finalize()
+    for request in (warm, good, bad):
+        assert_one_final(request.sender)

@@ -23,8 +23,27 @@ def llm(tiny_checkpoint) -> LLM:
         (lambda: SamplingParams(seed=2**64), r"seed must be an integer in \[0, 18446744073709551615\]"),
         (lambda: SamplingParams(seed=-1), "seed must be an integer in"),
         (lambda: SamplingParams(top_k=2**63), "top_k must be -1, 0 or a positive integer up to 2147483647"),
-        (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(top_p=-0.1), r"top_p must be in \[0, 1\] \(0 is greedy\)"),
+        (lambda: SamplingParams(top_p=1.5), r"top_p must be in \[0, 1\]"),
+        (lambda: SamplingParams(n=2), "n > 1 is not supported .*send n requests, each with its own seed"),
+        (lambda: SamplingParams.from_json('{"n": "3"}'), "n > 1 is not supported"),
+        (lambda: SamplingParams(n=0), "n must be a positive integer"),
+        (lambda: SamplingParams(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+        (lambda: SamplingParams(frequency_penalty=-3), r"frequency_penalty must be a number in \[-2, 2\]"),
+        (lambda: SamplingParams.from_json('{"frequency_penalty": NaN}'), "frequency_penalty must be a number"),
+        (lambda: SamplingParams.from_json('{"presence_penalty": "much"}'), "presence_penalty must be a number"),
+        (lambda: SamplingParams(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (lambda: SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+        (lambda: SamplingParams(logit_bias={5: 100.5}), r"logit_bias values must be numbers in \[-100, 100\], got 100.5 for token 5"),
+        (lambda: SamplingParams(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+        (lambda: SamplingParams(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
+        (lambda: SamplingParams.from_json('{"logit_bias": {"abc": 1}}'), "logit_bias keys must be token ids, got 'abc'"),
+        (lambda: SamplingParams.from_json('{"logit_bias": {"5": "x"}}'), "logit_bias values must be numbers, got 'x'"),
+        (lambda: SamplingParams.from_json('{"logit_bias": {"5": -101}}'), r"logit_bias values must be numbers in \[-100, 100\]"),
+        (lambda: SamplingParams.from_json('{"logit_bias": [5]}'), "logit_bias must be an object"),
+        (lambda: SamplingParams(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+        (lambda: SamplingParams(logprobs=-1), r"logprobs must be an integer in \[0, 20\]"),
+        (lambda: SamplingParams.from_json('{"logprobs": true}'), "logprobs must be an integer, got True"),
         (lambda: SamplingParams(top_k=-2), "top_k must be"),
         (lambda: SamplingParams(min_tokens=20, max_tokens=10), "min_tokens must be"),
         (lambda: SamplingParams.from_dict({"max_tokens": 4, "temprature": 0.5}), "unknown sampling parameter.*temprature"),
@@ -43,6 +62,15 @@ def test_numeric_strings_are_accepted_as_genai_perf_sends_them():
     assert (p.max_tokens, p.min_tokens, p.temperature, p.ignore_eos) == (32, 32, 0.0, True)
 
 
+def test_sampling_extras_are_coerced_from_json():
+    p = SamplingParams.from_json('{"n": "1", "presence_penalty": "0.5", "frequency_penalty": -1, "repetition_penalty": "1.2", '
+                                 '"logit_bias": {"7": "-100", "9": 3}, "logprobs": "5", "top_p": 0}')
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1, 0.5, -1.0, 1.2)
+    assert p.logit_bias == {7: -100.0, 9: 3.0} and p.logprobs == 5
+    assert p.greedy  # top_p 0 is greedy, as OpenAI allows it
+    assert SamplingParams.from_json('{"logprobs": null, "logit_bias": null}') == SamplingParams()
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
@@ -54,6 +82,9 @@ def test_numeric_strings_are_accepted_as_genai_perf_sends_them():
         ([1.5, 2], SamplingParams(), "string or a sequence of integer"),
         ([1, 2], SamplingParams(stop_token_ids=[5, 10_000]), r"stop_token_ids: 10000 is outside the model's vocabulary"),
         ([1, 2], SamplingParams(min_tokens=1, stop_token_ids=list(range(384))), "ban every token of the vocabulary"),
+        ([1, 2], SamplingParams(logit_bias={5: 1.0, 384: 2.0}), r"logit_bias: 384 is outside the model's vocabulary \[0, 384\)"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias={0: -100, 383: 100}, logprobs=20, presence_penalty=2,
+                                frequency_penalty=-2, repetition_penalty=1e-3, top_p=0.0, ignore_eos=True), None),
         ([1, 2], SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=list(range(1, 384)), ignore_eos=True), None),
         # The largest values the params accept must run, not fail inside the batch.
         ([1, 2], SamplingParams(max_tokens=4, seed=2**64 - 1, top_k=2**31 - 1, ignore_eos=True), None),

@@ -59,7 +59,7 @@ STOP_MESSAGE = dumps(("stop",))
 
 
 def outputs_frame(outputs: list[CoreOutput], stats: EngineStats, dead_reason: str | None) -> bytes:
-    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error) for o in outputs]
+    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs]
     return dumps(("outputs", rows, astuple(stats), dead_reason))
 
 

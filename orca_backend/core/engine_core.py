@@ -23,9 +23,11 @@ from orca_backend.core.batch_builder import build_batch_meta
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import CoreOutput, Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
+from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.executor import Executor, WorkerFailure, make_executor
 
 logger = logging.getLogger("orca.engine")
+HEARTBEAT_S = 1.0  # an idle loop's frames while grammars compile (the frontend's watchdog needs signs of life)
 
 
 class EngineDeadError(RuntimeError):
@@ -64,15 +66,22 @@ class EngineCore:
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
         self.kv = make_kv_manager(config)
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        # Structured output: grammars compile on a thread of their own; a finished compile wakes the loop
+        # (idle while requests only wait for their grammars) through the inbox. Nothing is built or
+        # imported until the first constrained request.
+        self.structured = StructuredOutputManager(
+            config.tokenizer_path(), model_config.vocab_size, model_config.eos_token_id,
+            wake=lambda: self._inbox.put(("wake",)),
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,
             pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
-            priority_aging_s=config.priority_aging_s,
+            priority_aging_s=config.priority_aging_s, structured=self.structured,
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
         self._batch_ids = itertools.count()
-        self._inbox: queue.Queue[tuple] = queue.Queue()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
         self._inbox_lock = threading.Lock()
         self._stopping = False
@@ -100,7 +109,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.scheduler.num_compiling,
             num_running=len(self.scheduler.running),
             kv_used_tokens=self.kv.used_tokens,
             kv_capacity_tokens=self.kv.capacity_tokens,
@@ -118,8 +127,20 @@ class EngineCore:
 
     # ------------------------------------------------------------------ core thread
     def has_work(self) -> bool:
-        """Requests to run, batches to collect (aborted requests' K/V is freed then) or inbox items."""
-        return self.scheduler.has_work() or bool(self._in_flight) or not self._inbox.empty()
+        """Requests to run or waiting for their grammar, batches to collect (aborted requests' K/V is
+        freed then) or inbox items."""
+        return (self.scheduler.has_work() or bool(self._in_flight) or not self._inbox.empty()
+                or self.scheduler.num_compiling > 0)  # fmt: skip
+
+    def wait_for_grammars(self, timeout_s: float = 1.0) -> list[CoreOutput]:
+        """For a caller driving `step()` in a loop (the offline LLM): takes in the inbox, then, with nothing
+        to run but requests waiting for their grammars, waits (up to `timeout_s`) until every one has
+        compiled, instead of spinning. Requests added together then start together, in arrival order,
+        whatever each compile took. Returns the outputs of the aborts taken in."""
+        outputs = self._drain_inbox(block=False)
+        if self.scheduler.num_compiling and not (self.scheduler.has_work() or self._in_flight):
+            self.structured.wait(timeout_s)
+        return outputs
 
     def step(self) -> list[CoreOutput]:
         """One iteration: take in new requests and aborts, schedule, run the model, update.
@@ -131,14 +152,16 @@ class EngineCore:
         if self.dead_reason is not None:
             return outputs
         outputs += self._note_finished(self.scheduler.expire())
+        outputs += self._note_finished(self.scheduler.take_compiled())
         while self.executor.num_in_flight < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
             released, self._released_ids = self._released_ids, []
             batch_meta = build_batch_meta(
-                batch, next(self._batch_ids), self.kv.block_size, self.model_config.eos_token_id, released
-            )
+                batch, next(self._batch_ids), self.kv.block_size, self.model_config.eos_token_id, released,
+                self.structured,
+            )  # fmt: skip
             self.executor.submit(batch_meta)
             self._in_flight.append(batch)
             self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
@@ -160,7 +183,7 @@ class EngineCore:
                 outputs += self._die(f"{self._failed_in_a_row} iterations in a row failed; the last: {exc}")
             return outputs
         self._failed_in_a_row = 0
-        updated = self.scheduler.update_from_output(batch, sampled)
+        updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
         return outputs + self._note_finished(updated)
@@ -172,13 +195,16 @@ class EngineCore:
         try:
             while not self._stopping:
                 idle = not (self.scheduler.has_work() or self._in_flight)
-                outputs = self._drain_inbox(block=True) if idle else []
+                # Idle with grammars compiling: a finished compile wakes the loop, and a frame at least
+                # every second tells the watchdog the loop is alive (it is waiting, not hung).
+                compiling = self.scheduler.num_compiling > 0
+                outputs = self._drain_inbox(block=True, timeout_s=HEARTBEAT_S if compiling else None) if idle else []
                 iterations = self.num_iterations
                 if not self._stopping:
                     outputs += self.step()
                 # Every iteration is reported, outputs or not (a prompt chunk has none): the
                 # frontend's watchdog takes silence while requests are outstanding as a hang.
-                if outputs or self.num_iterations != iterations:
+                if outputs or self.num_iterations != iterations or (idle and compiling):
                     emit(outputs)
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must reach every waiting client
             logger.exception("engine loop died")
@@ -191,11 +217,11 @@ class EngineCore:
             return []
         return self._die("the engine was shut down", expected=True)
 
-    def _drain_inbox(self, block: bool) -> list[CoreOutput]:
+    def _drain_inbox(self, block: bool, timeout_s: float | None = None) -> list[CoreOutput]:
         outputs: list[CoreOutput] = []
         while True:
             try:
-                item = self._inbox.get(block=block)
+                item = self._inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return outputs
             block = False
@@ -207,6 +233,7 @@ class EngineCore:
                 outputs += self._note_finished(self.scheduler.finish(item[1], item[2]))
             elif kind == "stop":
                 return outputs
+            # "wake": a grammar compiled; step() takes it in
 
     def _note_finished(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
         """Finished requests' sampler state is dropped by the workers with the next batch."""
@@ -221,5 +248,6 @@ class EngineCore:
             outputs = self._drain_inbox(block=False)  # queued adds join the scheduler, and fail below
         self._in_flight.clear()
         outputs += self.scheduler.fail_all(reason)
+        self.structured.shutdown()
         self.executor.shutdown()
         return outputs

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from orca_backend.core.block_pool import BlockKey
 from orca_backend.sampling_params import SamplingParams
+from orca_backend.worker.batch_meta import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured-output grammar compiles (vLLM: WAITING_FOR_FSM)
     WAITING = "waiting"  # not admitted yet, or preempted
     RUNNING = "running"
     FINISHED = "finished"
@@ -24,6 +26,7 @@ class Request:
     sampling_seed: int = 0  # params.seed, or drawn by the engine at arrival (see worker/sampler.py)
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities are FCFS
     timeout_s: float | None = None  # it ends with finish_reason "timeout" this long after arrival
+    arrival_order: int = 0  # set by the scheduler as it takes requests in: breaks ties of arrival_time
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -34,6 +37,24 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
+    output_logprobs: list[TokenLogprobs] | None = None  # one per output token when it asks for logprobs
+    # What the sampling worker holds of a request with penalties or logit_bias: None until a batch
+    # carrying its setup has returned, then how many of its output tokens it has been sent. Only a
+    # returned batch moves it: a failed one records nothing, and its re-run sends the same again.
+    sampler_synced: int | None = None
+    # Penalties, logit_bias or logprobs: its rows carry `RowExtras` (set from params; every request is
+    # asked this every iteration, so it is one attribute).
+    sampler_extras: bool = field(init=False, default=False)
+    # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and
+    # its rows carry bitmasks (one attribute for the same reason).
+    structured: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.sampler_extras = p.penalized or bool(p.logit_bias) or p.logprobs is not None
+        self.structured = p.structured_outputs is not None
+        if p.logprobs is not None:
+            self.output_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,8 +85,9 @@ class Request:
 class CoreOutput:
     """What one iteration (or an abort) did to one request: its new tokens, and whether it ended.
 
-    `finish_reason` is "length" | "stop" | "cancelled" | "timeout" | "error" ("timeout" and "error"
-    with `error` holding the message), or the reason an abort named.
+    `finish_reason` is "length" | "stop" | "cancelled" | "timeout" | "error" | "invalid" ("timeout",
+    "error" and "invalid" with `error` holding the message; "invalid": the request cannot run as sent,
+    e.g. its structured-output grammar does not compile), or the reason an abort named.
     """
 
     request_id: str
@@ -73,3 +95,4 @@ class CoreOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked; else None

@@ -14,6 +14,12 @@ Under the paged K/V policy a decode may find no free block: the most recently ad
 request of the lowest priority is then preempted by recompute and waits at the head of its queue
 (FCFS order is kept). Under ORCA's reservation nothing is ever preempted.
 
+A request with structured output waits out of the queue until its grammar has compiled (on the
+StructuredOutputManager's thread, `take_compiled`), then takes its place in the queue by arrival; a
+grammar that does not compile ends it with finish_reason "invalid". Each token it samples advances its
+grammar's matcher when the batch lands (`update_from_output`); once the grammar accepted EOS it ends
+with "stop".
+
 A request with a timeout ends with finish_reason "timeout" once its deadline passes, queued or
 running (`expire`). A batch whose forward failed is not failed whole: its requests are re-run in
 halves, each half alone, until the request that fails alone is found (`fail_batch`), so one poison
@@ -37,7 +43,9 @@ from dataclasses import dataclass
 from orca_backend.core.kv_cache_manager import KVCacheManager
 from orca_backend.core.request import CoreOutput, Request, RequestStatus
 from orca_backend.core.stop import check_stop
+from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
+from orca_backend.worker.batch_meta import TokenLogprobs
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
         pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, structured: StructuredOutputManager | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
         self.max_num_seqs = max_num_seqs  # requests in one batch
@@ -67,6 +75,11 @@ class Scheduler:
         self.waiting = WaitingQueue(priority_aging_s)
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._requests: dict[str, Request] = {}  # waiting and running, by id
+        # Structured output: the grammars' compiler and matchers, and the requests waiting for a grammar
+        # (not in `waiting` until it compiled, so they never hold up the queue).
+        self.structured = structured if structured is not None else StructuredOutputManager(None, 0, None)
+        self._compiling: dict[str, Request] = {}
+        self._arrival_order = itertools.count()
         self._deadlines: list[tuple[float, int, Request]] = []  # a heap; finished requests leave it lazily
         self._deadline_seq = itertools.count()
         # Halves of failed batches, each to be re-run alone (see fail_batch); head first.
@@ -78,13 +91,45 @@ class Scheduler:
         self._held: list[CoreOutput] = []  # request-level mode: the running batch's outputs
 
     def has_work(self) -> bool:
+        """Requests to schedule. Requests waiting for their grammar are not: nothing can run them yet."""
         return bool(self.waiting or self.running)
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their structured-output grammar to compile."""
+        return len(self._compiling)
+
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_order = next(self._arrival_order)
+        if request.structured:
+            assert request.params.structured_outputs is not None
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._compiling[request.request_id] = request
+            self.structured.submit(request.request_id, request.params.structured_outputs)
+        else:
+            self.waiting.append(request)
         self._requests[request.request_id] = request
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
+
+    def take_compiled(self) -> list[CoreOutput]:
+        """Queues the requests whose grammar has compiled, each at its place by arrival; ends those whose
+        grammar cannot be built ("invalid" with the compiler's message, or "error")."""
+        if not self._compiling:
+            return []
+        outputs = []
+        for request_id, reason, message in self.structured.poll():
+            request = self._compiling.get(request_id)
+            if request is None:  # ended meanwhile
+                continue
+            if reason is not None:
+                self._end(request, reason)
+                outputs.append(self._output(request, message))
+                continue
+            del self._compiling[request_id]
+            request.status = RequestStatus.WAITING
+            self.waiting.insert(request)
+        return self._release(outputs)
 
     def expire(self) -> list[CoreOutput]:
         """Ends every request whose deadline has passed, queued or running, with finish_reason "timeout"."""
@@ -97,7 +142,8 @@ class Scheduler:
             request = heapq.heappop(self._deadlines)[2]
             if request.finished:
                 continue
-            where = "waiting in the queue" if request.status is RequestStatus.WAITING else "running"
+            where = {RequestStatus.WAITING: "waiting in the queue", RequestStatus.RUNNING: "running",
+                     RequestStatus.WAITING_FOR_GRAMMAR: "waiting for its grammar to compile"}[request.status]
             self._end(request, "timeout")
             error = (f"the request timed out: its timeout of {request.timeout_s:g} s passed while it was {where} "
                      f"({len(request.output_ids)} tokens generated)")
@@ -124,7 +170,8 @@ class Scheduler:
             if self._make_room(request, num_new, batch):
                 budget -= self._add(batch, request, num_new)
         # Nobody is admitted in an iteration that had to preempt: the blocks it freed would go straight
-        # to a newcomer, and the pool would thrash (vLLM's rule too).
+        # to a newcomer, and the pool would thrash (vLLM's rule too). In request-level mode a request
+        # whose grammar is still compiling does not hold the batch back: it joins the next one.
         if (not self.request_level or idle) and self.num_preemptions == preemptions:
             while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
                     and budget > 0:  # fmt: skip
@@ -178,7 +225,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: its blocks go back to the pool and it waits at the head of the
         queue with the tokens it produced; re-admitted, it prefills prompt and outputs together.
-        Its reported tokens are never sent again, and its sampler state lives on in the workers."""
+        Its reported tokens are never sent again, and its sampler state (generator, penalty counts,
+        `sampler_synced`) lives on in the workers, as its grammar's matcher does here: it has accepted
+        exactly the tokens the request keeps."""
         self.kv.free(request)
         request.num_computed = 0
         self.num_preemptions += 1
@@ -186,20 +235,40 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: list[int]) -> list[CoreOutput]:
-        """Appends each request's new token and finishes those that hit a token-level stop. A
-        request whose prompt chunk did not reach its last token gets no token and no output."""
+    def update_from_output(
+        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
+    ) -> list[CoreOutput]:  # fmt: skip
+        """Appends each request's new token (and its logprobs, if it asked) and finishes those that
+        hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
+        token and no output. A constrained request's matcher accepts its token first: once its
+        grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows
+        nothing else); a token its grammar refuses (the mask should make that impossible) ends it
+        with "error", and the token is dropped."""
         outputs = []
-        for request, num_new, token in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
+        logprobs = logprobs or [None] * len(sampled)
+        for request, num_new, token, token_logprobs in zip(batch.requests, batch.num_new_tokens, sampled, logprobs,
+                                                           strict=True):  # fmt: skip
             if not self._landed(request):
                 continue
+            if request.sampler_extras:  # the sampler now holds its setup and every output token sent
+                request.sampler_synced = len(request.output_ids)
             request.num_computed += num_new
             self.kv.register_computed(request)
             if request.num_computed < request.num_tokens:
                 continue  # a prefill chunk short of the last token: nothing was sampled
+            if request.structured and not self.structured.accept(request.request_id, token):
+                self._end(request, "error")
+                outputs.append(self._output(request, f"the sampled token {token} breaks the request's "
+                                                     "structured-output grammar"))  # fmt: skip
+                continue
             request.output_ids.append(token)
+            if token_logprobs is not None:  # the sampler returns them for the rows that asked only
+                request.output_logprobs.append(token_logprobs)
             self.num_generated_tokens += 1
-            reason = check_stop(request, token, self.eos_token_id)
+            if request.structured and self.structured.is_terminated(request.request_id):
+                reason: str | None = "stop"
+            else:
+                reason = check_stop(request, token, self.eos_token_id)
             if reason is not None:
                 self._end(request, reason)
             outputs.append(self._output(request))
@@ -238,7 +307,7 @@ class Scheduler:
         """The model is gone: every request ends with the error, held outputs included."""
         outputs, self._held = self._held, []
         self._suspects.clear()
-        for request in list(self.running) + list(self.waiting):
+        for request in [*self.running, *self.waiting, *self._compiling.values()]:
             request.in_flight = False
             self._end(request, "error")
             outputs.append(self._output(request, error))
@@ -256,18 +325,24 @@ class Scheduler:
     def _end(self, request: Request, reason: str) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            del self._compiling[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
+        if request.structured:  # its matcher (or its compile) goes with it
+            self.structured.remove(request.request_id)
         if not request.in_flight:
             self.kv.free(request)
 
     def _output(self, request: Request, error: str | None = None) -> CoreOutput:
-        new_ids = request.output_ids[request.num_reported :]
+        reported = request.num_reported
+        new_ids = request.output_ids[reported:]
         request.num_reported = len(request.output_ids)
-        return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error)
+        logprobs = request.output_logprobs[reported:] if request.output_logprobs is not None else None
+        return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs)
 
     def _release(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
         """Iteration-level: every output goes out now. Request-level: once the batch has ended."""

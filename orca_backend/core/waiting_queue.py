@@ -48,6 +48,20 @@ class WaitingQueue:
         self._classes[request.priority] = {request.request_id: request, **members}
         self._len += 1
 
+    def insert(self, request: Request) -> None:
+        """A request that waited out of the queue (for its grammar to compile): its place in its class by
+        arrival, before those that arrived after it. O(1) when nobody did; else the class is rebuilt."""
+        members = self._classes.get(request.priority)
+        key = (request.arrival_time, request.arrival_order)
+        if not members or _arrival(next(reversed(members.values()))) < key:
+            self.append(request)
+            return
+        items = list(members.items())
+        at = next(i for i, (_, queued) in enumerate(items) if _arrival(queued) > key)
+        items.insert(at, (request.request_id, request))
+        self._classes[request.priority] = dict(items)
+        self._len += 1
+
     def remove(self, request: Request) -> None:
         members = self._classes[request.priority]
         del members[request.request_id]
@@ -70,3 +84,7 @@ class WaitingQueue:
         if self.aging_s <= 0:
             return request.priority
         return request.priority - math.floor(max(now - request.arrival_time, 0.0) / self.aging_s)
+
+
+def _arrival(request: Request) -> tuple[float, int]:
+    return request.arrival_time, request.arrival_order

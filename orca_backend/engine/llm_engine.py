@@ -29,6 +29,7 @@ from orca_backend.core.request import CoreOutput, Request
 from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import (
     EngineOverloadedError,
+    Logprob,
     OutputProcessor,
     OutputSink,
     RequestOutput,
@@ -36,7 +37,8 @@ from orca_backend.engine.output_processor import (
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
 
-__all__ = ["EngineDeadError", "EngineOverloadedError", "EngineStats", "LLMEngine", "OutputSink", "Prompt", "RequestOutput", "RequestStream"]
+__all__ = ["EngineDeadError", "EngineOverloadedError", "EngineStats", "LLMEngine", "Logprob", "OutputSink", "Prompt",
+           "RequestOutput", "RequestStream"]
 
 Prompt = str | Sequence[int]
 
@@ -168,7 +170,10 @@ class LLMEngine:
         self._check_stop_strings(params.stop)
         ids = self._prompt_ids(prompt)
         self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids:")
+        if params.logit_bias:
+            self._check_in_vocabulary(list(params.logit_bias), "logit_bias:")
         self._check_something_can_be_sampled(params)
+        self._check_structured_output(params)
         limit = self.config.max_input_tokens
         if limit and len(ids) > limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than this deployment's max_input_tokens of {limit}")
@@ -197,6 +202,17 @@ class LLMEngine:
         if len(banned) >= self.model_config.vocab_size:
             raise ValueError(f"with min_tokens={params.min_tokens}, stop_token_ids and EOS ban every token of the "
                              f"vocabulary ({self.model_config.vocab_size}) until then: nothing could be sampled")
+
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        """What a constraint needs of the model; the constraint itself is compiled by the engine core
+        (a malformed one ends that request with finish_reason "invalid")."""
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer (tokenizer.json), and this model has none")
+        if self.model_config.eos_token_id is None:
+            raise ValueError("structured output needs the model's EOS token id (eos_token_id in config.json): a "
+                             "complete grammar ends on it, and this model has none")  # fmt: skip
 
     def _check_stop_strings(self, stop: list[str]) -> None:
         """Before any tokenizing: each stop string is searched for in every new piece of text."""
@@ -238,8 +254,11 @@ class LLMEngine:
         return self._in_process_core().has_work()
 
     def step(self) -> None:
-        """One iteration on the caller's thread, outputs processed right after it."""
-        self._process(self._in_process_core().step())
+        """One iteration on the caller's thread, outputs processed right after it. While the only
+        requests left wait for their structured-output grammars, it first waits for them to compile."""
+        core = self._in_process_core()
+        outputs = core.wait_for_grammars()
+        self._process(outputs + core.step())
 
     def _in_process_core(self) -> EngineCore:
         if not isinstance(self.core, EngineCore):

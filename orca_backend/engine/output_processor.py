@@ -19,6 +19,18 @@ from orca_backend.engine import detokenizer
 from orca_backend.engine.detokenizer import DetokenizerState
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
+from orca_backend.worker.batch_meta import TokenLogprobs
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability under the model's raw logits (vLLM's default "raw_logprobs":
+    before logit_bias, penalties, temperature, top-k and top-p; a structured-output request's logits
+    are masked first, as in vLLM v1, so a token its grammar forbids has -inf)."""
+
+    logprob: float
+    rank: int  # 1 + the number of tokens of the vocabulary more likely
+    decoded_token: str  # tokenizer.decode([token id]) ("" without a tokenizer)
 
 
 @dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
@@ -26,7 +38,9 @@ class RequestOutput:
     """One event on a request's stream: what is new since the previous event.
 
     Every request gets at least one event; the last has ``finished`` set and a ``finish_reason``
-    of "length" | "stop" | "cancelled" | "error" (with ``error`` holding the message).
+    of "length" | "stop" | "cancelled" | "timeout" | "error" | "invalid" (the last three with ``error``
+    holding the message; "invalid": the request cannot run as sent, e.g. its structured-output grammar
+    does not compile).
     """
 
     request_id: str
@@ -38,6 +52,11 @@ class RequestOutput:
     num_output_tokens: int
     time: float  # time.perf_counter() when the event was handed to its sink
     error: str | None = None
+    # With SamplingParams.logprobs set (else None): one dict per token of `new_token_ids`, in order,
+    # holding the sampled token (with its own rank) and the top `logprobs` alternatives (ranks
+    # 1..k), so k or k + 1 entries; and the sum of the sampled tokens' logprobs so far.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -50,6 +69,7 @@ class _RequestState:
     output_ids: list[int]
     sent_ids_len: int = 0
     detok: DetokenizerState | None = None  # None without a tokenizer
+    cumulative_logprob: float | None = None  # 0.0 from the start when the request asked for logprobs
 
 
 class EngineOverloadedError(RuntimeError):
@@ -67,6 +87,7 @@ class OutputProcessor:
         self.max_queued_prompt_tokens = max_queued_prompt_tokens
         self._queued: dict[str, int] = {}
         self._queued_tokens = 0
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary, filled by logprobs requests only
 
     @property
     def num_queued(self) -> tuple[int, int]:
@@ -85,7 +106,8 @@ class OutputProcessor:
             self._check_queue(len(request_ids), sum(len(p) for p in prompts))
             for rid, prompt, p, sink in zip(request_ids, prompts, params, sinks, strict=True):
                 detok = DetokenizerState(list(prompt), p.stop) if self.tokenizer is not None else None
-                self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok)
+                cumulative = None if p.logprobs is None else 0.0
+                self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok, cumulative_logprob=cumulative)
                 self._queued[rid] = len(prompt)
                 self._queued_tokens += len(prompt)
 
@@ -142,6 +164,9 @@ class OutputProcessor:
             state.sent_ids_len = len(state.output_ids)
             event = RequestOutput(out.request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
                                   len(state.output_ids), now, out.error)  # fmt: skip
+            if state.cumulative_logprob is not None and out.logprobs is not None:
+                # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
+                self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
             if finished:
                 with self._lock:
                     del self._states[out.request_id]
@@ -155,8 +180,30 @@ class OutputProcessor:
             self._queued, self._queued_tokens = {}, 0
         now = time.perf_counter()
         for request_id, state in failed.items():
-            state.sink(RequestOutput(request_id, [], "", True, "error", state.num_prompt_tokens,
-                                     len(state.output_ids), now, reason))  # fmt: skip
+            logprobs = None if state.cumulative_logprob is None else []
+            state.sink(RequestOutput(request_id, [], "", True, "error", state.num_prompt_tokens, len(state.output_ids),
+                                     now, reason, logprobs, state.cumulative_logprob))  # fmt: skip
+
+    def _add_logprobs(self, event: RequestOutput, state: _RequestState, logprobs: list[TokenLogprobs]) -> None:
+        """The event's logprob dicts and running total: the sampled token first, with its own rank (a
+        token tied with it in the top k keeps that rank), then the top-k alternatives."""
+        assert state.cumulative_logprob is not None
+        if len(logprobs) != len(event.new_token_ids):
+            raise RuntimeError(f"request {event.request_id}: {len(event.new_token_ids)} new tokens but "
+                               f"{len(logprobs)} logprobs")  # fmt: skip
+        dicts = []
+        texts = self._token_texts  # each token decoded alone once: the top-k repeat from token to token
+        for ids, values, ranks in logprobs:
+            entry: dict[int, Logprob] = {}
+            for token, value, rank in zip(ids, values, ranks, strict=True):
+                if token not in entry:
+                    text = texts.get(token)
+                    if text is None:
+                        text = texts[token] = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+                    entry[token] = Logprob(value, rank, text)
+            dicts.append(entry)
+            state.cumulative_logprob += values[0]
+        event.logprobs, event.cumulative_logprob = dicts, state.cumulative_logprob
 
     def _stop_string_hit(self, state: _RequestState, out: CoreOutput) -> bool:
         """Detokenizes the new tokens; True if a stop string completed (text cut before it, later

@@ -1,5 +1,5 @@
-"""The executor interface: the engine core submits `BatchMeta`s and collects sampled tokens,
-oldest first.
+"""The executor interface: the engine core submits `BatchMeta`s and collects sampled tokens (a
+`SamplerOutput`: the tokens, and logprobs for the rows that asked), oldest first.
 
 Up to `max_in_flight` batches may be submitted before collecting: one for a single stage, `pp`
 with pipeline parallelism so every stage has work (ORCA §4.2, Figure 8).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from typing import Protocol
 
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 
 
 class WorkerFailure(RuntimeError):
@@ -30,7 +30,7 @@ class Executor(Protocol):
 
     def submit(self, batch_meta: BatchMeta) -> None: ...
 
-    def collect_oldest(self) -> list[int]:
+    def collect_oldest(self) -> SamplerOutput:
         """Sampled tokens of the oldest submitted batch, blocking; raises WorkerFailure if the model is
         gone, and any other exception (BatchFailed from workers) if only this batch failed."""
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 from orca_backend.worker.model_runner import ModelRunner
 
 
@@ -24,7 +24,7 @@ class LocalExecutor:
     def submit(self, batch_meta: BatchMeta) -> None:
         self._pending.append(batch_meta)
 
-    def collect_oldest(self) -> list[int]:
+    def collect_oldest(self) -> SamplerOutput:
         return self.runner.execute(self._pending.popleft())
 
     def shutdown(self) -> None:

@@ -1,5 +1,5 @@
 """The engine master's side of distributed execution: starts tp x pp worker processes and talks
-to them over the control channel (one pipe each: batch metadata out, tokens and errors back).
+to them over the control channel (one pipe each: batch metadata out, tokens, logprobs and errors back).
 
 A worker that raises or dies turns into `WorkerFailure` within one poll interval; every other
 worker is then stopped too, so no process is left behind and nothing waits forever.
@@ -21,12 +21,12 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
 from orca_backend.executor.base import BatchFailed, WorkerFailure, exit_description
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -137,15 +137,17 @@ class WorkerPoolExecutor:
 
     def submit(self, batch_meta: BatchMeta) -> None:
         data = batch_meta.to_bytes()
+        # Structured output's bitmask rows (a few KB per constrained row) matter to the sampling rank alone.
+        others = replace(batch_meta, bitmask_rows=[], bitmask=b"").to_bytes() if batch_meta.bitmask_rows else data
         try:
-            for conn in self.conns:
-                conn.send_bytes(data)
+            for rank, conn in enumerate(self.conns):
+                conn.send_bytes(data if rank == self._sampler_rank else others)
         except OSError as exc:
             self.shutdown()
             raise WorkerFailure(f"cannot reach a worker: {exc}") from None
         self._pending.append(batch_meta.batch_id)
 
-    def collect_oldest(self) -> list[int]:
+    def collect_oldest(self) -> SamplerOutput:
         expected = self._pending.popleft()
         msg = self._next_message()
         if msg.get("kind") == "batch_failed" and msg["batch_id"] == expected:
@@ -153,7 +155,10 @@ class WorkerPoolExecutor:
         if msg.get("kind") != "tokens" or msg["batch_id"] != expected:
             self.shutdown()
             raise WorkerFailure(f"protocol error: expected tokens of batch {expected}, got {msg}")
-        return msg["tokens"]
+        logprobs = msg.get("logprobs")
+        if logprobs is not None:  # JSON made each row's (ids, logprobs, ranks) a list
+            logprobs = [tuple(row) if row is not None else None for row in logprobs]
+        return SamplerOutput(msg["tokens"], logprobs)
 
     def _next_message(self, timeout_s: float | None = None) -> dict:
         """The next message from any worker; a dead worker or an error report raises WorkerFailure."""

@@ -25,7 +25,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_iteration_seconds": ("GAUGE", "Wall time of the engine's latest iteration"),
     "orca_iterations_total": ("COUNTER", "Engine iterations run"),
     "orca_generated_tokens_total": ("COUNTER", "Output tokens generated"),
-    "orca_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason"),
+    "orca_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason (length, stop, cancelled, "
+                                     "timeout, error, invalid)"),
 }
 _STAT_OF = {
     "orca_requests_waiting": "num_waiting",

@@ -21,8 +21,24 @@ from orca_backend.engine.llm_engine import check_priority, check_timeout
 from orca_backend.engine.output_processor import EngineOverloadedError, RequestOutput
 from orca_backend.sampling_params import SamplingParams, parse_sampling_json
 
-INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output")
-OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+# Triton's vLLM backend sends these outputs only when the request's input of the same name is true
+# (docs/vllm-backend-contract.md); text_output, and this project's output_ids, are always sent.
+RETURN_INPUTS = {
+    "return_finish_reason": "finish_reason",
+    "return_cumulative_logprob": "cumulative_logprob",
+    "return_logprobs": "logprobs",
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+}
+INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output",
+               *RETURN_INPUTS)
+ALWAYS_SENT = ("text_output", "output_ids")
+OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values())
+# The engine's finish reasons as the contract names them ("error" and "timeout" end in an error response).
+FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "abort"}
+NOT_FINISHED = "None"  # finish_reason of every response but the last (vLLM's str(None))
+STREAMING_ECHO_REFUSED = "When streaming, `exclude_input_in_output` = False is not allowed."
+CANCELLED_MESSAGE = "Request was cancelled"
 _SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 
 
@@ -31,10 +47,13 @@ class ParsedRequest:
     prompt: str | list[int]
     params: SamplingParams
     stream: bool = False
-    exclude_input: bool = True  # as in Triton's vLLM backend: the prompt is left out unless asked for
-    # The outputs the client asked for (Triton lists every output when a client names none).
-    # Only these are built: a response's cost in the stub grows with its tensors.
-    outputs: tuple[str, ...] = OUTPUT_NAMES
+    # The `exclude_input_in_output` input, None when not sent: then the prompt is echoed in a
+    # non-streaming answer and not in a stream (Triton's vLLM backend).
+    exclude_input: bool | None = None
+    # The outputs to build: those always sent plus those a `return_*` input switched on, less any the
+    # client did not request (Triton lists every output when a client names none). A response's cost
+    # in the stub grows with its tensors.
+    outputs: tuple[str, ...] = ALWAYS_SENT
     # Request parameter `scheduling_priority`, lower served first (Triton reserves `priority` for its
     # own request field, which the Python backend cannot read).
     priority: int = 0
@@ -80,7 +99,9 @@ def parse_inputs(
 
     stream = _scalar_bool("stream", arrays["stream"]) if "stream" in arrays else False
     exclude = _scalar_bool("exclude_input_in_output", arrays["exclude_input_in_output"]) \
-        if "exclude_input_in_output" in arrays else True
+        if "exclude_input_in_output" in arrays else None
+    returned = tuple(output for flag, output in RETURN_INPUTS.items()
+                     if flag in arrays and _scalar_bool(flag, arrays[flag]))
     priority = _parameter_int("scheduling_priority", request_parameters.get("scheduling_priority", 0))
     check_priority(priority)
     timeouts = [t / 1e6 for t in (triton_timeout_us,) if t]
@@ -88,7 +109,8 @@ def parse_inputs(
         timeout_s = _parameter_float("timeout_s", request_parameters["timeout_s"])
         check_timeout(timeout_s)
         timeouts.append(timeout_s)
-    return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude, priority=priority,
+    return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude,
+                         outputs=ALWAYS_SENT + returned, priority=priority,
                          timeout_s=min(timeouts) if timeouts else None)  # fmt: skip
 
 
@@ -201,39 +223,50 @@ class ResponseBuilder:
     """Turns a request's engine events into response payloads (numpy arrays by output name).
 
     Streaming: each flush holds what is new since the previous one (several events may be merged
-    when responses fall behind the engine); the first also carries the prompt when it is not
-    excluded, so the concatenated deltas equal the non-streaming answer. After the first token,
-    a flush waits for `stream_interval` new tokens (or the end): fewer, larger responses, each
-    costing the stub and tritonserver the same. Non-streaming: one payload holding everything,
-    ready once the request finished.
+    when responses fall behind the engine): text, ids, logprobs and `num_output_tokens` are deltas,
+    `num_input_tokens` and `cumulative_logprob` are repeated whole, and `finish_reason` is "None"
+    until the last. The first flush also carries the prompt when it is echoed. After the first
+    token, a flush waits for `stream_interval` new tokens (or the end): fewer, larger responses,
+    each costing the stub and tritonserver the same. Non-streaming: one payload holding
+    everything, ready once the request finished.
     """
 
     stream: bool
-    prefix_ids: list[int] = field(default_factory=list)  # the prompt, when exclude_input_in_output is false
+    prefix_ids: list[int] = field(default_factory=list)  # the prompt, when it is echoed
     prefix_text: str = ""
     batched: bool = False
-    outputs: tuple[str, ...] = OUTPUT_NAMES
+    outputs: tuple[str, ...] = ALWAYS_SENT
     stream_interval: int = 1
+    wants_logprobs: bool = False  # the `logprobs` sampling parameter was set ("null" is sent otherwise)
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far
+    cumulative_logprob: float | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # the engine's
+    error: str | None = None  # the request ends in an error response with this message
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
-    num_input_tokens: int = 0
-    num_output_tokens: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
+    _logprobs: list[dict[int, Any]] = field(default_factory=list)
+    _num_output_sent: int = 0
     _first_sent: bool = False
 
     def add(self, event: RequestOutput) -> None:
         self._ids.extend(event.new_token_ids)
         if event.new_text:
             self._text.append(event.new_text)
+        if event.logprobs is not None:
+            self._logprobs.extend(event.logprobs)
+        if event.cumulative_logprob is not None:
+            self.cumulative_logprob = event.cumulative_logprob
         self.num_input_tokens = event.num_input_tokens
         self.num_output_tokens = event.num_output_tokens
         if event.finished:
             self.finished = True
             self.finish_reason = event.finish_reason
-            if event.finish_reason in ("error", "timeout"):
+            if event.finish_reason in ("error", "timeout", "invalid"):
                 self.error = event.error or "the engine failed this request"
+            elif event.finish_reason == "cancelled" and self.stream:
+                self.error = CANCELLED_MESSAGE  # a cancelled stream ends in a CANCELLED error, as in vLLM's
 
     @property
     def ready(self) -> bool:
@@ -251,17 +284,26 @@ class ResponseBuilder:
         if not self._first_sent:
             ids, text = self.prefix_ids + ids, self.prefix_text + text
             self._first_sent = True
-        self._ids, self._text = [], []
-        return output_arrays(ids, text, self.finish_reason if self.finished else "",
-                             self.num_input_tokens, self.num_output_tokens, self.batched, self.outputs)
+        logprobs = self._logprobs if self.wants_logprobs else None
+        self._ids, self._text, self._logprobs = [], [], []
+        new_tokens, self._num_output_sent = self.num_output_tokens - self._num_output_sent, self.num_output_tokens
+        reason = FINISH_REASONS.get(self.finish_reason or "", self.finish_reason) if self.finished else NOT_FINISHED
+        return output_arrays(ids, text, reason, self.num_input_tokens, new_tokens, self.batched, self.outputs,
+                             cumulative_logprob=self.cumulative_logprob, logprobs=logprobs)
 
 
 def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False,
                      stream_interval: int = 1) -> ResponseBuilder:
-    """The builder for one parsed request; with exclude_input_in_output false it echoes the prompt."""
+    """The builder for one parsed request, `stream` saying whether it is answered as a stream.
+
+    The prompt is echoed when `exclude_input_in_output` is false, or unset in a non-streaming
+    answer; a stream refuses false (Triton's vLLM backend does, with this message).
+    """
+    if stream and request.exclude_input is False:
+        raise ValueError(STREAMING_ECHO_REFUSED)
     prefix_ids: list[int] = []
     prefix_text = ""
-    if not request.exclude_input:
+    if request.exclude_input is False or (request.exclude_input is None and not stream):
         if isinstance(request.prompt, str):
             if tokenizer is None:
                 raise ValueError("text_input needs a tokenizer, and this model has none: send input_ids instead")
@@ -270,28 +312,47 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
             prefix_ids = list(request.prompt)
             prefix_text = tokenizer.decode(prefix_ids) if tokenizer is not None else ""
     return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
-                           outputs=request.outputs, stream_interval=stream_interval)
+                           outputs=request.outputs, stream_interval=stream_interval,
+                           wants_logprobs=request.params.logprobs is not None)
 
 
 def output_arrays(
     ids: list[int], text: str, finish_reason: str, num_input_tokens: int, num_output_tokens: int, batched: bool,
-    names: tuple[str, ...] = OUTPUT_NAMES,
+    names: tuple[str, ...] = OUTPUT_NAMES, *, cumulative_logprob: float | None = None,
+    logprobs: list[dict[int, Any]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The response payload: the outputs in `names`."""
+    """The response payload: the outputs in `names`, with the vLLM backend's dtypes.
+
+    `logprobs` holds one {token id: Logprob} dict per token, sent as JSON keyed by the id as a
+    string (None sends the literal "null"); a cumulative logprob that was not computed is NaN.
+    """
     arrays = {}
     if "text_output" in names:
         arrays["text_output"] = np.array([text.encode("utf-8")], dtype=np.object_)
     if "output_ids" in names:
         arrays["output_ids"] = np.array(ids, dtype=np.int32)
     if "finish_reason" in names:
-        arrays["finish_reason"] = np.array([(finish_reason or "").encode("utf-8")], dtype=np.object_)
+        arrays["finish_reason"] = np.array([finish_reason.encode("utf-8")], dtype=np.object_)
+    if "cumulative_logprob" in names:
+        value = float("nan") if cumulative_logprob is None else cumulative_logprob
+        arrays["cumulative_logprob"] = np.array([value], dtype=np.float32)
+    if "logprobs" in names:
+        arrays["logprobs"] = np.array([_logprobs_json(logprobs).encode("utf-8")], dtype=np.object_)
     if "num_input_tokens" in names:
-        arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.int32)
+        arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
     if "num_output_tokens" in names:
-        arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.int32)
+        arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
     if batched:  # the baseline's outputs carry the batch dimension too
         arrays = {name: value[np.newaxis, ...] for name, value in arrays.items()}
     return arrays
+
+
+def _logprobs_json(logprobs: list[dict[int, Any]] | None) -> str:
+    if logprobs is None:
+        return "null"
+    return json.dumps([{str(token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                        "decoded_token": entry.decoded_token}
+                        for token_id, entry in per_token.items()} for per_token in logprobs])
 
 
 def read_request(request: Any, batched: bool = False, max_request_bytes: int = 0) -> ParsedRequest:
@@ -306,7 +367,8 @@ def read_request(request: Any, batched: bool = False, max_request_bytes: int = 0
     parsed = parse_inputs(tensors, request.parameters(), batched=batched, max_request_bytes=max_request_bytes,
                           triton_timeout_us=int(request.timeout()))  # fmt: skip
     requested = set(request.requested_output_names())
-    parsed.outputs = tuple(name for name in OUTPUT_NAMES if name in requested) or OUTPUT_NAMES
+    if requested:
+        parsed.outputs = tuple(name for name in parsed.outputs if name in requested)
     return parsed
 
 
@@ -332,14 +394,24 @@ class RequestTimedOut(RuntimeError):
     """The request's timeout passed before it finished (Triton's own queue timeouts say UNAVAILABLE too)."""
 
 
-def request_failure(message: str, engine_healthy: bool, finish_reason: str = "error") -> Exception:
-    """The exception for a request the engine ended with finish_reason "error" or "timeout".
+class RequestCancelled(RuntimeError):
+    """The client cancelled a stream: its final response is a CANCELLED error, as in vLLM's backend."""
 
-    A timeout, or a request whose engine loop died, may be retried (UNAVAILABLE); otherwise the
-    request failed inside a running engine (INTERNAL).
+
+def request_failure(message: str, engine_healthy: bool, finish_reason: str = "error") -> Exception:
+    """The exception for a request the engine ended with finish_reason "error", "timeout" or "invalid",
+    or a cancelled stream.
+
+    A timeout, or a request whose engine loop died, may be retried (UNAVAILABLE); "invalid" is the
+    request's own fault found by the engine, e.g. a structured-output grammar that does not compile
+    (INVALID_ARG); otherwise the request failed inside a running engine (INTERNAL).
     """
+    if finish_reason == "invalid":
+        return ValueError(message)
     if finish_reason == "timeout":
         return RequestTimedOut(message)
+    if finish_reason == "cancelled":
+        return RequestCancelled(message)
     return RuntimeError(message) if engine_healthy else EngineUnavailable(message)
 
 
@@ -349,6 +421,8 @@ def error_code(exc: BaseException) -> tuple[str, str]:
         return "UNAVAILABLE", f"the ORCA engine is unavailable: {exc}"
     if isinstance(exc, EngineOverloadedError | RequestTimedOut):
         return "UNAVAILABLE", str(exc)
+    if isinstance(exc, RequestCancelled):
+        return "CANCELLED", str(exc)
     if isinstance(exc, ValueError):
         return "INVALID_ARG", str(exc)
     return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"

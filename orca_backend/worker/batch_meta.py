@@ -1,14 +1,59 @@
-"""`BatchMeta`: everything a model runner needs for one iteration, as plain numbers and strings.
+"""The control channel's wire format: `BatchMeta`, everything a model runner needs for one
+iteration, and `SamplerOutput`, what the sampling rank answers, as plain numbers and strings.
 
-The engine core builds it from a scheduled batch (core/batch_builder.py); a runner in the same
-process or in a worker process consumes it. Plain fields keep the control channel free of pickled
-objects: it crosses as JSON.
+The engine core builds a BatchMeta from a scheduled batch (core/batch_builder.py); a runner in the
+same process or in a worker process consumes it. Plain fields keep the control channel free of
+pickled objects: it crosses as JSON.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field
+
+# One sampled token's log-probabilities: (token ids, logprobs, ranks), the sampled token first (its
+# rank: 1 + the number of tokens more likely), then the top-k alternatives (ranks 1..k). A tuple:
+# it crosses two process boundaries per token, and a tuple is the cheapest thing to pickle.
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+@dataclass
+class LogitsSetup:
+    """A request's static logits processing. The core sends it with the request's batches until one
+    of them has returned; the sampler keeps it from the first it sees until the request is released."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bias_ids: list[int] = field(default_factory=list)  # logit_bias, as two lists (JSON keys are strings)
+    bias_values: list[float] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # with a repetition penalty only (it covers the prompt)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class RowExtras:
+    """What the sampler needs of one row beyond its logits and the plain per-row fields; only rows
+    of requests with penalties, logit_bias or logprobs have one."""
+
+    row: int
+    num_logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and the top k
+    processed: bool = False  # logit_bias or penalties: the sampler holds (or is sent) its setup
+    setup: LogitsSetup | None = None  # None once a batch carrying it has returned
+    # The request's output tokens from index `output_offset` on, those the core has not yet seen
+    # arrive at the sampler (penalized requests only). Applying them is idempotent: a batch that
+    # failed is re-run with the same offset, whether or not the sampler had taken them.
+    output_offset: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RowExtras:
+        setup = d.pop("setup")
+        return cls(**d, setup=LogitsSetup(**setup) if setup is not None else None)
 
 
 @dataclass
@@ -33,14 +78,36 @@ class BatchMeta:
     seeds: list[int]
     banned_ids: list[list[int]]  # EOS and stop ids before min_tokens
     released_ids: list[str] = field(default_factory=list)  # finished requests: drop their sampler state
+    # Sparse: a batch of requests without penalties, logit_bias or logprobs carries none.
+    extras: list[RowExtras] = field(default_factory=list)
+    # Structured output: the rows of constrained requests that sample this step, and their token bitmask
+    # rows in that order, int32 words (ceil(vocab / 32) per row; worker/bitmask.py), as raw bytes: base64
+    # text on the wire only (a few MB a step for many rows of a large vocabulary, which the in-process
+    # runner never encodes). Empty when no row is constrained; only the sampling rank of a worker pool is
+    # sent them.
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: bytes = b""
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        fields = asdict(self)
+        fields["bitmask"] = base64.b64encode(self.bitmask).decode("ascii")
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BatchMeta:
-        return cls(**json.loads(data))
+        meta = cls(**json.loads(data))
+        meta.bitmask = base64.b64decode(meta.bitmask)  # type: ignore[arg-type]
+        if meta.extras:
+            meta.extras = [RowExtras.from_dict(d) for d in meta.extras]  # type: ignore[arg-type]
+        return meta
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row (a row that samples nothing has a placeholder the core ignores)
+    # One per row when any row asked for logprobs (None for the rows that did not), else None.
+    logprobs: list[TokenLogprobs | None] | None = None

@@ -18,7 +18,8 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
+from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.kv_pool import allocate_kv_pool
 from orca_backend.worker.sampler import Sampler
@@ -44,7 +45,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, batch_meta: BatchMeta) -> list[int]:
+    def execute(self, batch_meta: BatchMeta) -> SamplerOutput:
         """The whole model in this process: forward and sample."""
         return self.sample(self.run_stage(batch_meta), batch_meta)
 
@@ -55,8 +56,11 @@ class ModelRunner:
         return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> list[int]:
+    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
         self.sampler.release(batch_meta.released_ids)
+        if batch_meta.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
+            rows = batch_meta.bitmask_rows
+            apply_bitmask(logits, decode_bitmask(batch_meta.bitmask, len(rows)), rows)
         return self.sampler.sample(logits, batch_meta)
 
     def _prepare_inputs(self, batch_meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

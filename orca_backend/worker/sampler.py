@@ -1,24 +1,33 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request RNG.
+"""Token sampling: logits processing, greedy, temperature, top-k, top-p, with a per-request RNG,
+and the logprobs of the sampled tokens.
 
 Each request draws from its own generator, seeded with the request's seed (its SamplingParams.seed,
 or one the engine drew for it at arrival), and every transform is row-wise, so a request's tokens
 do not depend on what else is in the batch, nor on which process samples them.
+
+vLLM v1's order: a structured-output request's grammar mask is applied before the sampler
+(worker/bitmask.py, by the model runner); logprobs are taken from those logits (vLLM's default
+"raw_logprobs"); then logit_bias, the min_tokens ban and the penalties (worker/logits_processors.py);
+then greedy's argmax, or temperature, top-k, top-p and a draw.
 """
 
 from __future__ import annotations
 
 import torch
 
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput, TokenLogprobs
+from orca_backend.worker.logits_processors import LogitsProcessors
 
 
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.processors = LogitsProcessors()
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        self.processors.release(request_ids)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(request_id)
@@ -26,9 +35,19 @@ class Sampler:
             gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
         return gen
 
-    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> list[int]:
-        """logits: [B, vocab] float32, one row per request. Returns one token id per request (the
-        scheduler ignores the rows of prefill chunks, `batch_meta.sample` False)."""
+    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
+        """logits: [B, vocab] float32, one row per request (changed in place). Returns one token id
+        per request (the scheduler ignores the rows of prefill chunks, `batch_meta.sample` False),
+        and the logprobs of the rows that asked for them."""
+        logprob_rows: list[tuple[int, int]] = []  # (row, top alternatives)
+        raw_logprobs = None
+        if batch_meta.extras:  # only requests with penalties, logit_bias or logprobs have extras
+            self.processors.update(logits, batch_meta)
+            logprob_rows = [(e.row, e.num_logprobs) for e in batch_meta.extras
+                            if e.num_logprobs >= 0 and batch_meta.sample[e.row]]  # fmt: skip
+            if logprob_rows:  # before any processing
+                raw_logprobs = logits[[row for row, _ in logprob_rows]].log_softmax(dim=-1)
+            self.processors.apply(logits, batch_meta)
         for row, banned in enumerate(batch_meta.banned_ids):
             if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
                 logits[row, banned] = float("-inf")
@@ -37,7 +56,10 @@ class Sampler:
         random_rows = [i for i, (t, s) in enumerate(zip(batch_meta.temperature, batch_meta.sample, strict=True)) if t > 0 and s]
         if random_rows:
             tokens[random_rows] = self._sample_random(logits[random_rows], batch_meta, random_rows)
-        return tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist())
+        logprobs = _gather_logprobs(raw_logprobs, tokens, logprob_rows, len(batch_meta.sample))
+        return SamplerOutput(tokens.tolist(), logprobs)
 
     def _sample_random(self, logits: torch.Tensor, batch_meta: BatchMeta, rows: list[int]) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[1]
@@ -56,3 +78,22 @@ class Sampler:
         u = torch.stack([torch.rand((), generator=self._generator(batch_meta.request_ids[i], batch_meta.seeds[i])) for i in rows])
         pick = torch.searchsorted(cdf, (u.to(device) * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
         return order.gather(1, pick).squeeze(1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[tuple[int, int]], batch_size: int
+) -> list[TokenLogprobs | None]:
+    """Per row of the batch: the sampled token's logprob and rank, then the top-k (ranks 1..k); None
+    for the rows that did not ask. `logprobs` holds the asking rows only, in `rows`' order."""
+    sampled = tokens[[row for row, _ in rows]].to(logprobs.device)[:, None]
+    sampled_logprobs = logprobs.gather(1, sampled)
+    ranks = (logprobs > sampled_logprobs).sum(dim=1) + 1  # ties share the better rank
+    k_max = min(max(k for _, k in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k_max, dim=1) if k_max else (logprobs[:, :0], sampled[:, :0])
+    out: list[TokenLogprobs | None] = [None] * batch_size
+    for (row, k), token, value, rank, ids, values in zip(
+        rows, sampled[:, 0].tolist(), sampled_logprobs[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+        top_values.tolist(), strict=True,
+    ):  # fmt: skip
+        out[row] = ([token, *ids[:k]], [value, *values[:k]], [rank, *range(1, min(k, k_max) + 1)])
+    return out

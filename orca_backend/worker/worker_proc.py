@@ -3,7 +3,8 @@
 It receives every batch's `BatchMeta` on its control pipe (JSON bytes), runs its slice of the
 model, and passes activations to the next stage with point-to-point sends on the tensor data
 plane (torch.distributed: NCCL on GPUs, gloo on CPU). The first tensor-parallel rank of the last
-stage samples and answers the master with the batch's tokens; any failure is reported on the pipe
+stage samples and answers the master with the batch's tokens (and the logprobs of the rows that
+asked for them); any failure is reported on the pipe
 before the process exits, so the master never waits on a dead worker.
 
 The ranks meet through the master's file store (`init_method` file://<private dir>/store) and
@@ -93,11 +94,12 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
             dist.send(out.contiguous(), dst=rank + tp)
         elif samples:
             try:
-                tokens = runner.sample(out, batch_meta)
+                sampled = runner.sample(out, batch_meta)
             except Exception:  # noqa: BLE001 - after every collective: this batch alone failed, the ranks stay in step
                 send_message(conn, kind="batch_failed", batch_id=batch_meta.batch_id, message=traceback.format_exc())
                 continue
-            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=tokens)
+            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=sampled.token_ids,
+                         logprobs=sampled.logprobs)  # fmt: skip
     dist.destroy_process_group()
 
 

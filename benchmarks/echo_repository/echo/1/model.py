@@ -2,7 +2,8 @@
 
 Self-contained (numpy and the Python backend only), so it measures Triton + gRPC + the load
 generator and nothing else. The token sent is the prompt's i-th id (cycled), so a client can
-check what came back; with `stream` false one response carries all of them, like `baseline`.
+check what came back; with `stream` false one response carries all of them, like `baseline`. It
+answers with the vLLM-backend contract's output types, sending every output whatever `return_*` says.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _response(ids: list[int], finish_reason: str, n_in: int, n_out: int):
         pb_utils.Tensor("text_output", np.array([b"".join(b"x" for _ in ids)], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
         pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)),
-        pb_utils.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
-        pb_utils.Tensor("num_output_tokens", np.array([n_out], dtype=np.int32)),
+        pb_utils.Tensor("num_input_tokens", np.array([n_in], dtype=np.uint32)),
+        pb_utils.Tensor("num_output_tokens", np.array([n_out], dtype=np.uint32)),
     ])
 
 
@@ -61,7 +62,8 @@ class TritonPythonModel:
             if not stream:
                 sender.send(_response(ids, "length", len(prompt), n), flags=final)
                 continue
+            # As the vLLM backend's contract has it: "None" until the last response, one token counted each.
             for i in range(n - 1):
-                sender.send(_response(ids[i:i + 1], "", len(prompt), i + 1))
-            sender.send(_response(ids[-1:], "length", len(prompt), n), flags=final)
+                sender.send(_response(ids[i:i + 1], "None", len(prompt), 1))
+            sender.send(_response(ids[-1:], "length", len(prompt), 1), flags=final)
         return None

@@ -1,0 +1,187 @@
+"""Triton's vLLM-backend contract (docs/vllm-backend-contract.md), without a server: which outputs a
+request gets, prompt echo, finish reasons, per-response counts, logprobs JSON, dtypes, and the
+config.pbtxt files that declare it. test_serving.py checks the same over gRPC on a real server."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orca_backend.engine.output_processor import Logprob, RequestOutput
+from orca_backend.server.protocol import (
+    ALWAYS_SENT,
+    OUTPUT_NAMES,
+    RETURN_INPUTS,
+    STREAMING_ECHO_REFUSED,
+    error_code,
+    parse_inputs,
+    request_failure,
+    response_builder,
+)
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+PROMPT = [5, 6, 7]
+
+
+class CharTokenizer:
+    """One token per character: enough to see what the echo prepends."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def flag(value: bool) -> np.ndarray:
+    return np.array([value], dtype=np.bool_)
+
+
+def parse(stream: bool | None = None, exclude: bool | None = None, sampling: dict | None = None, **returns: bool):
+    tensors = {"input_ids": np.array(PROMPT, dtype=np.int32)}
+    if stream is not None:
+        tensors["stream"] = flag(stream)
+    if exclude is not None:
+        tensors["exclude_input_in_output"] = flag(exclude)
+    if sampling is not None:
+        tensors["sampling_parameters"] = np.array([json.dumps(sampling).encode()], dtype=np.object_)
+    tensors.update({name: flag(value) for name, value in returns.items()})
+    return parse_inputs(tensors)
+
+
+def event(new_ids: list[int], n_out: int, finished: bool = False, reason: str | None = None,
+          logprobs: list[dict[int, Logprob]] | None = None, cumulative: float | None = None) -> RequestOutput:
+    return RequestOutput("r", new_ids, "".join(chr(i) for i in new_ids), finished, reason, len(PROMPT), n_out, 0.0,
+                         logprobs=logprobs, cumulative_logprob=cumulative)  # fmt: skip
+
+
+ALL_RETURNS = {name: True for name in RETURN_INPUTS}
+
+
+# ---- which outputs ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(RETURN_INPUTS))
+@pytest.mark.parametrize("value", [None, False, True])
+def test_each_optional_output_is_sent_only_when_its_return_input_is_true(name, value):
+    parsed = parse(**({} if value is None else {name: value}))
+    expected = ALWAYS_SENT + ((RETURN_INPUTS[name],) if value else ())
+    assert parsed.outputs == expected
+    builder = response_builder(parsed, CharTokenizer(), stream=True)
+    builder.add(event([65], 1, finished=True, reason="length"))
+    assert set(builder.flush()) == set(expected)
+
+
+def test_return_inputs_must_be_bools():
+    with pytest.raises(ValueError, match="return_logprobs must be a BOOL"):
+        parse_inputs({"input_ids": np.array(PROMPT, dtype=np.int32), "return_logprobs": np.array([1], np.int32)})
+
+
+# ---- prompt echo ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("stream", "exclude", "echoed"), [
+    (False, None, True), (False, False, True), (False, True, False),
+    (True, None, False), (True, True, False),
+])
+def test_prompt_echo_follows_the_vllm_backend(stream, exclude, echoed):
+    parsed = parse(stream=stream, exclude=exclude, **ALL_RETURNS)
+    builder = response_builder(parsed, CharTokenizer(), stream=stream)
+    builder.add(event([65], 1))
+    builder.add(event([66], 2, finished=True, reason="length"))
+    arrays = builder.flush()
+    prefix = "".join(chr(i) for i in PROMPT) if echoed else ""
+    assert arrays["text_output"][0].decode().endswith("AB") and arrays["text_output"][0].decode()[:-2] == prefix
+    assert arrays["output_ids"].tolist()[:-2] == (PROMPT if echoed else [])
+    assert int(arrays["num_output_tokens"][0]) == 2  # the echo is not counted as output
+
+
+def test_a_stream_refuses_exclude_input_in_output_false_with_the_vllm_message():
+    assert STREAMING_ECHO_REFUSED == "When streaming, `exclude_input_in_output` = False is not allowed."
+    with pytest.raises(ValueError, match=re.escape(STREAMING_ECHO_REFUSED)):
+        response_builder(parse(stream=True, exclude=False), CharTokenizer(), stream=True)
+
+
+def test_the_baseline_answers_once_so_a_stream_flag_does_not_refuse_the_echo():
+    # The baseline builds every answer with stream=False, whatever the request's `stream` says.
+    builder = response_builder(parse(stream=True, exclude=False), CharTokenizer(), stream=False)
+    assert builder.prefix_ids == PROMPT
+
+
+# ---- finish reasons, counts, logprobs --------------------------------------------------------
+def test_a_stream_says_none_until_the_last_response_and_its_counts_sum_to_the_total():
+    builder = response_builder(parse(stream=True, **ALL_RETURNS), CharTokenizer(), stream=True)
+    reasons, counts, inputs = [], [], []
+    for tokens, total, finished in [([65], 1, False), ([66, 67], 3, False), ([68], 4, True)]:
+        builder.add(event(tokens, total, finished=finished, reason="stop" if finished else None))
+        arrays = builder.flush()
+        reasons.append(arrays["finish_reason"][0].decode())
+        counts.append(int(arrays["num_output_tokens"][0]))
+        inputs.append(int(arrays["num_input_tokens"][0]))
+    assert reasons == ["None", "None", "stop"]
+    assert counts == [1, 2, 1] and sum(counts) == 4
+    assert inputs == [3, 3, 3]  # repeated on every response
+
+
+def test_a_cancelled_answer_says_abort_and_a_cancelled_stream_ends_in_a_cancelled_error():
+    once = response_builder(parse(return_finish_reason=True), CharTokenizer(), stream=False)
+    once.add(event([65], 1, finished=True, reason="cancelled"))
+    assert once.error is None and once.flush()["finish_reason"][0] == b"abort"
+    streamed = response_builder(parse(stream=True), CharTokenizer(), stream=True)
+    streamed.add(event([65], 1, finished=True, reason="cancelled"))
+    assert streamed.error == "Request was cancelled"
+    code, message = error_code(request_failure(streamed.error, True, streamed.finish_reason))
+    assert (code, message) == ("CANCELLED", "Request was cancelled")
+
+
+def test_logprobs_json_is_one_dict_per_token_keyed_by_id_strings():
+    parsed = parse(stream=True, sampling={"logprobs": 1}, **ALL_RETURNS)
+    builder = response_builder(parsed, CharTokenizer(), stream=True)
+    first = {65: Logprob(-0.5, 1, "A"), 70: Logprob(-1.5, 2, "F")}
+    second = {66: Logprob(-2.0, 3, "B"), 71: Logprob(-0.25, 1, "G")}
+    builder.add(event([65], 1, logprobs=[first], cumulative=-0.5))
+    builder.add(event([66], 2, logprobs=[second], cumulative=-2.5))  # merged into one response
+    arrays = builder.flush()
+    assert json.loads(arrays["logprobs"][0]) == [
+        {"65": {"logprob": -0.5, "rank": 1, "decoded_token": "A"}, "70": {"logprob": -1.5, "rank": 2, "decoded_token": "F"}},
+        {"66": {"logprob": -2.0, "rank": 3, "decoded_token": "B"}, "71": {"logprob": -0.25, "rank": 1, "decoded_token": "G"}},
+    ]  # fmt: skip
+    assert arrays["cumulative_logprob"].dtype == np.float32 and float(arrays["cumulative_logprob"][0]) == -2.5
+    builder.add(event([67], 3, finished=True, reason="length", logprobs=[{67: Logprob(-1.0, 1, "C")}], cumulative=-3.5))
+    arrays = builder.flush()
+    assert len(json.loads(arrays["logprobs"][0])) == 1  # a delta, like the text
+    assert float(arrays["cumulative_logprob"][0]) == -3.5  # a running total
+
+
+def test_logprobs_say_null_unless_the_logprobs_parameter_was_set():
+    builder = response_builder(parse(return_logprobs=True, return_cumulative_logprob=True), CharTokenizer(),
+                               stream=False)  # fmt: skip
+    builder.add(event([65], 1, finished=True, reason="length"))
+    arrays = builder.flush()
+    assert arrays["logprobs"][0] == b"null"
+    assert math.isnan(float(arrays["cumulative_logprob"][0]))  # not computed: NaN, as vLLM v1 sends
+
+
+def test_output_dtypes_are_the_vllm_backends():
+    builder = response_builder(parse(**ALL_RETURNS), CharTokenizer(), stream=False)
+    builder.add(event([65], 1, finished=True, reason="length"))
+    dtypes = {name: array.dtype for name, array in builder.flush().items()}
+    assert dtypes == {"text_output": np.object_, "output_ids": np.int32, "finish_reason": np.object_,
+                      "cumulative_logprob": np.float32, "logprobs": np.object_, "num_input_tokens": np.uint32,
+                      "num_output_tokens": np.uint32}  # fmt: skip
+
+
+# ---- the repository declares it ---------------------------------------------------------------
+VLLM_TYPES = {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "cumulative_logprob": "TYPE_FP32",
+              "logprobs": "TYPE_STRING", "num_input_tokens": "TYPE_UINT32", "num_output_tokens": "TYPE_UINT32",
+              "output_ids": "TYPE_INT32"}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+def test_both_configs_declare_the_contract_with_its_types(model):
+    config = (REPO / model / "config.pbtxt").read_text()
+    declared = dict(re.findall(r'\{ name: "(\w+)", data_type: (TYPE_\w+)', config))
+    for name in RETURN_INPUTS:
+        assert declared[name] == "TYPE_BOOL"
+    assert {name: declared[name] for name in OUTPUT_NAMES} == VLLM_TYPES
