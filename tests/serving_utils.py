@@ -25,6 +25,7 @@ from orca_client.protocol import (
     get_model_config,
     is_batched,
 )
+from orca_client.served_path import process_tree, stub_model
 
 
 def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orca", "baseline"),
@@ -163,6 +164,19 @@ class StreamSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close(cancel=True)
+
+
+def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list[int]]:
+    """(stub, core, workers): `model`'s Python-backend stub process, the engine core process below it,
+    and the workers the core spawned (sorted). Spawning also starts multiprocessing's resource
+    tracker beside each child: it is none of them."""
+    def spawned(p: Any) -> bool:
+        return "resource_tracker" not in " ".join(p.cmdline)
+
+    tree = process_tree(root_pid)
+    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == model]
+    (core,) = [p.pid for p in tree if p.ppid == stub and spawned(p)]
+    return stub, core, sorted(p.pid for p in process_tree(core) if p.pid != core and spawned(p))
 
 
 def one_request(url: str, model: str, timeout_s: float = 120.0, **request: Any) -> StreamResult:

@@ -32,11 +32,18 @@ from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
 from orca_client.protocol import STATUS_OUTPUTS, build_inputs
-from orca_client.served_path import parse_stat, process_tree, stub_model
+from orca_client.served_path import parse_stat, process_tree
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
-from serving_utils import StreamResult, StreamSession, metric, start_server, wait_until  # noqa: E402 - after the skip
+from serving_utils import (  # noqa: E402 - after the skip
+    StreamResult,
+    StreamSession,
+    engine_processes,
+    metric,
+    start_server,
+    wait_until,
+)
 from tritonclient.utils import triton_to_np_dtype  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.integration
@@ -520,14 +527,7 @@ def survivors(snapshot: list[Any], session_id: int) -> list[str]:
 def test_a_faulted_tp2_worker_ends_every_stream_unloads_the_model_and_leaves_no_process(tp2_server, fault):
     """A worker SIGKILLed (it dies) or SIGSTOPped (it hangs the collective) while 16 streams run."""
     server = tp2_server
-    tree = process_tree(server.process.pid)
-    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
-
-    def spawned(p) -> bool:  # spawning also starts multiprocessing's resource tracker beside a child
-        return "resource_tracker" not in " ".join(p.cmdline)
-
-    (core,) = [p.pid for p in tree if p.ppid == stub and spawned(p)]
-    workers = sorted(p.pid for p in process_tree(core) if p.pid != core and spawned(p))
+    stub, core, workers = engine_processes(server.process.pid)
     assert len(workers) == 2, [p.cmdline for p in process_tree(core)]
     sessions = [StreamSession(server.grpc_url) for _ in range(16)]
     try:

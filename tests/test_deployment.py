@@ -28,7 +28,7 @@ from orca_backend.executor.multiproc import (
 )
 from orca_backend.net import free_port
 from orca_backend.serve import EXIT_MODEL_FAILED
-from orca_client.served_path import process_tree, stub_model
+from orca_client.served_path import process_tree
 
 # Four heads and an even vocabulary so that tp=2 splits both.
 MODEL = ModelConfig(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
@@ -178,6 +178,7 @@ def test_exit_on_model_failure_exits_with_its_code_and_leaves_nothing_running(ch
     admin key meanwhile, which must not keep the model from unloading itself (an in-process call)."""
     pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
     import tritonclient.grpc as grpcclient
+    from serving_utils import engine_processes  # imports tritonclient
     from tritonclient.utils import InferenceServerException
 
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
@@ -217,9 +218,7 @@ def test_exit_on_model_failure_exits_with_its_code_and_leaves_nothing_running(ch
 
         tree = process_tree(serve.pid)
         tree_pids = [p.pid for p in tree if p.pid != serve.pid]
-        (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
-        # Spawning also starts multiprocessing's resource tracker beside the engine core.
-        (core,) = [p.pid for p in tree if p.ppid == stub and "resource_tracker" not in " ".join(p.cmdline)]
+        _, core, _ = engine_processes(serve.pid)
         os.kill(core, signal.SIGKILL)
         try:
             code = serve.wait(timeout=180)

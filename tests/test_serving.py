@@ -18,12 +18,12 @@ import pytest
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
-from orca_client.served_path import process_tree, stub_model
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
 from serving_utils import (  # noqa: E402 - after the skip above
     StreamSession,
+    engine_processes,
     http_generate,
     metric,
     model_statistics,
@@ -74,14 +74,6 @@ def reference(checkpoint):
         return llm.generate([prompt], params)[0]
 
     return generate
-
-
-def engine_core_pid(server) -> int:
-    """The orca stub's engine process (its one child that is not multiprocessing's resource tracker)."""
-    tree = process_tree(server.process.pid)
-    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
-    (core,) = [p.pid for p in tree if p.ppid == stub and "resource_tracker" not in " ".join(p.cmdline)]
-    return core
 
 
 def kv_used(server, model: str) -> float:
@@ -302,7 +294,7 @@ def test_cancelling_a_stream_frees_its_kv_and_the_server_keeps_serving(server, r
     generated_before = metric(server, "orca_generated_tokens_total", "orca")
     cancelled_before = metric(server, "orca_requests_finished_total", "orca", reason="cancelled")
     max_tokens = 1000
-    core = engine_core_pid(server)
+    _, core, _ = engine_processes(server.process.pid)
     session = StreamSession(server.grpc_url)
     closed = False
     try:

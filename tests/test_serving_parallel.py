@@ -12,11 +12,11 @@ from core_hooks import pid_alive
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
-from orca_client.served_path import process_tree, stub_model
+from orca_client.served_path import process_tree
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
-from serving_utils import StreamSession, metric, start_server, wait_until  # noqa: E402 - after the skip
+from serving_utils import StreamSession, engine_processes, metric, start_server, wait_until  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.integration
 
@@ -70,14 +70,7 @@ def doomed_tp2_server(checkpoint, tmp_path):
 def test_killed_engine_core_process_ends_every_stream_and_leaves_nothing_running(doomed_tp2_server):
     """SIGKILL the engine core process (the tp=2 workers' master) while streams are under way."""
     server = doomed_tp2_server
-    tree = process_tree(server.process.pid)
-    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
-
-    def spawned(p) -> bool:  # spawning also starts multiprocessing's resource tracker beside a child
-        return "resource_tracker" not in " ".join(p.cmdline)
-
-    (core,) = [p.pid for p in tree if p.ppid == stub and spawned(p)]
-    workers = [p.pid for p in process_tree(core) if p.pid != core and spawned(p)]
+    _, core, workers = engine_processes(server.process.pid)
     assert len(workers) == 2, [p.cmdline for p in process_tree(core)]
     # One gRPC stream per request: a stream's error names no request, so each session has one.
     sessions = [StreamSession(server.grpc_url) for _ in range(6)]
