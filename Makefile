@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench bench-offline gpu-check clean
+.PHONY: setup test lint bench bench-offline gpu-check gpu-check-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,13 @@ gpu-check:
 		tests/test_kernels.py tests/test_kernels_llama.py tests/test_cuda.py || rc=1; \
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
+
+# The same script on CPU, as CI runs it (tests/test_gpu_check.py): every section end to end with
+# --quick's small settings (gpt2-tiny, float32, the kernels in Triton's interpreter, a short A/B);
+# about 10 s. It proves the code paths, not a GPU's figures. Report in GPU_CPU_OUT.
+GPU_CPU_OUT ?= build/gpu_check_cpu
+gpu-check-cpu: setup
+	$(PY) benchmarks/gpu_check.py --device cpu --quick --out $(GPU_CPU_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -4,12 +4,18 @@ to --out.
 
     python benchmarks/gpu_check.py --out gpu_results                     # every section (needs CUDA)
     python benchmarks/gpu_check.py --sections ceilings,decode            # some of them
-    python benchmarks/gpu_check.py --device cpu --model gpt2-tiny --dtype float32 \\
-        --copy-mib 64 --matmul-n 512 --prefill 4 64 --ab-seconds 2      # plumbing check on a CPU
+    python benchmarks/gpu_check.py --device cpu --quick --out DIR        # plumbing check on a CPU (CI)
+
+--quick gives every knob not set explicitly a small value (gpt2-tiny, float32 on CPU, a short A/B):
+every section runs end to end in well under a minute on a small CPU (tests/test_gpu_check.py, `make
+gpu-check-cpu`). On CPU its figures prove the code paths, not a GPU's: the ceilings are host memory
+and CPU matmul, the kernels run in Triton's interpreter (correctness against torch, no timings), and
+the device profile is absent (it needs CUDA); each says so in the report.
 
 Sections (all measured in this run, each figure against what this device measured, not a datasheet):
   ceilings  device-to-device copy bandwidth (bytes read + written) and a large bf16 matmul's FLOP/s
-  kernels   benchmarks/kernels.py (Triton kernels vs torch and SDPA) with those ceilings as the peaks
+  kernels   benchmarks/kernels.py (Triton kernels vs torch and SDPA) with those ceilings as the peaks;
+            on CPU its --interpret mode (TRITON_INTERPRET=1, set before triton is imported)
   decode    the engine's batch-1 decode step vs the HBM roofline: (weight bytes + K/V bytes read) /
             copy bandwidth; also the GPU kernel time per step (torch profiler) to show where it goes
   prefill   one large prefill step (many prompts in one iteration) vs the measured matmul peak
@@ -26,6 +32,7 @@ import gc
 import importlib.util
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -99,11 +106,11 @@ def gpu_kernel_time(fn: Callable[[], object], calls: int, device: torch.device) 
     """GPU time per call summed over its kernels and copies (torch profiler), and launches per call.
 
     Set against the wall time of the same call, this says whether the GPU or the host is the limit.
-    Off CUDA the calls still run (callers count on their effects), unprofiled, and None comes back."""
+    Off CUDA the calls still run (callers count on their effects), unprofiled, and the reason comes back."""
     if device.type != "cuda":
         for _ in range(calls):
             fn()
-        return None
+        return {"skipped": f"the device profile needs CUDA (torch profiler), not {device.type}"}
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -207,35 +214,60 @@ def section_ceilings(args: argparse.Namespace, device: torch.device) -> dict[str
         "matmul_tflops": 2 * n_mm**3 / mm_s / 1e12,
     }
     print(f"device-to-device copy: {result['copy_gb_s']:.0f} GB/s (read + write of {n >> 20} MiB); "
-          f"{n_mm}^3 {args.dtype} matmul: {result['matmul_tflops']:.1f} TFLOP/s")  # fmt: skip
+          f"{n_mm}^3 {args.dtype} matmul: {_sig(result['matmul_tflops'])} TFLOP/s")  # fmt: skip
     return result
 
 
 def section_kernels(
     args: argparse.Namespace, device: torch.device, ceilings: dict[str, Any]
 ) -> dict[str, Any]:
-    if device.type != "cuda":
-        return {"skipped": "needs CUDA (benchmarks/kernels.py --interpret checks them on CPU)"}
+    """On CUDA the compiled kernels at full sizes; elsewhere benchmarks/kernels.py --interpret: Triton's
+    interpreter at tiny shapes, every kernel still checked against its torch reference, no timings."""
+    interpret = device.type != "cuda"
+    if interpret and (reason := interpreter_unavailable()):
+        return {"skipped": f"{device.type}: {reason}"}
     kernels = load_sibling("kernels")
     kargs = kernels.parse_args(
         [
+            *(["--interpret"] if interpret else []),
             "--dtype",
-            "bf16",
+            KERNEL_DTYPES[args.dtype],
             "--peak-bw-gbs",
             f"{ceilings['copy_gb_s']:.1f}",
             "--peak-tflops",
-            f"{ceilings['matmul_tflops']:.1f}",
+            f"{ceilings['matmul_tflops']:.3f}",
         ]
     )
     results = kernels.run(kargs)
     lines = [kernels.HEADER] + [r.row(kargs.peak_bw_gbs, kargs.peak_tflops) for r in results]
     print("\n".join(lines))
-    return {
+    result = {
+        "mode": "interpreted" if interpret else "compiled",
         "args": vars(kargs),
         "results": [asdict(r) for r in results],
         "table": lines,
         "all_triton_ok": all(r.ok for r in results if r.impl == "triton"),
     }
+    if interpret:
+        result["note"] = (f"{device.type}: Triton interpreter (TRITON_INTERPRET=1) at tiny shapes; correctness "
+                          "against torch only, no timings (the interpreter's would mean nothing)")  # fmt: skip
+    return result
+
+
+KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # benchmarks/kernels.py's names
+
+
+def interpreter_unavailable() -> str | None:
+    """Why Triton's interpreter cannot run in this process, or None when it can."""
+    try:
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+    except ImportError as exc:
+        return f"the triton package is unavailable ({exc})"
+    if isinstance(tl.sum, JITFunction):  # triton.language decorated its helpers compiled at import
+        return ("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+                "interpreted in this process (run benchmarks/kernels.py --interpret)")  # fmt: skip
+    return None
 
 
 def decode_bytes(cfg: ModelConfig, elt: int, context: float) -> tuple[int, float]:
@@ -361,7 +393,7 @@ def section_prefill(
     if profile and "gpu_ms_per_call" in profile:
         extra = f"; GPU busy {profile['gpu_ms_per_call']:.2f} ms of the step"
     print(f"prefill step of {num_prompts} x {prompt_len} tokens: {step * 1e3:.2f} ms (median of {len(steps)}), "
-          f"{flops / 1e12:.2f} TFLOP -> {flops / step / 1e12:.1f} TFLOP/s = {flops / step / peak:.1%} of the measured peak{extra}")  # fmt: skip
+          f"{flops / 1e12:.3g} TFLOP -> {_sig(flops / step / 1e12)} TFLOP/s = {flops / step / peak:.1%} of the measured peak{extra}")  # fmt: skip
     print_host_profile(host)
     return result
 
@@ -583,6 +615,10 @@ def section_ab(args: argparse.Namespace, llm: LLM) -> dict[str, Any]:
             "crossing_ratio": _ratio(it["crossing_rate"], rq["crossing_rate"]),
             "lower_bound": it["never_missed"],
         }
+        if ratios[k]["max_rate_ratio"] is None:
+            missed = [m for m in ("iteration", "request") if results["sustained"][m][k]["max_rate"] is None]
+            ratios[k]["reason"] = (f"{' and '.join(missed)}-level met this SLO at none of the rates run "
+                                   f"(lowest {min(p['offered_rate'] for m in missed for p in results['points'][m]):.2f} req/s)")  # fmt: skip
         print(f"SLO {k} ({slos[k]:.2f} ms/token): iteration {_fmt(it['max_rate'])} req/s vs request {_fmt(rq['max_rate'])} "
               f"-> {_fmt(ratios[k]['max_rate_ratio'])}x{' (lower bound: iteration never missed it)' if it['never_missed'] else ''}; "
               f"at the crossings {_fmt(ratios[k]['crossing_ratio'])}x")  # fmt: skip
@@ -598,6 +634,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _sig(value: float) -> str:
+    """Whole numbers for a GPU's hundreds of TFLOP/s, three significant digits for a CPU's fractions."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"
+
+
 # ------------------------------------------------------------------------------------------ report
 def render_markdown(result: dict[str, Any]) -> str:
     env, args = result["environment"], result["args"]
@@ -609,36 +650,54 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}`. Every percentage is against this device's ceilings measured in the same run.",
         "",
     ]
+    if not str(args["device"]).startswith("cuda"):
+        lines += [f"**Not a GPU run** (`--device {args['device']}`, torch threads: {env.get('torch_threads', '?')}): "
+                  "a plumbing check of every section's code path. "
+                  "The ceilings are this host's memory copy and matmul, Triton kernels run only in Triton's "
+                  "interpreter (correctness only) and there is no device profile; no figure here says anything "
+                  "about a GPU.", ""]  # fmt: skip
+    if seconds := result.get("seconds"):
+        lines += ["Section wall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()) + ".", ""]
     if c := result.get("ceilings"):
         lines += ["## Device ceilings", "", f"| device-to-device copy (read + write) | {c['matmul_dtype']} matmul |", "|---|---|",
                   f"| {c['copy_gb_s']:.0f} GB/s ({c['copy_bytes'] >> 20} MiB moved per copy) | "
-                  f"{c['matmul_tflops']:.0f} TFLOP/s ({c['matmul_n']}^3, random data) |", ""]  # fmt: skip
+                  f"{_sig(c['matmul_tflops'])} TFLOP/s ({c['matmul_n']}^3, random data) |", ""]  # fmt: skip
     if (k := result.get("kernels")) and "table" in k:
+        against = (
+            "Triton interpreter: correctness only"
+            if k.get("mode") == "interpreted"
+            else "against the ceilings above"
+        )
         lines += [
-            "## Kernels (`benchmarks/kernels.py`, bf16, against the ceilings above)",
+            f"## Kernels (`benchmarks/kernels.py`, {k['args']['dtype']}, {against})",
             "",
+            *([k["note"], ""] if "note" in k else []),
             "```",
             *k["table"],
             "```",
             "",
         ]
-    roof = []
+    roof, unprofiled = [], {}
     if d := result.get("decode"):
         prof = d.get("gpu_profile") or {}
         busy = f"{prof['gpu_ms_per_call']:.3f} ms" if "gpu_ms_per_call" in prof else "-"
+        unprofiled.update({"decode": prof.get("skipped") or prof.get("error")} if busy == "-" else {})
         roof.append(f"| batch-1 decode step (context ~{d['mean_context']:.0f}) | {d['step_ms_median']:.3f} ms | "
                     f"{d['roofline_ms']:.3f} ms ({(d['weight_bytes'] + d['kv_bytes']) / 1e6:.0f} MB / {d['bandwidth_gb_s']:.0f} GB/s) | "
                     f"**{d['fraction_of_roofline']:.1%}** | {busy} | ≥ 70% |")  # fmt: skip
     if p := result.get("prefill"):
         prof = p.get("gpu_profile") or {}
         busy = f"{prof['gpu_ms_per_call']:.2f} ms" if "gpu_ms_per_call" in prof else "-"
+        unprofiled.update({"prefill": prof.get("skipped") or prof.get("error")} if busy == "-" else {})
         roof.append(f"| prefill step, {p['prompts']} x {p['prompt_len']} tokens | {p['step_ms_median']:.2f} ms "
-                    f"({p['achieved_tflops']:.0f} TFLOP/s) | {p['flops'] / 1e12:.2f} TFLOP at {p['peak_tflops']:.0f} TFLOP/s | "
+                    f"({_sig(p['achieved_tflops'])} TFLOP/s) | {p['flops'] / 1e12:.3g} TFLOP at {_sig(p['peak_tflops'])} TFLOP/s | "
                     f"**{p['fraction_of_peak']:.1%}** | {busy} | ≥ 50% |")  # fmt: skip
     if roof:
         lines += ["## Engine vs rooflines", "",
                   "| step | engine (wall, median) | roofline / peak | engine at | GPU busy per step (profiler) | target |",
                   "|---|---|---|---|---|---|", *roof, ""]  # fmt: skip
+        lines += [f"No GPU busy time for {name}: {why}" for name, why in unprofiled.items()]
+        lines += [""] if unprofiled else []
     if ab := result.get("ab"):
         u = ab["unloaded"]
         lines += [
@@ -658,6 +717,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             bound = "≥ " if r["lower_bound"] else ""
             lines.append(f"| {k} | {bound}{_fmt(it['max_rate'])} | {_fmt(rq['max_rate'])} | **{bound}{_fmt(r['max_rate_ratio'])}×** | "
                          f"{bound}{_fmt(r['crossing_ratio'])}× |")  # fmt: skip
+        if reasons := [f"No ratio at {k}: {r['reason']}." for k, r in ab["ratios"].items() if "reason" in r]:
+            lines += ["", *reasons]
         lines += ["", "| mode | offered req/s | requests | achieved req/s | out tok/s | norm. median ms/tok | norm. p90 | e2e median ms | unfinished |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for mode in ("iteration", "request"):
@@ -666,6 +727,9 @@ def render_markdown(result: dict[str, Any]) -> str:
                              f"{p['output_tokens_per_s']:.0f} | {p['norm_median_ms']:.2f} | {p['norm_p90_ms']:.2f} | "
                              f"{p['e2e_median_ms']:.0f} | {p['censored']} |")  # fmt: skip
         lines.append("")
+    skipped = {n: v["skipped"] for n in SECTIONS if isinstance(v := result.get(n), dict) and "skipped" in v}
+    if skipped:
+        lines += ["## Not run on this device", "", *[f"- {name}: {why}" for name, why in skipped.items()], ""]
     if errors := result.get("errors"):
         lines += ["## Errors", "", *[f"- {name}: `{msg}`" for name, msg in errors.items()], ""]
     return "\n".join(lines)
@@ -681,45 +745,81 @@ def host_cpu() -> str:
     return platform.processor() or "unknown"
 
 
+# Each knob's default for the full run on a GPU, and (QUICK) for --quick: every section end to end in
+# well under a minute on a small CPU, as CI runs it (tests/test_gpu_check.py). Flags given on the
+# command line win over both.
+DEFAULTS: dict[str, Any] = {
+    "model": "gpt2-medium", "dtype": "bfloat16", "max_seqs": 64, "copy_mib": 2048, "matmul_n": 8192,
+    "decode_prompt": 32, "decode_warmup": 10, "decode_steps": 200, "profile_steps": 20,
+    "prefill": [32, 512], "prefill_reps": 5, "prompt_dist": "uniform:32:512",
+    "output_dist": "lognormal:32:512", "unloaded_requests": 24, "ab_seconds": 8.0, "ab_min_requests": 24,
+    "ab_max_requests": 5000, "ab_drain_s": 10.0, "ab_refine": 2, "ab_max_points": 9,
+    "ab_max_factor": 256.0, "ab_budget_s": 200.0, "cpu_threads": 0,
+}  # fmt: skip
+QUICK: dict[str, Any] = {
+    "model": "gpt2-tiny", "dtype": "float32", "max_seqs": 8, "copy_mib": 16,
+    "matmul_n": 256, "decode_prompt": 16, "decode_warmup": 3, "decode_steps": 20, "profile_steps": 3,
+    "prefill": [4, 64], "prefill_reps": 3, "prompt_dist": "uniform:8:48", "output_dist": "lognormal:8:48",
+    "unloaded_requests": 4, "ab_seconds": 1.0, "ab_min_requests": 8, "ab_max_requests": 64,
+    "ab_drain_s": 2.0, "ab_refine": 1, "ab_max_points": 3, "ab_max_factor": 4.0, "ab_budget_s": 10.0,
+    "cpu_threads": 1,
+}  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def knob(flag: str, help: str = "", **kw: Any) -> None:
+        """A flag whose default comes from DEFAULTS or, with --quick, QUICK (resolved after parsing)."""
+        name = flag[2:].replace("-", "_")
+        shown = " ".join(map(str, v)) if isinstance(v := DEFAULTS[name], list) else v
+        quick = " ".join(map(str, q)) if isinstance(q := QUICK[name], list) else q
+        if name == "dtype":
+            quick = f"{quick} on CPU, {shown} on CUDA"
+        text = f"{help}; default" if help else "default"
+        p.add_argument(flag, default=None, help=f"{text} {shown} (--quick: {quick})", **kw)
+
     p.add_argument("--out", default="gpu_results", help="folder for gpu_check.json and summary.md")
     p.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}"
     )
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="gpt2-medium", help="preset or HF GPT-2 checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--max-seqs", type=int, default=64, help="requests per iteration, both scheduling modes")
-    p.add_argument("--copy-mib", type=int, default=2048)
-    p.add_argument("--matmul-n", type=int, default=8192)
-    p.add_argument("--decode-prompt", type=int, default=32)
-    p.add_argument("--decode-warmup", type=int, default=10)
-    p.add_argument("--decode-steps", type=int, default=200)
-    p.add_argument("--profile-steps", type=int, default=20)
-    p.add_argument("--prefill", type=int, nargs=2, default=[32, 512], metavar=("PROMPTS", "LEN"))
-    p.add_argument("--prefill-reps", type=int, default=5)
-    p.add_argument("--prompt-dist", default="uniform:32:512", help="A/B prompt lengths (ORCA §6: U(32, 512))")
-    p.add_argument("--output-dist", default="lognormal:32:512", help="A/B output lengths: long-tailed")
+    p.add_argument("--quick", action="store_true",
+                   help="small, fast settings for every knob not given explicitly (the CI check on CPU)")  # fmt: skip
+    knob("--model", "preset or HF GPT-2 checkpoint directory")
+    knob("--dtype", choices=["bfloat16", "float16", "float32"])
+    knob("--max-seqs", "requests per iteration, both scheduling modes", type=int)
+    knob("--copy-mib", type=int)
+    knob("--matmul-n", type=int)
+    knob("--decode-prompt", type=int)
+    knob("--decode-warmup", type=int)
+    knob("--decode-steps", type=int)
+    knob("--profile-steps", type=int)
+    knob("--prefill", type=int, nargs=2, metavar=("PROMPTS", "LEN"))
+    knob("--prefill-reps", type=int)
+    knob("--prompt-dist", "A/B prompt lengths (ORCA §6: U(32, 512))")
+    knob("--output-dist", "A/B output lengths: long-tailed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-multiples", type=float, nargs="+", default=[2.0, 3.0, 6.0],
                    help="SLOs as multiples of the unloaded per-token latency; the first is the headline")  # fmt: skip
-    p.add_argument("--unloaded-requests", type=int, default=24)
-    p.add_argument("--ab-seconds", type=float, default=8.0, help="arrival span aimed at per point")
-    p.add_argument("--ab-min-requests", type=int, default=24)
-    p.add_argument("--ab-max-requests", type=int, default=5000, help="a memory bound, not a time bound")
-    p.add_argument(
-        "--ab-drain-s", type=float, default=10.0, help="a point stops this long after its last arrival"
-    )
-    p.add_argument("--ab-refine", type=int, default=2, help="bisections of the headline SLO's crossing")
-    p.add_argument("--ab-max-points", type=int, default=9, help="per mode")
-    p.add_argument(
-        "--ab-max-factor", type=float, default=256.0, help="rates stay within base / F .. base x F"
-    )
-    p.add_argument(
-        "--ab-budget-s", type=float, default=200.0, help="no new A/B point starts after this (both modes)"
-    )
-    return p.parse_args(argv)
+    knob("--unloaded-requests", type=int)
+    knob("--ab-seconds", "arrival span aimed at per point", type=float)
+    knob("--ab-min-requests", type=int)
+    knob("--ab-max-requests", "a memory bound, not a time bound", type=int)
+    knob("--ab-drain-s", "a point stops this long after its last arrival", type=float)
+    knob("--ab-refine", "bisections of the headline SLO's crossing", type=int)
+    knob("--ab-max-points", "per mode", type=int)
+    knob("--ab-max-factor", "rates stay within base / F .. base x F", type=float)
+    knob("--ab-budget-s", "no new A/B point starts after this (both modes)", type=float)
+    # One thread by default in --quick: on a small machine shared with other jobs, torch's OpenMP
+    # threads spin against them (a CI run took 30-50 s with 2 threads on 2 busy cores, 11 s with 1).
+    knob("--cpu-threads", "torch's intra-op threads with --device cpu, 0 = torch's own choice", type=int)
+    args = p.parse_args(argv)
+    for name, full in DEFAULTS.items():
+        if getattr(args, name) is None:
+            quick = args.quick and (name != "dtype" or torch.device(args.device).type == "cpu")
+            setattr(args, name, QUICK[name] if quick else full)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -734,8 +834,14 @@ def main(argv: list[str] | None = None) -> int:
             "benchmarks/gpu_check.py needs a CUDA GPU (or --device cpu for a plumbing check)", file=sys.stderr
         )
         return 2
+    if device.type != "cuda" and "kernels" in sections and "triton" not in sys.modules:
+        # The kernels section runs Triton's interpreter off CUDA, and triton.language fixes the mode
+        # when it is first imported: set it now. The engine on CPU uses its own kernels, not Triton's.
+        os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
+    if device.type == "cpu" and args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -749,13 +855,17 @@ def main(argv: list[str] | None = None) -> int:
             "triton": triton.__version__,
             "python": platform.python_version(),
             "host_cpu": host_cpu(),
+            "torch_threads": torch.get_num_threads(),
         },  # fmt: skip
         "errors": {},
+        "seconds": {},  # wall time of each section
     }
     needs_ceilings = {"kernels", "decode", "prefill"} & set(sections)
     if "ceilings" in sections or needs_ceilings:
         print("== ceilings", flush=True)
+        started = time.perf_counter()
         result["ceilings"] = section_ceilings(args, device)
+        result["seconds"]["ceilings"] = time.perf_counter() - started
     llm: LLM | None = None
     for name in sections:
         if name == "ceilings":
@@ -780,7 +890,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             result["errors"][name] = repr(exc)
-        print(f"   ({name}: {time.perf_counter() - started:.1f} s)", flush=True)
+        result["seconds"][name] = time.perf_counter() - started
+        if isinstance(result.get(name), dict) and "skipped" in result[name]:
+            print(f"   {name} skipped: {result[name]['skipped']}", flush=True)
+        print(f"   ({name}: {result['seconds'][name]:.1f} s)", flush=True)
         # After every section: a run cut short by a time limit still leaves what it measured.
         (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
         (out / "summary.md").write_text(render_markdown(result))
