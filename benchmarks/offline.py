@@ -14,6 +14,9 @@ Suites:
   roofline    batch-1 decode step vs the memory roofline: weight bytes / read bandwidth measured now.
   overhead    engine time per iteration that is not the model forward, at 64 and 256 running
               requests on a tiny model.
+  gemm        the three CPU GEMMs of orca_backend/model/gemm.py (the C decode kernel, oneDNN, MKL)
+              over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
+              measurements behind its thresholds (docs/cpu-gemm.md).
 """
 
 from __future__ import annotations
@@ -146,6 +149,42 @@ def suite_roofline(args, model: str) -> dict:
     return result
 
 
+def suite_gemm(args, model: str) -> dict:
+    from orca_backend.model import gemm
+
+    weights = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).core.executor.runner.model.weights
+    layer_matrices = [t for layer in weights.layers for t in vars(layer).values() if t.dim() == 2]
+    lm_head = weights.lm_head if hasattr(weights, "lm_head") else weights.wte  # Llama's, or GPT-2's tied one
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in [*layer_matrices, lm_head]}
+    kinds = {
+        "native": gemm.native_linear,
+        "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        # oneDNN on weights reordered once into its blocked layout (this engine's choice before the C kernel)
+        "onednn_packed": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], ""),
+        "mkl": torch.nn.functional.linear,
+    }
+    bandwidth = measure_read_bandwidth()
+    result: dict = {"read_bandwidth_gb_s": bandwidth / 1e9, "tokens": {}}
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; the LM head (only sampled rows reach it: one per request) "
+          "is in up to 256 tokens, the C kernel is run up to 64")  # fmt: skip
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 2048):
+        matrices = layer_matrices + ([lm_head] if tokens <= 256 else [])
+        weight_bytes = sum(w.numel() * w.element_size() for w in matrices)
+        flops = 2 * tokens * sum(w.numel() for w in matrices)
+        xs = [torch.randn(tokens, w.shape[1]) for w in matrices]
+        pairs = list(zip(xs, matrices, strict=True))
+        best = {kind: float("inf") for kind in kinds if kind != "native" or tokens <= 64}
+        for _ in range(args.gemm_repeat):  # interleaved: noise on this shared machine hits all three alike
+            for kind in best:
+                fn = kinds[kind]
+                best[kind] = min(best[kind], _timeit(lambda fn=fn, pairs=pairs: [fn(x, w) for x, w in pairs]))
+        row = {kind: {"ms": s * 1e3, "gb_s": weight_bytes / s / 1e9, "gflop_s": flops / s / 1e9} for kind, s in best.items()}
+        result["tokens"][str(tokens)] = {"weight_bytes": weight_bytes, **row}
+        print(f"{tokens:5d} tokens, {weight_bytes / 1e6:3.0f} MB: " + "  ".join(
+            f"{kind} {r['ms']:7.1f} ms ({r['gb_s']:4.1f} GB/s, {r['gflop_s']:4.0f} GFLOP/s)" for kind, r in row.items()))  # fmt: skip
+    return result
+
+
 def suite_overhead(args) -> dict:
     result = {}
     for running in (64, 256):
@@ -239,6 +278,7 @@ def main() -> None:
     ap.add_argument("--modes-batch-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=40)
+    ap.add_argument("--gemm-repeat", type=int, default=5)
     ap.add_argument("--peer", choices=["vllm"], help="also run this peer on the same checkpoint and requests")
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--floor", type=int, default=0, help="also run transformers one request at a time on N requests")
@@ -261,6 +301,8 @@ def main() -> None:
             results[suite] = suite_roofline(args, args.model)
         elif suite == "overhead":
             results[suite] = suite_overhead(args)
+        elif suite == "gemm":
+            results[suite] = suite_gemm(args, args.model)
         else:
             raise SystemExit(f"unknown suite {suite!r}")
     if args.json:

@@ -1,5 +1,6 @@
-"""Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU the torch
-references with the C decode-attention kernel (``cpu``).
+"""Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU (``cpu``) the C
+kernels (decode attention; the Llama family's RMSNorm, rotary and SiLU-and-mul in float32) and the
+torch references for the rest.
 
 ``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
 ``TRITON_INTERPRET=1``, set before the process first imports triton; ``torch`` is the plain
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import cpu_llama_ops, native
 from .attention import attention_torch, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel
 from .gelu import bias_gelu_torch
@@ -48,15 +49,45 @@ class KernelOps:
     rotary: Callable
 
 
-# The element-wise and norm ops have no C version: on CPU they are memory-bound single torch ops
-# already, unlike the per-request Python loop of the decode attention.
+def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors)
+
+
+# The Llama family's C element-wise kernels are float32 only: half precision on CPU keeps the torch
+# references (bf16/fp16 CPU serving is rare, and the references' roundings between steps would need
+# their own C versions). These choose per call, on the tensors' dtypes, with the references'
+# signatures.
+def add_rmsnorm_cpu_or_torch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _float32_cpu(x, residual, weight):
+        return cpu_llama_ops.add_rmsnorm_cpu(x, residual, weight, eps)
+    return add_rmsnorm_torch(x, residual, weight, eps)
+
+
+def rotary_cpu_or_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _float32_cpu(q, k, cos_sin):
+        return cpu_llama_ops.rotary_cpu(q, k, positions, cos_sin)
+    return rotary_torch(q, k, positions, cos_sin)
+
+
+def silu_and_mul_cpu_or_torch(x: torch.Tensor) -> torch.Tensor:
+    if _float32_cpu(x):
+        return cpu_llama_ops.silu_and_mul_cpu(x)
+    return silu_and_mul_torch(x)
+
+
+# GPT-2's LayerNorm and bias-GELU have no C version yet: the Llama family's ops were the ones
+# measured dispatch-bound at batch 1 (issue #19).
 TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_torch, bias_gelu_torch, attention_cpu, write_kv_torch,
-    add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
+    add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch,
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -122,14 +153,20 @@ def _triton_ops(device: torch.device) -> KernelOps:
 def _cpu_ops(device: torch.device, forced: bool) -> KernelOps:
     if device.type != "cpu":
         raise RuntimeError(f"{KERNEL_ENV}=cpu runs on CPU tensors only, not {device.type}")
-    try:
-        load_decode_kernel()
-    except (native.NativeBuildError, OSError) as e:
-        if forced:
-            raise RuntimeError(f"{KERNEL_ENV}=cpu: {e}") from e
-        logger.warning("orca kernels: the C decode-attention kernel is unavailable (%s); using the slower torch "
-                       "reference on CPU", e)  # fmt: skip
-        return TORCH_OPS
+    # All or nothing: CPU_OPS is one bundle, and a machine that cannot build one kernel (no
+    # compiler, usually) builds none of them.
+    for kernel, load in (
+        ("decode-attention", load_decode_kernel),
+        ("Llama element-wise", cpu_llama_ops.load_llama_kernels),
+    ):
+        try:
+            load()
+        except (native.NativeBuildError, OSError) as e:
+            if forced:
+                raise RuntimeError(f"{KERNEL_ENV}=cpu: {e}") from e
+            logger.warning("orca kernels: the C %s kernel is unavailable (%s); using the slower torch "
+                           "references on CPU", kernel, e)  # fmt: skip
+            return TORCH_OPS
     return CPU_OPS
 
 

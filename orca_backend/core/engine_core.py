@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orca_backend.config import AnyModelConfig, EngineConfig
-from orca_backend.core.batch_builder import build_batch_meta
+from orca_backend.core.batch_builder import BatchBuilder
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import CoreOutput, Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
@@ -79,8 +79,8 @@ class EngineCore:
             pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
             priority_aging_s=config.priority_aging_s, structured=self.structured,
         )  # fmt: skip
+        self.batch_builder = BatchBuilder(self.kv.block_size, model_config.eos_token_id, self.structured)
         self._in_flight: deque[ScheduledBatch] = deque()
-        self._released_ids: list[str] = []  # finished since the last batch: workers drop their sampler state
         self._batch_ids = itertools.count()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
         self._inbox_lock = threading.Lock()
@@ -151,17 +151,15 @@ class EngineCore:
         outputs = self._drain_inbox(block=False)
         if self.dead_reason is not None:
             return outputs
-        outputs += self._note_finished(self.scheduler.expire())
-        outputs += self._note_finished(self.scheduler.take_compiled())
+        outputs += self.scheduler.expire()
+        outputs += self.scheduler.take_compiled()
         while self.executor.num_in_flight < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            released, self._released_ids = self._released_ids, []
-            batch_meta = build_batch_meta(
-                batch, next(self._batch_ids), self.kv.block_size, self.model_config.eos_token_id, released,
-                self.structured,
-            )  # fmt: skip
+            # Requests ended since the last batch: the workers drop their sampler state.
+            released, self.scheduler.ended_ids = self.scheduler.ended_ids, []
+            batch_meta = self.batch_builder.build(batch, next(self._batch_ids), released)
             self.executor.submit(batch_meta)
             self._in_flight.append(batch)
             self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
@@ -176,7 +174,7 @@ class EngineCore:
         except Exception as exc:  # a failed forward ends only the request that fails alone; a run of them, the engine
             logger.exception("iteration failed; %s", "ending its request" if len(batch.requests) == 1
                              else f"re-running its {len(batch.requests)} requests in halves to find the one that fails")
-            outputs += self._note_finished(self.scheduler.fail_batch(batch, f"model execution failed: {exc}"))
+            outputs += self.scheduler.fail_batch(batch, f"model execution failed: {exc}")
             self._failed_in_a_row += 1
             budget = self.config.max_consecutive_failed_iterations
             if budget and self._failed_in_a_row >= budget:
@@ -186,7 +184,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
-        return outputs + self._note_finished(updated)
+        return outputs + updated
 
     def run_forever(self, emit: Callable[[list[CoreOutput]], None]) -> None:
         """The background loop: iterations while work exists, idle on the inbox otherwise. Every
@@ -230,15 +228,10 @@ class EngineCore:
                 for request in item[1]:
                     self.scheduler.add(request)
             elif kind == "abort":
-                outputs += self._note_finished(self.scheduler.finish(item[1], item[2]))
+                outputs += self.scheduler.finish(item[1], item[2])
             elif kind == "stop":
                 return outputs
             # "wake": a grammar compiled; step() takes it in
-
-    def _note_finished(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
-        """Finished requests' sampler state is dropped by the workers with the next batch."""
-        self._released_ids += [o.request_id for o in outputs if o.finished]
-        return outputs
 
     def _die(self, reason: str, expected: bool = False) -> list[CoreOutput]:
         (logger.info if expected else logger.error)("engine stops serving: %s", reason)

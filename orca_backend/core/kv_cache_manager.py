@@ -106,7 +106,9 @@ class KVCacheManager(ABC):
             return True
         if missing > self.pool.num_free:
             return False
-        request.block_table += self.pool.allocate(missing)
+        # A new list, never an append: a BatchMeta built earlier may hold the old one (the batch
+        # builder hands a table that is exactly the context over without copying it).
+        request.block_table = request.block_table + self.pool.allocate(missing)
         return True
 
     def free(self, request: Request) -> None:

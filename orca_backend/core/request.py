@@ -17,7 +17,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: requests compare (and hash) by identity. The scheduler's lists search them (`remove`, `in`),
+# and a generated field-by-field __eq__ would make each of those comparisons build two tuples of fields.
+# slots: the scheduler and the batch builder read several fields of every running request every
+# iteration, and a slot is read faster than an instance dict's entry.
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -48,6 +52,14 @@ class Request:
     # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and
     # its rows carry bitmasks (one attribute for the same reason).
     structured: bool = field(init=False, default=False)
+    # The prompt never changes: its length is read for every request every iteration, so it is kept.
+    num_prompt_tokens: int = field(init=False, default=0)
+    # Its static sampling fields as BatchMeta carries them (temperature, top_k, top_p, seed): the same
+    # every iteration, so core/batch_builder.py computes them once (the seed is set after construction).
+    sampling_row: tuple[float, int, float, int] | None = field(init=False, default=None)
+    # The tokens that may end it with "stop" (stop ids, and EOS unless ignored), set by the scheduler
+    # (which knows EOS) as it takes the request in; None: not computed, check_stop decides alone.
+    stop_ids: frozenset[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -55,14 +67,11 @@ class Request:
         self.structured = p.structured_outputs is not None
         if p.logprobs is not None:
             self.output_logprobs = []
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.num_prompt_tokens + len(self.output_ids)
 
     @property
     def max_total_tokens(self) -> int:

@@ -42,16 +42,24 @@ from dataclasses import dataclass
 
 from orca_backend.core.kv_cache_manager import KVCacheManager
 from orca_backend.core.request import CoreOutput, Request, RequestStatus
-from orca_backend.core.stop import check_stop
+from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.worker.batch_meta import TokenLogprobs
+
+# The statuses the per-iteration loops test, as module constants: an Enum member read through its
+# class costs several times a global read.
+_RUNNING = RequestStatus.RUNNING
+_FINISHED = RequestStatus.FINISHED
 
 
 @dataclass
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # a prompt (or a chunk of it) on a request's first iterations, then 1
+    # Every request computes exactly its last token (and so samples): the steady state, which
+    # core/batch_builder.py flattens without looking at each request's counts.
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +97,8 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
         self.num_generated_tokens = 0
         self._held: list[CoreOutput] = []  # request-level mode: the running batch's outputs
+        # Requests ended since the engine core last took them: the workers drop their sampler state.
+        self.ended_ids: list[str] = []
 
     def has_work(self) -> bool:
         """Requests to schedule. Requests waiting for their grammar are not: nothing can run them yet."""
@@ -101,6 +111,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.arrival_order = next(self._arrival_order)
+        request.stop_ids = stop_token_set(request, self.eos_token_id)
         if request.structured:
             assert request.params.structured_outputs is not None
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -157,18 +168,42 @@ class Scheduler:
         budget = self.max_num_batched_tokens or sys.maxsize
         if self._suspects:
             return self._schedule_suspects(budget)
-        batch = ScheduledBatch([], [])
         idle, preemptions = not self.running, self.num_preemptions
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed > 1]
-        for request in decodes + prefills:
-            if len(batch.requests) == self.max_num_seqs or budget == 0:
-                break
-            if request.in_flight or request.status is not RequestStatus.RUNNING:  # preempted in this loop
+        # One pass over the running requests (this runs every iteration for every one of them): what
+        # each has left to compute, and which decodes cross into a block they do not hold yet.
+        block_size = self.kv.block_size
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        need_block: list[Request] = []
+        for request in self.running:
+            if request.in_flight:  # its batch has not returned (pipeline parallelism)
                 continue
-            num_new = min(request.num_tokens - request.num_computed, budget)
-            if self._make_room(request, num_new, batch):
-                budget -= self._add(batch, request, num_new)
+            left = request.num_prompt_tokens + len(request.output_ids) - request.num_computed
+            if left == 1:
+                decodes.append(request)
+                if request.num_computed >= len(request.block_table) * block_size:
+                    need_block.append(request)
+            elif left > 1:
+                prefills.append(request)
+        if not prefills and len(decodes) <= min(self.max_num_seqs, budget) and self._grow_all(need_block):
+            # The steady state: every request decodes, all fit, and no block is missing, so nothing is
+            # preempted and the loop below would take every decode as it is, in order.
+            batch = ScheduledBatch(decodes, [1] * len(decodes), decode_only=True)
+            budget -= len(decodes)
+            for request in decodes:
+                request.in_flight = True
+                if not request.output_ids:  # its last prompt token (the rest was a prefix-cache hit)
+                    self.num_prompt_tokens_computed += 1
+        else:
+            batch = ScheduledBatch([], [])
+            for request in decodes + prefills:
+                if len(batch.requests) == self.max_num_seqs or budget == 0:
+                    break
+                if request.status is not _RUNNING:  # preempted in this loop
+                    continue
+                num_new = min(request.num_tokens - request.num_computed, budget)
+                if self._make_room(request, num_new, batch):
+                    budget -= self._add(batch, request, num_new)
         # Nobody is admitted in an iteration that had to preempt: the blocks it freed would go straight
         # to a newcomer, and the pool would thrash (vLLM's rule too). In request-level mode a request
         # whose grammar is still compiling does not hold the batch back: it joins the next one.
@@ -184,6 +219,15 @@ class Scheduler:
                 self.running.append(request)
                 budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
         return batch if batch.requests else None
+
+    def _grow_all(self, requests: list[Request]) -> bool:
+        """Gives each decode its next block, if the pool has one for every one of them (no preemption
+        needed); False, holding nothing more, if it has not."""
+        if not requests:
+            return True
+        if len(requests) > self.kv.pool.num_free:
+            return False
+        return all([self.kv.grow(request, 1) for request in requests])
 
     def _schedule_suspects(self, budget: int) -> ScheduledBatch | None:
         """The next half of a failed batch, alone: its members still running, nobody else."""
@@ -201,6 +245,7 @@ class Scheduler:
 
     def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
         request.in_flight = True
+        batch.decode_only = False
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
         first = request.num_computed
@@ -244,35 +289,68 @@ class Scheduler:
         grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows
         nothing else); a token its grammar refuses (the mask should make that impossible) ends it
         with "error", and the token is dropped."""
+        requests = batch.requests
+        # The lengths are checked once here, so the loop's zip need not be strict.
+        if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
+            raise ValueError(f"{len(requests)} requests scheduled, {len(sampled)} tokens sampled")
+        # This loop runs for every request every iteration: the common request (a decode without a
+        # grammar that samples no stop token short of max_tokens) takes a few attribute updates and
+        # one CoreOutput; anything else is decided by the same code as ever (check_stop, _end).
         outputs = []
-        logprobs = logprobs or [None] * len(sampled)
-        for request, num_new, token, token_logprobs in zip(batch.requests, batch.num_new_tokens, sampled, logprobs,
-                                                           strict=True):  # fmt: skip
-            if not self._landed(request):
+        prefix_caching, generated = self.kv.enable_prefix_caching, 0
+        for request, num_new, token, token_logprobs in zip(requests, batch.num_new_tokens, sampled,
+                                                           logprobs or itertools.repeat(None), strict=False):  # fmt: skip
+            request.in_flight = False
+            if request.status is _FINISHED:  # aborted while in flight: only now is its K/V safe to free
+                self.kv.free(request)
                 continue
+            output_ids = request.output_ids
             if request.sampler_extras:  # the sampler now holds its setup and every output token sent
-                request.sampler_synced = len(request.output_ids)
-            request.num_computed += num_new
-            self.kv.register_computed(request)
-            if request.num_computed < request.num_tokens:
+                request.sampler_synced = len(output_ids)
+            num_computed = request.num_computed = request.num_computed + num_new
+            if prefix_caching:
+                self.kv.register_computed(request)
+            if num_computed < request.num_prompt_tokens + len(output_ids):
                 continue  # a prefill chunk short of the last token: nothing was sampled
-            if request.structured and not self.structured.accept(request.request_id, token):
-                self._end(request, "error")
-                outputs.append(self._output(request, f"the sampled token {token} breaks the request's "
-                                                     "structured-output grammar"))  # fmt: skip
+            if request.structured:
+                outputs.append(self._land_constrained(request, token, token_logprobs))
                 continue
-            request.output_ids.append(token)
+            generated += 1
+            output_ids.append(token)
             if token_logprobs is not None:  # the sampler returns them for the rows that asked only
                 request.output_logprobs.append(token_logprobs)
-            self.num_generated_tokens += 1
-            if request.structured and self.structured.is_terminated(request.request_id):
-                reason: str | None = "stop"
-            else:
+            stop_ids = request.stop_ids
+            if stop_ids is None or token in stop_ids or len(output_ids) >= request.params.max_tokens \
+                    or request.num_reported != len(output_ids) - 1 or request.output_logprobs is not None:  # fmt: skip
                 reason = check_stop(request, token, self.eos_token_id)
-            if reason is not None:
-                self._end(request, reason)
-            outputs.append(self._output(request))
+                if reason is not None:
+                    self._end(request, reason)
+                outputs.append(self._output(request))
+                continue
+            request.num_reported += 1
+            outputs.append(CoreOutput(request.request_id, [token]))
+        self.num_generated_tokens += generated
         return self._release(outputs)
+
+    def _land_constrained(self, request: Request, token: int, token_logprobs: TokenLogprobs | None) -> CoreOutput:
+        """A constrained request's sampled token: its matcher accepts it first. Once its grammar
+        accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows nothing
+        else); a token its grammar refuses (the mask should make that impossible) ends it with
+        "error", and the token is dropped."""
+        if not self.structured.accept(request.request_id, token):
+            self._end(request, "error")
+            return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
+        self.num_generated_tokens += 1
+        request.output_ids.append(token)
+        if token_logprobs is not None:
+            request.output_logprobs.append(token_logprobs)
+        if self.structured.is_terminated(request.request_id):
+            reason: str | None = "stop"
+        else:
+            reason = check_stop(request, token, self.eos_token_id)
+        if reason is not None:
+            self._end(request, reason)
+        return self._output(request)
 
     def finish(self, request_id: str, reason: str, error: str | None = None) -> list[CoreOutput]:
         """Ends a waiting or running request now (an abort: cancelled, a stop string, an error).
@@ -331,6 +409,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.ended_ids.append(request.request_id)
         del self._requests[request.request_id]
         if request.structured:  # its matcher (or its compile) goes with it
             self.structured.remove(request.request_id)

@@ -21,6 +21,14 @@ def check_stop(request: Request, token: int, eos_token_id: int | None) -> str | 
     return None
 
 
+def stop_token_set(request: Request, eos_token_id: int | None) -> frozenset[int]:
+    """The tokens on which `check_stop` may answer "stop" (EOS unless ignored, and the stop ids): a
+    token outside it, short of max_tokens, needs no check at all (the scheduler's common case)."""
+    params = request.params
+    eos = {eos_token_id} if eos_token_id is not None and not params.ignore_eos else set()
+    return frozenset(params.stop_token_ids) | eos
+
+
 def banned_token_ids(request: Request, eos_token_id: int | None) -> list[int]:
     """Tokens the sampler must not pick for this request's next token.
 

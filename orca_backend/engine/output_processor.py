@@ -145,31 +145,34 @@ class OutputProcessor:
         now = time.perf_counter()
         to_abort = []
         for out in outputs:
-            if out.request_id in self._queued:  # its first event: a plain dict read, the lock only then
-                self._dequeue(out.request_id)
-            state = self._states.get(out.request_id)
+            request_id = out.request_id
+            if request_id in self._queued:  # its first event: a plain dict read, the lock only then
+                self._dequeue(request_id)
+            state = self._states.get(request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
                 continue
             finished, reason = out.finished, out.finish_reason
-            if state.detok is None:
-                state.output_ids += out.new_token_ids
+            output_ids = state.output_ids
+            if state.detok is None:  # no text to make: the core's new ids are the event's
+                new_ids = out.new_token_ids
+                output_ids += new_ids
                 new_text = ""
             else:
                 if self._stop_string_hit(state, out):
                     if not finished:
-                        to_abort.append(out.request_id)
+                        to_abort.append(request_id)
                     finished, reason = True, "stop"
                 new_text = detokenizer.take_releasable_text(state.detok, finished)
-            new_ids = state.output_ids[state.sent_ids_len :]
-            state.sent_ids_len = len(state.output_ids)
-            event = RequestOutput(out.request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
-                                  len(state.output_ids), now, out.error)  # fmt: skip
+                new_ids = output_ids[state.sent_ids_len :]
+            state.sent_ids_len = len(output_ids)
+            event = RequestOutput(request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
+                                  len(output_ids), now, out.error)  # fmt: skip
             if state.cumulative_logprob is not None and out.logprobs is not None:
                 # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
                 self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
             if finished:
                 with self._lock:
-                    del self._states[out.request_id]
+                    del self._states[request_id]
             state.sink(event)
         return to_abort
 

@@ -1,57 +1,102 @@
 """The matrix multiply of every linear layer (weights `[out, in]`, torch.nn.Linear's layout).
 
-On CPU in float32 it goes through oneDNN (the op torch.compile's CPU backend uses for linear
-layers) with the layer weights reordered once, at load, into oneDNN's blocked layout (the packed
-tensor replaces the plain one: no second copy). Measured on the 2-core CI machine (AMD EPYC) over
-GPT-2-small's 24 MLP matrices, against MKL's sgemm (torch's default) on the best weight layout:
-1 token 11.1 vs 13.3 ms, 4 tokens 14.2 vs 40.9 ms (MKL is at its worst on the few-token batches
-of decode), 64 tokens 72 vs 110 ms, 2,048 tokens 1.69 vs 1.96 s. The tied embedding stays a plain
-tensor (the embedding lookup indexes it) and oneDNN reads it unpacked for the LM head.
+On CPU in float32 the weights stay plain and contiguous, and the multiply is picked by the number
+of tokens, because no one GEMM is best over the 1 to thousands of tokens an iteration has:
+- up to `NATIVE_MAX_TOKENS` (a decode iteration of a small batch): the C kernel
+  `kernels/csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth;
+- up to `ONEDNN_MAX_TOKENS`: oneDNN (the op torch.compile's CPU backend uses for linear layers);
+- beyond (prefill): MKL's sgemm through F.linear, the fastest of the three at hundreds of tokens.
+docs/cpu-gemm.md has the measurements behind the thresholds.
 
-CUDA and half precision use F.linear unchanged. ORCA_CPU_GEMM=torch keeps F.linear on CPU too (for
-A/B); the choice is logged once per process.
+The C kernel is built on first use (kernels/native.py). Without a C compiler the engine logs a
+warning once and uses oneDNN at every size. `ORCA_CPU_GEMM` overrides the choice for A/B runs:
+`auto` (the above), `native` (the C kernel required, an error if it cannot be built), `onednn`
+(oneDNN at every size) or `torch` (F.linear at every size). CUDA and half precision always use
+F.linear. The choice is logged once per process.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 
 import torch
 import torch.nn.functional as F
 
+from orca_kernels import native
+
 logger = logging.getLogger("orca.model")
 
-_onednn: bool | None = None  # decided once per process
+GEMM_ENV = "ORCA_CPU_GEMM"
+CHOICES = ("auto", "native", "onednn", "torch")
+NATIVE_MAX_TOKENS = 32
+ONEDNN_MAX_TOKENS = 512
+
+_F32P = ctypes.POINTER(ctypes.c_float)
 
 
-def onednn_enabled() -> bool:
-    global _onednn
-    if _onednn is None:
-        choice = os.environ.get("ORCA_CPU_GEMM", "auto")
-        if choice not in ("auto", "torch", "onednn"):
-            raise ValueError(f"ORCA_CPU_GEMM must be auto, torch or onednn, got {choice!r}")
-        available = torch.backends.mkldnn.is_available()
-        if choice == "onednn" and not available:
-            raise RuntimeError("ORCA_CPU_GEMM=onednn, but this torch build has no oneDNN (mkldnn)")
-        _onednn = available and choice != "torch"
-        logger.info("CPU float32 linear layers: %s", "oneDNN, packed weights" if _onednn else "torch F.linear (MKL)")
-    return _onednn
+@functools.cache
+def cpu_gemm_choice() -> str:
+    """"native" (C kernel for few tokens, oneDNN, then MKL), "onednn" or "torch": decided once per process."""
+    choice = os.environ.get(GEMM_ENV, "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"{GEMM_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "onednn" and not torch.backends.mkldnn.is_available():
+        raise RuntimeError(f"{GEMM_ENV}=onednn, but this torch build has no oneDNN (mkldnn)")
+    if choice in ("auto", "native"):
+        try:
+            _native_kernel()
+        except (native.NativeBuildError, OSError) as exc:
+            if choice == "native":
+                raise RuntimeError(f"{GEMM_ENV}=native: {exc}") from exc
+            logger.warning("CPU linear layers: the C decode GEMM is unavailable (%s); using oneDNN at every size", exc)
+            choice = "onednn" if torch.backends.mkldnn.is_available() else "torch"
+        else:
+            choice = "native"
+    logger.info("CPU float32 linear layers: %s", {
+        "native": f"C kernel up to {NATIVE_MAX_TOKENS} tokens, oneDNN up to {ONEDNN_MAX_TOKENS}, MKL beyond",
+        "onednn": "oneDNN", "torch": "torch F.linear (MKL)"}[choice])  # fmt: skip
+    return choice
 
 
-def _uses_onednn(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and onednn_enabled()
+@functools.cache
+def _native_kernel() -> ctypes._CFuncPtr:
+    fn = native.load("decode_gemm").orca_decode_linear_f32
+    i64 = ctypes.c_int64
+    # x, x_stride, M, W, N, K, bias, y, num_threads
+    fn.argtypes = [_F32P, i64, i64, _F32P, i64, i64, _F32P, _F32P, ctypes.c_int]
+    fn.restype = None
+    return fn
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in the form `linear` multiplies fastest on its device (oneDNN's layout on CPU float32)."""
-    if not _uses_onednn(weight.device, weight.dtype):
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view)."""
+    return weight.contiguous()
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through the C kernel: CPU float32, x [M, K] with unit column stride, weight contiguous."""
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and x.dtype == weight.dtype == torch.float32
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32)
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    bias_ptr = ctypes.cast(bias.data_ptr(), _F32P) if bias is not None else None
+    _native_kernel()(ctypes.cast(x.data_ptr(), _F32P), x.stride(0), m, ctypes.cast(weight.data_ptr(), _F32P), n, k,
+                     bias_ptr, ctypes.cast(y.data_ptr(), _F32P), torch.get_num_threads())  # fmt: skip
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a plain or `pack`ed weight."""
-    if weight.is_mkldnn or _uses_onednn(x.device, x.dtype):
+    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    choice, tokens = cpu_gemm_choice(), x.shape[0]
+    if choice == "native" and tokens <= NATIVE_MAX_TOKENS:
+        return native_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
+    if choice == "onednn" or (choice == "native" and tokens <= ONEDNN_MAX_TOKENS):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -66,14 +66,29 @@ class ModelRunner:
     def _prepare_inputs(self, batch_meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Every per-iteration index tensor from one host array and one device copy, the block
         tables from a second: this runs every iteration, and one conversion of many numbers is far
-        cheaper than several small ones."""
+        cheaper than several small ones. A batch of decodes only (one new token per request, the
+        steady state) converts just its tokens, slots and context lengths: its positions, query
+        offsets and logits rows follow from them."""
         num_tokens, num_requests = batch_meta.num_tokens, len(batch_meta.context_lens)
-        logits_indices = [end - 1 for end in batch_meta.query_start[1:]]
-        host = np.array(
-            batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start
-            + batch_meta.context_lens + logits_indices,
-            dtype=np.int64,
-        )  # numpy converts a list of ints several times faster than torch.tensor()
+        decode_only = num_tokens == num_requests  # every request has at least one new token
+        if decode_only:
+            # numpy converts a list of ints several times faster than torch.tensor()
+            host = np.array(batch_meta.input_ids + batch_meta.slot_mapping + batch_meta.context_lens, dtype=np.int64)
+            context_host = host[2 * num_tokens :]
+            rows = np.arange(num_requests + 1, dtype=np.int64)
+            host = np.concatenate((host[:num_tokens], context_host - 1, host[num_tokens : 2 * num_tokens], rows,
+                                   context_host, rows[:-1]))  # fmt: skip
+            max_query_len = 1
+        else:
+            logits_indices = [end - 1 for end in batch_meta.query_start[1:]]
+            host = np.array(
+                batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start
+                + batch_meta.context_lens + logits_indices,
+                dtype=np.int64,
+            )  # fmt: skip
+            query_host = host[3 * num_tokens : 3 * num_tokens + num_requests + 1]
+            context_host = host[3 * num_tokens + num_requests + 1 : 3 * num_tokens + 2 * num_requests + 1]
+            max_query_len = int((query_host[1:] - query_host[:-1]).max())
         flat = torch.from_numpy(host).to(self.device, non_blocking=True)
         input_ids, positions, slot_mapping, query_start, context_lens, logits_index_tensor = flat.split(
             [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests]
@@ -92,8 +107,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(self.device, non_blocking=True),
             slot_mapping=slot_mapping,
             block_size=self.block_size,
-            max_query_len=max(b - a for a, b in zip(batch_meta.query_start, batch_meta.query_start[1:], strict=False)),
-            max_context_len=max(batch_meta.context_lens),
+            max_query_len=max_query_len,
+            max_context_len=int(context_host.max()),
             query_start_host=batch_meta.query_start,
             context_lens_host=batch_meta.context_lens,
             block_tables_host=tables,

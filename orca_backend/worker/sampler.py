@@ -48,12 +48,14 @@ class Sampler:
             if logprob_rows:  # before any processing
                 raw_logprobs = logits[[row for row, _ in logprob_rows]].log_softmax(dim=-1)
             self.processors.apply(logits, batch_meta)
-        for row, banned in enumerate(batch_meta.banned_ids):
-            if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
-                logits[row, banned] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        if any(batch_meta.banned_ids):
+            for row, banned in enumerate(batch_meta.banned_ids):
+                if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
+                    logits[row, banned] = float("-inf")
+        tokens = _argmax(logits)
         # A prefill chunk short of its last token samples nothing: its generator must not advance.
-        random_rows = [i for i, (t, s) in enumerate(zip(batch_meta.temperature, batch_meta.sample, strict=True)) if t > 0 and s]
+        random_rows = [i for i, (t, s) in enumerate(zip(batch_meta.temperature, batch_meta.sample, strict=True)) if t > 0 and s] \
+            if any(batch_meta.temperature) else []  # fmt: skip
         if random_rows:
             tokens[random_rows] = self._sample_random(logits[random_rows], batch_meta, random_rows)
         if raw_logprobs is None:
@@ -78,6 +80,15 @@ class Sampler:
         u = torch.stack([torch.rand((), generator=self._generator(batch_meta.request_ids[i], batch_meta.seeds[i])) for i in rows])
         pick = torch.searchsorted(cdf, (u.to(device) * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
         return order.gather(1, pick).squeeze(1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first on ties, as torch's). On the CPU numpy's is several times
+    faster than torch's for the [batch, vocab] logits of every iteration; the tensor shares its memory."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.is_contiguous() \
+            and not logits.requires_grad:  # fmt: skip
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _gather_logprobs(

@@ -1,0 +1,178 @@
+"""The Llama family's element-wise ops as C kernels on CPU (csrc/llama_ops.c), float32 only.
+
+At batch 1 a decode step of the torch references is dispatch-bound: residual-add + RMSNorm is
+~6 aten ops, rotary ~15 (gather, split, per-tensor mul/sub/cat, casts) and SiLU-and-mul ~4, at a
+few microseconds each against well under a microsecond of arithmetic. Each op here is one ctypes
+call that reads its inputs and writes its outputs once, with tokens spread over torch's threads
+when there are enough of them.
+
+The wrappers keep the signatures and contracts of the torch references (rmsnorm.py, rotary.py,
+silu.py). They take float32 CPU tensors only and say so with a ValueError otherwise; choosing
+them for float32 and the references for other dtypes is dispatch's job (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from orca_kernels import native
+from orca_kernels.rotary import check_rotary_args
+from orca_kernels.silu import gate_up_split
+
+LIBRARY = "llama_ops"
+
+# Pointers travel as plain integers (tensor.data_ptr()): ctypes.cast per argument would cost more
+# than some of these ops.
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+# Vectorized<float>::size() in torch's CPU kernels: the RMSNorm kernel adds the squares in torch's
+# order and SiLU splits its rows as torch does, both of which depend on it, so that their results
+# equal the references' bit for bit.
+TORCH_FLOAT_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def _declare(name: str, argtypes: list, restype: type | None) -> ctypes._CFuncPtr:
+    fn = getattr(native.load(LIBRARY), name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+@functools.cache
+def load_add_rmsnorm_kernel() -> ctypes._CFuncPtr:
+    # x, x_stride, residual, res_stride, weight, out, summed, rows, hidden, eps, lanes, num_threads
+    return _declare("orca_add_rmsnorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I64,
+                                             ctypes.c_int], None)  # fmt: skip
+
+
+@functools.cache
+def load_rotary_kernel() -> ctypes._CFuncPtr:
+    # q, q_tok_stride, q_head_stride, k, k_tok_stride, k_head_stride, positions, cos_sin, cs_stride,
+    # max_positions, q_out, k_out, tokens, q_heads, k_heads, head_dim, num_threads
+    return _declare("orca_rotary_f32", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64,
+                                        _I64, _I64, ctypes.c_int], _I64)  # fmt: skip
+
+
+@functools.cache
+def load_silu_and_mul_kernel() -> ctypes._CFuncPtr:
+    # x, x_stride, out, rows, inner, lanes, num_threads
+    return _declare("orca_silu_and_mul_f32", [_P, _I64, _P, _I64, _I64, _I64, ctypes.c_int], None)
+
+
+def load_llama_kernels() -> None:
+    """Builds (once per machine) and declares every kernel; raises NativeBuildError or OSError with
+    the reason, as `load_decode_kernel` does."""
+    load_add_rmsnorm_kernel()
+    load_rotary_kernel()
+    load_silu_and_mul_kernel()
+
+
+def _check_float32(name: str, *tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
+            raise ValueError(f"{name} takes float32 CPU tensors only, got {t.dtype} on {t.device}")
+
+
+# The wrappers below are written for speed at one token, where each of them costs about as much as
+# the ctypes call itself: torch.empty(rows, width) takes ints (a torch.Size costs 2 us more to
+# parse) and a 2-D input with unit column stride is used as it is, without a reshape.
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., width] -> [rows, width] with unit column stride: a view whenever possible."""
+    if t.dim() != 2:
+        t = t.reshape(-1, width)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _empty_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """A new float32 [rows, width] tensor, viewed as `like`'s leading shape with `width` last."""
+    out = torch.empty(rows, width, dtype=torch.float32)
+    return out if like.dim() == 2 else out.view(*like.shape[:-1], width)
+
+
+def add_rmsnorm_cpu(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `add_rmsnorm_torch`: (RMSNorm(x + residual), x + residual), the sum being x
+    itself when residual is None. Any leading shape ([T, hidden], or [T * heads, head_dim] for
+    Qwen3's per-head norm); x and residual may be strided."""
+    _check_float32("add_rmsnorm_cpu", x, residual, weight)
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
+        shape = None if residual is None else tuple(residual.shape)
+        raise ValueError(f"add_rmsnorm_cpu needs x [..., {hidden}], residual of x's shape or None and weight "
+                         f"[{hidden}], got x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)}")  # fmt: skip
+    x2 = _rows(x, hidden)
+    rows = x2.shape[0]
+    out = _empty_rows(x, rows, hidden)
+    if residual is None:
+        summed, res2, res_ptr, res_stride = x, None, None, 0
+    else:
+        summed, res2 = _empty_rows(x, rows, hidden), _rows(residual, hidden)
+        res_ptr, res_stride = res2.data_ptr(), res2.stride(0)
+    if rows:
+        load_add_rmsnorm_kernel()(
+            x2.data_ptr(), x2.stride(0), res_ptr, res_stride, weight.contiguous().data_ptr(), out.data_ptr(),
+            summed.data_ptr(), rows, hidden, eps, TORCH_FLOAT_LANES, torch.get_num_threads(),
+        )  # fmt: skip
+    return out, summed
+
+
+def rotary_cpu(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `rotary_torch`: q [T, Hq, D], k [T, Hkv, D] (any strides; views of the fused
+    qkv projection, never modified), positions [T], cos_sin [P, D] -> new contiguous (q_out, k_out).
+
+    A position outside [0, P) raises IndexError (the reference's indexing raises too, except that
+    it would also wrap negative positions, which no caller produces)."""
+    _check_float32("rotary_cpu", q, k, cos_sin)
+    head_dim = check_rotary_args(q, k, positions, cos_sin)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if cos_sin.stride(1) != 1:
+        cos_sin = cos_sin.contiguous()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    tokens, q_heads, _ = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=torch.float32)
+    k_out = torch.empty(tokens, k_heads, head_dim, dtype=torch.float32)
+    if tokens:
+        bad = load_rotary_kernel()(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), positions.data_ptr(),
+            cos_sin.data_ptr(), cos_sin.stride(0), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), tokens,
+            q_heads, k_heads, head_dim, torch.get_num_threads(),
+        )  # fmt: skip
+        if bad >= 0:
+            raise IndexError(f"rotary position {int(positions[bad])} of token {bad} is outside the cos/sin "
+                             f"table of {cos_sin.shape[0]} positions")  # fmt: skip
+    return q_out, k_out
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `silu_and_mul_torch`: x [..., 2 * inner] (gate, then up) -> silu(gate) * up
+    [..., inner]."""
+    _check_float32("silu_and_mul_cpu", x)
+    inner = gate_up_split(x.shape[-1])
+    x2 = _rows(x, 2 * inner)
+    rows = x2.shape[0]
+    out = _empty_rows(x, rows, inner)
+    if rows and inner:
+        load_silu_and_mul_kernel()(
+            x2.data_ptr(),
+            x2.stride(0),
+            out.data_ptr(),
+            rows,
+            inner,
+            TORCH_FLOAT_LANES,
+            torch.get_num_threads(),
+        )
+    return out

@@ -1,0 +1,201 @@
+/* The Llama family's element-wise ops on CPU, float32: residual-add + RMSNorm, neox rotary
+ * embedding, and SiLU-and-multiply. Semantics equal the torch references in rmsnorm.py, rotary.py
+ * and silu.py (see there); the Python side is cpu_llama_ops.py.
+ *
+ * Why C: at a handful of tokens each of these is a chain of small aten ops (add, pow, mean, rsqrt,
+ * mul; index, split, cat, _to_copy; slice, silu, mul) whose cost is dispatch and temporaries, not
+ * arithmetic. Here each op is one call that reads its inputs once and writes its outputs once.
+ *
+ * Rounding follows the references operation by operation, down to the order in which torch's CPU
+ * kernels add the RMSNorm's squares and the exp SiLU uses, so that outputs equal torch's (and so
+ * transformers') bit for bit on x86 builds of torch: a last-bit difference can flip a greedy
+ * token. That is also why floating-point contraction is off below: with -march=native the
+ * compiler would otherwise fuse `a * b - c * d` into one fma, rounded differently from torch's
+ * separate mul and sub (the fmaf calls in expf_sleef_u10 are SLEEF's own).
+ *
+ * Threads: rows (tokens) are spread over num_threads OpenMP threads (torch's own libgomp, as in
+ * decode_attention.c), but only when there is enough work: at one decode token a parallel region
+ * would cost more than the op.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+/* no-trapping-math changes no value (only whether FP exceptions may trap); without it GCC will
+ * not turn the selects of expf_sleef_u10 into blends, and the SiLU loop stays scalar. */
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+#endif
+
+/* Below this many floats touched per call the op runs on the calling thread (~10 us of work). */
+#define PARALLEL_MIN_ELEMENTS (1 << 15)
+
+/* The sum of the fp32 squares of s[0..n) added in exactly the order of torch's CPU sum kernel
+ * (cascade_sum in aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
+ * multi_row_sum), which `h.pow(2).mean(-1)` runs, with `lanes` = Vectorized<float>::size() of
+ * torch's CPU capability (8 for AVX2 and the default build, 16 for AVX512). Any other order
+ * would be as accurate but differ from torch in the last bit of about half the rows, and the
+ * references follow transformers' RMSNorm so that greedy tokens match it exactly.
+ *
+ * torch sees the row as vectors of `lanes` floats in rows of ILP = 4 vectors: it adds those
+ * rows in chunks of 2**power, carried up LEVELS levels of partial sums; then the leftover
+ * vectors into the first vector, the other three vectors into it, and finally the scalar tail
+ * followed by each lane in turn. */
+#define ILP 4
+#define LEVELS 4
+#define MAX_LANES 16
+
+static float sum_squares_torch_order(const float *s, int64_t n, int64_t lanes) {
+    if (n < lanes) lanes = 1; /* torch's scalar path (scalar_inner_sum) adds like one-float vectors */
+    const int64_t vecs = n / lanes, rows = vecs / ILP, width = ILP * lanes;
+    const int64_t ceil_log2 = rows <= 2 ? 1 : 64 - __builtin_clzll((unsigned long long)(rows - 1));
+    const int64_t power = ceil_log2 / LEVELS > 4 ? ceil_log2 / LEVELS : 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    float acc[LEVELS][ILP * MAX_LANES] = {{0.0f}};
+    int64_t i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int64_t k = 0; k < width; k++) acc[0][k] += s[i * width + k] * s[i * width + k];
+        for (int64_t j = 1; j < LEVELS; j++) {
+            for (int64_t k = 0; k < width; k++) {
+                acc[j][k] += acc[j - 1][k];
+                acc[j - 1][k] = 0.0f;
+            }
+            if (i & (mask << (j * power))) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int64_t k = 0; k < width; k++) acc[0][k] += s[i * width + k] * s[i * width + k];
+    for (int64_t j = 1; j < LEVELS; j++)
+        for (int64_t k = 0; k < width; k++) acc[0][k] += acc[j][k];
+    for (int64_t v = rows * ILP; v < vecs; v++) /* whole vectors left over: into the first */
+        for (int64_t l = 0; l < lanes; l++) acc[0][l] += s[v * lanes + l] * s[v * lanes + l];
+    for (int64_t v = 1; v < ILP; v++)
+        for (int64_t l = 0; l < lanes; l++) acc[0][l] += acc[0][v * lanes + l];
+    float total = 0.0f;
+    for (int64_t k = vecs * lanes; k < n; k++) total += s[k] * s[k];
+    for (int64_t l = 0; l < lanes; l++) total += acc[0][l];
+    return total;
+}
+
+/* out[r] = weight * (s * rsqrt(mean(s^2) + eps)) with s = x[r] + residual[r] (written to summed[r])
+ * or s = x[r] when residual is NULL. x and residual rows are at x_stride / res_stride floats with
+ * unit column stride; out and summed are contiguous [rows, hidden]. The mean is torch's sum
+ * (above) / hidden, the rsqrt 1 / sqrtf as torch's vectorised rsqrt computes it, and each
+ * product rounded in the reference's order: weight * (s * rstd). lanes <= MAX_LANES. */
+void orca_add_rmsnorm_f32(const float *x, int64_t x_stride, const float *residual, int64_t res_stride,
+                          const float *weight, float *out, float *summed, int64_t rows, int64_t hidden, float eps,
+                          int64_t lanes, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *s = x + r * x_stride;
+        if (residual) {
+            const float *res = residual + r * res_stride;
+            float *sum = summed + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) sum[i] = s[i] + res[i];
+            s = sum;
+        }
+        const float var = sum_squares_torch_order(s, hidden, lanes) / (float)hidden;
+        const float rstd = 1.0f / sqrtf(var + eps);
+        float *o = out + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (s[i] * rstd);
+    }
+}
+
+/* One head: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product rounded before the sum. */
+static inline void rotate_head(const float *x, float *o, const float *cos, const float *sin, int64_t half) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        o[i] = x1 * cos[i] - x2 * sin[i];
+        o[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/* Rotates q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] (token and head strides
+ * in floats, unit stride within a head) into contiguous q_out and k_out, token t by the angles in
+ * row positions[t] of cos_sin ([max_positions, head_dim] at cs_stride floats per row: cos in the
+ * first half, sin in the second).
+ *
+ * Returns -1, or the first token whose position is outside [0, max_positions): then nothing is
+ * written. Checking costs one pass over `tokens` int64s and keeps a bad position from reading
+ * outside the table (torch's index would raise). */
+int64_t orca_rotary_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride, const float *k,
+                        int64_t k_tok_stride, int64_t k_head_stride, const int64_t *positions, const float *cos_sin,
+                        int64_t cs_stride, int64_t max_positions, float *q_out, float *k_out, int64_t tokens,
+                        int64_t q_heads, int64_t k_heads, int64_t head_dim, int num_threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return t;
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) \
+    if (tokens > 1 && tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cos = cos_sin + positions[t] * cs_stride, *sin = cos + half;
+        for (int64_t h = 0; h < q_heads; h++)
+            rotate_head(q + t * q_tok_stride + h * q_head_stride, q_out + (t * q_heads + h) * head_dim, cos, sin,
+                        half);
+        for (int64_t h = 0; h < k_heads; h++)
+            rotate_head(k + t * k_tok_stride + h * k_head_stride, k_out + (t * k_heads + h) * head_dim, cos, sin,
+                        half);
+    }
+    return -1;
+}
+
+/* 2**q for q in [-126, 127], by building the exponent field. */
+static inline float pow2i(int32_t q) {
+    const int32_t bits = (q + 0x7f) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* exp(d) computed as torch's vectorised CPU kernels compute it, SLEEF's expf_u10 (1 ulp) with
+ * fused multiply-adds, so that SiLU below rounds like F.silu; a plain loop of it also vectorises,
+ * where calls to libm's expf would not. The final scaling by 2**q is split in two so that
+ * results near the limits neither overflow nor flush early. */
+static inline float expf_sleef_u10(float d) {
+    const float q = rintf(d * 1.442695040888963407359924681001892137f);
+    float s = fmaf(q, -0.693145751953125f, d); /* d - q ln 2 in two parts, ln 2's high bits exact */
+    s = fmaf(q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = fmaf(u, s * s, s) + 1.0f;
+    const int32_t qi = (int32_t)q;
+    u = u * pow2i(qi >> 1) * pow2i(qi - (qi >> 1));
+    u = d < -104.0f ? 0.0f : u;
+    return d > 104.0f ? INFINITY : u;
+}
+
+/* out[r] = silu(gate) * up for x[r] = [gate, up] (2 * inner floats at x_stride, unit column
+ * stride) into contiguous out [rows, inner]. silu(g) = g / (1 + exp(-g)) as torch writes it,
+ * rounded before the multiply like F.silu(gate) * up.
+ *
+ * torch's element-wise loop (aten/src/ATen/native/cpu/Loops.h, vectorized_loop) runs each row
+ * in steps of two vectors (2 * lanes floats) with SLEEF's exp and the rest of the row with the
+ * scalar std::exp: the same split here gives the same bits. */
+void orca_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t inner,
+                           int64_t lanes, int num_threads) {
+    const int64_t vectorised = inner - inner % (2 * lanes);
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + inner;
+        float *o = out + r * inner;
+#pragma omp simd
+        for (int64_t i = 0; i < vectorised; i++) {
+            const float silu = gate[i] / (1.0f + expf_sleef_u10(-gate[i]));
+            o[i] = silu * up[i];
+        }
+        for (int64_t i = vectorised; i < inner; i++) {
+            const float silu = gate[i] / (1.0f + expf(-gate[i]));
+            o[i] = silu * up[i];
+        }
+    }
+}

@@ -1,0 +1,63 @@
+"""The per-iteration fast paths (issue #19) build exactly what the general code builds: a decode-only
+batch flattens to the same BatchMeta, the kept sampling columns follow a changing set of requests,
+and the sampler's CPU argmax is torch's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from orca_backend import EngineConfig, SamplingParams
+from orca_backend.core.batch_builder import BatchBuilder
+from orca_backend.core.scheduler import ScheduledBatch
+from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.worker.sampler import _argmax
+
+
+def _engine(policy: str, running: int = 6) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=8, kv_capacity_tokens=2048, block_size=4,
+                                    kv_policy=policy))  # fmt: skip
+    params = [SamplingParams(max_tokens=40, temperature=0.7 * (i % 2), top_k=i, top_p=0.9, seed=i, ignore_eos=True,
+                             min_tokens=3 * (i % 3), stop_token_ids=[7]) for i in range(running)]  # fmt: skip
+    engine.add_requests([[i + 1] * (3 + i) for i in range(running)], params, on_output=lambda o: None)
+    return engine
+
+
+@pytest.mark.parametrize("policy", ["paged", "reserve"])
+def test_a_decode_only_batch_flattens_as_the_general_path_does(policy):
+    engine = _engine(policy)
+    core = engine.core
+    for step in range(12):
+        engine.step()
+        batch = core.scheduler.schedule()
+        assert batch is not None and batch.decode_only, f"step {step}: every request decodes"
+        fast = core.batch_builder.build(batch, 1, ["gone"])
+        general = BatchBuilder(core.kv.block_size, None).build(ScheduledBatch(batch.requests, batch.num_new_tokens), 1,
+                                                               ["gone"])  # fmt: skip
+        assert dataclasses.asdict(fast) == dataclasses.asdict(general)
+        core.scheduler.update_from_output(batch, [1] * len(batch.requests))
+
+
+def test_the_kept_sampling_columns_follow_the_requests_of_each_batch():
+    engine = _engine("reserve")  # every block held from the start: any subset can be run as it is
+    core, builder = engine.core, engine.core.batch_builder
+    engine.step()
+    requests = list(core.scheduler.running)
+    for subset in (requests, requests[1:], requests[::2], requests, requests[:1]):
+        batch = ScheduledBatch(subset, [1] * len(subset))
+        meta = builder.build(batch, 0, [])
+        assert meta.request_ids == [r.request_id for r in subset]
+        assert meta.seeds == [r.sampling_seed for r in subset]
+        assert meta.top_k == [r.params.top_k for r in subset]
+        assert meta.temperature == [r.params.temperature for r in subset]
+        assert meta.banned_ids == [[7] if r.params.min_tokens > len(r.output_ids) else [] for r in subset]
+
+
+def test_the_cpu_argmax_is_torchs_first_maximum():
+    logits = torch.randn(64, 300)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first wins, as in torch
+    logits[5] = float("-inf")
+    assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(_argmax(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # not contiguous: torch's own
