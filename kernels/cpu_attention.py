@@ -31,8 +31,9 @@ from orca_kernels.attention import (
     prefill_attention,
 )
 
-_F32P = ctypes.POINTER(ctypes.c_float)
-_I32P = ctypes.POINTER(ctypes.c_int32)
+# Pointers travel as plain integers (tensor.data_ptr()), as in cpu_llama_ops.py: a ctypes.cast per
+# argument costs ~2 us, nine of them per layer.
+_P = ctypes.c_void_p
 
 
 @functools.cache
@@ -44,14 +45,10 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
     # scratch, num_threads
-    fn.argtypes = [_F32P, i64, i64, _F32P, _F32P, _F32P, _I32P, _I32P, _I32P, i64, i64, i64, i64, i64, i64, i64,
-                   ctypes.c_float, _F32P, ctypes.c_int]  # fmt: skip
+    fn.argtypes = [_P, i64, i64, _P, _P, _P, _P, _P, _P, i64, i64, i64, i64, i64, i64, i64,
+                   ctypes.c_float, _P, ctypes.c_int]  # fmt: skip
     fn.restype = None
     return fn
-
-
-def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
-    return ctypes.cast(t.data_ptr(), kind)
 
 
 def attention_cpu(
@@ -93,10 +90,10 @@ def attention_cpu(
     threads = torch.get_num_threads()
     scratch = torch.empty((threads, heads, meta.max_context_len), dtype=torch.float32)
     load_decode_kernel()(
-        _ptr(q, _F32P), q.stride(0), q.stride(1), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), _ptr(out, _F32P),
-        _ptr(meta.query_start, _I32P), _ptr(meta.context_lens, _I32P), _ptr(tables, _I32P), tables.stride(0),
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
         meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale,
-        _ptr(scratch, _F32P), threads,
+        scratch.data_ptr(), threads,
     )  # fmt: skip
     if meta.max_query_len > 1:
         qs = meta.query_start_host

@@ -34,7 +34,7 @@ CHOICES = ("auto", "native", "onednn", "torch")
 NATIVE_MAX_TOKENS = 32
 ONEDNN_MAX_TOKENS = 512
 
-_F32P = ctypes.POINTER(ctypes.c_float)
+_P = ctypes.c_void_p  # pointers travel as plain integers (tensor.data_ptr()): a ctypes.cast costs ~2 us
 
 
 @functools.cache
@@ -66,7 +66,7 @@ def _native_kernel() -> ctypes._CFuncPtr:
     fn = native.load("decode_gemm").orca_decode_linear_f32
     i64 = ctypes.c_int64
     # x, x_stride, M, W, N, K, bias, y, num_threads
-    fn.argtypes = [_F32P, i64, i64, _F32P, i64, i64, _F32P, _F32P, ctypes.c_int]
+    fn.argtypes = [_P, i64, i64, _P, i64, i64, _P, _P, ctypes.c_int]
     fn.restype = None
     return fn
 
@@ -84,9 +84,8 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
     y = torch.empty(m, n, dtype=torch.float32)
-    bias_ptr = ctypes.cast(bias.data_ptr(), _F32P) if bias is not None else None
-    _native_kernel()(ctypes.cast(x.data_ptr(), _F32P), x.stride(0), m, ctypes.cast(weight.data_ptr(), _F32P), n, k,
-                     bias_ptr, ctypes.cast(y.data_ptr(), _F32P), torch.get_num_threads())  # fmt: skip
+    _native_kernel()(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, bias.data_ptr() if bias is not None else None,
+                     y.data_ptr(), torch.get_num_threads())  # fmt: skip
     return y
 
 
