@@ -1,6 +1,7 @@
 """Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU (``cpu``) the C
-kernels (decode attention; the Llama family's RMSNorm, rotary and SiLU-and-mul in float32) and the
-torch references for the rest.
+kernels (decode attention; in float32 the Llama family's RMSNorm, rotary and SiLU-and-mul, and
+GPT-2's LayerNorm and bias-GELU) and the torch references for the rest (write_kv, and every
+element-wise op in half precision).
 
 ``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
 ``TRITON_INTERPRET=1``, set before the process first imports triton; ``torch`` is the plain
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_llama_ops, native
+from . import cpu_gpt2_ops, cpu_llama_ops, native
 from .attention import attention_torch, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel
 from .gelu import bias_gelu_torch
@@ -53,10 +54,10 @@ def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors)
 
 
-# The Llama family's C element-wise kernels are float32 only: half precision on CPU keeps the torch
-# references (bf16/fp16 CPU serving is rare, and the references' roundings between steps would need
-# their own C versions). These choose per call, on the tensors' dtypes, with the references'
-# signatures.
+# The C element-wise kernels (Llama family and GPT-2) are float32 only: half precision on CPU keeps
+# the torch references (bf16/fp16 CPU serving is rare, and the references' roundings between steps
+# would need their own C versions). These choose per call, on the tensors' dtypes, with the
+# references' signatures.
 def add_rmsnorm_cpu_or_torch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +80,28 @@ def silu_and_mul_cpu_or_torch(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_torch(x)
 
 
-# GPT-2's LayerNorm and bias-GELU have no C version yet: the Llama family's ops were the ones
-# measured dispatch-bound at batch 1 (issue #19).
+def add_layernorm_cpu_or_torch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _float32_cpu(x, residual, weight, bias):
+        return cpu_gpt2_ops.add_layernorm_cpu(x, residual, weight, bias, eps)
+    return add_layernorm_torch(x, residual, weight, bias, eps)
+
+
+def bias_gelu_cpu_or_torch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    if _float32_cpu(x, bias):
+        return cpu_gpt2_ops.bias_gelu_cpu(x, bias)
+    return bias_gelu_torch(x, bias)
+
+
+# GPT-2's LayerNorm and bias-GELU have C versions too (csrc/gpt2_ops.c, issue #19): at batch 1 each
+# reference is 2 dispatch-bound aten ops, 37 calls per GPT-2-small step.
 TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
 )  # fmt: skip
 CPU_OPS = KernelOps(
-    "cpu", add_layernorm_torch, bias_gelu_torch, attention_cpu, write_kv_torch,
+    "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_torch,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch,
 )  # fmt: skip
 
@@ -158,6 +173,7 @@ def _cpu_ops(device: torch.device, forced: bool) -> KernelOps:
     for kernel, load in (
         ("decode-attention", load_decode_kernel),
         ("Llama element-wise", cpu_llama_ops.load_llama_kernels),
+        ("GPT-2 element-wise", cpu_gpt2_ops.load_gpt2_kernels),
     ):
         try:
             load()

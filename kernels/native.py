@@ -45,7 +45,7 @@ def _compiler() -> str:
     if not compiler:
         raise NativeBuildError(
             "no C compiler found (set $CC or install gcc, e.g. `apt-get install gcc`); it builds the CPU "
-            "decode-attention kernel"
+            "kernels (decode attention, the decode GEMM, the element-wise ops of GPT-2 and the Llama family)"
         )
     return compiler
 

@@ -404,5 +404,7 @@ def test_bundles_carry_the_llama_ops(ops: KernelOps) -> None:
     # CPU_OPS: the C kernels for float32, these references otherwise (tests/test_cpu_llama_ops.py)
     names = [f.__name__ for f in (CPU_OPS.add_rmsnorm, CPU_OPS.silu_and_mul, CPU_OPS.rotary)]
     assert names == ["add_rmsnorm_cpu_or_torch", "silu_and_mul_cpu_or_torch", "rotary_cpu_or_torch"]
+    names = [f.__name__ for f in (CPU_OPS.add_layernorm, CPU_OPS.bias_gelu)]  # tests/test_cpu_gpt2_ops.py
+    assert names == ["add_layernorm_cpu_or_torch", "bias_gelu_cpu_or_torch"]
     names = [f.__name__ for f in (ops.add_rmsnorm, ops.silu_and_mul, ops.rotary)]
     assert names == ["add_rmsnorm_triton", "silu_and_mul_triton", "rotary_triton"]

@@ -1,0 +1,117 @@
+"""GPT-2's element-wise ops as C kernels on CPU (csrc/gpt2_ops.c), float32 only.
+
+At batch 1 a decode step of the torch references is dispatch-bound: residual-add + LayerNorm is
+2 aten ops (add, layer_norm) and bias + GeLU 2 more (add, gelu), 25 + 12 calls per GPT-2-small
+step, at a few microseconds each against well under a microsecond of arithmetic; at prefill each
+reference makes an extra pass over a large activation. Each op here is one ctypes call that reads
+its inputs and writes its outputs once, with tokens spread over torch's threads when there are
+enough of them.
+
+The wrappers keep the signatures and contracts of the torch references (layernorm.py, gelu.py).
+They take float32 CPU tensors only and say so with a ValueError otherwise; choosing them for
+float32 and the references for other dtypes is dispatch's job (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from orca_kernels import native
+from orca_kernels.cpu_llama_ops import TORCH_FLOAT_LANES, _check_float32, _empty_rows, _rows
+
+LIBRARY = "gpt2_ops"
+
+# Pointers travel as plain integers (tensor.data_ptr()): ctypes.cast per argument would cost more
+# than these ops at one token.
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def _declare(name: str, argtypes: list, restype: type | None) -> ctypes._CFuncPtr:
+    fn = getattr(native.load(LIBRARY), name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+@functools.cache
+def load_add_layernorm_kernel() -> ctypes._CFuncPtr:
+    # x, x_stride, residual, res_stride, weight, bias, out, summed, rows, hidden, eps, lanes, num_threads
+    return _declare("orca_add_layernorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, ctypes.c_float,
+                                               _I64, ctypes.c_int], None)  # fmt: skip
+
+
+@functools.cache
+def load_bias_gelu_kernel() -> ctypes._CFuncPtr:
+    # x, x_stride, bias, out, rows, inner, num_threads
+    return _declare("orca_bias_gelu_f32", [_P, _I64, _P, _P, _I64, _I64, ctypes.c_int], None)
+
+
+def load_gpt2_kernels() -> None:
+    """Builds (once per machine) and declares every kernel; raises NativeBuildError or OSError with
+    the reason, as `load_decode_kernel` does."""
+    load_add_layernorm_kernel()
+    load_bias_gelu_kernel()
+
+
+# As in cpu_llama_ops: written for speed at one token, where each wrapper costs about as much as
+# the ctypes call itself.
+
+
+def add_layernorm_cpu(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `add_layernorm_torch`: (LayerNorm(x + residual), x + residual), the sum
+    being x itself when residual is None. Any leading shape; x and residual may be strided."""
+    _check_float32("add_layernorm_cpu", x, residual, weight, bias)
+    hidden = x.shape[-1]
+    if (
+        weight.shape != (hidden,)
+        or bias.shape != (hidden,)
+        or (residual is not None and residual.shape != x.shape)
+    ):
+        shape = None if residual is None else tuple(residual.shape)
+        raise ValueError(f"add_layernorm_cpu needs x [..., {hidden}], residual of x's shape or None and weight "
+                         f"and bias [{hidden}], got x {tuple(x.shape)}, residual {shape}, weight "
+                         f"{tuple(weight.shape)}, bias {tuple(bias.shape)}")  # fmt: skip
+    x2 = _rows(x, hidden)
+    rows = x2.shape[0]
+    out = _empty_rows(x, rows, hidden)
+    if residual is None:
+        summed, res_ptr, res_stride = x, None, 0
+    else:
+        summed, res2 = _empty_rows(x, rows, hidden), _rows(residual, hidden)
+        res_ptr, res_stride = res2.data_ptr(), res2.stride(0)
+    if rows and hidden:
+        load_add_layernorm_kernel()(
+            x2.data_ptr(), x2.stride(0), res_ptr, res_stride, weight.contiguous().data_ptr(),
+            bias.contiguous().data_ptr(), out.data_ptr(), summed.data_ptr(), rows, hidden, eps, TORCH_FLOAT_LANES,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out, summed
+
+
+def bias_gelu_cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Same contract as `bias_gelu_torch`: gelu_tanh(x + bias) for x [..., inner], bias [inner]."""
+    _check_float32("bias_gelu_cpu", x, bias)
+    inner = x.shape[-1]
+    if bias.shape != (inner,):
+        raise ValueError(f"bias_gelu_cpu needs x [..., {inner}] and bias [{inner}], got x {tuple(x.shape)}, "
+                         f"bias {tuple(bias.shape)}")  # fmt: skip
+    x2 = _rows(x, inner)
+    rows = x2.shape[0]
+    out = _empty_rows(x, rows, inner)
+    if rows and inner:
+        load_bias_gelu_kernel()(
+            x2.data_ptr(),
+            x2.stride(0),
+            bias.contiguous().data_ptr(),
+            out.data_ptr(),
+            rows,
+            inner,
+            torch.get_num_threads(),
+        )
+    return out

@@ -1,0 +1,222 @@
+"""GPT-2's C element-wise kernels on CPU (LayerNorm with residual add, bias + GeLU) against their
+torch references, and how dispatch wires them into CPU_OPS."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
+from orca_kernels.cpu_attention import load_decode_kernel
+from orca_kernels.cpu_gpt2_ops import add_layernorm_cpu, bias_gelu_cpu
+from orca_kernels.gelu import bias_gelu_torch
+from orca_kernels.layernorm import add_layernorm_torch
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+GELU_TOL = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale + shift
+
+
+def _with_threads(threads: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- add + LayerNorm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", [1, 5, 31, 96, 257, 768, 40000])
+@pytest.mark.parametrize("tokens", [1, 3, 67])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_layernorm_matches_reference(hidden: int, tokens: int, with_residual: bool) -> None:
+    x = _randn(tokens, hidden, seed=hidden, scale=2.0, shift=1.0)  # a non-zero mean exercises the centring
+    residual = _randn(tokens, hidden, seed=tokens, scale=3.0) if with_residual else None
+    weight, bias = 1.0 + 0.1 * _randn(hidden, seed=7), _randn(hidden, seed=8)
+    out, summed = add_layernorm_cpu(x, residual, weight, bias, 1e-5)
+    ref_out, ref_summed = add_layernorm_torch(x, residual, weight, bias, 1e-5)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    assert out.is_contiguous() and out.shape == x.shape
+    if residual is None:
+        assert summed is x  # the reference's contract: the sum is x itself
+    else:
+        assert torch.equal(summed, ref_summed)  # one fp32 add, rounded like torch's
+
+
+def test_add_layernorm_large_offset_and_constant_rows() -> None:
+    """A large common offset (the variance is a small difference of large numbers for a naive
+    sum of squares) and a constant row (variance 0: the output is the bias)."""
+    x = _randn(4, 768, seed=1, shift=1000.0)
+    weight, bias = _randn(768, seed=2), _randn(768, seed=3)
+    torch.testing.assert_close(
+        add_layernorm_cpu(x, None, weight, bias, 1e-5)[0], add_layernorm_torch(x, None, weight, bias, 1e-5)[0],
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    const = torch.full((2, 100), 3.5)
+    out = add_layernorm_cpu(const, None, weight[:100], bias[:100], 1e-5)[0]
+    torch.testing.assert_close(
+        out, add_layernorm_torch(const, None, weight[:100], bias[:100], 1e-5)[0], **TOL
+    )
+
+
+def test_add_layernorm_strided_and_leading_dims() -> None:
+    """Strided rows (slices of wider activations, as the model's unbind of stage activations gives)
+    and a 3-D input."""
+    wide = _randn(9, 2 * 768, seed=1)
+    x, residual = wide[:, 100:868], _randn(9, 3, 768, seed=2)[:, 1]
+    weight, bias = 1.0 + 0.1 * _randn(768, seed=3), _randn(768, seed=4)
+    got, ref = (
+        add_layernorm_cpu(x, residual, weight, bias, 1e-5),
+        add_layernorm_torch(x, residual, weight, bias, 1e-5),
+    )
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+    x3 = _randn(2, 5, 2 * 96, seed=5)[..., ::2]  # column stride 2: copied
+    w3, b3 = _randn(96, seed=6), _randn(96, seed=7)
+    out, summed = add_layernorm_cpu(x3, None, w3, b3, 1e-5)
+    torch.testing.assert_close(out, add_layernorm_torch(x3, None, w3, b3, 1e-5)[0], **TOL)
+    assert out.shape == x3.shape and summed is x3
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_layernorm_many_tokens_any_thread_count(threads: int) -> None:
+    """Enough rows that they are spread over the OpenMP threads."""
+    x, residual = _randn(200, 768, seed=threads, shift=0.5), _randn(200, 768, seed=9)
+    weight, bias = _randn(768, seed=10), _randn(768, seed=11)
+    out, summed = _with_threads(threads, lambda: add_layernorm_cpu(x, residual, weight, bias, 1e-5))
+    ref_out, ref_summed = add_layernorm_torch(x, residual, weight, bias, 1e-5)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    assert torch.equal(summed, ref_summed)
+
+
+def test_add_layernorm_rejects_bad_shapes() -> None:
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="add_layernorm_cpu needs"):
+        add_layernorm_cpu(x, None, torch.ones(63), torch.zeros(64), 1e-5)
+    with pytest.raises(ValueError, match="add_layernorm_cpu needs"):
+        add_layernorm_cpu(x, torch.randn(3, 64), torch.ones(64), torch.zeros(64), 1e-5)
+
+
+# --- bias + GeLU -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", [1, 3, 50, 1001, 3072])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_bias_gelu_matches_reference(inner: int, tokens: int) -> None:
+    x, bias = _randn(tokens, inner, seed=inner + tokens, scale=4.0), _randn(inner, seed=inner)
+    out = bias_gelu_cpu(x, bias)
+    torch.testing.assert_close(out, bias_gelu_torch(x, bias), **GELU_TOL)
+    assert out.is_contiguous() and out.shape == x.shape
+
+
+def test_bias_gelu_whole_range_strided_and_extremes() -> None:
+    x = torch.linspace(-30, 30, 200_001).unsqueeze(0)  # both branches of the tanh and its tails
+    zero = torch.zeros(x.shape[-1])
+    torch.testing.assert_close(bias_gelu_cpu(x, zero), bias_gelu_torch(x, zero), **GELU_TOL)
+    extremes = torch.tensor([[-1e30, -200.0, -60.0, -1e-30, 0.0, 1e-30, 60.0, 200.0, 1e30]])
+    zero = torch.zeros(extremes.shape[-1])
+    torch.testing.assert_close(bias_gelu_cpu(extremes, zero), bias_gelu_torch(extremes, zero), **GELU_TOL)
+    assert torch.isfinite(bias_gelu_cpu(extremes, zero)).all()
+    strided = _randn(2, 3, 300 + 8, seed=5, scale=4.0)[..., 8:]  # rows not contiguous with each other
+    bias = _randn(300, seed=6)
+    torch.testing.assert_close(bias_gelu_cpu(strided, bias), bias_gelu_torch(strided, bias), **GELU_TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bias_gelu_many_tokens_any_thread_count(threads: int) -> None:
+    x, bias = _randn(100, 3072, seed=threads, scale=4.0), _randn(3072, seed=3)
+    torch.testing.assert_close(
+        _with_threads(threads, lambda: bias_gelu_cpu(x, bias)), bias_gelu_torch(x, bias), **GELU_TOL
+    )
+
+
+# --- float32 only, and dispatch ----------------------------------------------------------------
+
+
+def test_wrappers_take_float32_cpu_tensors_only() -> None:
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+        add_layernorm_cpu(x, None, w, w, 1e-5)
+    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+        add_layernorm_cpu(x.float(), None, w.float(), w, 1e-5)  # the bias too
+    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+        bias_gelu_cpu(x, w)
+
+
+def test_cpu_ops_use_the_c_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ORCA_KERNELS", raising=False)
+    ops = get_ops("cpu")
+    assert ops is dispatch.CPU_OPS
+    calls: list[str] = []
+    for name in ("add_layernorm_cpu", "bias_gelu_cpu"):
+        original = getattr(cpu_gpt2_ops, name)
+        monkeypatch.setattr(cpu_gpt2_ops, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    ops.add_layernorm(torch.randn(2, 64), torch.randn(2, 64), torch.ones(64), torch.zeros(64), 1e-5)
+    ops.bias_gelu(torch.randn(2, 64), torch.zeros(64))
+    assert calls == ["add_layernorm_cpu", "bias_gelu_cpu"]
+
+
+def test_cpu_ops_keep_the_references_for_half_precision() -> None:
+    ops = dispatch.CPU_OPS
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, residual = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(2))
+        weight, bias = (torch.randn(64, generator=g).to(dtype) for _ in range(2))
+        got, ref = (
+            ops.add_layernorm(x, residual, weight, bias, 1e-5),
+            add_layernorm_torch(x, residual, weight, bias, 1e-5),
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+        assert torch.equal(ops.bias_gelu(x, bias), bias_gelu_torch(x, bias))
+
+
+@pytest.fixture
+def no_gpt2_kernel(monkeypatch: pytest.MonkeyPatch):
+    """The decode-attention and Llama kernels build, the GPT-2 one does not (a compile error, say)."""
+
+    def fail() -> None:
+        raise native.NativeBuildError("building gpt2_ops.c with cc failed: boom")
+
+    load_decode_kernel()
+    cpu_llama_ops.load_llama_kernels()
+    monkeypatch.setattr(cpu_gpt2_ops, "load_gpt2_kernels", fail)
+
+
+def test_forced_cpu_without_the_gpt2_kernel_is_an_error(no_gpt2_kernel: None) -> None:
+    with pytest.raises(RuntimeError, match="ORCA_KERNELS=cpu: building gpt2_ops.c"):
+        get_ops("cpu", "cpu")
+
+
+def test_auto_without_the_gpt2_kernel_logs_and_uses_the_references(
+    no_gpt2_kernel: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="orca.kernels"):
+        assert get_ops("cpu", "auto") is dispatch.TORCH_OPS
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert (
+        "GPT-2 element-wise kernel is unavailable (building gpt2_ops.c with cc failed: boom)" in caplog.text
+    )
+
+
+def test_without_a_compiler_the_gpt2_kernels_fail_to_load(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    loaders = (native.load, cpu_gpt2_ops.load_add_layernorm_kernel, cpu_gpt2_ops.load_bias_gelu_kernel)
+    for loader in loaders:
+        loader.cache_clear()
+    try:
+        with pytest.raises(OSError, match="no-such-cc"):
+            cpu_gpt2_ops.load_gpt2_kernels()
+    finally:
+        for loader in loaders:
+            loader.cache_clear()
