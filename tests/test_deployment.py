@@ -216,6 +216,12 @@ def test_exit_on_model_failure_exits_with_its_code_and_leaves_nothing_running(ch
         finally:
             client.close()
 
+        # orca-serve watches the models only once it has seen every one ready itself (it polls every
+        # 0.25 s): killing the engine before that would leave it waiting for readiness, not watching.
+        while "orca-serve: ready" not in log.read_text():
+            assert serve.poll() is None, f"orca-serve exited with {serve.returncode}:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"orca-serve never said ready:\n{log.read_text()[-4000:]}"
+            time.sleep(0.25)
         tree = process_tree(serve.pid)
         tree_pids = [p.pid for p in tree if p.pid != serve.pid]
         _, core, _ = engine_processes(serve.pid)
