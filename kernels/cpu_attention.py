@@ -31,24 +31,18 @@ from orca_kernels.attention import (
     prefill_attention,
 )
 
-# Pointers travel as plain integers (tensor.data_ptr()), as in cpu_llama_ops.py: a ctypes.cast per
-# argument costs ~2 us, nine of them per layer.
-_P = ctypes.c_void_p
-
 
 @functools.cache
 def load_decode_kernel() -> ctypes._CFuncPtr:
     """The kernel's entry point with its signature declared: built once per machine, loaded and
     declared once per process (every layer calls it). Raises NativeBuildError with the reason."""
-    fn = native.load("decode_attention").orca_decode_attention_f32
-    i64 = ctypes.c_int64
+    p, i64 = native.PTR, native.I64
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
     # scratch, num_threads
-    fn.argtypes = [_P, i64, i64, _P, _P, _P, _P, _P, _P, i64, i64, i64, i64, i64, i64, i64,
-                   ctypes.c_float, _P, ctypes.c_int]  # fmt: skip
-    fn.restype = None
-    return fn
+    return native.declare("decode_attention", "orca_decode_attention_f32", [
+        p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int,
+    ], None)  # fmt: skip
 
 
 def attention_cpu(

@@ -19,35 +19,25 @@ import functools
 
 import torch
 
-from orca_kernels import native
-from orca_kernels.cpu_llama_ops import TORCH_FLOAT_LANES, _check_float32, _empty_rows, _rows
+from orca_kernels.native import I64 as _I64
+from orca_kernels.native import PTR as _P
+from orca_kernels.native import TORCH_FLOAT_LANES, check_float32, declare
+from orca_kernels.rows import as_rows, empty_rows
 
 LIBRARY = "gpt2_ops"
-
-# Pointers travel as plain integers (tensor.data_ptr()): ctypes.cast per argument would cost more
-# than these ops at one token.
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
-def _declare(name: str, argtypes: list, restype: type | None) -> ctypes._CFuncPtr:
-    fn = getattr(native.load(LIBRARY), name)
-    fn.argtypes = argtypes
-    fn.restype = restype
-    return fn
 
 
 @functools.cache
 def load_add_layernorm_kernel() -> ctypes._CFuncPtr:
     # x, x_stride, residual, res_stride, weight, bias, out, summed, rows, hidden, eps, lanes, num_threads
-    return _declare("orca_add_layernorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, ctypes.c_float,
+    return declare(LIBRARY, "orca_add_layernorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, ctypes.c_float,
                                                _I64, ctypes.c_int], None)  # fmt: skip
 
 
 @functools.cache
 def load_bias_gelu_kernel() -> ctypes._CFuncPtr:
     # x, x_stride, bias, out, rows, inner, num_threads
-    return _declare("orca_bias_gelu_f32", [_P, _I64, _P, _P, _I64, _I64, ctypes.c_int], None)
+    return declare(LIBRARY, "orca_bias_gelu_f32", [_P, _I64, _P, _P, _I64, _I64, ctypes.c_int], None)
 
 
 def load_gpt2_kernels() -> None:
@@ -66,7 +56,7 @@ def add_layernorm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `add_layernorm_torch`: (LayerNorm(x + residual), x + residual), the sum
     being x itself when residual is None. Any leading shape; x and residual may be strided."""
-    _check_float32("add_layernorm_cpu", x, residual, weight, bias)
+    check_float32("add_layernorm_cpu", x, residual, weight, bias)
     hidden = x.shape[-1]
     if (
         weight.shape != (hidden,)
@@ -77,13 +67,13 @@ def add_layernorm_cpu(
         raise ValueError(f"add_layernorm_cpu needs x [..., {hidden}], residual of x's shape or None and weight "
                          f"and bias [{hidden}], got x {tuple(x.shape)}, residual {shape}, weight "
                          f"{tuple(weight.shape)}, bias {tuple(bias.shape)}")  # fmt: skip
-    x2 = _rows(x, hidden)
+    x2 = as_rows(x, hidden)
     rows = x2.shape[0]
-    out = _empty_rows(x, rows, hidden)
+    out = empty_rows(x, rows, hidden)
     if residual is None:
         summed, res_ptr, res_stride = x, None, 0
     else:
-        summed, res2 = _empty_rows(x, rows, hidden), _rows(residual, hidden)
+        summed, res2 = empty_rows(x, rows, hidden), as_rows(residual, hidden)
         res_ptr, res_stride = res2.data_ptr(), res2.stride(0)
     if rows and hidden:
         load_add_layernorm_kernel()(
@@ -96,14 +86,14 @@ def add_layernorm_cpu(
 
 def bias_gelu_cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Same contract as `bias_gelu_torch`: gelu_tanh(x + bias) for x [..., inner], bias [inner]."""
-    _check_float32("bias_gelu_cpu", x, bias)
+    check_float32("bias_gelu_cpu", x, bias)
     inner = x.shape[-1]
     if bias.shape != (inner,):
         raise ValueError(f"bias_gelu_cpu needs x [..., {inner}] and bias [{inner}], got x {tuple(x.shape)}, "
                          f"bias {tuple(bias.shape)}")  # fmt: skip
-    x2 = _rows(x, inner)
+    x2 = as_rows(x, inner)
     rows = x2.shape[0]
-    out = _empty_rows(x, rows, inner)
+    out = empty_rows(x, rows, inner)
     if rows and inner:
         load_bias_gelu_kernel()(
             x2.data_ptr(),

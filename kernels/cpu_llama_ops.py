@@ -18,34 +18,20 @@ import functools
 
 import torch
 
-from orca_kernels import native
+from orca_kernels.native import I64 as _I64
+from orca_kernels.native import PTR as _P
+from orca_kernels.native import TORCH_FLOAT_LANES, check_float32, declare
 from orca_kernels.rotary import check_rotary_args
+from orca_kernels.rows import as_rows, empty_rows
 from orca_kernels.silu import gate_up_split
 
 LIBRARY = "llama_ops"
-
-# Pointers travel as plain integers (tensor.data_ptr()): ctypes.cast per argument would cost more
-# than some of these ops.
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-# Vectorized<float>::size() in torch's CPU kernels: the RMSNorm kernel adds the squares in torch's
-# order and SiLU splits its rows as torch does, both of which depend on it, so that their results
-# equal the references' bit for bit.
-TORCH_FLOAT_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
-def _declare(name: str, argtypes: list, restype: type | None) -> ctypes._CFuncPtr:
-    fn = getattr(native.load(LIBRARY), name)
-    fn.argtypes = argtypes
-    fn.restype = restype
-    return fn
 
 
 @functools.cache
 def load_add_rmsnorm_kernel() -> ctypes._CFuncPtr:
     # x, x_stride, residual, res_stride, weight, out, summed, rows, hidden, eps, lanes, num_threads
-    return _declare("orca_add_rmsnorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I64,
+    return declare(LIBRARY, "orca_add_rmsnorm_f32", [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, ctypes.c_float, _I64,
                                              ctypes.c_int], None)  # fmt: skip
 
 
@@ -53,14 +39,14 @@ def load_add_rmsnorm_kernel() -> ctypes._CFuncPtr:
 def load_rotary_kernel() -> ctypes._CFuncPtr:
     # q, q_tok_stride, q_head_stride, k, k_tok_stride, k_head_stride, positions, cos_sin, cs_stride,
     # max_positions, q_out, k_out, tokens, q_heads, k_heads, head_dim, num_threads
-    return _declare("orca_rotary_f32", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64,
+    return declare(LIBRARY, "orca_rotary_f32", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64,
                                         _I64, _I64, ctypes.c_int], _I64)  # fmt: skip
 
 
 @functools.cache
 def load_silu_and_mul_kernel() -> ctypes._CFuncPtr:
     # x, x_stride, out, rows, inner, lanes, num_threads
-    return _declare("orca_silu_and_mul_f32", [_P, _I64, _P, _I64, _I64, _I64, ctypes.c_int], None)
+    return declare(LIBRARY, "orca_silu_and_mul_f32", [_P, _I64, _P, _I64, _I64, _I64, ctypes.c_int], None)
 
 
 def load_llama_kernels() -> None:
@@ -71,28 +57,8 @@ def load_llama_kernels() -> None:
     load_silu_and_mul_kernel()
 
 
-def _check_float32(name: str, *tensors: torch.Tensor | None) -> None:
-    for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
-            raise ValueError(f"{name} takes float32 CPU tensors only, got {t.dtype} on {t.device}")
-
-
 # The wrappers below are written for speed at one token, where each of them costs about as much as
-# the ctypes call itself: torch.empty(rows, width) takes ints (a torch.Size costs 2 us more to
-# parse) and a 2-D input with unit column stride is used as it is, without a reshape.
-
-
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., width] -> [rows, width] with unit column stride: a view whenever possible."""
-    if t.dim() != 2:
-        t = t.reshape(-1, width)
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
-def _empty_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """A new float32 [rows, width] tensor, viewed as `like`'s leading shape with `width` last."""
-    out = torch.empty(rows, width, dtype=torch.float32)
-    return out if like.dim() == 2 else out.view(*like.shape[:-1], width)
+# the ctypes call itself (see rows.py).
 
 
 def add_rmsnorm_cpu(
@@ -101,19 +67,19 @@ def add_rmsnorm_cpu(
     """Same contract as `add_rmsnorm_torch`: (RMSNorm(x + residual), x + residual), the sum being x
     itself when residual is None. Any leading shape ([T, hidden], or [T * heads, head_dim] for
     Qwen3's per-head norm); x and residual may be strided."""
-    _check_float32("add_rmsnorm_cpu", x, residual, weight)
+    check_float32("add_rmsnorm_cpu", x, residual, weight)
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
         shape = None if residual is None else tuple(residual.shape)
         raise ValueError(f"add_rmsnorm_cpu needs x [..., {hidden}], residual of x's shape or None and weight "
                          f"[{hidden}], got x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)}")  # fmt: skip
-    x2 = _rows(x, hidden)
+    x2 = as_rows(x, hidden)
     rows = x2.shape[0]
-    out = _empty_rows(x, rows, hidden)
+    out = empty_rows(x, rows, hidden)
     if residual is None:
         summed, res2, res_ptr, res_stride = x, None, None, 0
     else:
-        summed, res2 = _empty_rows(x, rows, hidden), _rows(residual, hidden)
+        summed, res2 = empty_rows(x, rows, hidden), as_rows(residual, hidden)
         res_ptr, res_stride = res2.data_ptr(), res2.stride(0)
     if rows:
         load_add_rmsnorm_kernel()(
@@ -131,7 +97,7 @@ def rotary_cpu(
 
     A position outside [0, P) raises IndexError (the reference's indexing raises too, except that
     it would also wrap negative positions, which no caller produces)."""
-    _check_float32("rotary_cpu", q, k, cos_sin)
+    check_float32("rotary_cpu", q, k, cos_sin)
     head_dim = check_rotary_args(q, k, positions, cos_sin)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -160,11 +126,11 @@ def rotary_cpu(
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """Same contract as `silu_and_mul_torch`: x [..., 2 * inner] (gate, then up) -> silu(gate) * up
     [..., inner]."""
-    _check_float32("silu_and_mul_cpu", x)
+    check_float32("silu_and_mul_cpu", x)
     inner = gate_up_split(x.shape[-1])
-    x2 = _rows(x, 2 * inner)
+    x2 = as_rows(x, 2 * inner)
     rows = x2.shape[0]
-    out = _empty_rows(x, rows, inner)
+    out = empty_rows(x, rows, inner)
     if rows and inner:
         load_silu_and_mul_kernel()(
             x2.data_ptr(),

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .rows import as_rows
+
 # A row up to this wide stays in registers (one read, exact two-pass variance); wider rows loop.
 MAX_BLOCK = 8192
 
@@ -94,11 +96,6 @@ def _add_layernorm_kernel(
 INTERPRETED: bool = not isinstance(_add_layernorm_kernel, JITFunction)
 
 
-def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """[..., hidden] -> [rows, hidden] with unit column stride (a view whenever possible)."""
-    t = t.reshape(-1, hidden)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
 
 def add_layernorm_triton(
     x: torch.Tensor,
@@ -111,12 +108,12 @@ def add_layernorm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``add_layernorm_torch``; ``max_block`` only exists so tests reach the wide-row path."""
     hidden = x.shape[-1]
-    x2 = _rows(x, hidden)
+    x2 = as_rows(x, hidden)
     if residual is None:
         res2, new_res = x2, x  # the reference returns x itself as the new residual
         new_res2 = x2  # never written: HAS_RESIDUAL=False skips the store
     else:
-        res2 = _rows(residual, hidden)
+        res2 = as_rows(residual, hidden)
         new_res = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
         new_res2 = new_res.view(-1, hidden)
     out = torch.empty(x2.shape, dtype=new_res.dtype, device=x.device)

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .rows import as_rows
+
 # A row up to this wide stays in registers (one read); wider rows loop over it twice.
 MAX_BLOCK = 8192
 
@@ -85,11 +87,6 @@ def _add_rmsnorm_kernel(
 INTERPRETED: bool = not isinstance(_add_rmsnorm_kernel, JITFunction)
 
 
-def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """[..., hidden] -> [rows, hidden] with unit column stride (a view whenever possible)."""
-    t = t.reshape(-1, hidden)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
 
 def add_rmsnorm_triton(
     x: torch.Tensor,
@@ -104,12 +101,12 @@ def add_rmsnorm_triton(
     Any leading shape works ([T, hidden], or [T, heads, head_dim] for Qwen3's per-head q/k norm).
     """
     hidden = x.shape[-1]
-    x2 = _rows(x, hidden)
+    x2 = as_rows(x, hidden)
     if residual is None:
         res2, new_res = x2, x  # the reference returns x itself as the summed residual
         new_res2 = x2  # never written (HAS_RESIDUAL=False); its dtype is the rounding target
     else:
-        res2 = _rows(residual, hidden)
+        res2 = as_rows(residual, hidden)
         new_res = torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
         new_res2 = new_res.view(-1, hidden)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, new_res), device=x.device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
 
-from orca_kernels import dispatch, get_ops, native
+from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
 from orca_kernels.attention import attention_torch
 from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel
 
@@ -226,3 +226,65 @@ def test_compile_errors_are_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     with pytest.raises(native.NativeBuildError, match="building broken.c"):
         native.load("broken")
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
+
+
+# The element-wise libraries, in the order dispatch loads them after the decode-attention kernel:
+# what the warning calls each, its source, the loader dispatch calls and the kernels it declares.
+ELEMENTWISE_LIBRARIES = {
+    "llama": (cpu_llama_ops, "Llama element-wise", "llama_ops.c", "load_llama_kernels",
+              ("load_add_rmsnorm_kernel", "load_rotary_kernel", "load_silu_and_mul_kernel")),
+    "gpt2": (cpu_gpt2_ops, "GPT-2 element-wise", "gpt2_ops.c", "load_gpt2_kernels",
+             ("load_add_layernorm_kernel", "load_bias_gelu_kernel")),
+}  # fmt: skip
+
+
+@pytest.fixture(params=list(ELEMENTWISE_LIBRARIES))
+def library_that_fails(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """Every kernel dispatch loads before this library builds; this one does not (a compile error, say)."""
+    load_decode_kernel()
+    for name, (module, label, source, load_all, _) in ELEMENTWISE_LIBRARIES.items():
+        if name != request.param:
+            getattr(module, load_all)()
+            continue
+
+        def fail(source: str = source) -> None:
+            raise native.NativeBuildError(f"building {source} with cc failed: boom")
+
+        monkeypatch.setattr(module, load_all, fail)
+        return label, source
+    raise AssertionError(request.param)
+
+
+def test_forced_cpu_without_an_elementwise_library_is_an_error(library_that_fails: tuple[str, str]) -> None:
+    _, source = library_that_fails
+    with pytest.raises(RuntimeError, match=f"ORCA_KERNELS=cpu: building {source}"):
+        get_ops("cpu", "cpu")
+
+
+def test_auto_without_an_elementwise_library_logs_once_and_uses_the_references(
+    library_that_fails: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    label, source = library_that_fails
+    with caplog.at_level(logging.WARNING, logger="orca.kernels"):
+        assert get_ops("cpu", "auto") is dispatch.TORCH_OPS
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert f"{label} kernel is unavailable (building {source} with cc failed: boom)" in caplog.text
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE_LIBRARIES))
+def test_without_a_compiler_the_elementwise_kernels_fail_to_load(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    module, _, _, load_all, kernel_loaders = ELEMENTWISE_LIBRARIES[name]
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    loaders = (native.load, *(getattr(module, n) for n in kernel_loaders))
+    for loader in loaders:
+        loader.cache_clear()
+    try:
+        with pytest.raises(OSError, match="no-such-cc"):
+            getattr(module, load_all)()
+    finally:
+        for loader in loaders:
+            loader.cache_clear()

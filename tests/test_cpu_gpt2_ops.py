@@ -3,13 +3,10 @@ torch references, and how dispatch wires them into CPU_OPS."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
-from orca_kernels.cpu_attention import load_decode_kernel
+from orca_kernels import cpu_gpt2_ops, dispatch, get_ops
 from orca_kernels.cpu_gpt2_ops import add_layernorm_cpu, bias_gelu_cpu
 from orca_kernels.gelu import bias_gelu_torch
 from orca_kernels.layernorm import add_layernorm_torch
@@ -177,46 +174,3 @@ def test_cpu_ops_keep_the_references_for_half_precision() -> None:
         )
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
         assert torch.equal(ops.bias_gelu(x, bias), bias_gelu_torch(x, bias))
-
-
-@pytest.fixture
-def no_gpt2_kernel(monkeypatch: pytest.MonkeyPatch):
-    """The decode-attention and Llama kernels build, the GPT-2 one does not (a compile error, say)."""
-
-    def fail() -> None:
-        raise native.NativeBuildError("building gpt2_ops.c with cc failed: boom")
-
-    load_decode_kernel()
-    cpu_llama_ops.load_llama_kernels()
-    monkeypatch.setattr(cpu_gpt2_ops, "load_gpt2_kernels", fail)
-
-
-def test_forced_cpu_without_the_gpt2_kernel_is_an_error(no_gpt2_kernel: None) -> None:
-    with pytest.raises(RuntimeError, match="ORCA_KERNELS=cpu: building gpt2_ops.c"):
-        get_ops("cpu", "cpu")
-
-
-def test_auto_without_the_gpt2_kernel_logs_and_uses_the_references(
-    no_gpt2_kernel: None, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="orca.kernels"):
-        assert get_ops("cpu", "auto") is dispatch.TORCH_OPS
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert (
-        "GPT-2 element-wise kernel is unavailable (building gpt2_ops.c with cc failed: boom)" in caplog.text
-    )
-
-
-def test_without_a_compiler_the_gpt2_kernels_fail_to_load(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
-    loaders = (native.load, cpu_gpt2_ops.load_add_layernorm_kernel, cpu_gpt2_ops.load_bias_gelu_kernel)
-    for loader in loaders:
-        loader.cache_clear()
-    try:
-        with pytest.raises(OSError, match="no-such-cc"):
-            cpu_gpt2_ops.load_gpt2_kernels()
-    finally:
-        for loader in loaders:
-            loader.cache_clear()

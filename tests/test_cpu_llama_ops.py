@@ -3,15 +3,13 @@ against their torch references, and how dispatch wires them into CPU_OPS."""
 
 from __future__ import annotations
 
-import logging
 import platform
 
 import pytest
 import torch
 
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
-from orca_kernels import cpu_llama_ops, dispatch, get_ops, native
-from orca_kernels.cpu_attention import load_decode_kernel
+from orca_kernels import cpu_llama_ops, dispatch, get_ops
 from orca_kernels.cpu_llama_ops import add_rmsnorm_cpu, rotary_cpu, silu_and_mul_cpu
 from orca_kernels.rmsnorm import add_rmsnorm_torch
 from orca_kernels.rotary import rotary_torch
@@ -220,46 +218,3 @@ def test_cpu_ops_keep_the_references_for_half_precision() -> None:
             rotary_torch(q, k, torch.tensor([0, 1, 2]), _table(64)),
         )
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-
-
-@pytest.fixture
-def no_llama_kernel(monkeypatch: pytest.MonkeyPatch):
-    """The decode-attention kernel builds, the Llama one does not (a compile error, say)."""
-
-    def fail() -> None:
-        raise native.NativeBuildError("building llama_ops.c with cc failed: boom")
-
-    load_decode_kernel()
-    monkeypatch.setattr(cpu_llama_ops, "load_llama_kernels", fail)
-
-
-def test_forced_cpu_without_the_llama_kernel_is_an_error(no_llama_kernel: None) -> None:
-    with pytest.raises(RuntimeError, match="ORCA_KERNELS=cpu: building llama_ops.c"):
-        get_ops("cpu", "cpu")
-
-
-def test_auto_without_the_llama_kernel_logs_and_uses_the_references(
-    no_llama_kernel: None, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="orca.kernels"):
-        assert get_ops("cpu", "auto") is dispatch.TORCH_OPS
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert (
-        "Llama element-wise kernel is unavailable (building llama_ops.c with cc failed: boom)" in caplog.text
-    )
-
-
-def test_without_a_compiler_the_llama_kernels_fail_to_load(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
-    loaders = (native.load, cpu_llama_ops.load_add_rmsnorm_kernel, cpu_llama_ops.load_rotary_kernel,
-               cpu_llama_ops.load_silu_and_mul_kernel)  # fmt: skip
-    for loader in loaders:
-        loader.cache_clear()
-    try:
-        with pytest.raises(OSError, match="no-such-cc"):
-            cpu_llama_ops.load_llama_kernels()
-    finally:
-        for loader in loaders:
-            loader.cache_clear()

@@ -136,31 +136,7 @@ void orca_add_layernorm_f32(const float *x, int64_t x_stride, const float *resid
     }
 }
 
-/* 2**q for q in [-126, 127], by building the exponent field. */
-static inline float pow2i(int32_t q) {
-    const int32_t bits = (q + 0x7f) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* exp(d) as SLEEF's expf_u10 (1 ulp), as in llama_ops.c: a plain loop of it vectorises. */
-static inline float expf_sleef_u10(float d) {
-    const float q = rintf(d * 1.442695040888963407359924681001892137f);
-    float s = fmaf(q, -0.693145751953125f, d);
-    s = fmaf(q, -1.428606765330187045e-06f, s);
-    float u = 0.000198527617612853646278381f;
-    u = fmaf(u, s, 0.00139304355252534151077271f);
-    u = fmaf(u, s, 0.00833336077630519866943359f);
-    u = fmaf(u, s, 0.0416664853692054748535156f);
-    u = fmaf(u, s, 0.166666671633720397949219f);
-    u = fmaf(u, s, 0.5f);
-    u = fmaf(u, s * s, s) + 1.0f;
-    const int32_t qi = (int32_t)q;
-    u = u * pow2i(qi >> 1) * pow2i(qi - (qi >> 1));
-    u = d < -104.0f ? 0.0f : u;
-    return d > 104.0f ? INFINITY : u;
-}
+#include "expf_sleef.h" /* SLEEF's expf_u10 (1 ulp), as torch's SiLU and llama_ops.c use */
 
 /* tanh(u) within a few ulp, vectorisable: for |u| < 0.5 its Taylor series to u**19 (truncation
  * below 1e-10 relative), beyond 1 - 2 / (exp(2|u|) + 1) with u's sign (which saturates to +-1

@@ -145,34 +145,7 @@ int64_t orca_rotary_f32(const float *q, int64_t q_tok_stride, int64_t q_head_str
     return -1;
 }
 
-/* 2**q for q in [-126, 127], by building the exponent field. */
-static inline float pow2i(int32_t q) {
-    const int32_t bits = (q + 0x7f) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* exp(d) computed as torch's vectorised CPU kernels compute it, SLEEF's expf_u10 (1 ulp) with
- * fused multiply-adds, so that SiLU below rounds like F.silu; a plain loop of it also vectorises,
- * where calls to libm's expf would not. The final scaling by 2**q is split in two so that
- * results near the limits neither overflow nor flush early. */
-static inline float expf_sleef_u10(float d) {
-    const float q = rintf(d * 1.442695040888963407359924681001892137f);
-    float s = fmaf(q, -0.693145751953125f, d); /* d - q ln 2 in two parts, ln 2's high bits exact */
-    s = fmaf(q, -1.428606765330187045e-06f, s);
-    float u = 0.000198527617612853646278381f;
-    u = fmaf(u, s, 0.00139304355252534151077271f);
-    u = fmaf(u, s, 0.00833336077630519866943359f);
-    u = fmaf(u, s, 0.0416664853692054748535156f);
-    u = fmaf(u, s, 0.166666671633720397949219f);
-    u = fmaf(u, s, 0.5f);
-    u = fmaf(u, s * s, s) + 1.0f;
-    const int32_t qi = (int32_t)q;
-    u = u * pow2i(qi >> 1) * pow2i(qi - (qi >> 1));
-    u = d < -104.0f ? 0.0f : u;
-    return d > 104.0f ? INFINITY : u;
-}
+#include "expf_sleef.h"
 
 /* out[r] = silu(gate) * up for x[r] = [gate, up] (2 * inner floats at x_stride, unit column
  * stride) into contiguous out [rows, inner]. silu(g) = g / (1 + exp(-g)) as torch writes it,

@@ -34,7 +34,6 @@ CHOICES = ("auto", "native", "onednn", "torch")
 NATIVE_MAX_TOKENS = 32
 ONEDNN_MAX_TOKENS = 512
 
-_P = ctypes.c_void_p  # pointers travel as plain integers (tensor.data_ptr()): a ctypes.cast costs ~2 us
 
 
 @functools.cache
@@ -63,12 +62,9 @@ def cpu_gemm_choice() -> str:
 
 @functools.cache
 def _native_kernel() -> ctypes._CFuncPtr:
-    fn = native.load("decode_gemm").orca_decode_linear_f32
-    i64 = ctypes.c_int64
+    p, i64 = native.PTR, native.I64
     # x, x_stride, M, W, N, K, bias, y, num_threads
-    fn.argtypes = [_P, i64, i64, _P, i64, i64, _P, _P, ctypes.c_int]
-    fn.restype = None
-    return fn
+    return native.declare("decode_gemm", "orca_decode_linear_f32", [p, i64, i64, p, i64, i64, p, p, ctypes.c_int], None)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
