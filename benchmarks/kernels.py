@@ -131,7 +131,6 @@ def make_batch(args: argparse.Namespace, device: torch.device):
         max_context_len=max(context_lens),
         query_start_host=query_start,
         context_lens_host=context_lens,
-        block_tables_host=tables,
     )
     return requests, meta, sum(counts) * size
 

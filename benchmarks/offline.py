@@ -12,8 +12,8 @@ Suites:
   modes       iteration-level (ORCA) vs request-level scheduling with max batch 16 < 64 requests,
               so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
   roofline    batch-1 decode step vs the memory roofline: weight bytes / read bandwidth measured now.
-  overhead    engine time per iteration that is not the model forward, at 64 and 256 running
-              requests on a tiny model.
+  overhead    engine time per iteration that is not the model forward, on a tiny model: 64 and 256
+              requests decoding in lockstep, and ~256 churning (requests ending and joining).
   gemm        the three CPU GEMMs of orca_backend/model/gemm.py (the C decode kernel, oneDNN, MKL)
               over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
               measurements behind its thresholds (docs/cpu-gemm.md).
@@ -186,9 +186,15 @@ def suite_gemm(args, model: str) -> dict:
 
 
 def suite_overhead(args) -> dict:
+    """Engine time per iteration that is not the model forward, on a tiny model (so the forward is
+    small beside it). "64" and "256": that many requests decoding in lockstep (all the same length,
+    so the set of requests never changes). "256-churn": about 256 running with outputs of 20-170
+    tokens and more queued, so requests end and newcomers' prompts join the decodes nearly every
+    iteration, as under load."""
     result = {}
-    for running in (64, 256):
-        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=running, kv_capacity_tokens=running * 100))
+    for label, running, churn in (("64", 64, False), ("256", 256, False), ("256-churn", 256, True)):
+        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=running,
+                                        kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
         model = engine.core.executor.runner.model
         forward_s = 0.0
         inner = model.forward
@@ -201,16 +207,19 @@ def suite_overhead(args) -> dict:
             return out
 
         model.forward = timed_forward
-        for i in range(running):
-            engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
-        for _ in range(3):
+        for i in range(3 * running if churn else running):
+            max_tokens = 20 + (i * 37) % 150 if churn else 90
+            engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                               on_output=lambda o: None)  # fmt: skip
+        for _ in range(60 if churn else 3):  # churn: past the first wave's ends, into the steady state
             engine.step()
         forward_s, steps = 0.0, 40
         total = sum(_timeit(engine.step) for _ in range(steps))
         overhead = (total - forward_s) / steps
-        result[str(running)] = {"step_ms": total / steps * 1e3, "forward_ms": forward_s / steps * 1e3, "overhead_ms": overhead * 1e3}
-        print(f"{running} running: {total / steps * 1e3:.2f} ms per iteration, of which the forward "
-              f"{forward_s / steps * 1e3:.2f} ms -> engine overhead {overhead * 1e3:.2f} ms")  # fmt: skip
+        result[label] = {"step_ms": total / steps * 1e3, "forward_ms": forward_s / steps * 1e3,
+                         "overhead_ms": overhead * 1e3, "running": len(engine.core.scheduler.running)}  # fmt: skip
+        print(f"{label} ({len(engine.core.scheduler.running)} running): {total / steps * 1e3:.2f} ms per iteration, "
+              f"of which the forward {forward_s / steps * 1e3:.2f} ms -> engine overhead {overhead * 1e3:.2f} ms")  # fmt: skip
     return result
 
 

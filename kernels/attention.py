@@ -42,7 +42,6 @@ class AttentionMetadata:
     # Host copies, so the per-request torch loop does not sync a device tensor in every layer.
     query_start_host: list[int]
     context_lens_host: list[int]
-    block_tables_host: list[list[int]]  # ragged: request i's blocks (at least ceil(context_len / block_size))
 
     @property
     def num_requests(self) -> int:

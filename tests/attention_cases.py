@@ -58,7 +58,6 @@ def make_meta(
         max_context_len=max(context_lens),
         query_start_host=query_start,
         context_lens_host=context_lens,
-        block_tables_host=tables,
     )
 
 
@@ -78,7 +77,7 @@ def dense_attention(
     kv_head = torch.arange(q_heads) // (q_heads // kv_heads)
     out = torch.empty(q.shape, dtype=torch.float64)
     size, qs = meta.block_size, meta.query_start_host
-    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables_host, strict=True)):
+    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables.tolist(), strict=True)):
         slots = [table[j // size] * size + j % size for j in range(ctx)]
         k, v = k_cache[slots][:, kv_head], v_cache[slots][:, kv_head]  # [ctx, q_heads, head_dim]
         n = qs[i + 1] - qs[i]

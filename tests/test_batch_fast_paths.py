@@ -4,8 +4,6 @@ and the sampler's CPU argmax is torch's."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -36,8 +34,53 @@ def test_a_decode_only_batch_flattens_as_the_general_path_does(policy):
         fast = core.batch_builder.build(batch, 1, ["gone"])
         general = BatchBuilder(core.kv.block_size, None).build(ScheduledBatch(batch.requests, batch.num_new_tokens), 1,
                                                                ["gone"])  # fmt: skip
-        assert dataclasses.asdict(fast) == dataclasses.asdict(general)
+        assert fast == general
         core.scheduler.update_from_output(batch, [1] * len(batch.requests))
+
+
+@pytest.mark.parametrize("policy,prefix_caching", [("paged", False), ("paged", True), ("reserve", False)])
+def test_the_kept_block_tables_follow_joins_ends_growth_and_preemption(policy, prefix_caching):
+    """Every batch with decodes of a churning run (requests joining and ending at every few steps,
+    tables growing a block at a time, a pool small enough to preempt, shared prefix blocks) is built
+    from the kept table rows (its decodes; newcomers' prompts joined after them) exactly as the
+    general path builds it from the request lists."""
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=8, kv_capacity_tokens=96, block_size=4,
+                                    kv_policy=policy, enable_prefix_caching=prefix_caching))  # fmt: skip
+    core = engine.core
+    kept_build = core.batch_builder.build
+    request_sets = []
+    mixed = 0
+
+    def build_and_compare(batch: ScheduledBatch, batch_id: int, released: list[str]):
+        nonlocal mixed
+        meta = kept_build(batch, batch_id, released)
+        if batch.num_decodes:
+            general = BatchBuilder(core.kv.block_size, None).build(
+                ScheduledBatch(batch.requests, batch.num_new_tokens), batch_id, released
+            )
+            assert meta == general, f"batch {batch_id}"
+            request_sets.append(frozenset(r.request_id for r in batch.requests))
+            mixed += not batch.decode_only
+        return meta
+
+    core.batch_builder.build = build_and_compare
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]  # two full blocks every prompt starts with
+    added = 0
+    for step in range(400):
+        if step % 3 == 0 and added < 24:
+            prompt = shared + [added + 20] * (1 + added % 5)
+            engine.add_request(prompt, SamplingParams(max_tokens=4 + (7 * added) % 29, ignore_eos=True),
+                               on_output=lambda o: None)  # fmt: skip
+            added += 1
+        if not engine.has_work() and added == 24:
+            break
+        engine.step()
+    assert added == 24 and not engine.has_work()
+    assert len(set(request_sets)) > 20  # the set of decoding requests changed again and again
+    assert mixed > 5  # decodes beside newcomers' prompts
+    if policy == "paged":
+        assert core.scheduler.num_preemptions > 0
+    assert len(core.batch_builder._table_rows._copied_from) < 24  # rows of ended requests were reused
 
 
 def test_the_kept_sampling_columns_follow_the_requests_of_each_batch():

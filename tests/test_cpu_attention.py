@@ -39,7 +39,7 @@ def test_reference_matches_dense_attention(batch: str, q_heads: int, kv_heads: i
 
 def test_context_slots_follow_the_table_and_are_cached() -> None:
     meta = make_meta("cpu", BATCHES["mixed"], block_size=5)
-    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables_host, strict=True)):
+    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables.tolist(), strict=True)):
         slots = meta.context_slots(i)
         assert slots.dtype == torch.int64
         assert slots.tolist() == [table[j // 5] * 5 + j % 5 for j in range(ctx)]

@@ -100,15 +100,15 @@ def test_last_token_logits_match_transformers(checkpoints, case_id):
     """Prefill and decode logits of a flattened batch, against transformers' full forward."""
     path, hf = checkpoints[case_id]
     llm = LLM(path, max_num_seqs=8, kv_capacity_tokens=1024)
-    runner = llm.engine.core.executor.runner
+    sampler = llm.engine.core.executor.runner.sampler
     captured: list[torch.Tensor] = []
-    sample = runner.sample
+    sample = sampler.sample
 
     def capture(logits: torch.Tensor, batch_meta) -> list[int]:
         captured.append(logits.clone())
         return sample(logits, batch_meta)
 
-    runner.sample = capture
+    sampler.sample = capture
     ps = prompts(320, seed=2)
     outs = llm.generate(ps, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # The first iteration prefilled all five; the third decoded each one's second new token.

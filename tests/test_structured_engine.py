@@ -321,7 +321,7 @@ def test_a_compiled_request_takes_its_place_in_the_queue_by_arrival():
     assert scheduler.schedule().requests[0].request_id == "first"  # the compiling request holds nobody up
     assert scheduler.num_compiling == 1 and [r.request_id for r in scheduler.waiting] == ["second"]
     compiles.done.append(("constrained", None, None))
-    assert scheduler.take_compiled() == []
+    assert not scheduler.take_compiled()
     assert [r.request_id for r in scheduler.waiting] == ["constrained", "second"]  # by arrival
 
 

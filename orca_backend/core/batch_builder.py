@@ -4,18 +4,25 @@ This runs every iteration for every request, so it stays lean. A request's sampl
 change, so the columns they make (ids, temperature, top_k, top_p, seeds, which rows have extras, a
 grammar or a min_tokens ban) are kept from one iteration to the next while the batch holds the same
 requests (vLLM v1's persistent input batch, in spirit): the steady state only rebuilds what moves,
-the positions, the new tokens and their K/V slots.
+the positions, the new tokens and their K/V slots. Block tables live as rows of one array from a
+request's first batch to its release, so a batch of decodes (the steady state) is gathered from them
+by array indexing, whatever requests joined or left since the last one.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch
 from orca_backend.core.stop import banned_token_ids
 from orca_backend.core.structured_output import StructuredOutputManager
-from orca_backend.worker.batch_meta import BatchMeta, LogitsSetup, RowExtras
+from orca_backend.worker.batch_meta import BatchMeta, LogitsSetup, RowExtras, pad_block_tables
 
 _NO_BAN: list[int] = []  # shared by every row without a ban: nothing reads a row to change it
 
@@ -34,31 +41,40 @@ class _Columns:
     extras_rows: list[int]  # penalties, logit_bias or logprobs
     structured_rows: list[int]
     min_tokens_rows: list[int]  # may ban EOS and stop ids while short of min_tokens
+    # Each request's row of the kept block tables (_TableRows), set by its first decode-only batch.
+    table_rows: list[int] | None = None
+    table_row_index: np.ndarray | None = None  # the same, as an index array
 
 
-def _sampling_row(request: Request) -> tuple[float, int, float, int]:
-    row = request.sampling_row
-    if row is None:
-        p = request.params
-        row = request.sampling_row = (p.temperature if p.top_p else 0.0, p.top_k if p.top_k > 0 else 0, p.top_p,
-                                      request.sampling_seed)  # top_p 0 is greedy  # fmt: skip
-    return row
+def _batch_columns(request: Request) -> tuple[str, float, int, float, int, bool, bool, bool]:
+    p = request.params
+    columns = request.batch_columns = (
+        request.request_id, p.temperature if p.top_p else 0.0, p.top_k if p.top_k > 0 else 0, p.top_p,  # top_p 0 is greedy
+        request.sampling_seed, request.sampler_extras, request.structured, p.min_tokens > 0,
+    )  # fmt: skip
+    return columns
 
 
 def _columns(requests: list[Request]) -> _Columns:
-    temperature, top_k, top_p, seeds = (list(c) for c in zip(*map(_sampling_row, requests), strict=True)) \
-        if requests else ([], [], [], [])  # fmt: skip
+    """Under load the set of requests changes nearly every iteration (some end, others join), so this
+    runs often: each request's columns are one kept tuple, and one zip turns them into columns."""
+    rows = list(map(_kept_batch_columns, requests))
+    if None in rows:  # a request's first batch
+        rows = [_batch_columns(r) if row is None else row for r, row in zip(requests, rows, strict=True)]
+    if not rows:
+        return _Columns([], [], [], [], [], [], [], [], [])
+    request_ids, temperature, top_k, top_p, seeds, extras, structured, min_tokens = map(list, zip(*rows, strict=True))
+    every_row = range(len(requests))
     return _Columns(
-        list(requests), [r.request_id for r in requests], temperature, top_k, top_p, seeds,  # type: ignore[arg-type]
-        [i for i, r in enumerate(requests) if r.sampler_extras],
-        [i for i, r in enumerate(requests) if r.structured],
-        [i for i, r in enumerate(requests) if r.params.min_tokens],
+        list(requests), request_ids, temperature, top_k, top_p, seeds, list(itertools.compress(every_row, extras)),
+        list(itertools.compress(every_row, structured)), list(itertools.compress(every_row, min_tokens)),
     )  # fmt: skip
 
 
 class BatchBuilder:
     """Builds each iteration's BatchMeta, keeping the static columns of the last few request sets
-    (one per batch in flight, with pipeline parallelism)."""
+    (one per batch in flight, with pipeline parallelism) and every request's block table as a row of
+    one array until the request is released."""
 
     CACHED_SETS = 4
 
@@ -67,6 +83,7 @@ class BatchBuilder:
         self.eos_token_id = eos_token_id
         self.structured = structured
         self._cache: list[_Columns] = []  # most recently used first
+        self._table_rows = _TableRows()
 
     def _columns_of(self, requests: list[Request]) -> _Columns:
         for i, columns in enumerate(self._cache):
@@ -82,10 +99,8 @@ class BatchBuilder:
     def build(self, batch: ScheduledBatch, batch_id: int, released_ids: list[str]) -> BatchMeta:
         requests = batch.requests
         columns = self._columns_of(requests)
-        if batch.decode_only:
-            meta = self._flatten_decodes(requests, batch_id)
-        else:
-            meta = self._flatten(batch, batch_id)
+        self._table_rows.release(released_ids)
+        meta = self._flatten(batch, columns, batch_id)
         meta.request_ids = list(columns.request_ids)
         meta.temperature = list(columns.temperature)
         meta.top_k = list(columns.top_k)
@@ -105,28 +120,53 @@ class BatchBuilder:
             meta.bitmask = self.structured.fill_bitmask([requests[row].request_id for row in bitmask_rows])
         return meta
 
-    def _flatten_decodes(self, requests: list[Request], batch_id: int) -> BatchMeta:
-        """Every request computes its last token, position `num_computed`, and samples: one new token
-        each, read off per-request lists by comprehensions (no per-request branches)."""
-        size = self.block_size
-        positions = [r.num_computed for r in requests]
-        tables = [r.block_table for r in requests]
-        num_blocks = [p // size + 1 for p in positions]  # blocks the context fills, the new token's last
-        return _meta(
-            batch_id,
-            input_ids=[(r.output_ids or r.prompt_ids)[-1] for r in requests],
+    def _flatten(self, batch: ScheduledBatch, columns: _Columns, batch_id: int) -> BatchMeta:
+        """The batch's leading decodes from the kept table rows, the rest (prompts, chunks) request by
+        request, joined when a batch has both (under load: the decodes, then this iteration's newcomers)."""
+        requests, num_decodes = batch.requests, batch.num_decodes
+        if not num_decodes:
+            return _meta(batch_id, *self._flatten_each(requests, batch.num_new_tokens))
+        if columns.table_rows is None:
+            columns.table_rows = self._table_rows.assign(requests)
+            columns.table_row_index = np.array(columns.table_rows, dtype=np.intp)
+        rows, row_index = columns.table_rows, columns.table_row_index
+        assert row_index is not None
+        if num_decodes == len(requests):  # the steady state
+            self._table_rows.refresh(requests, rows)
+            return _meta(batch_id, *self._flatten_decodes(requests, row_index))
+        # Both parts' tables hold each request's first W blocks, W the wider part's width.
+        self._table_rows.refresh(requests[:num_decodes], rows[:num_decodes])
+        decodes = self._flatten_decodes(requests[:num_decodes], row_index[:num_decodes])
+        width = decodes.block_tables.shape[1]
+        rest = self._flatten_each(requests[num_decodes:], batch.num_new_tokens[num_decodes:], min_width=width)
+        if rest.block_tables.shape[1] > width:
+            decodes = decodes._replace(block_tables=self._table_rows.array[row_index[:num_decodes], : rest.block_tables.shape[1]])
+        return _meta(batch_id, *_join(decodes, rest))
+
+    def _flatten_decodes(self, requests: list[Request], rows: np.ndarray) -> _Flat:
+        """Every request computes its last token, at position `num_computed`, and samples: one new
+        token each. The tables come from the kept rows (`rows`, up to date), the rest by whole-array
+        operations."""
+        size, count = self.block_size, len(requests)
+        positions = np.fromiter(map(_num_computed, requests), dtype=np.int64, count=count)
+        block_index, offset = np.divmod(positions, size)  # the new token's block (its context's last) and slot in it
+        tables = self._table_rows.array
+        slots = tables[rows, block_index].astype(np.int64)
+        slots *= size
+        slots += offset
+        return _Flat(
+            input_ids=np.fromiter([(r.output_ids or r.prompt_ids)[-1] for r in requests], dtype=np.int64, count=count),
             positions=positions,
-            slot_mapping=[t[n - 1] * size + p % size for t, n, p in zip(tables, num_blocks, positions, strict=True)],
-            query_start=list(range(len(requests) + 1)),
-            context_lens=[p + 1 for p in positions],
-            # A table that is exactly the context (paged) goes as it is: tables are replaced, never
-            # changed in place (KVCacheManager.grow). A reserved one is cut to the context.
-            block_tables=[t if len(t) == n else t[:n] for t, n in zip(tables, num_blocks, strict=True)],
-            sample=[True] * len(requests),
+            slot_mapping=slots,
+            query_start=np.arange(count + 1, dtype=np.int32),
+            context_lens=np.add(positions, 1, dtype=np.int32, casting="unsafe"),
+            block_tables=tables[rows, : block_index.max() + 1],  # a copy: the kept rows change later
+            sample=[True] * count,
         )
 
-    def _flatten(self, batch: ScheduledBatch, batch_id: int) -> BatchMeta:
-        """Any batch: prompts or chunks of them beside decodes."""
+    def _flatten_each(self, requests: list[Request], num_new_tokens: list[int], min_width: int = 0) -> _Flat:
+        """Any requests, one by one: prompts or chunks of them, decodes. Their tables are at least
+        `min_width` wide."""
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -135,7 +175,7 @@ class BatchBuilder:
         context_lens: list[int] = []
         sample: list[bool] = []
         end = 0
-        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+        for request, num_new in zip(requests, num_new_tokens, strict=True):
             first = request.num_computed  # position of the first new token
             table = request.block_table
             if num_new == 1:
@@ -151,13 +191,127 @@ class BatchBuilder:
             query_start.append(end)
             context_lens.append(first + num_new)
             sample.append(first + num_new == request.num_tokens)
-        block_tables = [r.block_table[: -(-n // size)] for r, n in zip(batch.requests, context_lens, strict=True)]
-        return _meta(batch_id, input_ids, positions, slots, query_start, context_lens, block_tables, sample)
+        return _Flat(
+            np.array(input_ids, dtype=np.int64), np.array(positions, dtype=np.int64), np.array(slots, dtype=np.int64),
+            np.array(query_start, dtype=np.int32), np.array(context_lens, dtype=np.int32),
+            pad_block_tables([r.block_table for r in requests], max(-(-max(context_lens) // size), min_width)), sample,
+        )  # fmt: skip
+
+
+class _Flat(NamedTuple):
+    """The flat token fields of some requests of a batch, in BatchMeta's order and types."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    sample: list[bool]
+
+
+def _join(first: _Flat, second: _Flat) -> _Flat:
+    """Two parts of a batch as one: the second's queries after the first's, tables padded to one width."""
+    tables = np.zeros((len(first.context_lens) + len(second.context_lens),
+                       max(first.block_tables.shape[1], second.block_tables.shape[1])), dtype=np.int32)  # fmt: skip
+    tables[: len(first.block_tables), : first.block_tables.shape[1]] = first.block_tables
+    tables[len(first.block_tables) :, : second.block_tables.shape[1]] = second.block_tables
+    return _Flat(
+        np.concatenate((first.input_ids, second.input_ids)),
+        np.concatenate((first.positions, second.positions)),
+        np.concatenate((first.slot_mapping, second.slot_mapping)),
+        np.concatenate((first.query_start, second.query_start[1:] + first.query_start[-1])),
+        np.concatenate((first.context_lens, second.context_lens)),
+        tables,
+        first.sample + second.sample,
+    )  # fmt: skip
+
+
+class _TableRows:
+    """Every request's block table as a row of one int32 array, kept across iterations (vLLM v1's
+    persistent block table): a decode-only batch gathers its tables and slots with two indexings
+    instead of reading hundreds of lists.
+
+    Row r holds exactly the list `_copied_from[r]`, zero past it. KVCacheManager replaces a table
+    whenever it changes (never editing one in place), so a request whose table is not the list its
+    row was copied from has a new one: usually the old one plus a block (decodes crossing a block
+    boundary), whose new entries all rows write in one assignment; otherwise (re-admitted after a
+    preemption) its row is rewritten whole. A released request's row is zeroed and reused."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros((0, 0), dtype=np.int32)
+        self._row_of: dict[str, int] = {}
+        # The table each row was copied from, kept alive so that `is` cannot match a new list.
+        self._copied_from: list[list[int]] = []
+        self._free: list[int] = []
+
+    def release(self, request_ids: list[str]) -> None:
+        freed = [row for row in map(self._row_of.pop, request_ids, itertools.repeat(None)) if row is not None]
+        if freed:
+            self.array[freed] = 0
+            for row in freed:
+                self._copied_from[row] = _NO_TABLE
+            self._free += freed
+
+    def assign(self, requests: list[Request]) -> list[int]:
+        """Each request's row, taking a free one for a request without."""
+        rows = list(map(self._row_of.get, map(_request_id, requests)))
+        if None in rows:
+            rows = [self._take_row(r.request_id) if row is None else row for r, row in zip(requests, rows, strict=True)]
+        return rows
+
+    def refresh(self, requests: list[Request], rows: list[int]) -> None:
+        """Brings the rows (`assign`'s) of the requests whose table changed up to date."""
+        tables = list(map(_block_table, requests))
+        copied_from = map(self._copied_from.__getitem__, rows)
+        changed = list(itertools.compress(range(len(rows)), map(operator.is_not, tables, copied_from)))
+        if not changed:
+            return
+        width = max(len(tables[i]) for i in changed)
+        if width > self.array.shape[1]:
+            self._grow(self.array.shape[0], max(2 * self.array.shape[1], width, 8))
+        at_rows: list[int] = []
+        at_columns: list[int] = []
+        values: list[int] = []
+        for i in changed:
+            row, table = rows[i], tables[i]
+            old = self._copied_from[row]
+            start = len(old)
+            if table[:start] != old:  # not an extension of the old table: rewrite the row
+                self.array[row] = 0
+                start = 0
+            at_rows += [row] * (len(table) - start)
+            at_columns += range(start, len(table))
+            values += table[start:]
+            self._copied_from[row] = table
+        self.array[at_rows, at_columns] = values
+
+    def _take_row(self, request_id: str) -> int:
+        if not self._free:
+            old = len(self._copied_from)
+            self._grow(max(2 * old, 16), self.array.shape[1])
+            self._free = list(range(len(self._copied_from) - 1, old - 1, -1))  # the lowest row first
+        row = self._row_of[request_id] = self._free.pop()
+        return row
+
+    def _grow(self, rows: int, width: int) -> None:
+        grown = np.zeros((rows, width), dtype=np.int32)
+        grown[: self.array.shape[0], : self.array.shape[1]] = self.array
+        self.array = grown
+        self._copied_from += [_NO_TABLE] * (rows - len(self._copied_from))
+
+
+_NO_TABLE: list[int] = []  # what a free row holds: no request's table is this list
+# Per-request reads done with map() at C speed.
+_num_computed = operator.attrgetter("num_computed")
+_request_id = operator.attrgetter("request_id")
+_block_table = operator.attrgetter("block_table")
+_kept_batch_columns = operator.attrgetter("batch_columns")
 
 
 def _meta(
-    batch_id: int, input_ids: list[int], positions: list[int], slot_mapping: list[int], query_start: list[int],
-    context_lens: list[int], block_tables: list[list[int]], sample: list[bool],
+    batch_id: int, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, query_start: np.ndarray,
+    context_lens: np.ndarray, block_tables: np.ndarray, sample: list[bool],
 ) -> BatchMeta:  # fmt: skip
     """A BatchMeta with its flat token fields; `BatchBuilder.build` fills the per-request columns."""
     return BatchMeta(batch_id, [], input_ids, positions, slot_mapping, query_start, context_lens, block_tables,

@@ -8,9 +8,10 @@ tp x pp > 1 this process is also the master of the worker processes.
 The frontend (engine/core_client.py) and this process talk over one duplex pipe:
 - frontend -> core: ("add", [Request, ...]), ("abort", request_id, reason), ("stop",);
 - core -> frontend: ("ready", info) or ("failed", exception) once at start-up, then one
-  ("outputs", rows, stats, dead_reason) frame per iteration that produced anything, carrying every
-  request's new tokens at once (rows are `CoreOutput` fields as plain tuples: pickling a tuple costs
-  a seventh of pickling the dataclass).
+  ("outputs", request_ids, token_ids, rows, stats, dead_reason) frame per iteration that produced
+  anything, carrying every request's new tokens at once: `CoreOutputs`' two columns as they are, and
+  its other outputs as rows of `CoreOutput` fields in plain tuples (pickling a tuple costs a seventh
+  of pickling the dataclass).
 A reader thread takes the frontend's messages into the core's inbox, so adds and aborts never wait
 for an iteration; the loop sends each frame itself. When the frontend's end of the pipe closes
 (the stub was killed), the core stops and the process exits; its workers follow their master.
@@ -29,7 +30,7 @@ from multiprocessing.connection import Connection
 
 from orca_backend.config import EngineConfig
 from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
-from orca_backend.core.request import CoreOutput, Request
+from orca_backend.core.request import CoreOutput, CoreOutputs, Request
 
 # Called with the built core before it serves, inside the core process (must be picklable): the seam
 # tests use to hold or break iterations, and where instrumentation can attach.
@@ -58,15 +59,15 @@ def abort_message(request_id: str, reason: str) -> bytes:
 STOP_MESSAGE = dumps(("stop",))
 
 
-def outputs_frame(outputs: list[CoreOutput], stats: EngineStats, dead_reason: str | None) -> bytes:
-    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs]
-    return dumps(("outputs", rows, astuple(stats), dead_reason))
+def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
+    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs.others]
+    return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, astuple(stats), dead_reason))
 
 
-def read_frame(message: tuple) -> tuple[list[CoreOutput], EngineStats, str | None]:
+def read_frame(message: tuple) -> tuple[CoreOutputs, EngineStats, str | None]:
     """(outputs, stats, dead_reason) of an "outputs" message."""
-    _, rows, stats, dead_reason = message
-    return [CoreOutput(*row) for row in rows], EngineStats(*stats), dead_reason
+    _, request_ids, token_ids, rows, stats, dead_reason = message
+    return CoreOutputs(request_ids, token_ids, [CoreOutput(*row) for row in rows]), EngineStats(*stats), dead_reason
 
 
 # ------------------------------------------------------------------------------ the process
@@ -89,7 +90,7 @@ def run_core_process(config: EngineConfig, conn: Connection, hook: CoreHook | No
     try:
         core.run_forever(lambda outputs: conn.send_bytes(outputs_frame(outputs, core.stats(), core.dead_reason)))
         if core.dead_reason is not None:  # the frontend must hear of the death even if no request was failed
-            conn.send_bytes(outputs_frame([], core.stats(), core.dead_reason))
+            conn.send_bytes(outputs_frame(CoreOutputs(), core.stats(), core.dead_reason))
     except OSError:
         logger.warning("the frontend is gone; stopping")
     finally:

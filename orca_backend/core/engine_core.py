@@ -3,7 +3,7 @@
 It owns the scheduler, the K/V bookkeeping and the executor, and is driven by a single thread (the
 background loop of `run_forever`, or the caller of `step()`). Other threads reach it only through
 its inbox (`add_requests`, `abort`), so adding a request never waits for an iteration to end.
-Each step returns plain `CoreOutput`s (new token ids, finish reasons); turning them into text and
+Each step returns its `CoreOutputs` (new token ids, finish reasons: core/request.py); turning them into text and
 watching for stop strings is the output processor's job, off this thread's critical path.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.core.batch_builder import BatchBuilder
 from orca_backend.core.kv_cache_manager import make_kv_manager
-from orca_backend.core.request import CoreOutput, Request
+from orca_backend.core.request import CoreOutputs, Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.executor import Executor, WorkerFailure, make_executor
@@ -132,7 +132,7 @@ class EngineCore:
         return (self.scheduler.has_work() or bool(self._in_flight) or not self._inbox.empty()
                 or self.scheduler.num_compiling > 0)  # fmt: skip
 
-    def wait_for_grammars(self, timeout_s: float = 1.0) -> list[CoreOutput]:
+    def wait_for_grammars(self, timeout_s: float = 1.0) -> CoreOutputs:
         """For a caller driving `step()` in a loop (the offline LLM): takes in the inbox, then, with nothing
         to run but requests waiting for their grammars, waits (up to `timeout_s`) until every one has
         compiled, instead of spinning. Requests added together then start together, in arrival order,
@@ -142,7 +142,7 @@ class EngineCore:
             self.structured.wait(timeout_s)
         return outputs
 
-    def step(self) -> list[CoreOutput]:
+    def step(self) -> CoreOutputs:
         """One iteration: take in new requests and aborts, schedule, run the model, update.
 
         With pipeline parallelism it first fills the pipeline (up to one batch per stage, each of
@@ -186,7 +186,7 @@ class EngineCore:
         self.last_iteration_seconds = time.perf_counter() - started
         return outputs + updated
 
-    def run_forever(self, emit: Callable[[list[CoreOutput]], None]) -> None:
+    def run_forever(self, emit: Callable[[CoreOutputs], None]) -> None:
         """The background loop: iterations while work exists, idle on the inbox otherwise. Every
         step's outputs go to `emit` (which must not block); the last call carries the failure of
         every request if the loop dies."""
@@ -196,7 +196,7 @@ class EngineCore:
                 # Idle with grammars compiling: a finished compile wakes the loop, and a frame at least
                 # every second tells the watchdog the loop is alive (it is waiting, not hung).
                 compiling = self.scheduler.num_compiling > 0
-                outputs = self._drain_inbox(block=True, timeout_s=HEARTBEAT_S if compiling else None) if idle else []
+                outputs = self._drain_inbox(block=True, timeout_s=HEARTBEAT_S if compiling else None) if idle else CoreOutputs()
                 iterations = self.num_iterations
                 if not self._stopping:
                     outputs += self.step()
@@ -208,15 +208,15 @@ class EngineCore:
             logger.exception("engine loop died")
             emit(self._die(f"engine loop crashed: {exc!r}"))
 
-    def shutdown(self) -> list[CoreOutput]:
+    def shutdown(self) -> CoreOutputs:
         """Stops serving and the executor: every request not finished fails, and later adds are
         refused. Returns the failed requests' outputs."""
         if self.dead_reason is not None:
-            return []
+            return CoreOutputs()
         return self._die("the engine was shut down", expected=True)
 
-    def _drain_inbox(self, block: bool, timeout_s: float | None = None) -> list[CoreOutput]:
-        outputs: list[CoreOutput] = []
+    def _drain_inbox(self, block: bool, timeout_s: float | None = None) -> CoreOutputs:
+        outputs = CoreOutputs()
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=timeout_s if block else None)
@@ -233,7 +233,7 @@ class EngineCore:
                 return outputs
             # "wake": a grammar compiled; step() takes it in
 
-    def _die(self, reason: str, expected: bool = False) -> list[CoreOutput]:
+    def _die(self, reason: str, expected: bool = False) -> CoreOutputs:
         (logger.info if expected else logger.error)("engine stops serving: %s", reason)
         with self._inbox_lock:
             self.dead_reason = reason

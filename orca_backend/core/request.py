@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from orca_backend.core.block_pool import BlockKey
@@ -54,9 +55,10 @@ class Request:
     structured: bool = field(init=False, default=False)
     # The prompt never changes: its length is read for every request every iteration, so it is kept.
     num_prompt_tokens: int = field(init=False, default=0)
-    # Its static sampling fields as BatchMeta carries them (temperature, top_k, top_p, seed): the same
-    # every iteration, so core/batch_builder.py computes them once (the seed is set after construction).
-    sampling_row: tuple[float, int, float, int] | None = field(init=False, default=None)
+    # Its fields as BatchMeta's per-request columns carry them (id, temperature, top_k, top_p, seed), and
+    # whether its rows need more (sampler extras, a grammar, a min_tokens ban): the same every iteration,
+    # so core/batch_builder.py computes them once (the seed is set after construction).
+    batch_columns: tuple[str, float, int, float, int, bool, bool, bool] | None = field(init=False, default=None)
     # The tokens that may end it with "stop" (stop ids, and EOS unless ignored), set by the scheduler
     # (which knows EOS) as it takes the request in; None: not computed, check_stop decides alone.
     stop_ids: frozenset[int] | None = field(init=False, default=None)
@@ -105,3 +107,43 @@ class CoreOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked; else None
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    """Everything the core reports at once (an iteration, with the aborts and timeouts taken in
+    before it): one object per step, not one per request. The common result, a request's one new
+    token with nothing else to say, is two columns (`request_ids`, `token_ids`); it is most of every
+    step, and columns cost a fraction of a `CoreOutput` each to build, pickle and read. Everything
+    else (a finish, several tokens, logprobs, an error) is a `CoreOutput` in `others`.
+
+    Consumers take the columns first, then `others`: a request has at most one entry in a step's
+    outputs, and where several steps' are held together (request-level mode) they are all in `others`,
+    in order.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    others: list[CoreOutput] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.others)
+
+    def __iter__(self) -> Iterator[CoreOutput]:
+        """Every entry as a CoreOutput, the columns' first (for tests and tools; the hot paths read the columns)."""
+        for request_id, token in zip(self.request_ids, self.token_ids, strict=True):
+            yield CoreOutput(request_id, [token])
+        yield from self.others
+
+    def __iadd__(self, more: CoreOutputs) -> CoreOutputs:
+        self.request_ids += more.request_ids
+        self.token_ids += more.token_ids
+        self.others += more.others
+        return self
+
+    def __add__(self, more: CoreOutputs) -> CoreOutputs:
+        return CoreOutputs(self.request_ids + more.request_ids, self.token_ids + more.token_ids, self.others + more.others)
+
+    @property
+    def num_finished(self) -> int:
+        return sum(o.finished for o in self.others)

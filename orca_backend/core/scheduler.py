@@ -7,7 +7,7 @@ blocks. With a token budget
 (`max_num_batched_tokens`) a long prompt is prefilled in chunks over several iterations, beside the
 decodes (chunked prefill); without one, a prompt runs whole. `update_from_output()` appends the
 sampled tokens, ends the requests that are done (`check_stop`), so they leave before the next
-iteration, and returns what changed as CoreOutputs. With pipeline parallelism several batches are
+iteration, and returns what changed as CoreOutputs (core/request.py). With pipeline parallelism several batches are
 in flight; a request in flight is never scheduled again until its batch returns.
 
 Under the paged K/V policy a decode may find no free block: the most recently admitted running
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orca_backend.core.kv_cache_manager import KVCacheManager
-from orca_backend.core.request import CoreOutput, Request, RequestStatus
+from orca_backend.core.request import CoreOutput, CoreOutputs, Request, RequestStatus
 from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
@@ -57,9 +57,14 @@ _FINISHED = RequestStatus.FINISHED
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # a prompt (or a chunk of it) on a request's first iterations, then 1
-    # Every request computes exactly its last token (and so samples): the steady state, which
-    # core/batch_builder.py flattens without looking at each request's counts.
-    decode_only: bool = False
+    # The leading requests that compute exactly their last token (and so sample): decodes, which
+    # core/batch_builder.py flattens without looking at each request's counts. All of them in the
+    # steady state; before the prompts of requests admitted this iteration under load.
+    num_decodes: int = 0
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.requests)
 
     @property
     def num_tokens(self) -> int:
@@ -123,11 +128,11 @@ class Scheduler:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
 
-    def take_compiled(self) -> list[CoreOutput]:
+    def take_compiled(self) -> CoreOutputs:
         """Queues the requests whose grammar has compiled, each at its place by arrival; ends those whose
         grammar cannot be built ("invalid" with the compiler's message, or "error")."""
         if not self._compiling:
-            return []
+            return CoreOutputs()
         outputs = []
         for request_id, reason, message in self.structured.poll():
             request = self._compiling.get(request_id)
@@ -140,9 +145,9 @@ class Scheduler:
             del self._compiling[request_id]
             request.status = RequestStatus.WAITING
             self.waiting.insert(request)
-        return self._release(outputs)
+        return self._release(CoreOutputs(others=outputs))
 
-    def expire(self) -> list[CoreOutput]:
+    def expire(self) -> CoreOutputs:
         """Ends every request whose deadline has passed, queued or running, with finish_reason "timeout"."""
         outputs: list[CoreOutput] = []
         if len(self._deadlines) > 2 * len(self._requests) + 64:  # mostly finished requests: drop them
@@ -159,7 +164,7 @@ class Scheduler:
             error = (f"the request timed out: its timeout of {request.timeout_s:g} s passed while it was {where} "
                      f"({len(request.output_ids)} tokens generated)")
             outputs.append(self._output(request, error))
-        return self._release(outputs)
+        return self._release(CoreOutputs(others=outputs))
 
     def schedule(self) -> ScheduledBatch | None:
         """The next batch: running decodes first, then running prefills, then newly admitted
@@ -188,7 +193,7 @@ class Scheduler:
         if not prefills and len(decodes) <= min(self.max_num_seqs, budget) and self._grow_all(need_block):
             # The steady state: every request decodes, all fit, and no block is missing, so nothing is
             # preempted and the loop below would take every decode as it is, in order.
-            batch = ScheduledBatch(decodes, [1] * len(decodes), decode_only=True)
+            batch = ScheduledBatch(decodes, [1] * len(decodes), num_decodes=len(decodes))
             budget -= len(decodes)
             for request in decodes:
                 request.in_flight = True
@@ -196,7 +201,7 @@ class Scheduler:
                     self.num_prompt_tokens_computed += 1
         else:
             batch = ScheduledBatch([], [])
-            for request in decodes + prefills:
+            for i, request in enumerate(decodes + prefills):
                 if len(batch.requests) == self.max_num_seqs or budget == 0:
                     break
                 if request.status is not _RUNNING:  # preempted in this loop
@@ -204,6 +209,7 @@ class Scheduler:
                 num_new = min(request.num_tokens - request.num_computed, budget)
                 if self._make_room(request, num_new, batch):
                     budget -= self._add(batch, request, num_new)
+                    batch.num_decodes += i < len(decodes)  # the decodes come first
         # Nobody is admitted in an iteration that had to preempt: the blocks it freed would go straight
         # to a newcomer, and the pool would thrash (vLLM's rule too). In request-level mode a request
         # whose grammar is still compiling does not hold the batch back: it joins the next one.
@@ -245,7 +251,6 @@ class Scheduler:
 
     def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
         request.in_flight = True
-        batch.decode_only = False
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
         first = request.num_computed
@@ -282,7 +287,7 @@ class Scheduler:
 
     def update_from_output(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
-    ) -> list[CoreOutput]:  # fmt: skip
+    ) -> CoreOutputs:  # fmt: skip
         """Appends each request's new token (and its logprobs, if it asked) and finishes those that
         hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
         token and no output. A constrained request's matcher accepts its token first: once its
@@ -295,8 +300,10 @@ class Scheduler:
             raise ValueError(f"{len(requests)} requests scheduled, {len(sampled)} tokens sampled")
         # This loop runs for every request every iteration: the common request (a decode without a
         # grammar that samples no stop token short of max_tokens) takes a few attribute updates and
-        # one CoreOutput; anything else is decided by the same code as ever (check_stop, _end).
-        outputs = []
+        # two column appends; anything else is decided by the same code as ever (check_stop, _end).
+        outputs: list[CoreOutput] = []
+        request_ids: list[str] = []
+        token_ids: list[int] = []
         prefix_caching, generated = self.kv.enable_prefix_caching, 0
         for request, num_new, token, token_logprobs in zip(requests, batch.num_new_tokens, sampled,
                                                            logprobs or itertools.repeat(None), strict=False):  # fmt: skip
@@ -328,9 +335,10 @@ class Scheduler:
                 outputs.append(self._output(request))
                 continue
             request.num_reported += 1
-            outputs.append(CoreOutput(request.request_id, [token]))
+            request_ids.append(request.request_id)
+            token_ids.append(token)
         self.num_generated_tokens += generated
-        return self._release(outputs)
+        return self._release(CoreOutputs(request_ids, token_ids, outputs))
 
     def _land_constrained(self, request: Request, token: int, token_logprobs: TokenLogprobs | None) -> CoreOutput:
         """A constrained request's sampled token: its matcher accepts it first. Once its grammar
@@ -352,18 +360,18 @@ class Scheduler:
             self._end(request, reason)
         return self._output(request)
 
-    def finish(self, request_id: str, reason: str, error: str | None = None) -> list[CoreOutput]:
+    def finish(self, request_id: str, reason: str, error: str | None = None) -> CoreOutputs:
         """Ends a waiting or running request now (an abort: cancelled, a stop string, an error).
 
         An unknown or already finished id is ignored: an abort may race the request's own end.
         """
         request = self._find(request_id)
         if request is None:
-            return []
+            return CoreOutputs()
         self._end(request, reason)
-        return self._release([self._output(request, error)])
+        return self._release(CoreOutputs(others=[self._output(request, error)]))
 
-    def fail_batch(self, batch: ScheduledBatch, error: str) -> list[CoreOutput]:
+    def fail_batch(self, batch: ScheduledBatch, error: str) -> CoreOutputs:
         """A batch whose forward failed. A request that failed alone ends with the error; a larger
         batch is split in halves, each re-run alone next (head of the line), so the failure is
         narrowed down to the request that causes it while the others go on. Nothing of the failed
@@ -374,14 +382,14 @@ class Scheduler:
         if len(batch.requests) > 1 and len(landed) > 1:
             middle = len(landed) // 2
             self._suspects.extendleft([landed[middle:], landed[:middle]])
-            return []
+            return CoreOutputs()
         outputs = []
         for request in landed:
             self._end(request, "error")
             outputs.append(self._output(request, error))
-        return self._release(outputs)
+        return self._release(CoreOutputs(others=outputs))
 
-    def fail_all(self, error: str) -> list[CoreOutput]:
+    def fail_all(self, error: str) -> CoreOutputs:
         """The model is gone: every request ends with the error, held outputs included."""
         outputs, self._held = self._held, []
         self._suspects.clear()
@@ -389,7 +397,7 @@ class Scheduler:
             request.in_flight = False
             self._end(request, "error")
             outputs.append(self._output(request, error))
-        return outputs
+        return CoreOutputs(others=outputs)
 
     def _landed(self, request: Request) -> bool:
         """Its batch has returned. False for a request aborted while the batch was in flight: only
@@ -423,15 +431,16 @@ class Scheduler:
         logprobs = request.output_logprobs[reported:] if request.output_logprobs is not None else None
         return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs)
 
-    def _release(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
-        """Iteration-level: every output goes out now. Request-level: once the batch has ended."""
+    def _release(self, outputs: CoreOutputs) -> CoreOutputs:
+        """Iteration-level: every output goes out now. Request-level: once the batch has ended, every
+        step's outputs as CoreOutputs, in order."""
         if not self.request_level:
             return outputs
         self._held += outputs
         if self.running:
-            return []
+            return CoreOutputs()
         released, self._held = self._held, []
-        return released
+        return CoreOutputs(others=released)
 
     def _find(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

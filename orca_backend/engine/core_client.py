@@ -37,7 +37,7 @@ from orca_backend.core.core_process import (
     run_core_process,
 )
 from orca_backend.core.engine_core import EngineDeadError, EngineStats
-from orca_backend.core.request import CoreOutput, Request
+from orca_backend.core.request import CoreOutputs, Request
 from orca_backend.executor import exit_description
 
 logger = logging.getLogger("orca.engine")
@@ -49,7 +49,7 @@ class EngineCoreProcess:
     def __init__(
         self,
         config: EngineConfig,
-        on_outputs: Callable[[list[CoreOutput]], None],
+        on_outputs: Callable[[CoreOutputs], None],
         on_dead: Callable[[str], None],
         hook: CoreHook | None = None,
         start_timeout_s: float | None = None,
@@ -151,7 +151,7 @@ class EngineCoreProcess:
             except (EOFError, OSError):
                 break
             outputs, self._stats, dead_reason = read_frame(message)
-            finished = sum(o.finished for o in outputs)
+            finished = outputs.num_finished
             with self._send_lock:
                 self._progress_at = time.monotonic()
                 self._outstanding -= finished

@@ -25,7 +25,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.core.core_process import CoreHook
 from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
 from orca_backend.core.kv_cache_manager import fits_in_pool, pool_capacity_tokens
-from orca_backend.core.request import CoreOutput, Request
+from orca_backend.core.request import CoreOutputs, Request
 from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import (
     EngineOverloadedError,
@@ -265,7 +265,7 @@ class LLMEngine:
             raise RuntimeError("this engine's core runs in its own process; step() drives an in-process core")
         return self.core
 
-    def _process(self, outputs: list[CoreOutput]) -> None:
+    def _process(self, outputs: CoreOutputs) -> None:
         for request_id in self.outputs.process(outputs):
             self.core.abort(request_id, "stop")
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orca_backend.core.request import CoreOutput
+from orca_backend.core.request import CoreOutput, CoreOutputs
 from orca_backend.engine import detokenizer
 from orca_backend.engine.detokenizer import DetokenizerState
 from orca_backend.sampling_params import SamplingParams
@@ -140,41 +140,60 @@ class OutputProcessor:
                 self._dequeue_locked(rid)
                 self._states.pop(rid, None)
 
-    def process(self, outputs: list[CoreOutput]) -> list[str]:
+    def process(self, outputs: CoreOutputs) -> list[str]:
         """Hands every request its event; returns the ids the core must abort (a stop string ended them)."""
         now = time.perf_counter()
-        to_abort = []
-        for out in outputs:
-            request_id = out.request_id
-            if request_id in self._queued:  # its first event: a plain dict read, the lock only then
+        to_abort: list[str] = []
+        states, queued = self._states, self._queued
+        # The columns (most of every step): one new token each, and the request goes on. Without text
+        # to make, the event is that token; with text, the token takes the general path.
+        for request_id, token in zip(outputs.request_ids, outputs.token_ids, strict=True):
+            if request_id in queued:  # its first event: a plain dict read, the lock only then
                 self._dequeue(request_id)
-            state = self._states.get(request_id)
+            state = states.get(request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
                 continue
-            finished, reason = out.finished, out.finish_reason
+            if state.detok is not None or state.cumulative_logprob is not None:
+                self._hand_out(state, CoreOutput(request_id, [token]), now, to_abort)
+                continue
             output_ids = state.output_ids
-            if state.detok is None:  # no text to make: the core's new ids are the event's
-                new_ids = out.new_token_ids
-                output_ids += new_ids
-                new_text = ""
-            else:
-                if self._stop_string_hit(state, out):
-                    if not finished:
-                        to_abort.append(request_id)
-                    finished, reason = True, "stop"
-                new_text = detokenizer.take_releasable_text(state.detok, finished)
-                new_ids = output_ids[state.sent_ids_len :]
+            output_ids.append(token)
             state.sent_ids_len = len(output_ids)
-            event = RequestOutput(request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
-                                  len(output_ids), now, out.error)  # fmt: skip
-            if state.cumulative_logprob is not None and out.logprobs is not None:
-                # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
-                self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
-            if finished:
-                with self._lock:
-                    del self._states[request_id]
-            state.sink(event)
+            state.sink(RequestOutput(request_id, [token], "", False, None, state.num_prompt_tokens, len(output_ids), now))
+        for out in outputs.others:
+            if out.request_id in queued:
+                self._dequeue(out.request_id)
+            state = states.get(out.request_id)
+            if state is not None:
+                self._hand_out(state, out, now, to_abort)
         return to_abort
+
+    def _hand_out(self, state: _RequestState, out: CoreOutput, now: float, to_abort: list[str]) -> None:
+        """One output's event: its tokens, its text (a stop string ends the request here) and logprobs."""
+        request_id = out.request_id
+        finished, reason = out.finished, out.finish_reason
+        output_ids = state.output_ids
+        if state.detok is None:  # no text to make: the core's new ids are the event's
+            new_ids = out.new_token_ids
+            output_ids += new_ids
+            new_text = ""
+        else:
+            if self._stop_string_hit(state, out):
+                if not finished:
+                    to_abort.append(request_id)
+                finished, reason = True, "stop"
+            new_text = detokenizer.take_releasable_text(state.detok, finished)
+            new_ids = output_ids[state.sent_ids_len :]
+        state.sent_ids_len = len(output_ids)
+        event = RequestOutput(request_id, new_ids, new_text, finished, reason, state.num_prompt_tokens,
+                              len(output_ids), now, out.error)  # fmt: skip
+        if state.cumulative_logprob is not None and out.logprobs is not None:
+            # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
+            self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
+        if finished:
+            with self._lock:
+                del self._states[request_id]
+        state.sink(event)
 
     def fail_all(self, reason: str) -> None:
         """Ends every registered request with an error event (the core that held them is gone)."""

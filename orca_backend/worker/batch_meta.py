@@ -4,13 +4,21 @@ iteration, and `SamplerOutput`, what the sampling rank answers, as plain numbers
 The engine core builds a BatchMeta from a scheduled batch (core/batch_builder.py); a runner in the
 same process or in a worker process consumes it. Plain fields keep the control channel free of
 pickled objects: it crosses as JSON.
+
+The per-token and per-request index fields are numpy arrays, in the dtypes the model runner hands
+to torch as they are (`INDEX_DTYPES`): the core builds them with a few vectorized operations (a
+decode-only batch without a per-request loop over its tables), and the runner's inputs are views of
+them, not conversions of thousands of Python ints every iteration.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
 
 # One sampled token's log-probabilities: (token ids, logprobs, ranks), the sampled token first (its
 # rank: 1 + the number of tokens more likely), then the top-k alternatives (ranks 1..k). A tuple:
@@ -56,18 +64,37 @@ class RowExtras:
         return cls(**d, setup=LogitsSetup(**setup) if setup is not None else None)
 
 
-@dataclass
+# The index fields and their dtypes: int64 where torch indexes with them (embedding rows, positions, K/V
+# slots), int32 where the attention kernels read them.
+INDEX_DTYPES = {"input_ids": np.int64, "positions": np.int64, "slot_mapping": np.int64,
+                "query_start": np.int32, "context_lens": np.int32, "block_tables": np.int32}  # fmt: skip
+
+
+def pad_block_tables(tables: list[list[int]], width: int) -> np.ndarray:
+    """int32 [len(tables), width]: each table's first `width` blocks, zero-padded on the right."""
+    lengths = np.fromiter((min(len(t), width) for t in tables), dtype=np.int64, count=len(tables))
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    # Filled by a mask, not row by row (a Python loop of row copies is slow at hundreds of requests).
+    padded[np.arange(width)[None, :] < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(t[:width] for t in tables), dtype=np.int32, count=int(lengths.sum())
+    )
+    return padded
+
+
+@dataclass(eq=False)  # __eq__ below: numpy fields compare by value
 class BatchMeta:
     batch_id: int
     request_ids: list[str]
-    # Flattened new tokens of every request (selective batching's one tensor).
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]  # K/V pool slot each new token is written to
-    # Per request: where its queries sit in the flat batch, and its K/V blocks.
-    query_start: list[int]  # [B + 1]
-    context_lens: list[int]
-    block_tables: list[list[int]]  # pool blocks in context order: token j is in block j // block_size
+    # Flattened new tokens of every request (selective batching's one tensor), int64 [T].
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray  # K/V pool slot each new token is written to
+    # Per request: where its queries sit in the flat batch, and its K/V blocks (int32).
+    query_start: np.ndarray  # [B + 1]
+    context_lens: np.ndarray  # [B]
+    # [B, W], W the most blocks any request's context fills: row i holds request i's first W blocks in
+    # context order (token j is in block j // block_size), zero past the blocks it has.
+    block_tables: np.ndarray
     # False for a prefill chunk that stops short of the request's last token: no token is sampled,
     # so its random stream is not advanced either.
     sample: list[bool]
@@ -88,18 +115,38 @@ class BatchMeta:
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask: bytes = b""
 
+    def __post_init__(self) -> None:
+        """Index fields given as lists (tests, tools) become arrays; ragged block tables are padded."""
+        for name, dtype in INDEX_DTYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray):
+                if name == "block_tables":
+                    value = pad_block_tables(value, max(map(len, value), default=0))
+                setattr(self, name, np.asarray(value, dtype=dtype))
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchMeta):
+            return NotImplemented
+        return all(
+            np.array_equal(a, b) if f.name in INDEX_DTYPES else a == b
+            for f in fields(self) for a, b in [(getattr(self, f.name), getattr(other, f.name))]
+        )  # fmt: skip
+
     def to_bytes(self) -> bytes:
-        fields = asdict(self)
-        fields["bitmask"] = base64.b64encode(self.bitmask).decode("ascii")
-        return json.dumps(fields, separators=(",", ":")).encode()
+        plain = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in INDEX_DTYPES:
+            plain[name] = plain[name].tolist()
+        plain["extras"] = [asdict(e) for e in self.extras]
+        plain["bitmask"] = base64.b64encode(self.bitmask).decode("ascii")
+        return json.dumps(plain, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BatchMeta:
-        meta = cls(**json.loads(data))
+        meta = cls(**json.loads(data))  # the index fields arrive as lists: __post_init__ makes them arrays
         meta.bitmask = base64.b64decode(meta.bitmask)  # type: ignore[arg-type]
         if meta.extras:
             meta.extras = [RowExtras.from_dict(d) for d in meta.extras]  # type: ignore[arg-type]

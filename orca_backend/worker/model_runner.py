@@ -7,8 +7,6 @@ process (tp = pp = 1) and inside each worker process.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -44,19 +42,27 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = Sampler()
 
+    # One inference-mode scope per entry point: entering one costs microseconds, every iteration.
     @torch.inference_mode()
     def execute(self, batch_meta: BatchMeta) -> SamplerOutput:
         """The whole model in this process: forward and sample."""
-        return self.sample(self.run_stage(batch_meta), batch_meta)
+        return self._sample(self._run_stage(batch_meta), batch_meta)
 
     @torch.inference_mode()
     def run_stage(self, batch_meta: BatchMeta, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's layers; logits on the last stage, activations for the next stage otherwise."""
-        input_ids, positions, attn_meta, logits_indices = self._prepare_inputs(batch_meta)
-        return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
+        return self._run_stage(batch_meta, hidden)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
+        """The sampling rank's last step: the grammar masks, then the sampler."""
+        return self._sample(logits, batch_meta)
+
+    def _run_stage(self, batch_meta: BatchMeta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        input_ids, positions, attn_meta, logits_indices = self._prepare_inputs(batch_meta)
+        return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
+
+    def _sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
         self.sampler.release(batch_meta.released_ids)
         if batch_meta.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
             rows = batch_meta.bitmask_rows
@@ -64,53 +70,32 @@ class ModelRunner:
         return self.sampler.sample(logits, batch_meta)
 
     def _prepare_inputs(self, batch_meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Every per-iteration index tensor from one host array and one device copy, the block
-        tables from a second: this runs every iteration, and one conversion of many numbers is far
-        cheaper than several small ones. A batch of decodes only (one new token per request, the
-        steady state) converts just its tokens, slots and context lengths: its positions, query
-        offsets and logits rows follow from them."""
-        num_tokens, num_requests = batch_meta.num_tokens, len(batch_meta.context_lens)
-        decode_only = num_tokens == num_requests  # every request has at least one new token
-        if decode_only:
-            # numpy converts a list of ints several times faster than torch.tensor()
-            host = np.array(batch_meta.input_ids + batch_meta.slot_mapping + batch_meta.context_lens, dtype=np.int64)
-            context_host = host[2 * num_tokens :]
-            rows = np.arange(num_requests + 1, dtype=np.int64)
-            host = np.concatenate((host[:num_tokens], context_host - 1, host[num_tokens : 2 * num_tokens], rows,
-                                   context_host, rows[:-1]))  # fmt: skip
-            max_query_len = 1
-        else:
-            logits_indices = [end - 1 for end in batch_meta.query_start[1:]]
-            host = np.array(
-                batch_meta.input_ids + batch_meta.positions + batch_meta.slot_mapping + batch_meta.query_start
-                + batch_meta.context_lens + logits_indices,
-                dtype=np.int64,
-            )  # fmt: skip
-            query_host = host[3 * num_tokens : 3 * num_tokens + num_requests + 1]
-            context_host = host[3 * num_tokens + num_requests + 1 : 3 * num_tokens + 2 * num_requests + 1]
-            max_query_len = int((query_host[1:] - query_host[:-1]).max())
-        flat = torch.from_numpy(host).to(self.device, non_blocking=True)
-        input_ids, positions, slot_mapping, query_start, context_lens, logits_index_tensor = flat.split(
-            [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests]
-        )
-        # Ragged tables into one right-padded array by a mask, not a Python loop of row copies
-        # (about half the time at 256 requests).
-        tables = batch_meta.block_tables
-        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=num_requests)
-        block_tables = np.zeros((num_requests, int(lengths.max())), dtype=np.int32)
-        block_tables[np.arange(block_tables.shape[1])[None, :] < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
-        )
+        """The step's index tensors, from the BatchMeta's arrays as they are: one int64 and one int32
+        host buffer (and the block tables) make three tensors, moved to the device in three copies
+        (none on CPU), and every index tensor is a view of one of them. This runs every iteration, and
+        each call into numpy or torch costs microseconds whatever its size."""
+        m = batch_meta
+        num_tokens, num_requests = m.num_tokens, len(m.context_lens)
+        query_start, context_lens = m.query_start, m.context_lens
+        logits_indices = query_start[1:] - 1  # each request's last token
+        host64 = np.concatenate((m.input_ids, m.positions, m.slot_mapping))
+        host32 = np.concatenate((query_start, context_lens, logits_indices))
+        tensors = [torch.from_numpy(a) for a in (host64, host32, m.block_tables)]
+        if self.device.type != "cpu":
+            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
+        flat64, flat32, block_tables = tensors
+        input_ids, positions, slot_mapping = flat64.split([num_tokens, num_tokens, num_tokens])
+        query_start_t, context_lens_t, logits_index_tensor = flat32.split([num_requests + 1, num_requests, num_requests])
         attn_meta = AttentionMetadata(
-            query_start=query_start.to(torch.int32),
-            context_lens=context_lens.to(torch.int32),
-            block_tables=torch.from_numpy(block_tables).to(self.device, non_blocking=True),
+            query_start=query_start_t,
+            context_lens=context_lens_t,
+            block_tables=block_tables,
             slot_mapping=slot_mapping,
             block_size=self.block_size,
-            max_query_len=max_query_len,
-            max_context_len=int(context_host.max()),
-            query_start_host=batch_meta.query_start,
-            context_lens_host=batch_meta.context_lens,
-            block_tables_host=tables,
+            # a decode-only batch (one token per request, the steady state) needs no difference taken
+            max_query_len=1 if num_tokens == num_requests else int(np.diff(query_start).max()),
+            max_context_len=int(context_lens.max()),
+            query_start_host=query_start.tolist(),
+            context_lens_host=context_lens.tolist(),
         )
         return input_ids, positions, attn_meta, logits_index_tensor
