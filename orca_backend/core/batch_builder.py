@@ -30,7 +30,8 @@ _NO_BAN: list[int] = []  # shared by every row without a ban: nothing reads a ro
 @dataclass
 class _Columns:
     """The per-request fields of one set of requests, in batch order, that do not change between
-    iterations. BatchMeta gets copies: a batch may still be in flight when the next is built."""
+    iterations. Never changed once built: every BatchMeta of the set shares its lists (a batch may
+    still be in flight when the next is built, so nothing reading a BatchMeta changes it)."""
 
     requests: list[Request]  # the key, compared element by element (requests compare by identity)
     request_ids: list[str]
@@ -101,11 +102,11 @@ class BatchBuilder:
         columns = self._columns_of(requests)
         self._table_rows.release(released_ids)
         meta = self._flatten(batch, columns, batch_id)
-        meta.request_ids = list(columns.request_ids)
-        meta.temperature = list(columns.temperature)
-        meta.top_k = list(columns.top_k)
-        meta.top_p = list(columns.top_p)
-        meta.seeds = list(columns.seeds)
+        meta.request_ids = columns.request_ids
+        meta.temperature = columns.temperature
+        meta.top_k = columns.top_k
+        meta.top_p = columns.top_p
+        meta.seeds = columns.seeds
         meta.released_ids = released_ids
         banned = [_NO_BAN] * len(requests)
         for row in columns.min_tokens_rows:

@@ -312,12 +312,13 @@ class Scheduler:
                 self.kv.free(request)
                 continue
             output_ids = request.output_ids
+            num_output = len(output_ids)
             if request.sampler_extras:  # the sampler now holds its setup and every output token sent
-                request.sampler_synced = len(output_ids)
+                request.sampler_synced = num_output
             num_computed = request.num_computed = request.num_computed + num_new
             if prefix_caching:
                 self.kv.register_computed(request)
-            if num_computed < request.num_prompt_tokens + len(output_ids):
+            if num_computed < request.num_prompt_tokens + num_output:
                 continue  # a prefill chunk short of the last token: nothing was sampled
             if request.structured:
                 outputs.append(self._land_constrained(request, token, token_logprobs))
@@ -327,8 +328,8 @@ class Scheduler:
             if token_logprobs is not None:  # the sampler returns them for the rows that asked only
                 request.output_logprobs.append(token_logprobs)
             stop_ids = request.stop_ids
-            if stop_ids is None or token in stop_ids or len(output_ids) >= request.params.max_tokens \
-                    or request.num_reported != len(output_ids) - 1 or request.output_logprobs is not None:  # fmt: skip
+            if stop_ids is None or token in stop_ids or num_output >= request.params.max_tokens - 1 \
+                    or request.num_reported != num_output or request.output_logprobs is not None:  # fmt: skip
                 reason = check_stop(request, token, self.eos_token_id)
                 if reason is not None:
                     self._end(request, reason)

@@ -148,7 +148,7 @@ class OutputProcessor:
         # The columns (most of every step): one new token each, and the request goes on. Without text
         # to make, the event is that token; with text, the token takes the general path.
         for request_id, token in zip(outputs.request_ids, outputs.token_ids, strict=True):
-            if request_id in queued:  # its first event: a plain dict read, the lock only then
+            if queued and request_id in queued:  # its first event: a plain dict read, the lock only then
                 self._dequeue(request_id)
             state = states.get(request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
@@ -158,8 +158,8 @@ class OutputProcessor:
                 continue
             output_ids = state.output_ids
             output_ids.append(token)
-            state.sent_ids_len = len(output_ids)
-            state.sink(RequestOutput(request_id, [token], "", False, None, state.num_prompt_tokens, len(output_ids), now))
+            num_output = state.sent_ids_len = len(output_ids)
+            state.sink(RequestOutput(request_id, [token], "", False, None, state.num_prompt_tokens, num_output, now))
         for out in outputs.others:
             if out.request_id in queued:
                 self._dequeue(out.request_id)
