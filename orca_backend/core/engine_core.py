@@ -170,7 +170,8 @@ class EngineCore:
         try:
             sampled = self.executor.collect_oldest()
         except WorkerFailure as exc:
-            return outputs + self._die(f"a model worker failed: {exc}")
+            outputs += self._die(f"a model worker failed: {exc}")
+            return outputs
         except Exception as exc:  # a failed forward ends only the request that fails alone; a run of them, the engine
             logger.exception("iteration failed; %s", "ending its request" if len(batch.requests) == 1
                              else f"re-running its {len(batch.requests)} requests in halves to find the one that fails")
@@ -184,7 +185,8 @@ class EngineCore:
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
-        return outputs + updated
+        outputs += updated
+        return outputs
 
     def run_forever(self, emit: Callable[[CoreOutputs], None]) -> None:
         """The background loop: iterations while work exists, idle on the inbox otherwise. Every

@@ -141,9 +141,6 @@ class CoreOutputs:
         self.others += more.others
         return self
 
-    def __add__(self, more: CoreOutputs) -> CoreOutputs:
-        return CoreOutputs(self.request_ids + more.request_ids, self.token_ids + more.token_ids, self.others + more.others)
-
     @property
     def num_finished(self) -> int:
         return sum(o.finished for o in self.others)

@@ -258,7 +258,8 @@ class LLMEngine:
         requests left wait for their structured-output grammars, it first waits for them to compile."""
         core = self._in_process_core()
         outputs = core.wait_for_grammars()
-        self._process(outputs + core.step())
+        outputs += core.step()
+        self._process(outputs)
 
     def _in_process_core(self) -> EngineCore:
         if not isinstance(self.core, EngineCore):
