@@ -13,7 +13,8 @@ Suites:
               so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
   roofline    batch-1 decode step vs the memory roofline: weight bytes / read bandwidth measured now.
   overhead    engine time per iteration that is not the model forward, on a tiny model: 64 and 256
-              requests decoding in lockstep, and ~256 churning (requests ending and joining).
+              requests decoding in lockstep, ~256 churning (requests ending and joining), and the
+              engine core process's share of the 256 (without the frontend's events).
   gemm        the three CPU GEMMs of orca_backend/model/gemm.py (the C decode kernel, oneDNN, MKL)
               over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
               measurements behind its thresholds (docs/cpu-gemm.md).
@@ -191,9 +192,15 @@ def suite_overhead(args) -> dict:
     small beside it). "64" and "256": that many requests decoding in lockstep (all the same length,
     so the set of requests never changes). "256-churn": about 256 running with outputs of 20-170
     tokens and more queued, so requests end and newcomers' prompts join the decodes nearly every
-    iteration, as under load."""
+    iteration, as under load. "256-core": the lockstep 256 again, timing only what the engine core
+    process does per iteration when served (the step and its frame to the frontend): the events,
+    text and sinks are then the frontend's work, in the Triton stub's process beside it."""
+    from orca_backend.core.core_process import outputs_frame
+
     result = {}
-    for label, running, churn in (("64", 64, False), ("256", 256, False), ("256-churn", 256, True)):
+    scenarios = (("64", 64, False, False), ("256", 256, False, False), ("256-churn", 256, True, False),
+                 ("256-core", 256, False, True))  # fmt: skip
+    for label, running, churn, core_only in scenarios:
         engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=running,
                                         kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
         model = engine.core.executor.runner.model
@@ -214,11 +221,16 @@ def suite_overhead(args) -> dict:
                                on_output=lambda o: None)  # fmt: skip
         for _ in range(60 if churn else 3):  # churn: past the first wave's ends, into the steady state
             engine.step()
+        core = engine.core
+
+        def core_iteration(core=core) -> None:
+            outputs_frame(core.step(), core.stats(), core.dead_reason)
+
         # Per step, its time less its forward's; the median of 40 (a noisy neighbour inflates a few steps).
         step_s, overhead_s = [], []
         for _ in range(40):
             forward_before = forward_s
-            step_s.append(_timeit(engine.step))
+            step_s.append(_timeit(core_iteration if core_only else engine.step))
             overhead_s.append(step_s[-1] - (forward_s - forward_before))
         step, overhead = statistics.median(step_s), statistics.median(overhead_s)
         running_now = len(engine.core.scheduler.running)

@@ -42,7 +42,7 @@ class _Columns:
     extras_rows: list[int]  # penalties, logit_bias or logprobs
     structured_rows: list[int]
     min_tokens_rows: list[int]  # may ban EOS and stop ids while short of min_tokens
-    # Each request's row of the kept block tables (_TableRows), set by its first decode-only batch.
+    # Each request's row of the kept block tables (_TableRows), set by the set's first batch with decodes.
     table_rows: list[int] | None = None
     table_row_index: np.ndarray | None = None  # the same, as an index array
 
