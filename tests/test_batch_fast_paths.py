@@ -1,6 +1,7 @@
 """The per-iteration fast paths (issue #19) build exactly what the general code builds: a decode-only
-batch flattens to the same BatchMeta, the kept sampling columns follow a changing set of requests,
-and the sampler's CPU argmax is torch's."""
+batch flattens to the same BatchMeta, so does every batch with decodes of a churning run (the kept
+block-table rows), the kept sampling columns follow a changing set of requests, the core process's
+frame carries a step's CoreOutputs whole, and the sampler's CPU argmax is torch's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 
 from orca_backend import EngineConfig, SamplingParams
 from orca_backend.core.batch_builder import BatchBuilder
+from orca_backend.core.core_process import loads, outputs_frame, read_frame
+from orca_backend.core.engine_core import EngineStats
+from orca_backend.core.request import CoreOutput, CoreOutputs
 from orca_backend.core.scheduler import ScheduledBatch
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.worker.sampler import _argmax
@@ -104,3 +108,12 @@ def test_the_cpu_argmax_is_torchs_first_maximum():
     logits[5] = float("-inf")
     assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(_argmax(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # not contiguous: torch's own
+
+
+def test_the_core_process_frame_carries_columns_other_outputs_and_stats():
+    stats = EngineStats(*range(14))
+    outputs = CoreOutputs(["a", "b"], [5, 6], [CoreOutput("c", [1, 2], True, "stop"), CoreOutput("d", [], True, "error", "boom")])
+    read, read_stats, dead = read_frame(loads(outputs_frame(outputs, stats, "gone")))
+    assert (read, read_stats, dead) == (outputs, stats, "gone")
+    assert read.num_finished == 2 and len(read) == 4
+    assert [o.request_id for o in read] == ["a", "b", "c", "d"]  # the columns first, then the others

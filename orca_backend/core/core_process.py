@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import pickle
 import threading
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import fields
 from multiprocessing.connection import Connection
 
 from orca_backend.config import EngineConfig
@@ -59,9 +60,13 @@ def abort_message(request_id: str, reason: str) -> bytes:
 STOP_MESSAGE = dumps(("stop",))
 
 
+# EngineStats' fields as a tuple: dataclasses.astuple copies each value deeply, ~30 µs a frame.
+_stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))
+
+
 def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
     rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs.others]
-    return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, astuple(stats), dead_reason))
+    return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, _stats_tuple(stats), dead_reason))
 
 
 def read_frame(message: tuple) -> tuple[CoreOutputs, EngineStats, str | None]:
