@@ -13,7 +13,7 @@
  * row_moments). The output is fma((s - mean) * rstd, weight, bias), as torch rounds it. The GeLU's tanh is computed
  * here (a vectorisable exp-based form, a few ulp), not by SLEEF as torch does, so GeLU outputs may
  * differ from torch's in the last bits; see bias_gelu below. Floating-point contraction is off
- * (as in llama_ops.c) so that each operation rounds as written; the fmaf calls are explicit.
+ * (elementwise.h) so that each operation rounds as written; the fmaf calls are explicit.
  *
  * Threads: rows (tokens) are spread over num_threads OpenMP threads (torch's own libgomp), but
  * only when there is enough work: at one decode token a parallel region would cost more than the
@@ -23,16 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-/* no-trapping-math changes no value (only whether FP exceptions may trap); it lets GCC turn the
- * selects below into blends, so that the GeLU loop vectorises. */
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
-#endif
-
-/* Below this many floats touched per call the op runs on the calling thread (~10 us of work). */
-#define PARALLEL_MIN_ELEMENTS (1 << 15)
+#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS */
 
 #define MAX_LANES 16
 #define CHUNK 16     /* kChunkSize in torch's moments_utils.h: vectors per Welford chunk */

@@ -9,7 +9,7 @@
  * Rounding follows the references operation by operation, down to the order in which torch's CPU
  * kernels add the RMSNorm's squares and the exp SiLU uses, so that outputs equal torch's (and so
  * transformers') bit for bit on x86 builds of torch: a last-bit difference can flip a greedy
- * token. That is also why floating-point contraction is off below: with -march=native the
+ * token. That is also why floating-point contraction is off (elementwise.h): with -march=native the
  * compiler would otherwise fuse `a * b - c * d` into one fma, rounded differently from torch's
  * separate mul and sub (the fmaf calls in expf_sleef_u10 are SLEEF's own).
  *
@@ -21,16 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-/* no-trapping-math changes no value (only whether FP exceptions may trap); without it GCC will
- * not turn the selects of expf_sleef_u10 into blends, and the SiLU loop stays scalar. */
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
-#endif
-
-/* Below this many floats touched per call the op runs on the calling thread (~10 us of work). */
-#define PARALLEL_MIN_ELEMENTS (1 << 15)
+#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS */
 
 /* The sum of the fp32 squares of s[0..n) added in exactly the order of torch's CPU sum kernel
  * (cascade_sum in aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->

@@ -1,0 +1,24 @@
+/* What the element-wise libraries (llama_ops.c, gpt2_ops.c) share: how they round and when they
+ * use threads. Include it before any function.
+ *
+ * Rounding: floating-point contraction is off, so that each operation rounds as written; with
+ * -march=native the compiler would otherwise fuse `a * b - c * d` into one fma, rounded unlike
+ * torch's separate mul and sub. The fmaf calls in these files are explicit. no-trapping-math
+ * changes no value (only whether FP exceptions may trap); without it GCC will not turn the selects
+ * of the SiLU's exp and the GeLU's tanh into blends, and those loops stay scalar.
+ *
+ * Threads: rows (tokens) go to OpenMP threads (torch's own libgomp) only when a call touches at
+ * least PARALLEL_MIN_ELEMENTS floats (~10 us of work): at one decode token a parallel region would
+ * cost more than the op. */
+#ifndef ORCA_ELEMENTWISE_H
+#define ORCA_ELEMENTWISE_H
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+#endif
+
+#define PARALLEL_MIN_ELEMENTS (1 << 15)
+
+#endif
