@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from orca_backend import EngineConfig, SamplingParams
-from orca_backend.core.batch_builder import BatchBuilder
+from orca_backend.core.batch_builder import BatchBuilder, _TableRows
 from orca_backend.core.core_process import loads, outputs_frame, read_frame
 from orca_backend.core.engine_core import EngineStats
-from orca_backend.core.request import CoreOutput, CoreOutputs
+from orca_backend.core.request import CoreOutput, CoreOutputs, Request
 from orca_backend.core.scheduler import ScheduledBatch
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.worker.sampler import _argmax
@@ -36,7 +36,7 @@ def test_a_decode_only_batch_flattens_as_the_general_path_does(policy):
         batch = core.scheduler.schedule()
         assert batch is not None and batch.decode_only, f"step {step}: every request decodes"
         fast = core.batch_builder.build(batch, 1, ["gone"])
-        general = BatchBuilder(core.kv.block_size, None).build(ScheduledBatch(batch.requests, batch.num_new_tokens), 1,
+        general = BatchBuilder(core.kv.block_size, None, []).build(ScheduledBatch(batch.requests, batch.num_new_tokens), 1,
                                                                ["gone"])  # fmt: skip
         assert fast == general
         core.scheduler.update_from_output(batch, [1] * len(batch.requests))
@@ -59,7 +59,7 @@ def test_the_kept_block_tables_follow_joins_ends_growth_and_preemption(policy, p
         nonlocal mixed
         meta = kept_build(batch, batch_id, released)
         if batch.num_decodes:
-            general = BatchBuilder(core.kv.block_size, None).build(
+            general = BatchBuilder(core.kv.block_size, None, []).build(
                 ScheduledBatch(batch.requests, batch.num_new_tokens), batch_id, released
             )
             assert meta == general, f"batch {batch_id}"
@@ -85,6 +85,23 @@ def test_the_kept_block_tables_follow_joins_ends_growth_and_preemption(policy, p
     if policy == "paged":
         assert core.scheduler.num_preemptions > 0
     assert len(core.batch_builder._table_rows._copied_from) < 24  # rows of ended requests were reused
+
+
+def test_a_logged_table_change_of_an_ended_request_leaves_the_row_of_a_new_one_with_its_id():
+    """With pipeline parallelism a request aborted in flight frees its K/V (a logged change) only when
+    its batch returns, possibly after a new request reusing its id got a row: that row is not its."""
+    rows = _TableRows()
+    old = Request("x", [1], SamplingParams(), 0.0, block_table=[3, 4])
+    (row,) = rows.assign([old])
+    rows.release(["x"])
+    new = Request("x", [1], SamplingParams(), 0.0, block_table=[7])
+    assert rows.assign([new]) == [row]  # the freed row is reused
+    old.block_table = []  # its K/V freed late
+    rows.follow([old])
+    assert rows.array[row].tolist()[:2] == [7, 0]
+    new.block_table = [7, 8]
+    rows.follow([new])
+    assert rows.array[row].tolist()[:2] == [7, 8]
 
 
 def test_the_kept_sampling_columns_follow_the_requests_of_each_batch():

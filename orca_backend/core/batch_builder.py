@@ -75,16 +75,22 @@ def _columns(requests: list[Request]) -> _Columns:
 class BatchBuilder:
     """Builds each iteration's BatchMeta, keeping the static columns of the last few request sets
     (one per batch in flight, with pipeline parallelism) and every request's block table as a row of
-    one array until the request is released."""
+    one array until the request is released. `table_changes` is the K/V manager's log of the requests
+    whose table it replaced (KVCacheManager.table_changes): each build takes it, and the kept rows
+    follow it."""
 
     CACHED_SETS = 4
 
-    def __init__(self, block_size: int, eos_token_id: int | None, structured: StructuredOutputManager | None = None) -> None:
+    def __init__(
+        self, block_size: int, eos_token_id: int | None, table_changes: list[Request],
+        structured: StructuredOutputManager | None = None,
+    ) -> None:  # fmt: skip
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.structured = structured
         self._cache: list[_Columns] = []  # most recently used first
         self._table_rows = _TableRows()
+        self._table_changes = table_changes
 
     def _columns_of(self, requests: list[Request]) -> _Columns:
         for i, columns in enumerate(self._cache):
@@ -101,6 +107,9 @@ class BatchBuilder:
         requests = batch.requests
         columns = self._columns_of(requests)
         self._table_rows.release(released_ids)
+        if self._table_changes:
+            self._table_rows.follow(self._table_changes)
+            self._table_changes.clear()
         meta = self._flatten(batch, columns, batch_id)
         meta.request_ids = columns.request_ids
         meta.temperature = columns.temperature
@@ -130,13 +139,11 @@ class BatchBuilder:
         if columns.table_rows is None:
             columns.table_rows = self._table_rows.assign(requests)
             columns.table_row_index = np.array(columns.table_rows, dtype=np.intp)
-        rows, row_index = columns.table_rows, columns.table_row_index
+        row_index = columns.table_row_index
         assert row_index is not None
         if num_decodes == len(requests):  # the steady state
-            self._table_rows.refresh(requests, rows)
             return _meta(batch_id, *self._flatten_decodes(requests, row_index))
         # Both parts' tables hold each request's first W blocks, W the wider part's width.
-        self._table_rows.refresh(requests[:num_decodes], rows[:num_decodes])
         decodes = self._flatten_decodes(requests[:num_decodes], row_index[:num_decodes])
         width = decodes.block_tables.shape[1]
         rest = self._flatten_each(requests[num_decodes:], batch.num_new_tokens[num_decodes:], min_width=width)
@@ -146,7 +153,7 @@ class BatchBuilder:
 
     def _flatten_decodes(self, requests: list[Request], rows: np.ndarray) -> _Flat:
         """Every request computes its last token, at position `num_computed`, and samples: one new
-        token each. The tables come from the kept rows (`rows`, up to date), the rest by whole-array
+        token each. The tables come from the kept rows (`rows`), the rest by whole-array
         operations."""
         size, count = self.block_size, len(requests)
         positions = np.fromiter(map(_num_computed, requests), dtype=np.int64, count=count)
@@ -233,16 +240,19 @@ class _TableRows:
     persistent block table): a decode-only batch gathers its tables and slots with two indexings
     instead of reading hundreds of lists.
 
-    Row r holds exactly the list `_copied_from[r]`, zero past it. KVCacheManager replaces a table
-    whenever it changes (never editing one in place), so a request whose table is not the list its
-    row was copied from has a new one: usually the old one plus a block (decodes crossing a block
-    boundary), whose new entries all rows write in one assignment; otherwise (re-admitted after a
-    preemption) its row is rewritten whole. A released request's row is zeroed and reused."""
+    A request gets its row, written whole, with its first batch of decodes, and keeps it until it is
+    released (the row is then zeroed and reused). Row r holds exactly the list `_copied_from[r]`, zero
+    past it. KVCacheManager replaces a table whenever it changes (never editing one in place) and logs
+    the request, and `follow` brings the logged requests' rows up to date: a table that extends the
+    old one (decodes crossing a block boundary) has its new entries written, all rows' in one
+    assignment; any other (re-admitted after a preemption) is rewritten whole."""
 
     def __init__(self) -> None:
         self.array = np.zeros((0, 0), dtype=np.int32)
         self._row_of: dict[str, int] = {}
-        # The table each row was copied from, kept alive so that `is` cannot match a new list.
+        # Per row: the request holding it (a logged request whose id was reused is not that request),
+        # and the table the row was copied from, kept alive so that `is` cannot match a new list.
+        self._owner: list[Request | None] = []
         self._copied_from: list[list[int]] = []
         self._free: list[int] = []
 
@@ -251,31 +261,35 @@ class _TableRows:
         if freed:
             self.array[freed] = 0
             for row in freed:
+                self._owner[row] = None
                 self._copied_from[row] = _NO_TABLE
             self._free += freed
 
     def assign(self, requests: list[Request]) -> list[int]:
-        """Each request's row, taking a free one for a request without."""
+        """Each request's row; a request without one takes a free row, written whole."""
         rows = list(map(self._row_of.get, map(_request_id, requests)))
         if None in rows:
-            rows = [self._take_row(r.request_id) if row is None else row for r, row in zip(requests, rows, strict=True)]
+            new = [r for r, row in zip(requests, rows, strict=True) if row is None]
+            rows = [self._take_row(r) if row is None else row for r, row in zip(requests, rows, strict=True)]
+            self.follow(new)
         return rows
 
-    def refresh(self, requests: list[Request], rows: list[int]) -> None:
-        """Brings the rows (`assign`'s) of the requests whose table changed up to date."""
-        tables = list(map(_block_table, requests))
-        copied_from = map(self._copied_from.__getitem__, rows)
-        changed = list(itertools.compress(range(len(rows)), map(operator.is_not, tables, copied_from)))
+    def follow(self, requests: list[Request]) -> None:
+        """Brings the rows of these requests (those holding one) up to their current tables."""
+        changed: list[tuple[int, list[int]]] = []
+        for request in requests:
+            row = self._row_of.get(request.request_id)
+            if row is not None and self._owner[row] is request and request.block_table is not self._copied_from[row]:
+                changed.append((row, request.block_table))
         if not changed:
             return
-        width = max(len(tables[i]) for i in changed)
+        width = max(len(table) for _, table in changed)
         if width > self.array.shape[1]:
             self._grow(self.array.shape[0], max(2 * self.array.shape[1], width, 8))
         at_rows: list[int] = []
         at_columns: list[int] = []
         values: list[int] = []
-        for i in changed:
-            row, table = rows[i], tables[i]
+        for row, table in changed:
             old = self._copied_from[row]
             start = len(old)
             if table[:start] != old:  # not an extension of the old table: rewrite the row
@@ -287,18 +301,20 @@ class _TableRows:
             self._copied_from[row] = table
         self.array[at_rows, at_columns] = values
 
-    def _take_row(self, request_id: str) -> int:
+    def _take_row(self, request: Request) -> int:
         if not self._free:
             old = len(self._copied_from)
             self._grow(max(2 * old, 16), self.array.shape[1])
             self._free = list(range(len(self._copied_from) - 1, old - 1, -1))  # the lowest row first
-        row = self._row_of[request_id] = self._free.pop()
+        row = self._row_of[request.request_id] = self._free.pop()
+        self._owner[row] = request
         return row
 
     def _grow(self, rows: int, width: int) -> None:
         grown = np.zeros((rows, width), dtype=np.int32)
         grown[: self.array.shape[0], : self.array.shape[1]] = self.array
         self.array = grown
+        self._owner += [None] * (rows - len(self._owner))
         self._copied_from += [_NO_TABLE] * (rows - len(self._copied_from))
 
 
@@ -306,7 +322,6 @@ _NO_TABLE: list[int] = []  # what a free row holds: no request's table is this l
 # Per-request reads done with map() at C speed.
 _num_computed = operator.attrgetter("num_computed")
 _request_id = operator.attrgetter("request_id")
-_block_table = operator.attrgetter("block_table")
 _kept_batch_columns = operator.attrgetter("batch_columns")
 
 
@@ -326,7 +341,7 @@ def build_batch_meta(
     """One batch, with nothing kept (tests, tools); the engine core keeps a `BatchBuilder`. Constrained
     requests that sample get their grammar's bitmask row from `structured` (the scheduler's); a batch
     without any carries none."""
-    return BatchBuilder(block_size, eos_token_id, structured).build(batch, batch_id, released_ids)
+    return BatchBuilder(block_size, eos_token_id, [], structured).build(batch, batch_id, released_ids)
 
 
 def _row_extras(row: int, request: Request) -> RowExtras:

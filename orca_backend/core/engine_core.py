@@ -79,7 +79,7 @@ class EngineCore:
             pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
             priority_aging_s=config.priority_aging_s, structured=self.structured,
         )  # fmt: skip
-        self.batch_builder = BatchBuilder(self.kv.block_size, model_config.eos_token_id, self.structured)
+        self.batch_builder = BatchBuilder(self.kv.block_size, model_config.eos_token_id, self.kv.table_changes, self.structured)
         self._in_flight: deque[ScheduledBatch] = deque()
         self._batch_ids = itertools.count()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.

@@ -175,17 +175,23 @@ class Scheduler:
             return self._schedule_suspects(budget)
         idle, preemptions = not self.running, self.num_preemptions
         # One pass over the running requests (this runs every iteration for every one of them): what
-        # each has left to compute, and which decodes cross into a block they do not hold yet.
+        # each has left to compute, and which decodes cross into a block they do not hold yet. Each
+        # decode is marked in flight here, as the steady state below takes them all; the general path
+        # takes the marks back first.
         block_size = self.kv.block_size
         decodes: list[Request] = []
         prefills: list[Request] = []
         need_block: list[Request] = []
+        last_prompt_tokens = 0  # decodes of a prompt's last token (the rest was a prefix-cache hit)
         for request in self.running:
             if request.in_flight:  # its batch has not returned (pipeline parallelism)
                 continue
-            left = request.num_prompt_tokens + len(request.output_ids) - request.num_computed
+            num_output = len(request.output_ids)
+            left = request.num_prompt_tokens + num_output - request.num_computed
             if left == 1:
+                request.in_flight = True
                 decodes.append(request)
+                last_prompt_tokens += not num_output
                 if request.num_computed >= len(request.block_table) * block_size:
                     need_block.append(request)
             elif left > 1:
@@ -195,11 +201,10 @@ class Scheduler:
             # preempted and the loop below would take every decode as it is, in order.
             batch = ScheduledBatch(decodes, [1] * len(decodes), num_decodes=len(decodes))
             budget -= len(decodes)
-            for request in decodes:
-                request.in_flight = True
-                if not request.output_ids:  # its last prompt token (the rest was a prefix-cache hit)
-                    self.num_prompt_tokens_computed += 1
+            self.num_prompt_tokens_computed += last_prompt_tokens
         else:
+            for request in decodes:  # only what the loop below schedules is in flight
+                request.in_flight = False
             batch = ScheduledBatch([], [])
             for i, request in enumerate(decodes + prefills):
                 if len(batch.requests) == self.max_num_seqs or budget == 0:

@@ -84,8 +84,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             tensors = [t.to(self.device, non_blocking=True) for t in tensors]
         flat64, flat32, block_tables = tensors
-        input_ids, positions, slot_mapping = flat64.split([num_tokens, num_tokens, num_tokens])
-        query_start_t, context_lens_t, logits_index_tensor = flat32.split([num_requests + 1, num_requests, num_requests])
+        # split_with_sizes, not split: the same views without split's Python wrapper (microseconds a step)
+        input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, num_tokens])
+        query_start_t, context_lens_t, logits_index_tensor = flat32.split_with_sizes([num_requests + 1, num_requests, num_requests])
         attn_meta = AttentionMetadata(
             query_start=query_start_t,
             context_lens=context_lens_t,
