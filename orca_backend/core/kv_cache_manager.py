@@ -110,8 +110,8 @@ class KVCacheManager(ABC):
             return True
         if missing > self.pool.num_free:
             return False
-        # A new list, never an append: the batch builder tells a grown table from a re-admitted
-        # one by comparing it with the list its kept row was copied from.
+        # A new list, never an append: the batch builder's kept row was copied from the old list,
+        # and it tells that a logged table changed by its no longer being that list.
         request.block_table = request.block_table + self.pool.allocate(missing)
         self.table_changes.append(request)
         return True
