@@ -43,8 +43,7 @@ class _Columns:
     structured_rows: list[int]
     min_tokens_rows: list[int]  # may ban EOS and stop ids while short of min_tokens
     # Each request's row of the kept block tables (_TableRows), set by the set's first batch with decodes.
-    table_rows: list[int] | None = None
-    table_row_index: np.ndarray | None = None  # the same, as an index array
+    table_rows: np.ndarray | None = None
 
 
 def _batch_columns(request: Request) -> tuple[str, float, int, float, int, bool, bool, bool]:
@@ -137,10 +136,8 @@ class BatchBuilder:
         if not num_decodes:
             return _meta(batch_id, *self._flatten_each(requests, batch.num_new_tokens))
         if columns.table_rows is None:
-            columns.table_rows = self._table_rows.assign(requests)
-            columns.table_row_index = np.array(columns.table_rows, dtype=np.intp)
-        row_index = columns.table_row_index
-        assert row_index is not None
+            columns.table_rows = np.array(self._table_rows.assign(requests), dtype=np.intp)
+        row_index = columns.table_rows
         if num_decodes == len(requests):  # the steady state
             return _meta(batch_id, *self._flatten_decodes(requests, row_index))
         # Both parts' tables hold each request's first W blocks, W the wider part's width.
