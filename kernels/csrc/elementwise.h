@@ -1,5 +1,5 @@
-/* What the element-wise libraries (llama_ops.c, gpt2_ops.c) share: how they round and when they
- * use threads. Include it before any function.
+/* What the element-wise libraries (llama_ops.c, gpt2_ops.c) share: how they round, when they use
+ * threads, and their norms' fused residual add. Include it before any function.
  *
  * Rounding: floating-point contraction is off, so that each operation rounds as written; with
  * -march=native the compiler would otherwise fuse `a * b - c * d` into one fma, rounded unlike
@@ -20,5 +20,19 @@
 #endif
 
 #define PARALLEL_MIN_ELEMENTS (1 << 15)
+
+#include <stdint.h>
+
+/* The residual add the norm kernels fuse, for row r: with a residual, writes s + residual's row r
+ * into summed's row r (contiguous [rows, hidden]) and returns it; without one, returns s. */
+static inline const float *add_residual_row(const float *s, const float *residual, int64_t res_stride, float *summed,
+                                            int64_t r, int64_t hidden) {
+    if (!residual) return s;
+    const float *res = residual + r * res_stride;
+    float *sum = summed + r * hidden;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) sum[i] = s[i] + res[i];
+    return sum;
+}
 
 #endif

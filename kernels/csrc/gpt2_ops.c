@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS */
+#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
 
 #define MAX_LANES 16
 #define CHUNK 16     /* kChunkSize in torch's moments_utils.h: vectors per Welford chunk */
@@ -110,14 +110,7 @@ void orca_add_layernorm_f32(const float *x, int64_t x_stride, const float *resid
                             int64_t hidden, float eps, int64_t lanes, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *s = x + r * x_stride;
-        if (residual) {
-            const float *res = residual + r * res_stride;
-            float *sum = summed + r * hidden;
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; i++) sum[i] = s[i] + res[i];
-            s = sum;
-        }
+        const float *s = add_residual_row(x + r * x_stride, residual, res_stride, summed, r, hidden);
         float mean, var;
         row_moments(s, hidden, lanes, &mean, &var);
         const float rstd = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps);

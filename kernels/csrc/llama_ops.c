@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS */
+#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
 
 /* The sum of the fp32 squares of s[0..n) added in exactly the order of torch's CPU sum kernel
  * (cascade_sum in aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
@@ -81,14 +81,7 @@ void orca_add_rmsnorm_f32(const float *x, int64_t x_stride, const float *residua
                           int64_t lanes, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *s = x + r * x_stride;
-        if (residual) {
-            const float *res = residual + r * res_stride;
-            float *sum = summed + r * hidden;
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; i++) sum[i] = s[i] + res[i];
-            s = sum;
-        }
+        const float *s = add_residual_row(x + r * x_stride, residual, res_stride, summed, r, hidden);
         const float var = sum_squares_torch_order(s, hidden, lanes) / (float)hidden;
         const float rstd = 1.0f / sqrtf(var + eps);
         float *o = out + r * hidden;
