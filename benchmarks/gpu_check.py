@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from orca_backend import LLM, EngineConfig, ModelConfig
+from orca_client import machine
 from orca_client.workload import TraceRequest, synthetic_trace
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -735,16 +736,6 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 # Each knob's default for the full run on a GPU, and (QUICK) for --quick: every section end to end in
 # well under a minute on a small CPU, as CI runs it (tests/test_gpu_check.py). Flags given on the
 # command line win over both.
@@ -854,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-            "host_cpu": host_cpu(),
+            "host_cpu": machine.summary(),
             "torch_threads": torch.get_num_threads(),
         },  # fmt: skip
         "errors": {},

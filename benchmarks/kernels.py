@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from orca_client import machine
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (atol, rtol) against the fp32 reference: a couple of ulps of the dtype (tests/test_kernels.py).
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3), torch.float32: (1e-4, 1e-4)}
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     device = "cpu (Triton interpreter)" if args.interpret else torch.cuda.get_device_name()
+    print(f"host: {machine.summary()}")
     print(
         f"device: {device}; dtype {args.dtype}; peak {args.peak_bw_gbs:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s"
     )
@@ -313,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print(r.row(args.peak_bw_gbs, args.peak_tflops))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, f, indent=2)
+            json.dump({"args": vars(args), "machine": machine.describe(), "results": [asdict(r) for r in results]}, f,
+                      indent=2)
     bad = [r for r in results if r.impl == "triton" and not r.ok]
     for r in bad:
         print(

@@ -38,6 +38,7 @@ import torch
 from orca_backend import LLM, EngineConfig, SamplingParams
 from orca_backend.config import PRESETS, LlamaConfig
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_client import machine
 from orca_client.workload import TraceRequest, synthetic_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,7 +326,8 @@ def main() -> None:
     checkpoint_dir = Path(args.checkpoint_dir or ROOT / "runs" / f"{args.model}-random")
     trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
                             vocab_size=PRESETS[args.model].vocab_size, seed=0)
-    results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+    results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe()}
+    print(f"machine: {machine.summary(results['machine'])}", flush=True)
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)
         if suite == "throughput":

@@ -12,6 +12,7 @@ import argparse
 import time
 
 from orca_backend import LLM, SamplingParams
+from orca_client import machine
 from orca_client.workload import synthetic_trace
 
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
+    print(f"machine: {machine.summary()}")
     rates = {}
     for spec in args.configs.split(","):
         tp, pp = (int(x) for x in spec.split("x"))

@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orca_client import bench_server, protocol, served_path
+from orca_client import bench_server, machine, protocol, served_path
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import EngineRunStats, ServedModel
 from orca_client.early_stop import with_early_stops
@@ -848,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             interrupted = True
             result["notes"].append("interrupted: partial results")
+    host = machine.describe()
     result.update({
         "command": "orca-bench " + shlex.join(argv),
         "started": started_wall.isoformat(timespec="seconds"),
@@ -857,8 +858,9 @@ def main(argv: list[str] | None = None) -> int:
             "model": "echo (load generator check)" if args.echo else _model_name(served.get("model") or args.model),
             "device": served.get("device") or args.device, "dtype": served.get("dtype") or args.dtype,
             "server_parameters": served, "workload": workload.description,
-            "host": f"Client and server on {platform.node()} ({os.cpu_count()} CPUs, load average at the end "
-                    f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}).",
+            "host": f"Client and server on {platform.node()}: {machine.summary(host)}; load average at the end "
+                    f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
+            "machine": host,
             "arguments": vars(args),
         },
     })  # fmt: skip

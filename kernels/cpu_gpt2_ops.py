@@ -19,9 +19,10 @@ import functools
 
 import torch
 
+from orca_kernels.layernorm import add_layernorm_torch
 from orca_kernels.native import I64 as _I64
 from orca_kernels.native import PTR as _P
-from orca_kernels.native import TORCH_FLOAT_LANES, check_float32, declare
+from orca_kernels.native import TorchOrder, check_float32, declare, probe_torch_order
 from orca_kernels.rows import as_rows, empty_rows
 
 LIBRARY = "gpt2_ops"
@@ -45,6 +46,27 @@ def load_gpt2_kernels() -> None:
     the reason, as `load_decode_kernel` does."""
     load_add_layernorm_kernel()
     load_bias_gelu_kernel()
+    add_layernorm_order()
+
+
+@functools.cache
+def add_layernorm_order() -> TorchOrder:
+    """The width torch's LayerNorm computes its moments in here. The kernel's variance is torch's to
+    an ulp or two, not bit for bit (gpt2_ops.c, row_moments), so this compares within 1e-5; rows
+    with a large common offset tell the widths apart (at the wrong one outputs move by ~1e-4)."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randn(16, hidden, generator=gen) + offset for hidden in (100, 768, 4099) for offset in (0.0, 1000.0)]
+    weight, bias = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen)
+
+    def agrees(lanes: int) -> bool:
+        for x in probes:
+            w, b = weight[: x.shape[1]], bias[: x.shape[1]]
+            got, ref = add_layernorm_cpu(x, None, w, b, 1e-5, lanes)[0], add_layernorm_torch(x, None, w, b, 1e-5)[0]
+            if not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
+                return False
+        return True
+
+    return probe_torch_order("add+LayerNorm", agrees)
 
 
 # As in cpu_llama_ops: written for speed at one token, where each wrapper costs about as much as
@@ -52,10 +74,17 @@ def load_gpt2_kernels() -> None:
 
 
 def add_layernorm_cpu(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    lanes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `add_layernorm_torch`: (LayerNorm(x + residual), x + residual), the sum
-    being x itself when residual is None. Any leading shape; x and residual may be strided."""
+    being x itself when residual is None. Any leading shape; x and residual may be strided.
+    `lanes` (0: the width probed on this machine, `add_layernorm_order`) is the vector width of
+    torch's moments order."""
     check_float32("add_layernorm_cpu", x, residual, weight, bias)
     hidden = x.shape[-1]
     if (
@@ -78,7 +107,8 @@ def add_layernorm_cpu(
     if rows and hidden:
         load_add_layernorm_kernel()(
             x2.data_ptr(), x2.stride(0), res_ptr, res_stride, weight.contiguous().data_ptr(),
-            bias.contiguous().data_ptr(), out.data_ptr(), summed.data_ptr(), rows, hidden, eps, TORCH_FLOAT_LANES,
+            bias.contiguous().data_ptr(), out.data_ptr(), summed.data_ptr(), rows, hidden, eps,
+            lanes or add_layernorm_order().lanes,
             torch.get_num_threads(),
         )  # fmt: skip
     return out, summed

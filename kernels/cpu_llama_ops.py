@@ -20,10 +20,11 @@ import torch
 
 from orca_kernels.native import I64 as _I64
 from orca_kernels.native import PTR as _P
-from orca_kernels.native import TORCH_FLOAT_LANES, check_float32, declare
+from orca_kernels.native import TorchOrder, check_float32, declare, probe_torch_order
+from orca_kernels.rmsnorm import add_rmsnorm_torch
 from orca_kernels.rotary import check_rotary_args
 from orca_kernels.rows import as_rows, empty_rows
-from orca_kernels.silu import gate_up_split
+from orca_kernels.silu import gate_up_split, silu_and_mul_torch
 
 LIBRARY = "llama_ops"
 
@@ -50,11 +51,46 @@ def load_silu_and_mul_kernel() -> ctypes._CFuncPtr:
 
 
 def load_llama_kernels() -> None:
-    """Builds (once per machine) and declares every kernel; raises NativeBuildError or OSError with
-    the reason, as `load_decode_kernel` does."""
+    """Builds (once per machine) and declares every kernel and probes the vector widths torch adds
+    in; raises NativeBuildError or OSError with the reason, as `load_decode_kernel` does."""
     load_add_rmsnorm_kernel()
     load_rotary_kernel()
     load_silu_and_mul_kernel()
+    add_rmsnorm_order()
+    silu_and_mul_order()
+
+
+def _probe_rows(rows: int, width: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@functools.cache
+def add_rmsnorm_order() -> TorchOrder:
+    """The width torch's sum (which the reference's mean runs) adds in here. The probe widths
+    exercise every part of its order (scalar rows, whole ILP rows, leftover vectors, the scalar
+    tail, the cascade's levels); random rows differ between 8 and 16 lanes in about half of them."""
+    probes = [(_probe_rows(8, hidden, seed=hidden), _probe_rows(8, hidden, seed=hidden + 1), _probe_rows(1, hidden, seed=2)[0])
+              for hidden in (64, 100, 773, 4099, 40000)]  # fmt: skip
+
+    def agrees(lanes: int) -> bool:
+        return all(torch.equal(add_rmsnorm_cpu(x, r, w, 1e-6, lanes)[0], add_rmsnorm_torch(x, r, w, 1e-6)[0])
+                   for x, r, w in probes)  # fmt: skip
+
+    return probe_torch_order("add+RMSNorm", agrees)
+
+
+@functools.cache
+def silu_and_mul_order() -> TorchOrder:
+    """The width torch's element-wise loop splits SiLU's rows at here (two vectors with SLEEF's exp,
+    the rest with std::exp): inner widths that are 16 or more past a multiple of 32 split
+    differently at 8 and 16 lanes, and the two exps differ in the last bit for a few percent of
+    inputs."""
+    probes = [_probe_rows(64, 2 * inner, seed=inner, scale=4.0) for inner in (24, 56, 1016)]
+
+    def agrees(lanes: int) -> bool:
+        return all(torch.equal(silu_and_mul_cpu(x, lanes), silu_and_mul_torch(x)) for x in probes)
+
+    return probe_torch_order("SiLU-and-mul", agrees)
 
 
 # The wrappers below are written for speed at one token, where each of them costs about as much as
@@ -62,11 +98,12 @@ def load_llama_kernels() -> None:
 
 
 def add_rmsnorm_cpu(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lanes: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `add_rmsnorm_torch`: (RMSNorm(x + residual), x + residual), the sum being x
     itself when residual is None. Any leading shape ([T, hidden], or [T * heads, head_dim] for
-    Qwen3's per-head norm); x and residual may be strided."""
+    Qwen3's per-head norm); x and residual may be strided. `lanes` (0: the width probed on this
+    machine, `add_rmsnorm_order`) is the vector width of torch's order the squares are added in."""
     check_float32("add_rmsnorm_cpu", x, residual, weight)
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
@@ -84,7 +121,7 @@ def add_rmsnorm_cpu(
     if rows:
         load_add_rmsnorm_kernel()(
             x2.data_ptr(), x2.stride(0), res_ptr, res_stride, weight.contiguous().data_ptr(), out.data_ptr(),
-            summed.data_ptr(), rows, hidden, eps, TORCH_FLOAT_LANES, torch.get_num_threads(),
+            summed.data_ptr(), rows, hidden, eps, lanes or add_rmsnorm_order().lanes, torch.get_num_threads(),
         )  # fmt: skip
     return out, summed
 
@@ -123,9 +160,10 @@ def rotary_cpu(
     return q_out, k_out
 
 
-def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_cpu(x: torch.Tensor, lanes: int = 0) -> torch.Tensor:
     """Same contract as `silu_and_mul_torch`: x [..., 2 * inner] (gate, then up) -> silu(gate) * up
-    [..., inner]."""
+    [..., inner]. `lanes` (0: the width probed on this machine, `silu_and_mul_order`) is the vector
+    width whose pairs take SLEEF's exp, as in torch's loop."""
     check_float32("silu_and_mul_cpu", x)
     inner = gate_up_split(x.shape[-1])
     x2 = as_rows(x, 2 * inner)
@@ -138,7 +176,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
             out.data_ptr(),
             rows,
             inner,
-            TORCH_FLOAT_LANES,
+            lanes or silu_and_mul_order().lanes,
             torch.get_num_threads(),
         )
     return out

@@ -6,12 +6,14 @@ element-wise op in half precision).
 ``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
 ``TRITON_INTERPRET=1``, set before the process first imports triton; ``torch`` is the plain
 references). A forced choice that cannot run is an error. Under ``auto`` on CPU, a machine with no
-C compiler gets the torch references with a logged warning naming the reason — the one documented
-fallback, since the result is the same and only slower.
+C compiler gets the torch references with a logged warning naming the reason, and so does any op whose C
+kernel does not reproduce torch's rounding on this machine (native.probe_torch_order) — the documented
+fallbacks, since the result is the same and only slower.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -183,7 +185,22 @@ def _cpu_ops(device: torch.device, forced: bool) -> KernelOps:
             logger.warning("orca kernels: the C %s kernel is unavailable (%s); using the slower torch "
                            "references on CPU", kernel, e)  # fmt: skip
             return TORCH_OPS
-    return CPU_OPS
+    # A C kernel that reproduces torch's rounding but agrees with torch at no vector width on this
+    # machine (probed at load, logged there) gives way to its torch reference: the op is slower, the
+    # tokens stay transformers'.
+    replaced = {
+        op: reference
+        for op, order, reference in (
+            ("add_rmsnorm", cpu_llama_ops.add_rmsnorm_order(), add_rmsnorm_torch),
+            ("silu_and_mul", cpu_llama_ops.silu_and_mul_order(), silu_and_mul_torch),
+            ("add_layernorm", cpu_gpt2_ops.add_layernorm_order(), add_layernorm_torch),
+        )
+        if not order.matches
+    }
+    if replaced and forced:
+        raise RuntimeError(f"{KERNEL_ENV}=cpu: the C kernels for {sorted(replaced)} do not reproduce torch's "
+                           "rounding on this machine (see the log)")  # fmt: skip
+    return dataclasses.replace(CPU_OPS, **replaced) if replaced else CPU_OPS
 
 
 def get_ops(device: torch.device | str, choice: str | None = None) -> KernelOps:

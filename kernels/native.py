@@ -13,13 +13,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("orca.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
@@ -85,9 +90,40 @@ def load(name: str) -> ctypes.CDLL:
 PTR = ctypes.c_void_p
 I64 = ctypes.c_int64
 
-# Vectorized<float>::size() in torch's CPU kernels: the norm kernels add in torch's order and SiLU
-# splits its rows as torch does, both of which depend on it.
-TORCH_FLOAT_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+# The vector width (floats) of torch's CPU kernels compiled for the capability it dispatches to
+# (ATEN_CPU_CAPABILITY overrides it): Vectorized<float>::size() is 16 under AVX512, 8 otherwise.
+CAPABILITY_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+LANE_CANDIDATES = (16, 8, 4)
+
+
+@dataclass(frozen=True)
+class TorchOrder:
+    """How a C kernel that reproduces one of torch's CPU kernels' rounding runs on this machine."""
+
+    lanes: int  # the vector width it adds (or splits rows) in
+    matches: bool  # whether at that width its outputs agree with torch's on the probe rows
+
+
+def probe_torch_order(kernel: str, agrees: Callable[[int], bool]) -> TorchOrder:
+    """The vector width at which `agrees(lanes)` (the C kernel at that width against its torch
+    reference on probe rows) holds, the capability's own width tried first.
+
+    Not every torch kernel has a build for every capability: under AVX512, torch 2.13's sum and
+    LayerNorm run their AVX2 build (registered without ALSO_REGISTER_AVX512_DISPATCH) while its
+    element-wise kernels run 16-wide, so the width is measured per kernel, not read off the CPU.
+    Where no width agrees, `matches` is False and dispatch keeps the torch reference for that op
+    (logged here, once per kernel and process)."""
+    order = [CAPABILITY_LANES, *(lanes for lanes in LANE_CANDIDATES if lanes != CAPABILITY_LANES)]
+    capability = torch.backends.cpu.get_cpu_capability()
+    for lanes in order:
+        if agrees(lanes):
+            logger.info("orca kernels: the C %s kernel follows torch's order in %d-float vectors (torch's CPU "
+                        "capability %s)", kernel, lanes, capability)  # fmt: skip
+            return TorchOrder(lanes, True)
+    logger.warning("orca kernels: the C %s kernel does not reproduce torch's rounding at any vector width in %s "
+                   "(torch %s, CPU capability %s); that op runs the torch reference", kernel, order,
+                   torch.__version__, capability)  # fmt: skip
+    return TorchOrder(CAPABILITY_LANES, False)
 
 
 def declare(library: str, name: str, argtypes: list, restype: type | None) -> ctypes._CFuncPtr:

@@ -15,6 +15,7 @@ import statistics
 
 import numpy as np
 import pytest
+import torch
 
 from orca_client import bench, bench_metrics, report, served_path, workload
 from orca_client.bench_metrics import Stats, summarize, sustained_throughput
@@ -739,6 +740,10 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     data = json.loads((out / "bench.json").read_text())
     assert (out / "summary.md").is_file() and (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
     assert data["command"] == "orca-bench " + " ".join(argv)
+    # The report names the machine: figures move with the CPU and the width torch's kernels run at.
+    host = data["setup"]["machine"]
+    assert host["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and host["cpu"]
+    assert f"torch CPU capability {host['torch_cpu_capability']}" in (out / "summary.md").read_text()
 
     # The same trace the bench replayed, rebuilt independently from the seed.
     trace = workload.synthetic_trace(64, "uniform:4:24", "uniform:1:24", config.vocab_size, request_rate=1.0, seed=0)
@@ -753,11 +758,10 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
             assert rec["max_tokens"] == req.max_tokens and rec["prompt_len"] == req.prompt_len
             assert sum(rec["response_tokens"]) == req.max_tokens == rec["reported_output_tokens"]
             assert rec["finish_reason"] == "length"
-            # orca streams (a response may merge tokens when responses fall behind the engine);
-            # the request-level baseline answers once at the end.
+            # orca streams (a response may merge tokens when responses fall behind the engine, on a
+            # fast CPU all of them); the request-level baseline answers once at the end.
             assert 1 <= len(rec["response_times"]) <= (req.max_tokens if m["model"].startswith("orca") else 1)
         if m["model"].startswith("orca"):
-            assert sum(len(r["response_times"]) for r in raw["requests"]) > len(raw["requests"])
             # The engine's metrics over the run: every prompt computed once, nothing preempted. The
             # peak is sampled every 0.2 s: a tiny model's requests can all fall between samples.
             assert m["engine_metrics_note"] is None and 0 <= m["peak_running"] <= 10
@@ -790,7 +794,11 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     assert row["streams"] == 8 and row["skipped"] is None and row["served_errors"] == 0
     assert row["served_tokens_per_s"] > 0 and row["offline_tokens_per_s"] > 0
     assert row["offline"]["output_tokens"] == row["served_runs"][0]["output_tokens"] == 8 * 16
-    assert row["stub_cpu_us_per_token"] > 0 and row["tritonserver_cpu_us_per_token"] > 0
+    # CPU comes from /proc in clock ticks (10 ms), and 128 tokens can cost the stub or tritonserver
+    # less than one on a fast CPU: asserted is that every process was found and measured.
+    cpu = row["served_runs"][0]["server_cpu_s"]
+    assert "orca" in cpu["stub"] and "orca" in cpu["engine"]
+    assert min(row[f"{p}_cpu_us_per_token"] for p in ("stub", "engine", "tritonserver")) >= 0
     assert 0 < row["responses_per_token"] <= 1
     assert data["served_path"]["fairness"]["orca_over_baseline"] > 0
     assert "## Served path" in (out / "summary.md").read_text()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from orca_kernels import cpu_gpt2_ops, dispatch, get_ops
-from orca_kernels.cpu_gpt2_ops import add_layernorm_cpu, bias_gelu_cpu
+from orca_kernels.cpu_gpt2_ops import add_layernorm_cpu, add_layernorm_order, bias_gelu_cpu
 from orca_kernels.gelu import bias_gelu_torch
 from orca_kernels.layernorm import add_layernorm_torch
 
@@ -50,7 +50,11 @@ def test_add_layernorm_matches_reference(hidden: int, tokens: int, with_residual
 
 def test_add_layernorm_large_offset_and_constant_rows() -> None:
     """A large common offset (the variance is a small difference of large numbers for a naive
-    sum of squares) and a constant row (variance 0: the output is the bias)."""
+    sum of squares) and a constant row (variance 0: the output is the bias). Offset rows need
+    torch's own vector width: at the other one the moments round differently by ~1e-4 (the probe
+    tells the widths apart by these rows; where no width agrees the reference runs instead)."""
+    if not add_layernorm_order().matches:
+        pytest.skip("torch's LayerNorm order is reproduced at no width here; dispatch runs the reference")
     x = _randn(4, 768, seed=1, shift=1000.0)
     weight, bias = _randn(768, seed=2), _randn(768, seed=3)
     torch.testing.assert_close(
@@ -149,6 +153,10 @@ def test_wrappers_take_float32_cpu_tensors_only() -> None:
         bias_gelu_cpu(x, w)
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="under other builds an op whose order is not reproduced keeps its reference (test_cpu_llama_ops)",
+)
 def test_cpu_ops_use_the_c_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ORCA_KERNELS", raising=False)
     ops = get_ops("cpu")

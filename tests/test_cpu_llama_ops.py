@@ -3,22 +3,34 @@ against their torch references, and how dispatch wires them into CPU_OPS."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 
+import numpy as np
 import pytest
 import torch
 
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_kernels import cpu_llama_ops, dispatch, get_ops
-from orca_kernels.cpu_llama_ops import add_rmsnorm_cpu, rotary_cpu, silu_and_mul_cpu
+from orca_kernels.cpu_llama_ops import (
+    add_rmsnorm_cpu,
+    add_rmsnorm_order,
+    load_add_rmsnorm_kernel,
+    rotary_cpu,
+    silu_and_mul_cpu,
+    silu_and_mul_order,
+)
+from orca_kernels.native import TorchOrder
 from orca_kernels.rmsnorm import add_rmsnorm_torch
 from orca_kernels.rotary import rotary_torch
 from orca_kernels.silu import silu_and_mul_torch
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-# torch's CPU kernels vectorise with fixed-width vectors on x86 (AVX2 / AVX512), whose summation
-# order the RMSNorm kernel reproduces; elsewhere only the tolerance is promised.
+# torch's CPU kernels vectorise with fixed-width vectors on x86, whose summation order the RMSNorm
+# kernel reproduces; elsewhere only the tolerance is promised. Its AVX2 and AVX512 builds (not the
+# DEFAULT one that ATEN_CPU_CAPABILITY=default forces) are those every kernel's order is known for.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+VECTORISED = X86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -85,12 +97,72 @@ def test_add_rmsnorm_many_tokens_any_thread_count(threads: int) -> None:
 @pytest.mark.skipif(not X86, reason="torch's summation order is reproduced for its x86 vector widths")
 @pytest.mark.parametrize("hidden", [5, 64, 100, 768, 4096, 40000])
 def test_add_rmsnorm_is_bit_identical_to_reference(hidden: int) -> None:
-    """The sum of squares is added in torch's own order, so outputs equal the reference's (and
-    transformers') exactly: a last-bit difference could flip a greedy token."""
+    """The sum of squares is added in torch's own order, at the width torch's sum runs at here
+    (probed: under AVX512, torch 2.13's sum runs its AVX2 build), so outputs equal the
+    reference's (and transformers') exactly: a last-bit difference could flip a greedy token."""
+    assert add_rmsnorm_order().matches
     x, residual, weight = _randn(16, hidden, seed=hidden), _randn(16, hidden, seed=1), _randn(hidden, seed=2)
     assert torch.equal(
         add_rmsnorm_cpu(x, residual, weight, 1e-6)[0], add_rmsnorm_torch(x, residual, weight, 1e-6)[0]
     )
+
+
+def _sum_squares_in_torch_order(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """Each row's float32 sum of squares added as torch's cascade_sum adds a contiguous row
+    (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum, row_sum, multi_row_sum) with
+    Vectorized<float>::size() == lanes, written from that code independently of the C kernel."""
+    n = rows.shape[1]
+    if n < lanes:  # scalar_inner_sum: one-float vectors
+        lanes = 1
+    sq = rows.astype(np.float32) ** 2
+    vecs = n // lanes
+    size_ilp = vecs // 4  # row_sum: the row as (-1, 4) vectors
+    level_power = max(4, ((size_ilp - 1).bit_length() if size_ilp > 2 else 1) // 4)  # CeilLog2(size) / 4 levels
+    step, mask = 1 << level_power, (1 << level_power) - 1
+    acc = np.zeros((4, rows.shape[0], 4 * lanes), np.float32)  # 4 levels of ILP rows of vectors
+    ilp_row = lambda i: sq[:, i * 4 * lanes : (i + 1) * 4 * lanes]  # noqa: E731
+    i = 0
+    while i + step <= size_ilp:
+        for _ in range(step):
+            acc[0] += ilp_row(i)
+            i += 1
+        for j in range(1, 4):
+            acc[j] += acc[j - 1]
+            acc[j - 1] = 0
+            if i & (mask << (j * level_power)):
+                break
+    while i < size_ilp:
+        acc[0] += ilp_row(i)
+        i += 1
+    for j in range(1, 4):
+        acc[0] += acc[j]
+    vec = [acc[0][:, k * lanes : (k + 1) * lanes] for k in range(4)]
+    for v in range(size_ilp * 4, vecs):  # whole vectors left over go into the first partial sum
+        vec[0] = vec[0] + sq[:, v * lanes : (v + 1) * lanes]
+    for k in range(1, 4):
+        vec[0] = vec[0] + vec[k]
+    total = np.zeros(rows.shape[0], np.float32)
+    for k in range(vecs * lanes, n):  # the scalar tail, then each lane in turn
+        total += sq[:, k]
+    for lane in range(lanes):
+        total += vec[0][:, lane]
+    return total
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("hidden", [5, 12, 64, 100, 773, 4099, 40000])
+def test_add_rmsnorm_adds_in_torch_order_at_either_width(lanes: int, hidden: int) -> None:
+    """Both x86 widths' orders, whatever this machine's is: the kernel driven at 8 and 16 lanes
+    equals an RMSNorm whose sum of squares is added in torch's order at that width (mean = sum /
+    hidden, rstd = 1 / sqrt, then x * rstd and weight * that, each rounded in float32)."""
+    x, weight = _randn(6, hidden, seed=hidden + lanes), _randn(hidden, seed=3)
+    out = torch.empty_like(x)
+    load_add_rmsnorm_kernel()(x.data_ptr(), hidden, None, 0, weight.data_ptr(), out.data_ptr(), x.data_ptr(), 6,
+                              hidden, 1e-6, lanes, 1)  # fmt: skip
+    var = _sum_squares_in_torch_order(x.numpy(), lanes) / np.float32(hidden)
+    rstd = np.float32(1.0) / np.sqrt(var + np.float32(1e-6))
+    expected = weight.numpy() * (x.numpy() * rstd[:, None])
+    assert np.array_equal(out.numpy(), expected)
 
 
 # --- rotary ------------------------------------------------------------------------------------
@@ -155,8 +227,29 @@ def test_silu_and_mul_matches_reference(inner: int, tokens: int) -> None:
     out = silu_and_mul_cpu(x)
     ref = silu_and_mul_torch(x)
     torch.testing.assert_close(out, ref, **TOL)
-    if X86:  # exp as torch's vectorised kernels compute it (SLEEF's expf_u10)
+    if silu_and_mul_order().matches:  # exp as torch's vectorised kernels compute it (SLEEF's expf_u10)
         assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not VECTORISED, reason="needs torch's vectorised exp (its AVX2 or AVX512 build)")
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("inner", [24, 40, 1016])
+def test_silu_and_mul_splits_rows_as_torch_at_either_width(lanes: int, inner: int) -> None:
+    """torch's loop gives SLEEF's exp to whole pairs of vectors and libm's expf to the rest of a
+    row: the kernel at 8 and 16 lanes equals that split at its width (the vectorised part from
+    F.silu over a multiple of 32 floats, which either x86 build runs vectorised, the tail from
+    libm's expf in float32), so both widths are checked whatever this machine's is."""
+    x = _randn(16, 2 * inner, seed=inner, scale=4.0)
+    gate, up = x[:, :inner], x[:, inner:]
+    split = inner - inner % (2 * lanes)
+    padded = torch.nn.functional.pad(gate, (0, -inner % 32))
+    vectorised = torch.nn.functional.silu(padded)[:, :inner] * up
+    expf = ctypes.CDLL("libm.so.6").expf
+    expf.argtypes, expf.restype = [ctypes.c_float], ctypes.c_float
+    g = gate.numpy()
+    scalar = g / (np.float32(1) + np.vectorize(lambda v: expf(-v), otypes=[np.float32])(g)) * up.numpy()
+    expected = torch.cat([vectorised[:, :split], torch.from_numpy(scalar[:, split:])], dim=1)
+    assert torch.equal(silu_and_mul_cpu(x, lanes), expected)
 
 
 def test_silu_and_mul_strided_leading_dims_and_extremes() -> None:
@@ -189,6 +282,29 @@ def test_wrappers_take_float32_cpu_tensors_only() -> None:
         rotary_cpu(x.view(2, 1, 64), x.view(2, 1, 64), torch.tensor([0, 1]), _table(64))
 
 
+@pytest.mark.skipif(not VECTORISED, reason="torch's order is known for its AVX2 and AVX512 builds")
+def test_probes_find_torch_order_on_x86_builds() -> None:
+    """On the builds the kernels are written for, every probe finds a width that agrees with torch
+    (a kernel whose order broke would show here, not as a slower machine)."""
+    from orca_kernels.cpu_gpt2_ops import add_layernorm_order
+
+    for order in (add_rmsnorm_order(), silu_and_mul_order(), add_layernorm_order()):
+        assert order.matches and order.lanes in (8, 16)
+
+
+def test_an_op_whose_order_matches_nowhere_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C kernel that agrees with torch at no width is not used (auto keeps its reference; a
+    forced ORCA_KERNELS=cpu is an error naming it), so the tokens stay transformers'."""
+    monkeypatch.delenv("ORCA_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_llama_ops, "add_rmsnorm_order", lambda: TorchOrder(8, False))
+    ops = get_ops("cpu")
+    assert ops.add_rmsnorm is add_rmsnorm_torch and ops.name == "cpu"
+    assert ops.rotary is dispatch.rotary_cpu_or_torch  # the others keep their C kernels
+    with pytest.raises(RuntimeError, match=r"ORCA_KERNELS=cpu: the C kernels for \[.*'add_rmsnorm'"):
+        get_ops("cpu", "cpu")
+
+
+@pytest.mark.skipif(not VECTORISED, reason="under other builds ops whose order is not reproduced keep the reference")
 def test_cpu_ops_use_the_c_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ORCA_KERNELS", raising=False)
     ops = get_ops("cpu")
