@@ -205,7 +205,7 @@ def suite_overhead(args) -> dict:
     iteration, as under load. "256-core": the lockstep 256 again, timing only what the engine core
     process does per iteration when served (the step and its frame to the frontend): the events,
     text and sinks are then the frontend's work, in the Triton stub's process beside it."""
-    from orca_backend.core.core_process import outputs_frame
+    from orca_backend.messages import outputs_frame
 
     result = {}
     scenarios = (("64", 64, False, False), ("256", 256, False, False), ("256-churn", 256, True, False),

@@ -366,6 +366,17 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+# The K/V pool's geometry, which the frontend's validation and the core's K/V manager both need.
+def pool_capacity_tokens(capacity_tokens: int, block_size: int) -> int:
+    """The slots of a pool of `capacity_tokens` cut into whole blocks."""
+    return capacity_tokens // block_size * block_size
+
+
+def fits_in_pool(num_tokens: int, capacity_tokens: int, block_size: int) -> bool:
+    """Whether `num_tokens` tokens fit an empty pool of whole blocks (validation needs no pool)."""
+    return -(-num_tokens // block_size) <= capacity_tokens // block_size
+
+
 def parameter_values(parameters: Mapping[str, Any], expand_env: bool = True) -> dict[str, str]:
     """config.pbtxt `parameters` as plain strings: the one reader of them (server and client).
 

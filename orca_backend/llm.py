@@ -9,6 +9,7 @@ from typing import Any
 from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine, Prompt, RequestOutput
 from orca_backend.engine.output_processor import Logprob
+from orca_backend.messages import FinishReason
 from orca_backend.sampling_params import SamplingParams
 
 
@@ -18,7 +19,7 @@ class CompletionOutput:
     num_input_tokens: int
     output_ids: list[int] = field(default_factory=list)
     text: str | None = None  # None when the model has no tokenizer
-    finish_reason: str | None = None  # "length" | "stop" | "timeout" (others raise: see LLM.generate)
+    finish_reason: FinishReason | None = None  # LENGTH, STOP or TIMEOUT (others raise: see LLM.generate)
     event_times: list[float] = field(default_factory=list)  # one per output event, the last is the finish
     # With SamplingParams.logprobs set (else None): one dict per output token, and their sum.
     logprobs: list[dict[int, Logprob]] | None = None
@@ -86,9 +87,9 @@ class LLM:
 
     def _completion(self, events: list[RequestOutput]) -> CompletionOutput:
         last = events[-1]
-        if last.finish_reason == "error":
+        if last.finish_reason is FinishReason.ERROR:
             raise RuntimeError(f"request {last.request_id} failed: {last.error}")
-        if last.finish_reason == "invalid":  # the request could not run as sent (e.g. a grammar that does not compile)
+        if last.finish_reason is FinishReason.INVALID:  # the request could not run as sent (e.g. a grammar that does not compile)
             raise ValueError(f"request {last.request_id} was refused: {last.error}")
         out = CompletionOutput(last.request_id, last.num_input_tokens, finish_reason=last.finish_reason)
         for e in events:

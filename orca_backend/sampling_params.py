@@ -14,6 +14,13 @@ MAX_TOP_K = 2**31 - 1  # anything at or above the vocabulary means no cut
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (vLLM, OpenAI)
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI)
+# A temperature below this samples greedily, as in vLLM (_SAMPLING_EPS): dividing the logits by 1e-300
+# gives infinities (it is 0 in float32) and the draw would come from NaNs.
+SAMPLING_EPS = 1e-5
+# Per-request token lists reach every iteration (the min_tokens ban, the logit bias), and under tp/pp
+# every rank: their size is bounded here, so one request cannot slow every other one's iterations.
+MAX_STOP_TOKEN_IDS = 1024  # distinct stop_token_ids
+MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries
 
 
 @dataclass
@@ -24,7 +31,7 @@ class SamplingParams:
 
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop conditions are ignored until this many tokens exist
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below SAMPLING_EPS) means greedy
     top_p: float = 1.0  # 0 means greedy too (OpenAI allows it; vLLM refuses it)
     top_k: int = 0  # 0 or -1: no top-k cut
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
@@ -56,7 +63,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # duplicates change nothing but the cost
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
@@ -72,6 +79,8 @@ class SamplingParams:
                f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"{len(self.stop_token_ids)} distinct stop_token_ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
@@ -82,6 +91,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict),
                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+                   f"logit_bias has {len(self.logit_bias)} entries, more than the limit of {MAX_LOGIT_BIAS_TOKENS}")
             for token, bias in self.logit_bias.items():
                 _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
                        f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
@@ -105,7 +116,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_p == 0.0
+        return self.temperature < SAMPLING_EPS or self.top_p == 0.0
 
     @property
     def penalized(self) -> bool:
@@ -184,10 +195,15 @@ def _coerce(key: str, raw: Any) -> Any:
         return raw
     if key == "stop_token_ids":
         _check(isinstance(raw, list), f"stop_token_ids must be a list of integers, got {raw!r}")
+        # Bounded before anything is converted: a 4 MiB request could otherwise carry ~2 M ids.
+        _check(len(raw) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids has {len(raw)} entries, more than the limit of "
+                                               f"{MAX_STOP_TOKEN_IDS}")  # fmt: skip
         return [_coerce("seed", t) for t in raw]
     if key == "logit_bias":
         # A JSON object's keys are strings: {"50256": -100}.
         _check(isinstance(raw, dict), f"logit_bias must be an object mapping token ids to numbers, got {raw!r}")
+        _check(len(raw) <= MAX_LOGIT_BIAS_TOKENS, f"logit_bias has {len(raw)} entries, more than the limit of "
+                                                  f"{MAX_LOGIT_BIAS_TOKENS}")  # fmt: skip
         return {_coerce_bias_key(token): _coerce_bias_value(bias) for token, bias in raw.items()}
     return raw
 

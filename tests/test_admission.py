@@ -274,18 +274,47 @@ def test_a_request_that_breaks_its_batch_fails_alone_and_the_others_are_exact(ti
     assert engine.core.kv.used_tokens == 0 and not engine.has_work()
 
 
-def test_every_member_failing_alone_still_spends_the_failure_budget(tiny_checkpoint):
-    """A sticky device error fails every batch: narrowing it down must not hide it from the budget."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_consecutive_failed_iterations=4))
-    poison_runner(engine, {f"r{i}" for i in range(8)})
-    streams = engine.add_requests([[1, 2]] * 8, GREEDY, request_ids=[f"r{i}" for i in range(8)])
+@pytest.mark.parametrize(("batch", "poisoned"), [(32, [3, 4, 20, 31]), (32, [0, 1, 2, 3, 4, 5, 6, 7]),
+                                                (256, [0, 1]), (256, [0, 37, 38, 90, 128, 129, 200, 255])])
+def test_any_number_of_poison_requests_fail_alone_and_the_engine_goes_on(tiny_checkpoint, batch, poisoned):
+    """Re-runs that narrow a failed batch down to its poison requests do not spend the failure
+    budget (10): up to 8 poison requests, adjacent or spread, in batches of 32 and 256 each fail
+    alone, every bystander's tokens are exact, and the engine stays healthy."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=batch,
+                                    kv_capacity_tokens=batch * 32))  # fmt: skip
+    ids = [f"r{i}" for i in range(batch)]
+    poison = {ids[i] for i in poisoned}
+    tried = poison_runner(engine, poison)
+    prompts = [[1 + i % 50, 2 + i % 7, 3] for i in range(batch)]
+    streams = engine.add_requests(prompts, GREEDY, request_ids=ids)
+    drain(engine)
+    reference = LLM(str(tiny_checkpoint[0]), max_num_seqs=batch).generate(prompts, GREEDY)
+    for stream, want in zip(streams, reference, strict=True):
+        events = list(stream)
+        if stream.request_id in poison:
+            assert events[-1].finish_reason == "error" and "poison" in events[-1].error
+        else:
+            assert [t for e in events for t in e.new_token_ids] == want.output_ids, stream.request_id
+    assert engine.healthy, engine.dead_reason
+    assert len(tried[0]) == batch and engine.core.kv.used_tokens == 0
+
+
+def test_a_sticky_failure_of_every_fresh_batch_spends_the_failure_budget(tiny_checkpoint):
+    """A sticky device error fails every batch, each member alone too: bisection attributes nothing,
+    and the failures of the fresh batches (not their re-runs) count until the budget is spent."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=2, max_consecutive_failed_iterations=4))
+    tried = poison_runner(engine, {f"r{i}" for i in range(12)})
+    streams = engine.add_requests([[1, 2]] * 12, GREEDY, request_ids=[f"r{i}" for i in range(12)])
     drain(engine)
     assert all(list(s)[-1].finish_reason == "error" for s in streams)
     assert not engine.healthy and "4 iterations in a row failed" in engine.dead_reason
+    # Four fresh pairs, the first three narrowed down to each member alone before the next was tried.
+    assert tried == [["r0", "r1"], ["r0"], ["r1"], ["r2", "r3"], ["r2"], ["r3"], ["r4", "r5"], ["r4"], ["r5"],
+                     ["r6", "r7"]]  # fmt: skip
 
 
 def test_shutdown_ends_every_open_stream_and_refuses_later_requests(tiny_checkpoint):
-    from orca_backend.core.engine_core import EngineDeadError
+    from orca_backend.messages import EngineDeadError
 
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1))
     streams = [engine.add_request([1, 2], GREEDY) for _ in range(3)]

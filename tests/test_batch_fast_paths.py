@@ -10,11 +10,10 @@ import torch
 
 from orca_backend import EngineConfig, SamplingParams
 from orca_backend.core.batch_builder import BatchBuilder, _TableRows
-from orca_backend.core.core_process import loads, outputs_frame, read_frame
-from orca_backend.core.engine_core import EngineStats
-from orca_backend.core.request import CoreOutput, CoreOutputs, Request
+from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.messages import CoreOutput, CoreOutputs, EngineStats, loads, outputs_frame, read_frame
 from orca_backend.worker.sampler import _argmax
 
 

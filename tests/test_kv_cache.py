@@ -19,6 +19,7 @@ from orca_backend.core.block_pool import BlockPool, block_key
 from orca_backend.core.engine_core import EngineCore
 from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVManager
 from orca_backend.core.request import Request
+from orca_backend.messages import EngineCoreRequest
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 
@@ -177,8 +178,8 @@ def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth:
     pending = []
     for i in range(num_requests):
         prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True), arrival_time=0.0)
-        assert core.kv.fits_ever(r)
+        r = EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True), 0.0, 0)
+        assert core.kv.fits_ever(Request.from_core_request(r))
         prompts[r.request_id] = (prompt, r.params.max_tokens)
         pending.append(r)
     steps = 0

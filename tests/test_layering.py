@@ -32,6 +32,8 @@ LAYERS: dict[str, int] = {
     "orca_backend.model": 3,
     "orca_backend.distributed": 2,
     "orca_backend.config": 1,
+    "orca_backend.messages": 1,
+    "orca_backend.processes": 1,
     "orca_backend.sampling_params": 1,
     "orca_backend.structured_spec": 1,
     "orca_backend.tokenizer": 1,
@@ -111,10 +113,30 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 
 # The engine front and the server contract are what Triton's stub process imports: the model, and torch
 # with it, live in the engine core process only.
-@pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.sampling_params",
+@pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.messages",
+                                    "orca_backend.sampling_params",
                                     "orca_backend.structured_spec",
                                     "orca_backend.serve", "orca_backend.net", "orca_backend.engine.llm_engine",
                                     "orca_backend.server.protocol", "orca_backend.server.metrics"])
 def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'orca' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_triton_stub_imports_nothing_below_the_engine_front():
+    """What a served model's stub process loads: the adapters, the engine front and the messages
+    (orca_backend/messages.py), never the core, the executor, the workers, the model or torch; the
+    core process imports those itself."""
+    code = """
+import sys, types
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+import orca_backend.server.orca_model, orca_backend.server.baseline_model
+loaded = sorted(m for m in sys.modules if m.startswith("orca_backend"))
+below = [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in ("core", "executor", "worker", "model",
+                                                                      "distributed")]
+assert not below and "torch" not in sys.modules, (below, "torch" in sys.modules)
+print(len(loaded))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) <= 18  # 30 before the messages moved out of core/ (issue #27)

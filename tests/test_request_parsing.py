@@ -252,9 +252,10 @@ def test_max_request_bytes_bounds_the_inputs_before_anything_is_decoded():
 
 
 def test_a_timeout_is_answered_unavailable_and_other_failures_internal_or_unavailable():
+    from orca_backend.messages import FinishReason
     from orca_backend.server.protocol import request_failure
 
-    assert error_code(request_failure("the request timed out", True, "timeout"))[0] == "UNAVAILABLE"
+    assert error_code(request_failure("the request timed out", True, FinishReason.TIMEOUT))[0] == "UNAVAILABLE"
     assert error_code(request_failure("batch failed", True))[0] == "INTERNAL"
     assert error_code(request_failure("engine gone", False))[0] == "UNAVAILABLE"
 

@@ -33,6 +33,19 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     assert k1.output_ids == greedy and p0.output_ids == greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 9e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(llm, temperature):
+    """1e-300 is 0 in float32: dividing the logits by it drew from NaNs (tokens of rank ~300 of 384).
+    Below vLLM's epsilon (1e-5) a temperature samples greedily, in a batch with others too."""
+    prompts = [[9, 8], [3, 4, 5]]
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=10, temperature=temperature, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=4, ignore_eos=True)]  # fmt: skip
+    tiny = llm.generate(prompts, params)
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=1e-5).greedy
+    assert tiny[0].output_ids == greedy[0].output_ids
+
+
 def test_top_k_restricts_to_the_k_most_likely(llm):
     # Sample one token many times from the same prompt; every pick must be among the top-3 logits.
     engine = llm.engine

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from orca_backend import LLM, EngineConfig, SamplingParams
@@ -50,11 +52,23 @@ def llm(tiny_checkpoint) -> LLM:
         (lambda: SamplingParams.from_json("{not json"), "not valid JSON"),
         (lambda: SamplingParams.from_json('{"max_tokens": "ten"}'), "max_tokens must be an integer"),
         (lambda: SamplingParams.from_json("[1, 2]"), "must be a JSON object"),
+        # Per-request lists reach every iteration: bounded (before anything is converted, from JSON).
+        (lambda: SamplingParams.from_json(json.dumps({"stop_token_ids": [7] * 200_000})),
+         "stop_token_ids has 200000 entries, more than the limit of 1024"),
+        (lambda: SamplingParams(stop_token_ids=list(range(1025))), "1025 distinct stop_token_ids, more than the limit of 1024"),
+        (lambda: SamplingParams(logit_bias={t: 1.0 for t in range(1025)}), "logit_bias has 1025 entries, more than the limit"),
+        (lambda: SamplingParams.from_json(json.dumps({"logit_bias": {str(t): 1 for t in range(2000)}})),
+         "logit_bias has 2000 entries, more than the limit of 1024"),
     ],
 )
 def test_bad_sampling_params(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_stop_token_ids_are_deduplicated_in_order():
+    assert SamplingParams(stop_token_ids=[9, 5, 9, 9, 5, 2]).stop_token_ids == [9, 5, 2]
+    assert len(SamplingParams(stop_token_ids=[3] * 1024 + list(range(1023))).stop_token_ids) == 1023
 
 
 def test_numeric_strings_are_accepted_as_genai_perf_sends_them():

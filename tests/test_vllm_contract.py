@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from orca_backend.engine.output_processor import Logprob, RequestOutput
+from orca_backend.messages import FinishReason
 from orca_backend.server.protocol import (
     ALWAYS_SENT,
     OUTPUT_NAMES,
@@ -56,7 +57,8 @@ def parse(stream: bool | None = None, exclude: bool | None = None, sampling: dic
 
 def event(new_ids: list[int], n_out: int, finished: bool = False, reason: str | None = None,
           logprobs: list[dict[int, Logprob]] | None = None, cumulative: float | None = None) -> RequestOutput:
-    return RequestOutput("r", new_ids, "".join(chr(i) for i in new_ids), finished, reason, len(PROMPT), n_out, 0.0,
+    finish_reason = None if reason is None else FinishReason(reason)  # as the engine reports it
+    return RequestOutput("r", new_ids, "".join(chr(i) for i in new_ids), finished, finish_reason, len(PROMPT), n_out, 0.0,
                          logprobs=logprobs, cumulative_logprob=cumulative)  # fmt: skip
 
 

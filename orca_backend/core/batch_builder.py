@@ -49,7 +49,7 @@ class _Columns:
 def _batch_columns(request: Request) -> tuple[str, float, int, float, int, bool, bool, bool]:
     p = request.params
     columns = request.batch_columns = (
-        request.request_id, p.temperature if p.top_p else 0.0, p.top_k if p.top_k > 0 else 0, p.top_p,  # top_p 0 is greedy
+        request.request_id, 0.0 if p.greedy else p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p,
         request.sampling_seed, request.sampler_extras, request.structured, p.min_tokens > 0,
     )  # fmt: skip
     return columns

@@ -1,17 +1,13 @@
-"""The engine core in a process of its own, and the messages that cross between it and the frontend.
+"""The engine core in a process of its own.
 
 A served model runs its `EngineCore` here, never in Triton's stub process: scheduling, the forward
 and the update run on this process's main thread (the thread that loaded the model, see
 `run_core_process`), so they never compete for one GIL with the stub's response sending. With
 tp x pp > 1 this process is also the master of the worker processes.
 
-The frontend (engine/core_client.py) and this process talk over one duplex pipe:
-- frontend -> core: ("add", [Request, ...]), ("abort", request_id, reason), ("stop",);
-- core -> frontend: ("ready", info) or ("failed", exception) once at start-up, then one
-  ("outputs", request_ids, token_ids, rows, stats, dead_reason) frame per iteration that produced
-  anything, carrying every request's new tokens at once: `CoreOutputs`' two columns as they are, and
-  its other outputs as rows of `CoreOutput` fields in plain tuples (pickling a tuple costs a seventh
-  of pickling the dataclass).
+The frontend (engine/core_client.py) and this process talk over one duplex pipe, in the messages
+and encoding of orca_backend/messages.py: requests, aborts and stop in; a ready (or failed) answer,
+then one frame per iteration that produced anything, carrying every request's new tokens at once.
 A reader thread takes the frontend's messages into the core's inbox, so adds and aborts never wait
 for an iteration; the loop sends each frame itself. When the frontend's end of the pipe closes
 (the stub was killed), the core stops and the process exits; its workers follow their master.
@@ -21,58 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 import pickle
 import threading
 from collections.abc import Callable
-from dataclasses import fields
 from multiprocessing.connection import Connection
 
 from orca_backend.config import EngineConfig
-from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
-from orca_backend.core.request import CoreOutput, CoreOutputs, Request
+from orca_backend.core.engine_core import EngineCore
+from orca_backend.messages import CoreOutputs, EngineDeadError, dumps, loads, outputs_frame
 
 # Called with the built core before it serves, inside the core process (must be picklable): the seam
 # tests use to hold or break iterations, and where instrumentation can attach.
 CoreHook = Callable[[EngineCore], None]
 
 logger = logging.getLogger("orca.engine")
-
-
-# ------------------------------------------------------------------------------- the messages
-def dumps(message: tuple) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> tuple:
-    return pickle.loads(data)
-
-
-def add_message(requests: list[Request]) -> bytes:
-    return dumps(("add", requests))
-
-
-def abort_message(request_id: str, reason: str) -> bytes:
-    return dumps(("abort", request_id, reason))
-
-
-STOP_MESSAGE = dumps(("stop",))
-
-
-# EngineStats' fields as a tuple: dataclasses.astuple copies each value deeply, ~30 µs a frame.
-_stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))
-
-
-def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
-    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs.others]
-    return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, _stats_tuple(stats), dead_reason))
-
-
-def read_frame(message: tuple) -> tuple[CoreOutputs, EngineStats, str | None]:
-    """(outputs, stats, dead_reason) of an "outputs" message."""
-    _, request_ids, token_ids, rows, stats, dead_reason = message
-    return CoreOutputs(request_ids, token_ids, [CoreOutput(*row) for row in rows]), EngineStats(*stats), dead_reason
 
 
 # ------------------------------------------------------------------------------ the process

@@ -16,48 +16,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.core.batch_builder import BatchBuilder
 from orca_backend.core.kv_cache_manager import make_kv_manager
-from orca_backend.core.request import CoreOutputs, Request
+from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.executor import Executor, WorkerFailure, make_executor
+from orca_backend.messages import CoreOutputs, EngineCoreRequest, EngineDeadError, EngineStats, FinishReason
 
 logger = logging.getLogger("orca.engine")
 HEARTBEAT_S = 1.0  # an idle loop's frames while grammars compile (the frontend's watchdog needs signs of life)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served until the model is reloaded."""
-
-
-@dataclass
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_used_tokens: int  # in whole blocks: the blocks requests hold, times the block size
-    kv_capacity_tokens: int
-    num_iterations: int
-    num_generated_tokens: int
-    last_iteration_seconds: float
-    max_batches_in_flight: int  # > 1 only with pipeline parallelism
-    kv_used_blocks: int = 0
-    kv_num_blocks: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model; prefix-cache hits are not
-    prefix_cache_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
-    prefix_cache_hit_tokens: int = 0  # of those, found cached (and not computed)
-
-    @property
-    def kv_free_blocks(self) -> int:
-        return self.kv_num_blocks - self.kv_used_blocks
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
 
 
 class EngineCore:
@@ -92,16 +62,16 @@ class EngineCore:
         self._failed_in_a_row = 0  # the failure budget's count (config.max_consecutive_failed_iterations)
 
     # ----------------------------------------------------------------- any thread
-    def add_requests(self, requests: Sequence[Request]) -> None:
+    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
         """Queues validated requests; in request-level mode requests added together are admitted together."""
         with self._inbox_lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"the engine is not serving: {self.dead_reason}")
-            self._inbox.put(("add", list(requests)))
+            self._inbox.put(("add", [Request.from_core_request(r) for r in requests]))
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Ends the request with `reason` and frees its K/V; unknown or finished ids are ignored."""
-        self._inbox.put(("abort", request_id, reason))
+        self._inbox.put(("abort", request_id, FinishReason(reason)))
 
     def stop(self) -> None:
         self._stopping = True
@@ -176,7 +146,10 @@ class EngineCore:
             logger.exception("iteration failed; %s", "ending its request" if len(batch.requests) == 1
                              else f"re-running its {len(batch.requests)} requests in halves to find the one that fails")
             outputs += self.scheduler.fail_batch(batch, f"model execution failed: {exc}")
-            self._failed_in_a_row += 1
+            # The budget is for failures bisection cannot attribute (a sticky device error fails every
+            # fresh batch): the re-runs that narrow a failure down to its request never spend it, so
+            # any number of poison requests fail alone while the engine goes on.
+            self._failed_in_a_row += not batch.rerun
             budget = self.config.max_consecutive_failed_iterations
             if budget and self._failed_in_a_row >= budget:
                 outputs += self._die(f"{self._failed_in_a_row} iterations in a row failed; the last: {exc}")

@@ -20,19 +20,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from orca_backend.config import EngineConfig
+from orca_backend.config import EngineConfig, fits_in_pool
 from orca_backend.core.block_pool import BlockKey, BlockPool, block_key
 from orca_backend.core.request import Request
-
-
-def pool_capacity_tokens(capacity_tokens: int, block_size: int) -> int:
-    """The slots of a pool of `capacity_tokens` cut into whole blocks."""
-    return capacity_tokens // block_size * block_size
-
-
-def fits_in_pool(num_tokens: int, capacity_tokens: int, block_size: int) -> bool:
-    """Whether `num_tokens` tokens fit an empty pool of whole blocks (validation needs no pool)."""
-    return -(-num_tokens // block_size) <= capacity_tokens // block_size
 
 
 class KVCacheManager(ABC):

@@ -1,14 +1,14 @@
-"""A request's scheduling state inside the engine core, and what the core reports about it."""
+"""A request's scheduling state inside the engine core (what the core reports about it is in
+orca_backend/messages.py)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from orca_backend.core.block_pool import BlockKey
+from orca_backend.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
-from orca_backend.worker.batch_meta import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +34,7 @@ class Request:
     arrival_order: int = 0  # set by the scheduler as it takes requests in: breaks ties of arrival_time
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Written by the scheduler alone: part of a batch that has not returned yet (pipeline parallelism).
     in_flight: bool = False
     block_table: list[int] = field(default_factory=list)  # its K/V blocks, in context order
@@ -91,56 +91,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-
-@dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
-class CoreOutput:
-    """What one iteration (or an abort) did to one request: its new tokens, and whether it ended.
-
-    `finish_reason` is "length" | "stop" | "cancelled" | "timeout" | "error" | "invalid" ("timeout",
-    "error" and "invalid" with `error` holding the message; "invalid": the request cannot run as sent,
-    e.g. its structured-output grammar does not compile), or the reason an abort named.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked; else None
-
-
-@dataclass(slots=True)
-class CoreOutputs:
-    """Everything the core reports at once (an iteration, with the aborts and timeouts taken in
-    before it): one object per step, not one per request. The common result, a request's one new
-    token with nothing else to say, is two columns (`request_ids`, `token_ids`); it is most of every
-    step, and columns cost a fraction of a `CoreOutput` each to build, pickle and read. Everything
-    else (a finish, several tokens, logprobs, an error) is a `CoreOutput` in `others`.
-
-    Consumers take the columns first, then `others`: a request has at most one entry in a step's
-    outputs, and where several steps' are held together (request-level mode) they are all in `others`,
-    in order.
-    """
-
-    request_ids: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    others: list[CoreOutput] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.request_ids) + len(self.others)
-
-    def __iter__(self) -> Iterator[CoreOutput]:
-        """Every entry as a CoreOutput, the columns' first (for tests and tools; the hot paths read the columns)."""
-        for request_id, token in zip(self.request_ids, self.token_ids, strict=True):
-            yield CoreOutput(request_id, [token])
-        yield from self.others
-
-    def __iadd__(self, more: CoreOutputs) -> CoreOutputs:
-        self.request_ids += more.request_ids
-        self.token_ids += more.token_ids
-        self.others += more.others
-        return self
-
-    @property
-    def num_finished(self) -> int:
-        return sum(o.finished for o in self.others)
+    @classmethod
+    def from_core_request(cls, r: EngineCoreRequest) -> Request:
+        return cls(r.request_id, r.prompt_ids, r.params, r.arrival_time, r.sampling_seed, r.priority, r.timeout_s)

@@ -41,11 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orca_backend.core.kv_cache_manager import KVCacheManager
-from orca_backend.core.request import CoreOutput, CoreOutputs, Request, RequestStatus
+from orca_backend.core.request import Request, RequestStatus
 from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
-from orca_backend.worker.batch_meta import TokenLogprobs
+from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, TokenLogprobs
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
@@ -61,6 +61,9 @@ class ScheduledBatch:
     # core/batch_builder.py flattens without looking at each request's counts. All of them in the
     # steady state; before the prompts of requests admitted this iteration under load.
     num_decodes: int = 0
+    # A half of a failed batch, re-run alone to find the request that fails (`fail_batch`): its
+    # failure is being attributed, so it does not spend the engine's failure budget.
+    rerun: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -160,7 +163,7 @@ class Scheduler:
                 continue
             where = {RequestStatus.WAITING: "waiting in the queue", RequestStatus.RUNNING: "running",
                      RequestStatus.WAITING_FOR_GRAMMAR: "waiting for its grammar to compile"}[request.status]
-            self._end(request, "timeout")
+            self._end(request, FinishReason.TIMEOUT)
             error = (f"the request timed out: its timeout of {request.timeout_s:g} s passed while it was {where} "
                      f"({len(request.output_ids)} tokens generated)")
             outputs.append(self._output(request, error))
@@ -243,7 +246,7 @@ class Scheduler:
     def _schedule_suspects(self, budget: int) -> ScheduledBatch | None:
         """The next half of a failed batch, alone: its members still running, nobody else."""
         while self._suspects:
-            batch = ScheduledBatch([], [])
+            batch = ScheduledBatch([], [], rerun=True)
             for request in self._suspects.popleft():
                 if request.status is not RequestStatus.RUNNING or request.in_flight or budget == 0:
                     continue  # ended or preempted meanwhile: no longer a suspect
@@ -352,21 +355,21 @@ class Scheduler:
         else); a token its grammar refuses (the mask should make that impossible) ends it with
         "error", and the token is dropped."""
         if not self.structured.accept(request.request_id, token):
-            self._end(request, "error")
+            self._end(request, FinishReason.ERROR)
             return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
         self.num_generated_tokens += 1
         request.output_ids.append(token)
         if token_logprobs is not None:
             request.output_logprobs.append(token_logprobs)
         if self.structured.is_terminated(request.request_id):
-            reason: str | None = "stop"
+            reason: FinishReason | None = FinishReason.STOP
         else:
             reason = check_stop(request, token, self.eos_token_id)
         if reason is not None:
             self._end(request, reason)
         return self._output(request)
 
-    def finish(self, request_id: str, reason: str, error: str | None = None) -> CoreOutputs:
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> CoreOutputs:
         """Ends a waiting or running request now (an abort: cancelled, a stop string, an error).
 
         An unknown or already finished id is ignored: an abort may race the request's own end.
@@ -391,7 +394,7 @@ class Scheduler:
             return CoreOutputs()
         outputs = []
         for request in landed:
-            self._end(request, "error")
+            self._end(request, FinishReason.ERROR)
             outputs.append(self._output(request, error))
         return self._release(CoreOutputs(others=outputs))
 
@@ -401,7 +404,7 @@ class Scheduler:
         self._suspects.clear()
         for request in [*self.running, *self.waiting, *self._compiling.values()]:
             request.in_flight = False
-            self._end(request, "error")
+            self._end(request, FinishReason.ERROR)
             outputs.append(self._output(request, error))
         return CoreOutputs(others=outputs)
 
@@ -414,7 +417,7 @@ class Scheduler:
             return False
         return True
 
-    def _end(self, request: Request, reason: str) -> None:
+    def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_GRAMMAR:

@@ -7,17 +7,18 @@ which detokenizes; it reports a hit back to the core as an abort with reason "st
 from __future__ import annotations
 
 from orca_backend.core.request import Request
+from orca_backend.messages import FinishReason
 
 
-def check_stop(request: Request, token: int, eos_token_id: int | None) -> str | None:
+def check_stop(request: Request, token: int, eos_token_id: int | None) -> FinishReason | None:
     """The finish reason once `token` has been appended to `request.output_ids`, or None."""
     params = request.params
     num_output = len(request.output_ids)
     is_eos = token == eos_token_id and not params.ignore_eos
     if (is_eos or token in params.stop_token_ids) and num_output > params.min_tokens:
-        return "stop"
+        return FinishReason.STOP
     if num_output >= params.max_tokens:
-        return "length"
+        return FinishReason.LENGTH
     return None
 
 
@@ -38,7 +39,6 @@ def banned_token_ids(request: Request, eos_token_id: int | None) -> list[int]:
     params = request.params
     if not params.min_tokens or len(request.output_ids) >= params.min_tokens:
         return []
-    banned = list(params.stop_token_ids)
-    if eos_token_id is not None and not params.ignore_eos:
-        banned.append(eos_token_id)
-    return banned
+    # The set the scheduler computed once when it took the request in (bounded and deduplicated by
+    # SamplingParams): the same tokens as stop_token_set's.
+    return list(request.stop_ids if request.stop_ids is not None else stop_token_set(request, eos_token_id))

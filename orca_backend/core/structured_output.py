@@ -40,6 +40,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orca_backend.messages import FinishReason
 from orca_backend.structured_spec import StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -310,22 +311,22 @@ class StructuredOutputManager:
                 raise RuntimeError(f"cannot build the grammar compiler from {self._tokenizer_file}: {exc}") from exc
         return self._compiler.compile(spec)
 
-    def poll(self) -> list[tuple[str, str | None, str | None]]:
+    def poll(self) -> list[tuple[str, FinishReason | None, str | None]]:
         """The requests whose compile has ended, each as (request id, None, None) when its matcher is
-        ready, or (request id, finish reason, message) when it cannot run: "invalid" for a malformed
-        schema/regex/grammar (the client's to fix), "error" for anything else."""
+        ready, or (request id, finish reason, message) when it cannot run: INVALID for a malformed
+        schema/regex/grammar (the client's to fix), ERROR for anything else."""
         done = [request_id for request_id, future in self._pending.items() if future.done()]
-        results: list[tuple[str, str | None, str | None]] = []
+        results: list[tuple[str, FinishReason | None, str | None]] = []
         for request_id in done:
             future = self._pending.pop(request_id)
             try:
                 compiled = future.result()
             except ValueError as exc:
-                results.append((request_id, "invalid", str(exc)))
+                results.append((request_id, FinishReason.INVALID, str(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - that request alone fails
                 logger.warning("structured output failed for %s: %s", request_id, exc)
-                results.append((request_id, "error", f"structured output failed: {exc}"))
+                results.append((request_id, FinishReason.ERROR, f"structured output failed: {exc}"))
                 continue
             if self._matchers is None:
                 assert self._compiler is not None  # built by the compile that just succeeded

@@ -24,23 +24,36 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from orca_backend.config import EngineConfig
-from orca_backend.core.core_process import (
+from orca_backend.messages import (
     STOP_MESSAGE,
-    CoreHook,
+    CoreOutputs,
+    EngineCoreRequest,
+    EngineDeadError,
+    EngineStats,
+    FinishReason,
     abort_message,
     add_message,
     loads,
     read_frame,
-    run_core_process,
 )
-from orca_backend.core.engine_core import EngineDeadError, EngineStats
-from orca_backend.core.request import CoreOutputs, Request
-from orca_backend.executor import exit_description
+from orca_backend.processes import exit_description
+
+if TYPE_CHECKING:
+    from orca_backend.core.core_process import CoreHook
 
 logger = logging.getLogger("orca.engine")
+
+
+def _core_process_main(config: EngineConfig, conn: Connection, hook: CoreHook | None) -> None:
+    """The spawned process's target. The core is imported there only: the frontend's process (the
+    Triton stub) never loads the scheduler, the executor or torch."""
+    from orca_backend.core.core_process import run_core_process
+
+    run_core_process(config, conn, hook)
 
 SHUTDOWN_TIMEOUT_S = 30.0  # an iteration in progress finishes before the core sees the stop
 
@@ -69,7 +82,7 @@ class EngineCoreProcess:
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe(duplex=True)
         # Not a daemon: a daemonic process may not start the tp x pp worker processes.
-        self.process = ctx.Process(target=run_core_process, args=(config, child_end, hook),
+        self.process = ctx.Process(target=_core_process_main, args=(config, child_end, hook),
                                    name="orca-engine-core", daemon=False)  # fmt: skip
         self.process.start()
         child_end.close()  # the process holds the only other end: its exit reads as EOF here
@@ -100,14 +113,14 @@ class EngineCoreProcess:
         return message[1]
 
     # ----------------------------------------------------------------- any thread
-    def add_requests(self, requests: list[Request]) -> None:
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         with self._send_lock:
             if self._outstanding == 0:  # the clock starts with the first outstanding request
                 self._progress_at = time.monotonic()
             self._outstanding += len(requests)
         self._send(add_message(requests))
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead core has ended every request already
             self._send(abort_message(request_id, reason))
 

@@ -20,22 +20,25 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from orca_backend.config import EngineConfig
-from orca_backend.core.core_process import CoreHook
-from orca_backend.core.engine_core import EngineCore, EngineDeadError, EngineStats
-from orca_backend.core.kv_cache_manager import fits_in_pool, pool_capacity_tokens
-from orca_backend.core.request import CoreOutputs, Request
+from orca_backend.config import EngineConfig, fits_in_pool, pool_capacity_tokens
 from orca_backend.engine.core_client import EngineCoreProcess
-from orca_backend.engine.output_processor import (
+from orca_backend.engine.output_processor import Logprob, OutputProcessor, OutputSink, RequestOutput
+from orca_backend.messages import (
+    CoreOutputs,
+    EngineCoreRequest,
+    EngineDeadError,
     EngineOverloadedError,
-    Logprob,
-    OutputProcessor,
-    OutputSink,
-    RequestOutput,
+    EngineStats,
+    FinishReason,
 )
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from orca_backend.core.core_process import CoreHook
+    from orca_backend.core.engine_core import EngineCore
 
 __all__ = ["EngineDeadError", "EngineOverloadedError", "EngineStats", "LLMEngine", "Logprob", "OutputSink", "Prompt",
            "RequestOutput", "RequestStream"]
@@ -81,6 +84,8 @@ class LLMEngine:
         if core_process:
             self.core = EngineCoreProcess(config, self._process, self._core_died, hook=core_hook)
         else:
+            from orca_backend.core.engine_core import EngineCore  # this process runs the model: torch and all
+
             self.core = EngineCore(config, self.model_config)
             if core_hook is not None:
                 core_hook(self.core)
@@ -135,15 +140,16 @@ class LLMEngine:
         if not (len(priorities) == len(timeouts) == len(prompts)):
             raise ValueError(f"got {len(prompts)} prompts, {len(priorities)} priorities and {len(timeouts)} timeouts")
         now = time.monotonic()
-        requests = []
+        validated = []
         for prompt, p, rid, prio, timeout in zip(prompts, params_list, ids, priorities, timeouts, strict=True):
             check_priority(prio)
             check_timeout(timeout)
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
-            requests.append(Request(rid, self.validate(prompt, p), p, arrival_time=now, priority=prio, timeout_s=timeout))
+            validated.append((rid, self.validate(prompt, p), p, prio, timeout))
         with self._seeds_lock:
-            for r in requests:
-                r.sampling_seed = r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63)
+            requests = [EngineCoreRequest(rid, prompt_ids, p, now,
+                                          p.seed if p.seed is not None else self._seeds.getrandbits(63), prio, timeout)
+                        for rid, prompt_ids, p, prio, timeout in validated]  # fmt: skip
         streams = [RequestStream(r.request_id) for r in requests]
         new_ids = [r.request_id for r in requests]
         self.outputs.add(new_ids, [r.prompt_ids for r in requests], [r.params for r in requests],
@@ -157,7 +163,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request with finish_reason "cancelled" and frees its K/V; unknown ids are ignored."""
-        self.core.abort(request_id, "cancelled")
+        self.core.abort(request_id, FinishReason.CANCELLED)
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -262,13 +268,13 @@ class LLMEngine:
         self._process(outputs)
 
     def _in_process_core(self) -> EngineCore:
-        if not isinstance(self.core, EngineCore):
+        if isinstance(self.core, EngineCoreProcess):
             raise RuntimeError("this engine's core runs in its own process; step() drives an in-process core")
         return self.core
 
     def _process(self, outputs: CoreOutputs) -> None:
         for request_id in self.outputs.process(outputs):
-            self.core.abort(request_id, "stop")
+            self.core.abort(request_id, FinishReason.STOP)
 
     def _core_died(self, reason: str) -> None:
         """The core process is gone: every request it had not finished ends with an error."""
@@ -276,7 +282,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the engine: every request not finished ends with an error, later adds are refused."""
-        if isinstance(self.core, EngineCore):
+        if not isinstance(self.core, EngineCoreProcess):
             self._process(self.core.shutdown())
         else:
             self.core.shutdown()  # the output thread then fails what the core process left unfinished

@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orca_backend.core.request import CoreOutput, CoreOutputs
 from orca_backend.engine import detokenizer
 from orca_backend.engine.detokenizer import DetokenizerState
+from orca_backend.messages import CoreOutput, CoreOutputs, EngineOverloadedError, FinishReason, TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
-from orca_backend.worker.batch_meta import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -38,16 +37,14 @@ class RequestOutput:
     """One event on a request's stream: what is new since the previous event.
 
     Every request gets at least one event; the last has ``finished`` set and a ``finish_reason``
-    of "length" | "stop" | "cancelled" | "timeout" | "error" | "invalid" (the last three with ``error``
-    holding the message; "invalid": the request cannot run as sent, e.g. its structured-output grammar
-    does not compile).
+    (TIMEOUT, ERROR and INVALID with ``error`` holding the message).
     """
 
     request_id: str
     new_token_ids: list[int]
     new_text: str  # exact incremental detokenization ("" without a tokenizer)
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_input_tokens: int
     num_output_tokens: int
     time: float  # time.perf_counter() when the event was handed to its sink
@@ -70,10 +67,6 @@ class _RequestState:
     sent_ids_len: int = 0
     detok: DetokenizerState | None = None  # None without a tokenizer
     cumulative_logprob: float | None = None  # 0.0 from the start when the request asked for logprobs
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine's queue is full: the request was refused at once and may be retried later."""
 
 
 class OutputProcessor:
@@ -181,7 +174,7 @@ class OutputProcessor:
             if self._stop_string_hit(state, out):
                 if not finished:
                     to_abort.append(request_id)
-                finished, reason = True, "stop"
+                finished, reason = True, FinishReason.STOP
             new_text = detokenizer.take_releasable_text(state.detok, finished)
             new_ids = output_ids[state.sent_ids_len :]
         state.sent_ids_len = len(output_ids)
@@ -203,7 +196,7 @@ class OutputProcessor:
         now = time.perf_counter()
         for request_id, state in failed.items():
             logprobs = None if state.cumulative_logprob is None else []
-            state.sink(RequestOutput(request_id, [], "", True, "error", state.num_prompt_tokens, len(state.output_ids),
+            state.sink(RequestOutput(request_id, [], "", True, FinishReason.ERROR, state.num_prompt_tokens, len(state.output_ids),
                                      now, reason, logprobs, state.cumulative_logprob))  # fmt: skip
 
     def _add_logprobs(self, event: RequestOutput, state: _RequestState, logprobs: list[TokenLogprobs]) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from orca_backend.config import AnyModelConfig, EngineConfig
-from orca_backend.executor.base import BatchFailed, Executor, WorkerFailure, exit_description
+from orca_backend.executor.base import BatchFailed, Executor, WorkerFailure
 
-__all__ = ["BatchFailed", "Executor", "WorkerFailure", "exit_description", "make_executor"]
+__all__ = ["BatchFailed", "Executor", "WorkerFailure", "make_executor"]
 
 
 def make_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:

@@ -7,7 +7,6 @@ with pipeline parallelism so every stage has work (ORCA §4.2, Figure 8).
 
 from __future__ import annotations
 
-import signal
 from typing import Protocol
 
 from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
@@ -36,15 +35,3 @@ class Executor(Protocol):
         ...
 
     def shutdown(self) -> None: ...
-
-
-def exit_description(code: int | None) -> str:
-    """How a child process ended, from its exit code (None: no exit status yet)."""
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"

@@ -25,7 +25,8 @@ from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
-from orca_backend.executor.base import BatchFailed, WorkerFailure, exit_description
+from orca_backend.executor.base import BatchFailed, WorkerFailure
+from orca_backend.processes import exit_description
 from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 from orca_backend.worker.worker_proc import STOP, worker_main
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from orca_backend.messages import FinishReason
+
 # name -> (kind, help). Counters are monotonic engine totals exported as increments.
 _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_requests_waiting": ("GAUGE", "Requests queued in the engine, not yet scheduled"),
@@ -80,8 +82,8 @@ class EngineMetrics:
             if not exported.counter:
                 self._write(exported, 0.0)
 
-    def request_finished(self, finish_reason: str | None) -> None:
-        reason = finish_reason or "unknown"
+    def request_finished(self, finish_reason: FinishReason | None) -> None:
+        reason = finish_reason.value if finish_reason is not None else "unknown"
         exported = self._finished.get(reason)
         if exported is None:
             metric = self._families["orca_requests_finished_total"].Metric(labels={**self._labels, "reason": reason})

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from orca_backend.config import EngineConfig
-from orca_backend.core.engine_core import EngineDeadError
 from orca_backend.engine.llm_engine import check_priority, check_timeout
-from orca_backend.engine.output_processor import EngineOverloadedError, RequestOutput
+from orca_backend.engine.output_processor import RequestOutput
+from orca_backend.messages import EngineDeadError, EngineOverloadedError, FinishReason
 from orca_backend.sampling_params import SamplingParams, parse_sampling_json
 
 # Triton's vLLM backend sends these outputs only when the request's input of the same name is true
@@ -34,8 +34,8 @@ INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "
                *RETURN_INPUTS)
 ALWAYS_SENT = ("text_output", "output_ids")
 OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values())
-# The engine's finish reasons as the contract names them ("error" and "timeout" end in an error response).
-FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "abort"}
+# The engine's finish reasons as the contract names them (the others end in an error response).
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.CANCELLED: "abort"}
 NOT_FINISHED = "None"  # finish_reason of every response but the last (vLLM's str(None))
 STREAMING_ECHO_REFUSED = "When streaming, `exclude_input_in_output` = False is not allowed."
 CANCELLED_MESSAGE = "Request was cancelled"
@@ -242,7 +242,7 @@ class ResponseBuilder:
     num_output_tokens: int = 0  # generated so far
     cumulative_logprob: float | None = None
     finished: bool = False
-    finish_reason: str | None = None  # the engine's
+    finish_reason: FinishReason | None = None  # the engine's
     error: str | None = None  # the request ends in an error response with this message
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
@@ -263,9 +263,9 @@ class ResponseBuilder:
         if event.finished:
             self.finished = True
             self.finish_reason = event.finish_reason
-            if event.finish_reason in ("error", "timeout", "invalid"):
+            if event.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT, FinishReason.INVALID):
                 self.error = event.error or "the engine failed this request"
-            elif event.finish_reason == "cancelled" and self.stream:
+            elif event.finish_reason is FinishReason.CANCELLED and self.stream:
                 self.error = CANCELLED_MESSAGE  # a cancelled stream ends in a CANCELLED error, as in vLLM's
 
     @property
@@ -287,7 +287,7 @@ class ResponseBuilder:
         logprobs = self._logprobs if self.wants_logprobs else None
         self._ids, self._text, self._logprobs = [], [], []
         new_tokens, self._num_output_sent = self.num_output_tokens - self._num_output_sent, self.num_output_tokens
-        reason = FINISH_REASONS.get(self.finish_reason or "", self.finish_reason) if self.finished else NOT_FINISHED
+        reason = FINISH_REASONS.get(self.finish_reason, str(self.finish_reason)) if self.finished else NOT_FINISHED
         return output_arrays(ids, text, reason, self.num_input_tokens, new_tokens, self.batched, self.outputs,
                              cumulative_logprob=self.cumulative_logprob, logprobs=logprobs)
 
@@ -398,19 +398,21 @@ class RequestCancelled(RuntimeError):
     """The client cancelled a stream: its final response is a CANCELLED error, as in vLLM's backend."""
 
 
-def request_failure(message: str, engine_healthy: bool, finish_reason: str = "error") -> Exception:
-    """The exception for a request the engine ended with finish_reason "error", "timeout" or "invalid",
-    or a cancelled stream.
+def request_failure(
+    message: str, engine_healthy: bool, finish_reason: FinishReason | None = FinishReason.ERROR
+) -> Exception:
+    """The exception for a request the engine ended with ERROR, TIMEOUT or INVALID, or a cancelled
+    stream.
 
     A timeout, or a request whose engine loop died, may be retried (UNAVAILABLE); "invalid" is the
     request's own fault found by the engine, e.g. a structured-output grammar that does not compile
     (INVALID_ARG); otherwise the request failed inside a running engine (INTERNAL).
     """
-    if finish_reason == "invalid":
+    if finish_reason is FinishReason.INVALID:
         return ValueError(message)
-    if finish_reason == "timeout":
+    if finish_reason is FinishReason.TIMEOUT:
         return RequestTimedOut(message)
-    if finish_reason == "cancelled":
+    if finish_reason is FinishReason.CANCELLED:
         return RequestCancelled(message)
     return RuntimeError(message) if engine_healthy else EngineUnavailable(message)
 

@@ -20,10 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-# One sampled token's log-probabilities: (token ids, logprobs, ranks), the sampled token first (its
-# rank: 1 + the number of tokens more likely), then the top-k alternatives (ranks 1..k). A tuple:
-# it crosses two process boundaries per token, and a tuple is the cheapest thing to pickle.
-TokenLogprobs = tuple[list[int], list[float], list[int]]
+from orca_backend.messages import TokenLogprobs
 
 
 @dataclass

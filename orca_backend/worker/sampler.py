@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput, TokenLogprobs
+from orca_backend.messages import TokenLogprobs
+from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
 
 
