@@ -5,7 +5,9 @@ A kernel is compiled once per machine into a cache directory (``$ORCA_CACHE_DIR`
 ``$XDG_CACHE_HOME/orca``, else ``~/.cache/orca``), keyed by its source, the compiler and the CPU's
 feature flags (it is built with ``-march=native``; the key covers the shared headers csrc/*.h too), and loaded with ctypes: no Python headers, no
 torch headers, about a second to build. Several processes may build at once; the last rename wins
-and every one loads a complete file.
+and every one loads a complete file. The key is also compiled into the library
+(``orca_build_key``): a cached file that does not carry it (left by another build, damaged, or
+replaced) is never loaded, but rebuilt, with a warning.
 """
 
 from __future__ import annotations
@@ -68,21 +70,26 @@ def load(name: str) -> ctypes.CDLL:
         b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run(
-                [compiler, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=False
-            )
-            if result.returncode != 0:
-                raise NativeBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr.strip()}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    stamp = _build_stamp(key)
+    if target.exists() and stamp not in target.read_bytes():
+        logger.warning("orca kernels: the cached %s does not carry the build key of its source; rebuilding it", target)
+    elif target.exists():
+        return ctypes.CDLL(str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
+        stamp_c, tmp = Path(tmp_dir) / "build_key.c", Path(tmp_dir) / target.name
+        stamp_c.write_text(f'__attribute__((used)) const char orca_build_key[] = "{stamp.decode()}";\n')
+        result = subprocess.run([compiler, *CFLAGS, str(source), str(stamp_c), "-o", str(tmp), "-lm"],
+                                capture_output=True, text=True, check=False)  # fmt: skip
+        if result.returncode != 0:
+            raise NativeBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
     return ctypes.CDLL(str(target))
+
+
+def _build_stamp(key: str) -> bytes:
+    """What a library built for `key` carries in its data: checked before a cached file is loaded."""
+    return f"orca-build-key:{key}".encode()
 
 
 # Pointers travel as plain integers (tensor.data_ptr()) declared void*: a ctypes.cast per argument

@@ -207,6 +207,12 @@ def model_config_from_hf(path: str | Path) -> AnyModelConfig:
     archs = raw.get("architectures") or (["GPT2LMHeadModel"] if raw.get("model_type", "gpt2") == "gpt2" else [])
     if not archs:
         raise ValueError(f"{path}: no `architectures` entry: cannot tell which model this is")
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{path}: quantization_config (quant_method {method!r}) is not supported: this engine "
+                         "computes with unquantized weights only, and a quantized checkpoint would load and answer "
+                         "wrongly; serve the unquantized checkpoint")  # fmt: skip
     arch = archs[0]
     if arch == ModelConfig.architecture:
         return ModelConfig.from_hf_dict(raw, str(path))
@@ -274,10 +280,21 @@ class EngineConfig:
     max_input_tokens: int = 0  # prompt tokens; the model's context length bounds it anyway
     max_stop_sequences: int = 16  # stop strings per request
     max_stop_length: int = 256  # characters per stop string
-    max_request_bytes: int = 4 * 2**20  # a served request's input tensors, before any decoding or tokenizing
+    max_request_bytes: int = 4 * 2**20  # a served request's inputs and parameters, before any decoding
+    # Structured output: a constraint's size (schema JSON, regex, grammar or choices, in bytes) and a
+    # JSON schema's nesting depth (of its objects and arrays), checked before anything compiles (an
+    # array schema nested 800 deep took 48 s to compile; 64 deep, 13 ms); a grammar that has not
+    # compiled after the timeout fails its request alone with INVALID_ARG, and the compiles queued
+    # behind it go on on a fresh thread.
+    max_structured_output_bytes: int = 64 * 2**10
+    max_structured_output_depth: int = 64
+    structured_output_compile_timeout_s: float = 30.0
     # Priorities: a waiting request gains one priority level (lower is served first) per this many
-    # seconds it waits, so no class starves; 0 turns aging off (strict priority).
+    # seconds it waits, so no class starves; 0 turns aging off (strict priority). Accepted priorities
+    # lie in [-max_priority, max_priority] (Unix nice levels' span by default), so at most
+    # 2 * max_priority * priority_aging_s (400 s) of waiting closes any gap between two classes.
     priority_aging_s: float = 10.0
+    max_priority: int = 20
     scheduling: str = "iteration"  # "iteration" (ORCA) or "request" (the baseline's batch-to-completion)
     seed: int = 0  # weights of presets, and the RNG of unseeded sampling
     tensor_parallel_size: int = 1
@@ -298,10 +315,14 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
         if float(self.iteration_timeout_s) < 0:
             raise ValueError(f"iteration_timeout_s must be > 0, or 0 to turn the watchdog off, got {self.iteration_timeout_s!r}")
+        if float(self.structured_output_compile_timeout_s) < 0:
+            raise ValueError("structured_output_compile_timeout_s must be > 0, or 0 for no limit, got "
+                             f"{self.structured_output_compile_timeout_s!r}")
         if float(self.priority_aging_s) < 0:
             raise ValueError(f"priority_aging_s must be > 0, or 0 for strict priority, got {self.priority_aging_s!r}")
         for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_consecutive_failed_iterations",
-                     "max_input_tokens", "max_stop_sequences", "max_stop_length", "max_request_bytes"):
+                     "max_input_tokens", "max_stop_sequences", "max_stop_length", "max_request_bytes",
+                     "max_structured_output_bytes", "max_structured_output_depth", "max_priority"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 1, or 0 for no limit, got {getattr(self, name)!r}")
         if not 0.0 <= float(self.kv_watermark) < 1.0:
@@ -364,6 +385,23 @@ class EngineConfig:
             else:
                 kwargs[key] = value
         return cls(**kwargs)
+
+
+def check_parallel_layout(config: AnyModelConfig, tp: int, pp: int) -> None:
+    """Refuses, at load and naming the field, a tp x pp layout the model's geometry cannot split:
+    each tensor-parallel rank holds an equal share of the attention heads, the KV heads (never
+    replicated) and the MLP width, and each pipeline stage at least one layer."""
+    if isinstance(config, LlamaConfig):
+        dims = [("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads),
+                ("intermediate_size", config.intermediate_size)]  # fmt: skip
+    else:
+        dims = [("n_head", config.n_head), ("n_inner (4 * n_embd)", config.n_inner)]
+    for name, size in dims:
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {name} {size}: each rank must hold an equal "
+                             "share (heads are split, never replicated)")  # fmt: skip
+    if config.num_layers < pp:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_layers} layers")
 
 
 # The K/V pool's geometry, which the frontend's validation and the core's K/V manager both need.

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from orca_backend.structured_spec import StructuredOutputSpec, parse_structured_output
+from orca_backend.structured_spec import StructuredOutputSpec, loads_client_json, parse_structured_output
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_TOP_K = 2**31 - 1  # anything at or above the vocabulary means no cut
@@ -150,11 +149,7 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
     """A `sampling_parameters` JSON object as a dict (empty text: no parameters)."""
     if not text.strip():
         return {}
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters is not valid JSON ({exc}); send e.g. "
-                         '{"temperature": 0, "max_tokens": 16}') from None
+    values = loads_client_json(text, "sampling_parameters", '{"temperature": 0, "max_tokens": 16}')
     _check(isinstance(values, dict), f"sampling_parameters must be a JSON object, got {type(values).__name__}")
     return values
 

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -157,6 +158,10 @@ class ServerOptions:
     run_dir: Path | None = None  # None: a temporary directory, removed on stop()
     exit_timeout_s: int = 10
     extra_args: tuple[str, ...] = ()
+    # The model-repository API (load/unload; a load may carry model code) answers only callers that
+    # send this key, over HTTP and gRPC. None: a random key nobody is told, so the API is closed.
+    # An --http-restricted-api / --grpc-restricted-protocol in extra_args replaces ours.
+    admin_key: str | None = None
     # Linux: Triton gets SIGTERM when the thread that started it exits (a killed test run leaves
     # no orphan server holding ports). Start from a long-lived thread, or turn this off.
     die_with_parent: bool = True
@@ -171,6 +176,10 @@ class TritonServer:
 
     def __init__(self, options: ServerOptions | None = None) -> None:
         self.options = options or ServerOptions()
+        key = self.options.admin_key
+        if key is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", key):
+            raise ValueError("the admin key may hold letters, digits, '-' and '_' only (e.g. `openssl rand -hex 32`)")
+        self._admin_key = key or secrets.token_hex(32)
         self.process: subprocess.Popen[bytes] | None = None
         self._own_run_dir = self.options.run_dir is None
         self.run_dir = Path(self.options.run_dir or tempfile.mkdtemp(prefix="orca-serve-"))
@@ -234,6 +243,9 @@ class TritonServer:
         ]
         if binary.backend_directory is not None:
             cmd.append(f"--backend-directory={binary.backend_directory}")
+        for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+            if not any(arg.startswith(flag + "=") for arg in o.extra_args):
+                cmd.append(f"{flag}=model-repository:admin-key={self._admin_key}")
         return cmd + list(o.extra_args)
 
     def start(self) -> TritonServer:
@@ -425,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "being ready (its engine died and it unloaded itself), stop tritonserver and exit with "
                         f"code {EXIT_MODEL_FAILED}, so that a supervisor (compose restart policy, systemd, "
                         "Kubernetes) restarts the deployment. Without it the other models go on serving")
+    p.add_argument("--admin-key", default=os.environ.get("ORCA_ADMIN_KEY") or None,
+                   help="the key Triton's model-repository API (load/unload) asks for, over HTTP (header admin-key) "
+                        "and gRPC (triton-grpc-protocol-admin-key); default $ORCA_ADMIN_KEY, else a random key "
+                        "nobody is told: the API is closed")
     p.add_argument("--triton-arg", action="append", default=[], metavar="ARG",
                    help="an extra tritonserver argument, appended as is (repeatable); write the value after '=', "
                         "e.g. --triton-arg=--http-restricted-api=model-repository:admin-key=SECRET")
@@ -452,7 +468,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         model_parameters={"orca": orca_params} if orca_params else {},
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg),
+        log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg), admin_key=args.admin_key,
     )
 
 

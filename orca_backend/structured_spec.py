@@ -80,13 +80,44 @@ def parse_structured_output(values: dict[str, Any]) -> tuple[StructuredOutputSpe
     return spec_from_fields(key, _as_dict(key, raw)), remaining
 
 
+def loads_client_json(text: str, what: str, example: str) -> Any:
+    """json.loads of text a client sent: malformed JSON, or JSON nested past what Python's parser
+    recurses into (100k brackets), is a ValueError naming `what`, never an internal error."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc}); send e.g. {example}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply to parse; send e.g. {example}") from None
+
+
+def json_depth(text: str) -> int:
+    """How deeply a JSON text nests objects and arrays (0 for a scalar), by one pass over its
+    characters: no recursion, whatever the depth."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 def _as_dict(key: str, raw: Any) -> dict[str, Any]:
     example = f'{key}={{"json": <schema>}} or {{"regex": "..."}}'
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{key} is not valid JSON ({exc}); send e.g. {example}") from None
+        raw = loads_client_json(raw, key, example)
     if not isinstance(raw, dict):
         raise ValueError(f"{key} must be an object, got {type(raw).__name__}; send e.g. {example}")
     return raw
@@ -125,10 +156,7 @@ def spec_from_fields(source: str, fields: dict[str, Any]) -> StructuredOutputSpe
 def _check_value(name: str, kind: str, value: Any) -> str | tuple[str, ...]:
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{name} is not valid JSON ({exc}); send a JSON schema object") from None
+            value = loads_client_json(value, name, 'a JSON schema object, {"type": "object", ...}')
         if not isinstance(value, dict):
             raise ValueError(f"{name} must be a JSON schema object, got {type(value).__name__}")
         for path, node in _subschemas(value, "#"):
@@ -139,7 +167,10 @@ def _check_value(name: str, kind: str, value: Any) -> str | tuple[str, ...]:
                     "0.2.8) would let such a string hold raw control characters, i.e. invalid JSON "
                     "(mlc-ai/xgrammar#800); remove it, or bound the string with a pattern instead, e.g. "
                     '"pattern": "^[A-Za-z0-9 ]{1,20}$"')
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        try:
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        except RecursionError:  # a schema object built in Python rather than parsed
+            raise ValueError(f"{name} is nested too deeply") from None
     if kind == "json_object":
         if value is not True:
             raise ValueError(f"{name} must be true")
@@ -163,19 +194,23 @@ _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
-def _subschemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:
-    """Every schema object in a JSON schema (the root included), with its JSON-pointer-like path."""
-    if not isinstance(node, dict):
-        return
-    yield path, node
-    for key in _ONE:
-        if isinstance(node.get(key), dict):
-            yield from _subschemas(node[key], f"{path}/{key}")
-    for key in _LIST:
-        if isinstance(node.get(key), list):
-            for i, child in enumerate(node[key]):
-                yield from _subschemas(child, f"{path}/{key}/{i}")
-    for key in _MAP:
-        if isinstance(node.get(key), dict):
-            for name, child in node[key].items():
-                yield from _subschemas(child, f"{path}/{key}/{name}")
+def _subschemas(root: Any, root_path: str) -> Iterator[tuple[str, dict]]:
+    """Every schema object in a JSON schema (the root included), with its JSON-pointer-like path.
+    Iterative: a schema nested as deeply as JSON parsing allows never exhausts Python's stack."""
+    stack = [(root_path, root)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield path, node
+        children = []
+        for key in _ONE:
+            if isinstance(node.get(key), dict):
+                children.append((f"{path}/{key}", node[key]))
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                children += [(f"{path}/{key}/{i}", child) for i, child in enumerate(node[key])]
+        for key in _MAP:
+            if isinstance(node.get(key), dict):
+                children += [(f"{path}/{key}/{name}", child) for name, child in node[key].items()]
+        stack += reversed(children)  # depth first, in document order

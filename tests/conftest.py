@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from orca_backend.config import ModelConfig
+from orca_backend.engine.llm_engine import RequestStream
 from orca_backend.model.checkpoint import write_random_checkpoint
+
+# An event that never comes fails its test with the request named, well inside pytest's 15-minute
+# timeout, instead of hanging the run (a regression that loses a final event, say).
+RequestStream.wait_timeout_s = 120.0
 
 # initializer_range 0.3: random weights with the default 0.02 repeat one token forever, which would
 # let a broken attention pass token-equality tests (see docs/architecture.md, Testing).

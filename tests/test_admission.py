@@ -13,6 +13,7 @@ from orca_backend import LLM, EngineConfig, SamplingParams
 from orca_backend.core.request import Request
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.messages import FinishReason
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -91,7 +92,9 @@ def test_stop_limits_are_checked_before_the_prompt_is_tokenized(tiny_checkpoint)
     [
         ({"priority": 1.5}, "priority must be an integer"),
         ({"priority": True}, "priority must be an integer"),
-        ({"priority": 2**31}, r"priority must be an integer in \[-2147483647, 2147483647\]"),
+        ({"priority": 2**31}, r"priority must be an integer in \[-20, 20\]"),
+        ({"priority": -(2**31) + 1}, r"priority must be an integer in \[-20, 20\] .*max_priority is 20"),
+        ({"priority": 21}, r"priority must be an integer in \[-20, 20\]"),
         ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0"),
         ({"timeout_s": float("inf")}, "timeout_s must be a number of seconds > 0"),
         ({"timeout_s": "5"}, "timeout_s must be a number of seconds > 0"),
@@ -110,6 +113,7 @@ def test_bad_priority_or_timeout_is_refused(tiny_checkpoint, kwargs, message):
         ({"max_input_tokens": -1}, "max_input_tokens must be >= 1, or 0"),
         ({"max_request_bytes": -1}, "max_request_bytes must be >= 1, or 0"),
         ({"priority_aging_s": -1}, "priority_aging_s must be > 0, or 0 for strict priority"),
+        ({"max_priority": -1}, "max_priority must be >= 1, or 0"),
     ],
 )
 def test_bad_limit_config(kwargs, message):
@@ -141,6 +145,25 @@ def test_aging_lifts_a_waiting_request_one_level_per_aging_period():
     assert q.head(now=15.0) is high  # low has waited 15 s: one level up, still behind priority 0
     assert q.head(now=19.9) is high
     assert q.head(now=20.0) is low  # two levels up after 20 s: equal to high, and it arrived first
+
+
+def test_aging_closes_the_widest_allowed_gap_in_bounded_time(tiny_checkpoint):
+    """Priorities lie in [-max_priority, max_priority]: a request at the worst priority goes ahead of
+    every best-priority request that arrives 2 * max_priority aging periods (400 s) after it, however
+    many keep arriving. (Before the bound, a client could send -2**31 + 1 and no aging caught up.)"""
+    top = EngineConfig().max_priority
+    q = WaitingQueue(aging_s=10.0)
+    worst = Request("worst", [1], GREEDY, arrival_time=0.0, priority=top)
+    q.append(worst)
+    early = Request("early", [1], GREEDY, arrival_time=390.0, priority=-top)  # 39 levels after it: still ahead
+    q.append(early)
+    assert q.head(now=399.0) is early
+    q.remove(early)
+    for t in range(400, 600, 5):  # best-priority arrivals from 400 s on
+        q.append(Request(f"best{t}", [1], GREEDY, arrival_time=float(t), priority=-top))
+    assert q.head(now=600.0) is worst  # 40+ levels up: at least equal to -20, and it arrived first
+    with pytest.raises(ValueError, match=r"priority must be an integer in \[-20, 20\]"):
+        LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]))).add_request([1], GREEDY, priority=-(2**31) + 1)
 
 
 def test_removing_from_the_middle_and_requeueing_at_the_head():
@@ -325,3 +348,39 @@ def test_shutdown_ends_every_open_stream_and_refuses_later_requests(tiny_checkpo
         assert last.finish_reason == "error" and "shut down" in last.error
     with pytest.raises(EngineDeadError, match="shut down"):
         engine.add_request([1, 2], GREEDY)
+
+
+def test_iterating_a_stream_whose_event_never_comes_fails_with_the_request_named(tiny_checkpoint, monkeypatch):
+    """Not stepped, the in-process engine never produces an event: iteration fails, it does not hang."""
+    from orca_backend.engine.llm_engine import RequestStream
+
+    monkeypatch.setattr(RequestStream, "wait_timeout_s", 0.2)
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    stream = engine.add_request([1, 2], GREEDY, request_id="never-stepped")
+    with pytest.raises(TimeoutError, match=r"request never-stepped: no event for 0.2 s"):
+        list(stream)
+
+
+def test_a_request_whose_batch_mate_was_aborted_mid_flight_is_re_run_before_it_is_blamed(tiny_checkpoint):
+    """The culprit of a failed forward is cancelled while its batch runs: the one request left may be
+    innocent, so it is re-run alone (and its tokens are exact), not failed in the culprit's place."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    runner = engine.core.executor.runner
+    original, tried = runner.execute, []
+
+    def execute(meta):
+        tried.append(list(meta.request_ids))
+        if "culprit" in meta.request_ids:
+            # Its abort lands while the batch runs (as with pipeline parallelism), its event reported.
+            engine._process(engine.core.scheduler.finish("culprit", FinishReason.CANCELLED))
+            raise RuntimeError("injected: the culprit's input breaks the forward")
+        return original(meta)
+
+    runner.execute = execute
+    culprit, bystander = engine.add_requests([[3, 4], [5, 6, 7]], GREEDY, request_ids=["culprit", "bystander"])
+    drain(engine)
+    assert list(culprit)[-1].finish_reason == "cancelled"
+    events = list(bystander)
+    assert events[-1].finish_reason == "length", events[-1].error
+    assert [t for e in events for t in e.new_token_ids] == LLM(str(tiny_checkpoint[0])).generate([[5, 6, 7]], GREEDY)[0].output_ids
+    assert tried[:2] == [["culprit", "bystander"], ["bystander"]] and engine.healthy

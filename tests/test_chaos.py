@@ -120,6 +120,9 @@ class Poison:
 
 
 POISON_BASE: dict[str, Any] = {"input_ids": [5, 6, 7], "max_tokens": 8, "sampling": GREEDY, "stream": True}
+NESTED_800: dict[str, Any] = {"type": "integer"}
+for _ in range(799):
+    NESTED_800 = {"type": "array", "items": NESTED_800}
 _SEED_RANGE = f"seed must be an integer in [0, {MAX_SEED}]"
 _TEMPERATURE = "temperature must be a finite number >= 0"
 _TOP_P = "top_p must be in [0, 1] (0 is greedy)"
@@ -206,6 +209,17 @@ POISONS: list[Poison] = [
     Poison("negative timeout_s", {}, "timeout_s must be a number of seconds > 0", infer={"parameters": {"timeout_s": -1.0}}),
     Poison("Triton request timeout already passed", {"max_tokens": 200}, "the request timed out: its timeout of 1e-06 s",
            infer={"timeout": 1}, accepted=True),
+    # Hostile payloads (issue #29): per-request lists bounded before they reach an iteration, JSON nested
+    # past what the parser recurses into, a schema nested past max_structured_output_depth.
+    Poison("2000 stop_token_ids", {"sampling": {"stop_token_ids": [7] * 2000, "min_tokens": 4}},
+           "stop_token_ids has 2000 entries, more than the limit of 1024"),
+    Poison("1500 logit_bias entries", {"sampling": {"logit_bias": {str(i): 1 for i in range(1500)}}},
+           "logit_bias has 1500 entries, more than the limit of 1024"),
+    Poison("JSON nested 20000 deep", {"sampling": "[" * 20_000 + "]" * 20_000}, "sampling_parameters is nested too deeply"),
+    Poison("schema nested 800 deep", {"sampling": {"structured_outputs": {"json": NESTED_800}}},
+           "nests 800 levels deep, more than this deployment's max_structured_output_depth of 64"),
+    Poison("scheduling_priority -2**31+1", {}, "priority must be an integer in [-20, 20]",
+           infer={"parameters": {"scheduling_priority": -(2**31) + 1}}),
 ]
 POISON_COPIES = 2  # each kind is sent this many times during the storm
 
@@ -301,7 +315,8 @@ def random_spec(rng: random.Random, max_tokens: int, stop: str | None = None) ->
     else:
         prompt = tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 48)))
     if rng.random() < 0.5:
-        sampling: dict[str, Any] = dict(GREEDY)
+        # A temperature below vLLM's epsilon is greedy (1e-300 is 0 in float32: it drew from NaNs).
+        sampling: dict[str, Any] = dict(GREEDY) if rng.random() < 0.8 else {"temperature": 1e-300, "seed": 3}
     else:
         sampling = {"temperature": rng.choice([0.6, 1.0, 1.4]), "seed": rng.choice([rng.randrange(MAX_SEED), MAX_SEED, 0])}
         if rng.random() < 0.5:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
 
 import pytest
 import torch
@@ -227,6 +228,32 @@ def test_compile_errors_are_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     with pytest.raises(native.NativeBuildError, match="building broken.c"):
         native.load("broken")
     assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left behind
+
+
+def test_a_cached_library_without_its_build_key_is_rebuilt_never_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file at the cache path that was not built from this source (stale, damaged, or planted by
+    another user of a shared cache) is not loaded: its code never runs, and it is rebuilt."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(cache))
+    native.load.cache_clear()
+    try:
+        native.load("decode_gemm")
+        (cached,) = cache.glob("decode_gemm-*.so")
+        marker = tmp_path / "planted-code-ran"
+        planted = tmp_path / "planted.c"
+        planted.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                           f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')  # fmt: skip
+        subprocess.run(["cc", "-shared", "-fPIC", str(planted), "-o", str(cached)], check=True)
+        native.load.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="orca.kernels"):
+            library = native.load("decode_gemm")
+        assert "does not carry the build key of its source; rebuilding it" in caplog.text
+        assert not marker.exists()  # the planted library was never loaded
+        assert hasattr(library, "orca_build_key") and b"orca-build-key:" in cached.read_bytes()
+    finally:
+        native.load.cache_clear()
 
 
 # The element-wise libraries, in the order dispatch loads them after the decode-attention kernel:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,6 +148,35 @@ def test_configs_served_wrong_are_refused_naming_the_field(tmp_path, change, fie
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=field):
         model_config_from_hf(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes", "compressed-tensors"])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, method):
+    """Nothing here computes quantized weights: such a checkpoint loaded and answered wrongly before."""
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
+           "quantization_config": {"quant_method": method, "bits": 4}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"quantization_config \\(quant_method '{method}'\\) is not supported"):
+        model_config_from_hf(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize(("extra", "dtype"), [("model.layers.0.self_attn.q_proj.weight_scale", torch.float32),
+                                              ("model.layers.0.mlp.up_proj.qweight", torch.int32),
+                                              ("model.layers.0.mlp.gate_proj.weight", torch.float8_e4m3fn)])
+def test_quantized_tensors_are_refused_even_without_a_quantization_config(checkpoints, tmp_path, extra, dtype):
+    """Scales, packed integers or FP8 weights in the safetensors file, whatever config.json says."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(checkpoints["llama-gqa2-untied"][0])
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[extra] = torch.ones(4, 4).to(dtype)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{extra}' .* belongs to a quantized checkpoint"):
+        LLM(str(tmp_path))
 
 
 def test_sharded_bfloat16_checkpoint_loads_in_float32(checkpoints, tmp_path):

@@ -143,3 +143,23 @@ def test_worker_exception_is_reported_not_hung(checkpoint):
             LLMEngine(bad)
     finally:
         os.rename(checkpoint / "moved.safetensors", checkpoint / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("geometry", "tp", "pp", "message"),
+    [
+        (ModelConfig(vocab_size=384, n_positions=64, n_embd=112, n_layer=2, n_head=7), 2, 1,
+         "tensor_parallel_size 2 does not divide n_head 7"),
+        (ModelConfig(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 3, 1,
+         "tensor_parallel_size 3 does not divide n_head 4"),
+        (ModelConfig(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 1, 3,
+         "pipeline_parallel_size 3 exceeds the model's 2 layers"),
+    ],
+)
+def test_a_layout_the_geometry_cannot_split_is_refused_at_load_naming_the_field(make_checkpoint, geometry, tp, pp,
+                                                                                message):  # fmt: skip
+    """Before any worker starts (a GPT-2 of 7 heads at tp=2 used to load and fail at the first
+    forward with a shape error that ended the engine); the Llama family's fields: test_llama.py."""
+    path, _ = make_checkpoint(geometry, tokenizer=False)
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp))

@@ -230,6 +230,8 @@ def test_the_shorter_of_the_parameter_and_tritons_request_timeout_wins():
         ({"scheduling_priority": 1.5}, "request parameter scheduling_priority must be an integer"),
         ({"scheduling_priority": "high"}, "request parameter scheduling_priority must be an integer"),
         ({"scheduling_priority": 2**40}, "priority must be an integer in"),
+        ({"scheduling_priority": 21}, r"priority must be an integer in \[-20, 20\] .*max_priority is 20\), got 21"),
+        ({"scheduling_priority": -(2**31) + 1}, r"priority must be an integer in \[-20, 20\]"),
         ({"timeout_s": "soon"}, "request parameter timeout_s must be a number"),
         ({"timeout_s": -1}, "timeout_s must be a number of seconds > 0"),
         ({"timeout_s": True}, "request parameter timeout_s must be a number"),

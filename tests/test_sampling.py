@@ -142,3 +142,28 @@ def test_text_prompts_round_trip(llm):
     out = llm.generate("the naïve one", SamplingParams(max_tokens=5, temperature=0.0))[0]
     ids_out = llm.generate([llm.tokenizer.encode("the naïve one")], SamplingParams(max_tokens=5, temperature=0.0))[0]
     assert out.output_ids == ids_out.output_ids and isinstance(out.text, str)
+
+
+def test_a_stream_that_never_completes_a_character_costs_linear_work(tiny_checkpoint):
+    """Continuation bytes forever: the text waiting for its character to complete is released (as
+    U+FFFD, what a final decode shows) once a few tokens wait, so the tokens re-decoded per step stay
+    bounded instead of growing with the stream (quadratic work on the shared output thread)."""
+    from orca_backend.engine.detokenizer import DetokenizerState, update_text
+    from orca_backend.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_checkpoint[0] / "tokenizer.json")
+    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    decoded: list[int] = []
+
+    class Counting:
+        def decode(self, ids: list[int]) -> str:
+            decoded.append(len(ids))
+            return tokenizer.decode(ids)
+
+    state, n = DetokenizerState([5, 6], []), 3000
+    for _ in range(n):
+        state.token_ids.append(lone)
+        update_text(Counting(), state)
+    update_text(Counting(), state, final=True)
+    assert max(decoded) <= 16  # the last release (its context) and up to 8 waiting tokens, whatever n is
+    assert state.text == tokenizer.decode([lone] * n)

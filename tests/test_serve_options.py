@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from orca_backend.config import EngineConfig
 from orca_backend.serve import build_parser, options_from_args, render_config
 
@@ -48,6 +50,30 @@ def test_triton_args_pass_through_to_the_command_line(tmp_path):
     assert command[-2:] == [restricted, "--log-info=false"]
     assert "--model-control-mode=explicit" in command  # models can still unload themselves
     assert options_from_args(build_parser().parse_args([])).extra_args == ()
+
+
+def test_the_model_repository_api_is_closed_unless_a_key_is_given(tmp_path, monkeypatch):
+    """Triton's load API can carry model code: orca-serve restricts it to a key by default, a random
+    one nobody is told, over HTTP and gRPC alike (test_serving.py checks a live server refuses)."""
+    from pathlib import Path
+
+    from orca_backend.serve import ServerOptions, TritonBinary, TritonServer
+
+    binary = TritonBinary(Path("/opt/tritonserver/bin/tritonserver"))
+
+    def keys(command: list[str]) -> dict[str, str]:
+        return {arg.split("=", 1)[0]: arg.rsplit("admin-key=", 1)[1] for arg in command if "restricted" in arg}
+
+    first, second = (keys(TritonServer(ServerOptions(run_dir=tmp_path)).command(binary, tmp_path)) for _ in range(2))
+    assert set(first) == {"--http-restricted-api", "--grpc-restricted-protocol"}
+    assert len(set(first.values())) == 1 and re.fullmatch("[0-9a-f]{64}", first["--http-restricted-api"])
+    assert first != second  # random per server
+    given = TritonServer(ServerOptions(run_dir=tmp_path, admin_key="k-1")).command(binary, tmp_path)
+    assert set(keys(given).values()) == {"k-1"}
+    monkeypatch.setenv("ORCA_ADMIN_KEY", "from_env")
+    assert options_from_args(build_parser().parse_args([])).admin_key == "from_env"
+    with pytest.raises(ValueError, match="letters, digits"):
+        TritonServer(ServerOptions(admin_key="a key; rm -rf"))
 
 
 def test_model_failure_monitor_confirms_a_failure_on_a_second_poll(tmp_path):

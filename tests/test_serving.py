@@ -11,6 +11,8 @@ import os
 import random
 import re
 import signal
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -110,8 +112,10 @@ def test_greedy_grpc_stream_matches_offline_generate(server, reference, model):
 @pytest.mark.parametrize(("model", "stream", "exclude", "echoed"), [
     ("orca", False, None, True), ("orca", False, False, True), ("orca", False, True, False),
     ("orca", True, None, False), ("orca", True, True, False),
-    # The baseline answers once whatever `stream` says, so it echoes as a non-streaming answer does.
-    ("baseline", True, None, True), ("baseline", True, False, True), ("baseline", False, True, False),
+    # The baseline answers once whatever `stream` says; the default echo follows the client's flag on
+    # both models (an A/B client gets the same text from each), an explicit false is honoured.
+    ("baseline", True, None, False), ("baseline", False, None, True), ("baseline", True, False, True),
+    ("baseline", False, True, False),
 ])  # fmt: skip
 def test_prompt_echo_follows_the_vllm_backend(server, reference, model, stream, exclude, echoed):
     expected = reference("the cat", 6)
@@ -301,6 +305,16 @@ def test_http_generate_on_both_models_with_top_level_parameters(server, referenc
         assert set(body) >= {"text_output", "output_ids"} and "finish_reason" not in body
     status, (body,) = http_generate(server, "orca", {"text_input": "", "max_tokens": 5})
     assert status == 400 and "text_input is empty" in body["error"]
+
+
+def test_the_model_repository_api_refuses_a_caller_without_the_admin_key(server):
+    """orca-serve's default: Triton's load/unload API (a load may carry model code) is closed."""
+    for path in ("/v2/repository/index", "/v2/repository/models/orca/unload"):
+        request = urllib.request.Request(f"http://{server.http_url}{path}", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403
+    assert server.is_ready()
 
 
 # ---- cancellation -----------------------------------------------------------------------------

@@ -353,3 +353,73 @@ def test_tensor_parallel_workers_mask_as_one_process(checkpoint, llm):
         tp2.engine.shutdown()
     assert [o.output_ids for o in outs] == [o.output_ids for o in llm.generate(prompts, params)]
     assert valid_person(outs[0].text)
+
+
+# ---- bounds on what a constraint may cost (issue #29) ----------------------------------------------
+def nested_array_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_past_the_depth_or_size_limit_is_refused_before_it_compiles(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint))  # the defaults: 64 levels, 64 KiB
+    engine.validate("hi", SamplingParams(structured_outputs={"json": nested_array_schema(64)}))  # at the limit
+    with pytest.raises(ValueError, match="nests 800 levels deep, more than this deployment's "
+                                         "max_structured_output_depth of 64"):  # fmt: skip
+        engine.validate("hi", SamplingParams(structured_outputs={"json": nested_array_schema(800)}))
+    engine = LLMEngine(EngineConfig(model=checkpoint, max_structured_output_bytes=4096))
+    wide = {"type": "object", "properties": {f"field{i}": {"type": "string"} for i in range(200)}}
+    with pytest.raises(ValueError, match=r"holds \d+ bytes, more than this deployment's max_structured_output_bytes "
+                                         "of 4096"):  # fmt: skip
+        engine.validate("hi", SamplingParams(structured_outputs={"json": wide}))
+    with pytest.raises(ValueError, match="max_structured_output_bytes"):
+        engine.validate("hi", SamplingParams(structured_outputs={"choice": ["x" * 1000] * 5}))
+
+
+@pytest.mark.parametrize("where", ["sampling_parameters", "structured_outputs", "guided_json"])
+def test_json_nested_past_the_parser_is_invalid_input_not_an_internal_error(where):
+    deep = "[" * 100_000 + "]" * 100_000
+    text = deep if where == "sampling_parameters" else json.dumps({where: deep})
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parse_inputs({"input_ids": np.array([1, 2], np.int32), "sampling_parameters": np.array([text.encode()],
+                                                                                            dtype=np.object_)})
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_alone_and_the_others_compile(checkpoint, monkeypatch):
+    """A compile past structured_output_compile_timeout_s ends its request with INVALID; the compile
+    queued behind it moves to a fresh thread and its request runs. The stuck compile is held on an
+    event the test releases at the end, so nothing here depends on how long a compile takes."""
+    import threading
+
+    from orca_backend.core import structured_output
+
+    release, stuck_started = threading.Event(), threading.Event()
+    original = structured_output.StructuredOutputCompiler.compile
+
+    def compile(self, spec):
+        if spec.kind == "regex" and spec.value == "z+":
+            stuck_started.set()
+            release.wait(60)
+        return original(self, spec)
+
+    monkeypatch.setattr(structured_output.StructuredOutputCompiler, "compile", compile)
+    engine = LLMEngine(EngineConfig(model=checkpoint, structured_output_compile_timeout_s=0.5))
+    try:
+        stuck = engine.add_request("hi", SamplingParams(max_tokens=4, structured_outputs={"regex": "z+"}))
+        engine.step()  # the core takes it in and its compile starts
+        assert stuck_started.wait(30)
+        behind = engine.add_request("hi", SamplingParams(max_tokens=32, temperature=0.0,
+                                                         structured_outputs={"choice": CHOICES}))  # fmt: skip
+        plain = engine.add_request([1, 2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        stuck_events, behind_events, plain_events = list(stuck), list(behind), list(plain)
+        assert stuck_events[-1].finish_reason == "invalid"
+        assert "did not compile within 0.5 s (structured_output_compile_timeout_s)" in stuck_events[-1].error
+        assert "".join(e.new_text for e in behind_events) in CHOICES and behind_events[-1].finish_reason == "stop"
+        assert sum(len(e.new_token_ids) for e in plain_events) == 3
+    finally:
+        release.set()
+        engine.shutdown()

@@ -111,6 +111,15 @@ def test_the_baseline_answers_once_so_a_stream_flag_does_not_refuse_the_echo():
     assert builder.prefix_ids == PROMPT
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_default_echo_follows_the_clients_stream_flag_on_both_models(stream):
+    """exclude_input_in_output unset: orca (streaming as asked) and the baseline (answering once)
+    echo the prompt alike, only when the client did not ask for a stream."""
+    orca = response_builder(parse(stream=stream), CharTokenizer(), stream=stream)
+    baseline = response_builder(parse(stream=stream), CharTokenizer(), stream=False, batched=True)
+    assert orca.prefix_ids == baseline.prefix_ids == ([] if stream else PROMPT)
+
+
 # ---- finish reasons, counts, logprobs --------------------------------------------------------
 def test_a_stream_says_none_until_the_last_response_and_its_counts_sum_to_the_total():
     builder = response_builder(parse(stream=True, **ALL_RETURNS), CharTokenizer(), stream=True)

@@ -42,7 +42,7 @@ class EngineCore:
         # imported until the first constrained request.
         self.structured = StructuredOutputManager(
             config.tokenizer_path(), model_config.vocab_size, model_config.eos_token_id,
-            wake=lambda: self._inbox.put(("wake",)),
+            wake=lambda: self._inbox.put(("wake",)), compile_timeout_s=config.structured_output_compile_timeout_s,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,

@@ -388,9 +388,14 @@ class Scheduler:
         advanced only if the failure came after its token was drawn). The engine goes on, unless
         the failure budget (EngineCore's) is spent."""
         landed = [r for r in batch.requests if self._landed(r)]
-        if len(batch.requests) > 1 and len(landed) > 1:
+        if len(landed) > 1:
             middle = len(landed) // 2
             self._suspects.extendleft([landed[middle:], landed[:middle]])
+            return CoreOutputs()
+        if landed and len(batch.requests) > 1:
+            # Its batch-mates were aborted while the batch ran: any of them may have been the cause,
+            # so it is re-run alone before it is blamed.
+            self._suspects.appendleft(landed)
             return CoreOutputs()
         outputs = []
         for request in landed:

@@ -33,10 +33,12 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -258,6 +260,15 @@ def _row_allowing(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)  # as int32
 
 
+@dataclass(eq=False)
+class _Compile:
+    """One request's grammar compile: what it compiles, its future, and when a thread started it."""
+
+    spec: StructuredOutputSpec
+    future: Future[Any] = field(init=False)
+    started_at: float | None = None  # set on the compile thread
+
+
 # ------------------------------------------------------------------------------ the engine core's
 class StructuredOutputManager:
     """The engine core's structured output, used from its loop thread: compiles grammars on one background
@@ -272,15 +283,17 @@ class StructuredOutputManager:
     """
 
     def __init__(self, tokenizer_file: str | Path | None, vocab_size: int, eos_token_id: int | None,
-                 wake: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 wake: Callable[[], None] | None = None, compile_timeout_s: float = 0.0) -> None:  # fmt: skip
         self._tokenizer_file = tokenizer_file
         self._vocab_size = vocab_size
         self._eos_token_id = eos_token_id
         self._wake = wake
-        self._compiler: StructuredOutputCompiler | None = None  # written by the compile thread only
+        # A compile running longer than this fails its request (0: no limit); see poll().
+        self._compile_timeout_s = compile_timeout_s
+        self._compiler: StructuredOutputCompiler | None = None  # written by the compile threads only
         self._matchers: StructuredOutputMatchers | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[str, Future[Any]] = {}  # request id -> its compile
+        self._pending: dict[str, _Compile] = {}  # request id -> its compile
 
     @property
     def num_pending(self) -> int:
@@ -294,13 +307,16 @@ class StructuredOutputManager:
         """Starts compiling a request's grammar; `poll` says when it is done."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orca-grammar")
-        future = self._pool.submit(self._compile, spec)
-        self._pending[request_id] = future
+        task = _Compile(spec)
+        task.future = self._pool.submit(self._compile, task)
+        self._pending[request_id] = task
         if self._wake is not None:
             wake = self._wake
-            future.add_done_callback(lambda _: wake())
+            task.future.add_done_callback(lambda _: wake())
 
-    def _compile(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:  # on the compile thread
+    def _compile(self, task: _Compile) -> xgr.CompiledGrammar:  # on a compile thread
+        task.started_at = time.monotonic()
+        spec = task.spec
         if self._compiler is None:
             if self._tokenizer_file is None or self._eos_token_id is None:
                 raise RuntimeError("structured output needs the model's tokenizer.json and EOS token id, and this "
@@ -315,10 +331,10 @@ class StructuredOutputManager:
         """The requests whose compile has ended, each as (request id, None, None) when its matcher is
         ready, or (request id, finish reason, message) when it cannot run: INVALID for a malformed
         schema/regex/grammar (the client's to fix), ERROR for anything else."""
-        done = [request_id for request_id, future in self._pending.items() if future.done()]
-        results: list[tuple[str, FinishReason | None, str | None]] = []
+        results = self._expire_compiles()
+        done = [request_id for request_id, task in self._pending.items() if task.future.done()]
         for request_id in done:
-            future = self._pending.pop(request_id)
+            future = self._pending.pop(request_id).future
             try:
                 compiled = future.result()
             except ValueError as exc:
@@ -335,11 +351,39 @@ class StructuredOutputManager:
             results.append((request_id, None, None))
         return results
 
+    def _expire_compiles(self) -> list[tuple[str, FinishReason | None, str | None]]:
+        """Fails the requests whose compile has run past the timeout (INVALID: the constraint is too
+        complex for this deployment). A compile cannot be stopped once it runs, so its thread is left
+        to finish alone and the compiles queued behind it move to a fresh thread: one pathological
+        grammar never holds up the others for longer than the timeout."""
+        limit = self._compile_timeout_s
+        if not limit or not self._pending:
+            return []
+        now = time.monotonic()
+        expired = [request_id for request_id, task in self._pending.items()
+                   if not task.future.done() and task.started_at is not None and now - task.started_at > limit]
+        if not expired:
+            return []
+        for request_id in expired:
+            logger.warning("structured output for %s did not compile within %g s; abandoning that compile",
+                           request_id, limit)
+            del self._pending[request_id]
+        assert self._pool is not None
+        old, self._pool = self._pool, ThreadPoolExecutor(max_workers=1, thread_name_prefix="orca-grammar")
+        for request_id, task in list(self._pending.items()):
+            if task.future.cancel():  # still queued on the stuck thread: start it again on the new one
+                self._pending.pop(request_id)
+                self.submit(request_id, task.spec)
+        old.shutdown(wait=False)
+        message = (f"its structured-output constraint did not compile within {limit:g} s "
+                   "(structured_output_compile_timeout_s): simplify it")
+        return [(request_id, FinishReason.INVALID, message) for request_id in expired]
+
     def wait(self, timeout_s: float) -> None:
         """Blocks until every pending compile has ended (or the timeout): a caller with nothing else to run
         waits here instead of spinning, and then admits the requests together, in arrival order."""
         if self._pending:
-            wait_futures(list(self._pending.values()), timeout=timeout_s)
+            wait_futures([task.future for task in self._pending.values()], timeout=timeout_s)
 
     def fill_bitmask(self, request_ids: Sequence[str]) -> bytes:
         """The next-token bitmask rows of these requests (in this order), as BatchMeta carries them: the
@@ -358,9 +402,9 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         """Forgets a request (finished, aborted, failed): its pending compile or its matcher. Idempotent."""
-        future = self._pending.pop(request_id, None)
-        if future is not None:
-            future.cancel()  # a compile under way runs to its end; its result is dropped
+        task = self._pending.pop(request_id, None)
+        if task is not None:
+            task.future.cancel()  # a compile under way runs to its end; its result is dropped
         if self._matchers is not None:
             self._matchers.remove(request_id)
 

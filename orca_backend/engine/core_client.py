@@ -158,6 +158,16 @@ class EngineCoreProcess:
 
     # ---------------------------------------------------------------- output thread
     def _output_loop(self) -> None:
+        try:
+            self._read_frames()
+        except BaseException as exc:  # noqa: BLE001 - nobody would deliver another output: end them all
+            logger.exception("the engine's output thread failed")
+            reason = f"the engine's output thread failed: {exc!r}"
+            if self._mark_dead(reason):
+                self.process.kill()  # its workers follow their master
+                self._on_dead(reason)
+
+    def _read_frames(self) -> None:
         while True:
             try:
                 message = loads(self._conn.recv_bytes())
@@ -208,6 +218,8 @@ class EngineCoreProcess:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 self.process.kill()  # the output thread reads EOF and ends every request with this reason
+                if not self._thread.is_alive() and self._mark_dead(self._hang_reason):
+                    self._on_dead(self._hang_reason)  # no output thread is left to do it
                 return
 
     def _mark_dead(self, reason: str) -> bool:

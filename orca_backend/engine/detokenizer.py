@@ -3,7 +3,10 @@
 Streamed text deltas must concatenate to exactly the final text and never split a multi-byte
 character (genai-perf re-tokenizes them to count tokens). Byte-level BPE tokens can end inside a
 UTF-8 character, so text is only released once the decoded tail no longer ends in U+FFFD; a few
-tokens of left context are re-decoded so merges across the boundary come out right.
+tokens of left context are re-decoded so merges across the boundary come out right. Bytes that
+never complete a character (a model may emit continuation bytes forever) are released as U+FFFD
+once _MAX_PENDING_TOKENS are waiting, as a final decode would show them: the decoded window stays
+bounded, so each token costs the shared output thread the same, however long the stream.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from orca_backend.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
+_MAX_PENDING_TOKENS = 8  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens
 
 
 @dataclass
@@ -39,7 +43,8 @@ def update_text(tokenizer: Tokenizer, state: DetokenizerState, final: bool = Fal
     ids = state.token_ids
     prefix_text = tokenizer.decode(ids[state.prefix_offset : state.read_offset])
     full_text = tokenizer.decode(ids[state.prefix_offset :])
-    if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+    complete = final or not full_text.endswith("\ufffd") or len(ids) - state.read_offset >= _MAX_PENDING_TOKENS
+    if len(full_text) > len(prefix_text) and complete:
         state.text += full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset
         state.read_offset = len(ids)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from orca_backend.config import EngineConfig, fits_in_pool, pool_capacity_tokens
+from orca_backend.config import EngineConfig, check_parallel_layout, fits_in_pool, pool_capacity_tokens
 from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import Logprob, OutputProcessor, OutputSink, RequestOutput
 from orca_backend.messages import (
@@ -34,6 +34,7 @@ from orca_backend.messages import (
     FinishReason,
 )
 from orca_backend.sampling_params import SamplingParams
+from orca_backend.structured_spec import json_depth
 from orca_backend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +50,11 @@ Prompt = str | Sequence[int]
 class RequestStream:
     """Blocking iterator over one request's events, ending after the finished one."""
 
+    # The longest wait for the next event before iteration raises TimeoutError naming the request
+    # (None: no bound). The test suite sets one (tests/conftest.py), so an event that never comes
+    # fails that test with a message instead of hanging the run.
+    wait_timeout_s: float | None = None
+
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -58,7 +64,11 @@ class RequestStream:
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
-            output = self._queue.get()
+            try:
+                output = self._queue.get(timeout=self.wait_timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id}: no event for {self.wait_timeout_s:g} s "
+                                   "(RequestStream.wait_timeout_s)") from None
             yield output
             if output.finished:
                 return
@@ -69,6 +79,7 @@ class LLMEngine:
         """The core runs in this process, or with `core_process` in its own (prefer `launch`)."""
         self.config = config
         self.model_config = config.model_config()
+        check_parallel_layout(self.model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
         tokenizer_path = config.tokenizer_path()
         self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path else None
         if self.tokenizer and self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -142,7 +153,7 @@ class LLMEngine:
         now = time.monotonic()
         validated = []
         for prompt, p, rid, prio, timeout in zip(prompts, params_list, ids, priorities, timeouts, strict=True):
-            check_priority(prio)
+            check_priority(prio, self.config.max_priority)
             check_timeout(timeout)
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
             validated.append((rid, self.validate(prompt, p), p, prio, timeout))
@@ -212,8 +223,19 @@ class LLMEngine:
     def _check_structured_output(self, params: SamplingParams) -> None:
         """What a constraint needs of the model; the constraint itself is compiled by the engine core
         (a malformed one ends that request with finish_reason "invalid")."""
-        if params.structured_outputs is None:
+        spec = params.structured_outputs
+        if spec is None:
             return
+        # Bounded before anything compiles: compile time grows steeply with a schema's depth.
+        size = sum(len(part.encode()) for part in ((spec.value,) if isinstance(spec.value, str) else spec.value))
+        limit = self.config.max_structured_output_bytes
+        if limit and size > limit:
+            raise ValueError(f"the structured-output {spec.kind} holds {size} bytes, more than this deployment's "
+                             f"max_structured_output_bytes of {limit}")  # fmt: skip
+        depth, limit = json_depth(spec.value) if spec.kind == "json" else 0, self.config.max_structured_output_depth
+        if limit and depth > limit:
+            raise ValueError(f"the structured-output JSON schema nests {depth} levels deep, more than this "
+                             f"deployment's max_structured_output_depth of {limit}")  # fmt: skip
         if self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer (tokenizer.json), and this model has none")
         if self.model_config.eos_token_id is None:
@@ -288,13 +310,12 @@ class LLMEngine:
             self.core.shutdown()  # the output thread then fails what the core process left unfinished
 
 
-MAX_PRIORITY = 2**31 - 1
-
-
-def check_priority(priority: int) -> None:
-    if isinstance(priority, bool) or not isinstance(priority, int) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}] (lower is served first), "
-                         f"got {priority!r}")  # fmt: skip
+def check_priority(priority: int, max_priority: int) -> None:
+    """A priority in [-max_priority, max_priority] (config.max_priority): a bounded range keeps the
+    classes few and lets aging close any gap between them in bounded time."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -max_priority <= priority <= max_priority:
+        raise ValueError(f"priority must be an integer in [{-max_priority}, {max_priority}] (lower is served first; "
+                         f"this deployment's max_priority is {max_priority}), got {priority!r}")  # fmt: skip
 
 
 def check_timeout(timeout_s: float | None) -> None:

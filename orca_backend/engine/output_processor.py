@@ -9,6 +9,7 @@ tokens it produced meanwhile are dropped.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from orca_backend.engine.detokenizer import DetokenizerState
 from orca_backend.messages import CoreOutput, CoreOutputs, EngineOverloadedError, FinishReason, TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
+
+logger = logging.getLogger("orca.engine")
 
 
 @dataclass(slots=True)
@@ -134,7 +137,10 @@ class OutputProcessor:
                 self._states.pop(rid, None)
 
     def process(self, outputs: CoreOutputs) -> list[str]:
-        """Hands every request its event; returns the ids the core must abort (a stop string ended them)."""
+        """Hands every request its event; returns the ids the core must abort (a stop string ended
+        them, or making its event failed). One request's failure here (its text, its logprobs, its
+        sink) ends that request alone with an error event: the rest of the step's events, finals
+        included, are handed out all the same."""
         now = time.perf_counter()
         to_abort: list[str] = []
         states, queued = self._states, self._queued
@@ -146,20 +152,45 @@ class OutputProcessor:
             state = states.get(request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
                 continue
-            if state.detok is not None or state.cumulative_logprob is not None:
-                self._hand_out(state, CoreOutput(request_id, [token]), now, to_abort)
-                continue
-            output_ids = state.output_ids
-            output_ids.append(token)
-            num_output = state.sent_ids_len = len(output_ids)
-            state.sink(RequestOutput(request_id, [token], "", False, None, state.num_prompt_tokens, num_output, now))
+            try:
+                if state.detok is not None or state.cumulative_logprob is not None:
+                    self._hand_out(state, CoreOutput(request_id, [token]), now, to_abort)
+                    continue
+                output_ids = state.output_ids
+                output_ids.append(token)
+                num_output = state.sent_ids_len = len(output_ids)
+                state.sink(RequestOutput(request_id, [token], "", False, None, state.num_prompt_tokens, num_output,
+                                         now))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - that request alone ends
+                self._fail_one(request_id, state, exc, now, to_abort)
         for out in outputs.others:
             if out.request_id in queued:
                 self._dequeue(out.request_id)
             state = states.get(out.request_id)
             if state is not None:
-                self._hand_out(state, out, now, to_abort)
+                try:
+                    self._hand_out(state, out, now, to_abort)
+                except Exception as exc:  # noqa: BLE001 - that request alone ends
+                    self._fail_one(out.request_id, state, exc, now, to_abort, running=not out.finished)
         return to_abort
+
+    def _fail_one(self, request_id: str, state: _RequestState, exc: Exception, now: float, to_abort: list[str],
+                  running: bool = True) -> None:  # fmt: skip
+        """Ends a request whose event could not be made or handed out: an error event (if its sink
+        takes one), and the core aborts it if it still runs."""
+        logger.exception("output processing failed for request %s; ending it", request_id)
+        with self._lock:
+            if self._states.pop(request_id, None) is None:
+                return  # already ended (its final event was handed out before the failure)
+        if running:
+            to_abort.append(request_id)
+        logprobs = None if state.cumulative_logprob is None else []
+        try:
+            state.sink(RequestOutput(request_id, [], "", True, FinishReason.ERROR, state.num_prompt_tokens,
+                                     len(state.output_ids), now, f"output processing failed: {exc}", logprobs,
+                                     state.cumulative_logprob))  # fmt: skip
+        except Exception:  # noqa: BLE001 - a sink that cannot take even this: logged above, nothing more to do
+            logger.exception("request %s's sink refused its error event", request_id)
 
     def _hand_out(self, state: _RequestState, out: CoreOutput, now: float, to_abort: list[str]) -> None:
         """One output's event: its tokens, its text (a stop string ends the request here) and logprobs."""

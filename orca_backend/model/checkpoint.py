@@ -86,9 +86,11 @@ class WeightSource:
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                entry = handle.get_slice(key)
+                _refuse_quantized(model_dir, key, entry.get_dtype())
                 name = rename(key)
                 if name is not None:
-                    entries[name] = handle.get_slice(key)
+                    entries[name] = entry
         return cls(entries)
 
     def __contains__(self, name: str) -> bool:
@@ -103,6 +105,23 @@ class WeightSource:
         index = [slice(None)] * (dim + 1)
         index[dim] = slice(lo, hi)
         return entry[tuple(index)]
+
+
+# What quantized checkpoints store beside (or instead of) plain weights: FP8's scales, GPTQ's and AWQ's
+# packed integers with their scales and zero points, bitsandbytes' and compressed-tensors' state.
+QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales",
+                             "g_idx", "weight_packed", "weight_zero_point", "weight_shape", "SCB", "absmax",
+                             "quant_map", "quant_state")  # fmt: skip
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _refuse_quantized(model_dir: Path, key: str, dtype: str) -> None:
+    """A checkpoint whose tensors are quantized would load (cast to the engine's dtype) and answer
+    wrongly: refused, naming the tensor, whether or not its config.json says so."""
+    suffix = key.rsplit(".", 1)[-1]
+    if suffix in QUANTIZED_TENSOR_SUFFIXES or dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{model_dir}: tensor {key!r} ({dtype}) belongs to a quantized checkpoint, which this "
+                         "engine does not serve (it computes with unquantized float weights only)")
 
 
 def gpt2_key(key: str) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_backend.config import ModelConfig
+from orca_backend.config import ModelConfig, check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
@@ -65,6 +65,7 @@ class GPT2Weights:
         cls, src: WeightSource, config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
     ) -> GPT2Weights:
         e = config.n_embd
+        check_parallel_layout(config, layout.tp_size, layout.pp_size)
         h_lo, h_hi = layout.shard(e)  # this rank's heads, as a range of hidden channels
         f_lo, f_hi = layout.shard(config.n_inner)
 

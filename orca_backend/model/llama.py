@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_backend.config import LlamaConfig
+from orca_backend.config import LlamaConfig, check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
@@ -66,11 +66,7 @@ class LlamaWeights:
         cls, src: WeightSource, config: LlamaConfig, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
     ) -> LlamaWeights:
         d = config.head_dim
-        if config.num_key_value_heads % layout.tp_size:
-            raise ValueError(
-                f"tensor_parallel_size {layout.tp_size} does not divide num_key_value_heads "
-                f"{config.num_key_value_heads}: each rank must hold whole KV heads (they are not replicated)"
-            )
+        check_parallel_layout(config, layout.tp_size, layout.pp_size)
         q_lo, q_hi = layout.shard(config.num_attention_heads)
         kv_lo, kv_hi = layout.shard(config.num_key_value_heads)
         i_lo, i_hi = layout.shard(config.intermediate_size)

@@ -55,7 +55,7 @@ class BaselineModel(EngineAdapter):
         builders: dict[int, ResponseBuilder] = {}
         for index, request in enumerate(requests):
             try:
-                parsed[index] = read_request(request, batched=True, max_request_bytes=self.engine.config.max_request_bytes)
+                parsed[index] = read_request(request, self.engine.config, batched=True)
                 # One answer per request: `stream` cannot apply, so it holds everything.
                 builders[index] = response_builder(parsed[index], self.tokenizer, stream=False, batched=True)
             except Exception as exc:  # this request alone fails; the rest of the batch runs

@@ -99,7 +99,7 @@ class OrcaModel(EngineAdapter):
     def _submit(self, request: Any, sender: Any) -> None:
         if self._dead_reason is not None:
             raise EngineUnavailable(self._dead_reason)
-        parsed = read_request(request, max_request_bytes=self.engine.config.max_request_bytes)
+        parsed = read_request(request, self.engine.config)
         builder = response_builder(parsed, self.tokenizer, stream=parsed.stream, stream_interval=self.stream_interval)
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
         pending = _Pending(request_id, request, sender, builder)

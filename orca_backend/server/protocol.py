@@ -66,6 +66,7 @@ def parse_inputs(
     batched: bool = False,
     max_request_bytes: int = 0,
     triton_timeout_us: int = 0,
+    max_priority: int = EngineConfig.max_priority,
 ) -> ParsedRequest:
     """Validates one request's input tensors and its request-level parameters.
 
@@ -73,15 +74,16 @@ def parse_inputs(
     batch dimension, which must be 1 (one prompt per request).
     Sampling values are merged with this precedence: the `max_tokens` input, then the
     `sampling_parameters` JSON, then request parameters (HTTP generate's top-level keys).
-    `max_request_bytes` (0: none) bounds the tensors' size before anything is decoded or tokenized.
+    `max_request_bytes` (0: none) bounds the size of the tensors and the request parameters (where a
+    client may send `structured_outputs` or `stop` too) before anything is decoded or tokenized.
     The request's timeout is the shorter of its `timeout_s` parameter and Triton's request
     timeout (`triton_timeout_us`, 0 when the client set none).
     """
     present = {name: np.asarray(value) for name, value in tensors.items() if value is not None}
-    size = sum(_num_bytes(value) for value in present.values())
+    size = sum(_num_bytes(value) for value in present.values()) + _parameters_bytes(parameters)
     if max_request_bytes and size > max_request_bytes:
-        raise ValueError(f"the request's inputs hold {size} bytes, more than this deployment's max_request_bytes "
-                         f"of {max_request_bytes}")  # fmt: skip
+        raise ValueError(f"the request's inputs and parameters hold {size} bytes, more than this deployment's "
+                         f"max_request_bytes of {max_request_bytes}")  # fmt: skip
     arrays = {name: _unbatch(name, value, batched) for name, value in present.items()}
     unknown = sorted(set(arrays) - set(INPUT_NAMES))
     if unknown:
@@ -103,7 +105,7 @@ def parse_inputs(
     returned = tuple(output for flag, output in RETURN_INPUTS.items()
                      if flag in arrays and _scalar_bool(flag, arrays[flag]))
     priority = _parameter_int("scheduling_priority", request_parameters.get("scheduling_priority", 0))
-    check_priority(priority)
+    check_priority(priority, max_priority)
     timeouts = [t / 1e6 for t in (triton_timeout_us,) if t]
     if "timeout_s" in request_parameters:
         timeout_s = _parameter_float("timeout_s", request_parameters["timeout_s"])
@@ -112,6 +114,14 @@ def parse_inputs(
     return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude,
                          outputs=ALWAYS_SENT + returned, priority=priority,
                          timeout_s=min(timeouts) if timeouts else None)  # fmt: skip
+
+
+def _parameters_bytes(parameters: Mapping[str, Any] | str | None) -> int:
+    """The request parameters' size: Triton hands them over as one JSON string."""
+    if not parameters:
+        return 0
+    text = parameters if isinstance(parameters, str) else json.dumps(dict(parameters), default=str)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _num_bytes(value: np.ndarray) -> int:
@@ -215,6 +225,8 @@ def _parameters_dict(parameters: Mapping[str, Any] | str | None) -> dict[str, An
             parameters = json.loads(parameters)
         except json.JSONDecodeError:
             return {}
+        except RecursionError:
+            raise ValueError("the request parameters are nested too deeply to parse") from None
     return dict(parameters) if isinstance(parameters, Mapping) else {}
 
 
@@ -296,14 +308,16 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
                      stream_interval: int = 1) -> ResponseBuilder:
     """The builder for one parsed request, `stream` saying whether it is answered as a stream.
 
-    The prompt is echoed when `exclude_input_in_output` is false, or unset in a non-streaming
-    answer; a stream refuses false (Triton's vLLM backend does, with this message).
+    The prompt is echoed when `exclude_input_in_output` is false, or unset and the client did not
+    ask for a stream (its `stream` flag, whether or not the model streams: the baseline answers once
+    either way, and an A/B client must get the same default from both models); a stream refuses
+    false (Triton's vLLM backend does, with this message).
     """
     if stream and request.exclude_input is False:
         raise ValueError(STREAMING_ECHO_REFUSED)
     prefix_ids: list[int] = []
     prefix_text = ""
-    if request.exclude_input is False or (request.exclude_input is None and not stream):
+    if request.exclude_input is False or (request.exclude_input is None and not request.stream):
         if isinstance(request.prompt, str):
             if tokenizer is None:
                 raise ValueError("text_input needs a tokenizer, and this model has none: send input_ids instead")
@@ -355,8 +369,9 @@ def _logprobs_json(logprobs: list[dict[int, Any]] | None) -> str:
                         for token_id, entry in per_token.items()} for per_token in logprobs])
 
 
-def read_request(request: Any, batched: bool = False, max_request_bytes: int = 0) -> ParsedRequest:
-    """Collects a pb_utils.InferenceRequest's tensors, parameters and timeout and parses them."""
+def read_request(request: Any, config: EngineConfig, batched: bool = False) -> ParsedRequest:
+    """Collects a pb_utils.InferenceRequest's tensors, parameters and timeout and parses them, within
+    the deployment's limits (`config`)."""
     import triton_python_backend_utils as pb_utils  # only importable inside the Python backend stub
 
     tensors = {}
@@ -364,8 +379,8 @@ def read_request(request: Any, batched: bool = False, max_request_bytes: int = 0
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             tensors[name] = tensor.as_numpy()
-    parsed = parse_inputs(tensors, request.parameters(), batched=batched, max_request_bytes=max_request_bytes,
-                          triton_timeout_us=int(request.timeout()))  # fmt: skip
+    parsed = parse_inputs(tensors, request.parameters(), batched=batched, max_request_bytes=config.max_request_bytes,
+                          triton_timeout_us=int(request.timeout()), max_priority=config.max_priority)  # fmt: skip
     requested = set(request.requested_output_names())
     if requested:
         parsed.outputs = tuple(name for name in parsed.outputs if name in requested)
