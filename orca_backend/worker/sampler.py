@@ -13,6 +13,9 @@ then greedy's argmax, or temperature, top-k, top-p and a draw.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from orca_backend.messages import TokenLogprobs
@@ -49,10 +52,8 @@ class Sampler:
             if logprob_rows:  # before any processing
                 raw_logprobs = logits[[row for row, _ in logprob_rows]].log_softmax(dim=-1)
             self.processors.apply(logits, batch_meta)
-        if any(batch_meta.banned_ids):
-            for row, banned in enumerate(batch_meta.banned_ids):
-                if banned:  # before min_tokens, EOS and stop tokens cannot be sampled at all (vLLM's semantics)
-                    logits[row, banned] = float("-inf")
+        if any(batch_meta.banned_ids):  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
+            logits[_ban_index(batch_meta.banned_ids, logits.device)] = float("-inf")
         tokens = _argmax(logits)
         # A prefill chunk short of its last token samples nothing: its generator must not advance.
         random_rows = [i for i, (t, s) in enumerate(zip(batch_meta.temperature, batch_meta.sample, strict=True)) if t > 0 and s] \
@@ -109,3 +110,12 @@ def _gather_logprobs(
     ):  # fmt: skip
         out[row] = ([token, *ids[:k]], [value, *values[:k]], [rank, *range(1, min(k, k_max) + 1)])
     return out
+
+
+def _ban_index(banned: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token ids) of every banned entry of the batch, as one index: built through numpy, since
+    a tensor made from a Python list of a thousand ids costs ~80 µs and numpy's ~10 µs."""
+    lengths = [len(ids) for ids in banned]
+    tokens = np.fromiter(itertools.chain.from_iterable(banned), dtype=np.int64, count=sum(lengths))
+    rows = np.repeat(np.arange(len(banned), dtype=np.int64), lengths)
+    return torch.from_numpy(rows).to(device), torch.from_numpy(tokens).to(device)
