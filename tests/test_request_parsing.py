@@ -251,6 +251,12 @@ def test_max_request_bytes_bounds_the_inputs_before_anything_is_decoded():
         parse_inputs({"input_ids": np.ones(26, dtype=np.int32)}, max_request_bytes=100)  # 104 bytes
     with pytest.raises(ValueError, match="max_request_bytes"):  # checked before the invalid UTF-8 is seen
         parse_inputs({"text_input": np.array([b"\xff" * 200], dtype=np.object_)}, max_request_bytes=100)
+    # Request parameters count too: a client may send structured_outputs or stop there (HTTP generate's
+    # top-level keys), and Triton hands them over as one JSON string.
+    schema = json.dumps({"structured_outputs": {"json": {"type": "object", "description": "z" * 2000}}})
+    with pytest.raises(ValueError, match="inputs and parameters hold .* bytes, more than this deployment's "
+                                         "max_request_bytes of 1000"):  # fmt: skip
+        parse_inputs({"input_ids": ids(1, 2)}, schema, max_request_bytes=1000)
 
 
 def test_a_timeout_is_answered_unavailable_and_other_failures_internal_or_unavailable():
