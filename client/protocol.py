@@ -33,8 +33,13 @@ CUMULATIVE_LOGPROB = "cumulative_logprob"
 LOGPROBS = "logprobs"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+# The request's timeline (ns on the server host's CLOCK_MONOTONIC, -1 where a moment never came) and
+# counts, in its last response, when `return_perf_metrics` is true (TensorRT-LLM's name).
+PERF_METRICS = "perf_metrics"
+PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                "num_preemptions", "prefix_cache_hit_tokens")
 # Outputs the server sends only when the request's `return_<output>` input is true.
-OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
+OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, PERF_METRICS)
 # What this project's clients ask for: when a request ended, and how many tokens it counted.
 STATUS_OUTPUTS = (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
 NOT_FINISHED = "None"  # finish_reason of every response but the last
@@ -136,6 +141,7 @@ class Delta:
     cumulative_logprob: float | None = None
     logprobs: list[dict[str, Any]] | None = None  # one {token id: {logprob, rank, decoded_token}} per token
     time: float = field(default_factory=time.perf_counter)  # when it was decoded
+    perf: dict[str, int] | None = None  # PERF_OUTPUTS, when the response carries them
 
 
 def _first_int(value: np.ndarray | None) -> int:
@@ -157,6 +163,9 @@ def decode_response(result: Any) -> Delta:
     final = bool(finish)
     cumulative = output(CUMULATIVE_LOGPROB)
     logprobs = output(LOGPROBS)
+    perf = None
+    if output(PERF_OUTPUTS[0]) is not None:  # all of them or none (as_numpy costs ~30 µs a call)
+        perf = {name: _first_int(output(name)) for name in PERF_OUTPUTS}
     with contextlib.suppress(AttributeError, KeyError, TypeError):
         # Set on the empty last response of a decoupled gRPC stream (enable_empty_final_response).
         final = final or result.get_response().parameters["triton_final_response"].bool_param
@@ -169,6 +178,7 @@ def decode_response(result: Any) -> Delta:
         final=final,
         cumulative_logprob=float(cumulative[0]) if cumulative is not None and cumulative.size else None,
         logprobs=json.loads(logprobs[0]) if logprobs is not None and logprobs.size else None,
+        perf=perf,
     )
 
 

@@ -66,10 +66,24 @@ class EngineCoreRequest:
     timeout_s: float | None = None  # it ends with FinishReason.TIMEOUT this long after arrival
 
 
+@dataclass(slots=True)
+class RequestMetrics:
+    """A finished request's life as the core saw it, times on time.monotonic() (CLOCK_MONOTONIC: one
+    clock for every process of the host). The frontend adds when its first and last tokens were handed
+    out; the server exports them as latency histograms and, on request, in the response."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: it ended before it was ever scheduled
+    num_preemptions: int
+    num_cached_tokens: int  # prompt tokens its first admission found in the prefix cache
+    first_token_time: float | None = None  # set by the output processor
+    last_token_time: float | None = None
+
+
 @dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
 class CoreOutput:
     """What one iteration (or an abort) did to one request: its new tokens, and whether it ended
-    (`error` holds the message of TIMEOUT, ERROR and INVALID)."""
+    (`error` holds the message of TIMEOUT, ERROR and INVALID; `metrics` comes with the end)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -77,6 +91,7 @@ class CoreOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked; else None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(slots=True)
@@ -172,7 +187,8 @@ _stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
-    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs) for o in outputs.others]
+    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs, o.metrics)
+            for o in outputs.others]  # fmt: skip
     return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, _stats_tuple(stats), dead_reason))
 
 

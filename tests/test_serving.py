@@ -6,11 +6,13 @@ request runs for a while: long enough to see short requests overtake it and to c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import re
 import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +22,7 @@ import pytest
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
+from orca_client.protocol import PERF_METRICS, PERF_OUTPUTS, STATUS_OUTPUTS
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
@@ -317,10 +320,83 @@ def test_the_model_repository_api_refuses_a_caller_without_the_admin_key(server)
     assert server.is_ready()
 
 
+# ---- latency histograms with vLLM's names ---------------------------------------------------------
+HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+              "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:time_per_output_token_seconds")
+
+
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+def test_latency_histograms_count_and_sum_what_was_served(server, reference, model):
+    """Triton's vLLM backend's histograms and counters, exported by both models: token histograms and
+    counters exactly, latency counts exactly and sums within what the client measured around them;
+    a request that timed out counts under its finish reason."""
+
+    def snapshot() -> dict[str, float]:
+        values = {f"{name}_{part}": metric(server, f"{name}_{part}", model) for name in HISTOGRAMS
+                  for part in ("count", "sum")}  # fmt: skip
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+            values[name] = metric(server, name, model)
+        for reason in ("length", "timeout"):
+            values[reason] = metric(server, "vllm:request_success_total", model, finished_reason=reason)
+        return values
+
+    before = snapshot()
+    prompts, lengths = [[3, 4, 5], [6, 7], [8, 9, 10, 11]], [5, 9, 3]
+    with StreamSession(server.grpc_url) as session:
+        results = [session.send(model, f"h{i}", input_ids=p, max_tokens=n, sampling=GREEDY, stream=True)
+                   for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+        session.wait()
+    with StreamSession(server.grpc_url) as session:  # one that times out: counted, under its reason
+        session.client.async_stream_infer = functools.partial(session.client.async_stream_infer,
+                                                              parameters={"timeout_s": 0.001})  # fmt: skip
+        late = session.send(model, "late", input_ids=[5, 6], max_tokens=400, sampling=GREEDY, stream=True)
+        session.wait()
+        late_e2e = time.perf_counter() - late.sent_at  # its error carries no time of its own
+    assert late.error is not None and "timed out" in late.error
+    late_tokens = int(re.search(r"\((\d+) tokens generated\)", late.error).group(1))  # none reach the client
+    for result, prompt, n in zip(results, prompts, lengths, strict=True):
+        assert result.error is None and result.ids == reference(prompt, n).output_ids
+    # Exported by the metrics thread every 0.2 s.
+    assert wait_until(lambda: snapshot()["timeout"] == before["timeout"] + 1, timeout_s=30)
+    delta = {name: value - before[name] for name, value in snapshot().items()}
+    assert delta["length"] == 3
+    assert delta["vllm:request_prompt_tokens_count"] == delta["vllm:request_generation_tokens_count"] == 4
+    assert delta["vllm:request_prompt_tokens_sum"] == delta["vllm:prompt_tokens_total"] == sum(map(len, prompts)) + 2
+    assert delta["vllm:request_generation_tokens_sum"] == delta["vllm:generation_tokens_total"] == \
+        sum(lengths) + late_tokens  # fmt: skip
+    assert delta["vllm:time_to_first_token_seconds_count"] == 3 + (late_tokens > 0)
+    assert delta["vllm:time_per_output_token_seconds_count"] == 3 + (late_tokens > 1)
+    # Server-side times lie inside what the client measured around them (they start later and end earlier).
+    client_e2e = sum(r.finished_at - r.sent_at for r in results) + late_e2e
+    assert 0 < delta["vllm:e2e_request_latency_seconds_sum"] <= client_e2e
+    assert 0 < delta["vllm:time_to_first_token_seconds_sum"] <= delta["vllm:e2e_request_latency_seconds_sum"]
+    assert delta["vllm:request_queue_time_seconds_count"] >= 3 and delta["vllm:request_queue_time_seconds_sum"] >= 0
+
+
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+def test_perf_metrics_come_only_when_asked_in_order_and_inside_the_clients_timings(server, reference, model):
+    """return_perf_metrics: the request's timeline in its last response only, monotone (arrival <=
+    first scheduled <= first token <= last token), on the host's monotonic clock, so between the
+    client's send and its receipt of the last response; absent when not asked."""
+    sent_ns = time.monotonic_ns()
+    asked = one_request(server.grpc_url, model, input_ids=[4, 5, 6], max_tokens=7, sampling=GREEDY, stream=True,
+                        return_outputs=(*STATUS_OUTPUTS, PERF_METRICS))  # fmt: skip
+    received_ns = time.monotonic_ns()
+    plain = one_request(server.grpc_url, model, input_ids=[4, 5, 6], max_tokens=7, sampling=GREEDY, stream=True)
+    assert asked.error is None and asked.ids == plain.ids == reference([4, 5, 6], 7).output_ids
+    assert all(d.perf is None for d in plain.deltas) and all(d.perf is None for d in asked.deltas[:-1])
+    perf = asked.deltas[-1].perf
+    assert perf is not None and set(perf) == set(PERF_OUTPUTS)
+    times = [perf[name] for name in PERF_OUTPUTS[:4]]
+    assert sent_ns <= times[0] <= times[1] <= times[2] <= times[3] <= received_ns, (sent_ns, times, received_ns)
+    assert perf["num_preemptions"] == 0 and perf["prefix_cache_hit_tokens"] == 0
+
+
 # ---- cancellation -----------------------------------------------------------------------------
 def test_cancelling_a_stream_frees_its_kv_and_the_server_keeps_serving(server, reference):
     generated_before = metric(server, "orca_generated_tokens_total", "orca")
     cancelled_before = metric(server, "orca_requests_finished_total", "orca", reason="cancelled")
+    aborted_before = metric(server, "vllm:request_success_total", "orca", finished_reason="abort")
     max_tokens = 1000
     _, core, _ = engine_processes(server.process.pid)
     session = StreamSession(server.grpc_url)
@@ -348,6 +424,7 @@ def test_cancelling_a_stream_frees_its_kv_and_the_server_keeps_serving(server, r
     assert wait_until(lambda: kv_used(server, "orca") == 0, timeout_s=30)
     assert wait_until(lambda: metric(server, "orca_requests_finished_total", "orca", reason="cancelled")
                       == cancelled_before + 1, timeout_s=10)
+    assert metric(server, "vllm:request_success_total", "orca", finished_reason="abort") == aborted_before + 1
     assert metric(server, "orca_generated_tokens_total", "orca") - generated_before < max_tokens
     after = one_request(server.grpc_url, "orca", input_ids=[1, 2], max_tokens=6, sampling=GREEDY, stream=True)
     assert after.ids == reference([1, 2], 6).output_ids

@@ -187,12 +187,35 @@ def test_output_dtypes_are_the_vllm_backends():
 VLLM_TYPES = {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "cumulative_logprob": "TYPE_FP32",
               "logprobs": "TYPE_STRING", "num_input_tokens": "TYPE_UINT32", "num_output_tokens": "TYPE_UINT32",
               "output_ids": "TYPE_INT32"}  # fmt: skip
+# return_perf_metrics' outputs (TensorRT-LLM's names for the times).
+PERF_TYPES = {"arrival_time_ns": "TYPE_INT64", "first_scheduled_time_ns": "TYPE_INT64",
+              "first_token_time_ns": "TYPE_INT64", "last_token_time_ns": "TYPE_INT64",
+              "num_preemptions": "TYPE_UINT32", "prefix_cache_hit_tokens": "TYPE_UINT32"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model", ["orca", "baseline"])
 def test_both_configs_declare_the_contract_with_its_types(model):
     config = (REPO / model / "config.pbtxt").read_text()
     declared = dict(re.findall(r'\{ name: "(\w+)", data_type: (TYPE_\w+)', config))
-    for name in RETURN_INPUTS:
+    for name in (*RETURN_INPUTS, "return_perf_metrics"):
         assert declared[name] == "TYPE_BOOL"
-    assert {name: declared[name] for name in OUTPUT_NAMES} == VLLM_TYPES
+    assert {name: declared[name] for name in OUTPUT_NAMES} == VLLM_TYPES | PERF_TYPES
+
+
+def test_histogram_observations_of_a_request_leave_out_the_moments_that_never_came():
+    from orca_backend.messages import RequestMetrics
+    from orca_backend.server.metrics import FinishedRequest, observations, one_two_five_buckets
+
+    served = observations(FinishedRequest(FinishReason.LENGTH, RequestMetrics(10.0, 10.5, 1, 16, 11.0, 13.0), 20, 5))
+    assert served == pytest.approx({
+        "vllm:request_prompt_tokens": 20, "vllm:request_generation_tokens": 5, "vllm:request_params_n": 1,
+        "orca_request_preemptions": 1, "vllm:e2e_request_latency_seconds": 3.0,
+        "vllm:time_to_first_token_seconds": 1.0, "vllm:time_per_output_token_seconds": 0.5,
+        "vllm:request_decode_time_seconds": 2.0, "vllm:request_queue_time_seconds": 0.5,
+        "vllm:request_prefill_time_seconds": 0.5, "vllm:request_inference_time_seconds": 2.5,
+    })  # fmt: skip
+    # Cancelled while queued: no token, never scheduled: counts only.
+    queued = observations(FinishedRequest(FinishReason.CANCELLED, RequestMetrics(10.0, None, 0, 0), 20, 0))
+    assert set(queued) == {"vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
+                           "orca_request_preemptions"}  # fmt: skip
+    assert one_two_five_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]

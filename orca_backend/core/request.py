@@ -43,6 +43,11 @@ class Request:
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
     output_logprobs: list[TokenLogprobs] | None = None  # one per output token when it asks for logprobs
+    # What its final output reports (messages.RequestMetrics): when it was first scheduled (time.monotonic),
+    # how often it was preempted, and how many prompt tokens its first admission found in the prefix cache.
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
     # What the sampling worker holds of a request with penalties or logit_bias: None until a batch
     # carrying its setup has returned, then how many of its output tokens it has been sent. Only a
     # returned batch moves it: a failed one records nothing, and its re-run sends the same again.

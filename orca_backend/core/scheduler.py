@@ -45,7 +45,7 @@ from orca_backend.core.request import Request, RequestStatus
 from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
-from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, TokenLogprobs
+from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, RequestMetrics, TokenLogprobs
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
@@ -228,6 +228,9 @@ class Scheduler:
                 assert request is not None
                 if not self.kv.admit(request, others_running=bool(self.running)):
                     break  # strict FCFS: a later, smaller request does not overtake the head of the queue
+                if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
+                    request.first_scheduled_time = self.clock()
+                    request.num_cached_tokens = request.num_computed
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -289,6 +292,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed = 0
         self.num_preemptions += 1
+        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.running.remove(request)
         self.waiting.appendleft(request)
@@ -443,7 +447,12 @@ class Scheduler:
         new_ids = request.output_ids[reported:]
         request.num_reported = len(request.output_ids)
         logprobs = request.output_logprobs[reported:] if request.output_logprobs is not None else None
-        return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs)
+        metrics = None
+        if request.finished:
+            metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.num_preemptions,
+                                     request.num_cached_tokens)  # fmt: skip
+        return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs,
+                          metrics)  # fmt: skip
 
     def _release(self, outputs: CoreOutputs) -> CoreOutputs:
         """Iteration-level: every output goes out now. Request-level: once the batch has ended, every

@@ -164,7 +164,7 @@ class LLMEngine:
         streams = [RequestStream(r.request_id) for r in requests]
         new_ids = [r.request_id for r in requests]
         self.outputs.add(new_ids, [r.prompt_ids for r in requests], [r.params for r in requests],
-                         [on_output or s.put for s in streams])  # fmt: skip
+                         [on_output or s.put for s in streams], arrival_time=now)  # fmt: skip
         try:
             self.core.add_requests(requests)
         except EngineDeadError:

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from orca_backend.engine import detokenizer
 from orca_backend.engine.detokenizer import DetokenizerState
-from orca_backend.messages import CoreOutput, CoreOutputs, EngineOverloadedError, FinishReason, TokenLogprobs
+from orca_backend.messages import (
+    CoreOutput,
+    CoreOutputs,
+    EngineOverloadedError,
+    FinishReason,
+    RequestMetrics,
+    TokenLogprobs,
+)
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.tokenizer import Tokenizer
 
@@ -57,6 +64,9 @@ class RequestOutput:
     # 1..k), so k or k + 1 entries; and the sum of the sampled tokens' logprobs so far.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # On the final event: the request's timeline and counts (arrival, first scheduled, first and last
+    # token, on time.monotonic()), for the latency histograms and `return_perf_metrics`.
+    metrics: RequestMetrics | None = None
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -70,6 +80,8 @@ class _RequestState:
     sent_ids_len: int = 0
     detok: DetokenizerState | None = None  # None without a tokenizer
     cumulative_logprob: float | None = None  # 0.0 from the start when the request asked for logprobs
+    arrival_time: float = 0.0  # time.monotonic() when the frontend took it
+    first_token_time: float | None = None  # time.monotonic() when its first token was handed out
 
 
 class OutputProcessor:
@@ -91,7 +103,7 @@ class OutputProcessor:
         return len(self._queued), self._queued_tokens
 
     def add(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
-            sinks: list[OutputSink]) -> None:  # fmt: skip
+            sinks: list[OutputSink], arrival_time: float = 0.0) -> None:  # fmt: skip
         """Registers requests before the core sees them; a ValueError if an id is still in use, an
         EngineOverloadedError if the queue is not empty and taking them would pass a queue limit
         (into an empty queue anything goes, so no request is refused for its size alone)."""
@@ -103,7 +115,8 @@ class OutputProcessor:
             for rid, prompt, p, sink in zip(request_ids, prompts, params, sinks, strict=True):
                 detok = DetokenizerState(list(prompt), p.stop) if self.tokenizer is not None else None
                 cumulative = None if p.logprobs is None else 0.0
-                self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok, cumulative_logprob=cumulative)
+                self._states[rid] = _RequestState(sink, len(prompt), [], detok=detok, cumulative_logprob=cumulative,
+                                                  arrival_time=arrival_time)  # fmt: skip
                 self._queued[rid] = len(prompt)
                 self._queued_tokens += len(prompt)
 
@@ -141,7 +154,7 @@ class OutputProcessor:
         them, or making its event failed). One request's failure here (its text, its logprobs, its
         sink) ends that request alone with an error event: the rest of the step's events, finals
         included, are handed out all the same."""
-        now = time.perf_counter()
+        now, mono = time.perf_counter(), time.monotonic()
         to_abort: list[str] = []
         states, queued = self._states, self._queued
         # The columns (most of every step): one new token each, and the request goes on. Without text
@@ -152,6 +165,8 @@ class OutputProcessor:
             state = states.get(request_id)
             if state is None:  # a stop string already ended it: later tokens are dropped
                 continue
+            if state.first_token_time is None:
+                state.first_token_time = mono
             try:
                 if state.detok is not None or state.cumulative_logprob is not None:
                     self._hand_out(state, CoreOutput(request_id, [token]), now, to_abort)
@@ -168,6 +183,8 @@ class OutputProcessor:
                 self._dequeue(out.request_id)
             state = states.get(out.request_id)
             if state is not None:
+                if state.first_token_time is None and out.new_token_ids:
+                    state.first_token_time = mono
                 try:
                     self._hand_out(state, out, now, to_abort)
                 except Exception as exc:  # noqa: BLE001 - that request alone ends
@@ -188,7 +205,7 @@ class OutputProcessor:
         try:
             state.sink(RequestOutput(request_id, [], "", True, FinishReason.ERROR, state.num_prompt_tokens,
                                      len(state.output_ids), now, f"output processing failed: {exc}", logprobs,
-                                     state.cumulative_logprob))  # fmt: skip
+                                     state.cumulative_logprob, self._final_metrics(state, None)))  # fmt: skip
         except Exception:  # noqa: BLE001 - a sink that cannot take even this: logged above, nothing more to do
             logger.exception("request %s's sink refused its error event", request_id)
 
@@ -217,7 +234,17 @@ class OutputProcessor:
         if finished:
             with self._lock:
                 del self._states[request_id]
+            event.metrics = self._final_metrics(state, out.metrics)
         state.sink(event)
+
+    @staticmethod
+    def _final_metrics(state: _RequestState, core: RequestMetrics | None) -> RequestMetrics:
+        """The core's account of the request (none when the frontend ended it: a stop string, a
+        failure here, the core's death) with its first and last token's times added."""
+        metrics = core or RequestMetrics(state.arrival_time, None, 0, 0)
+        metrics.first_token_time = state.first_token_time
+        metrics.last_token_time = time.monotonic() if state.output_ids else None
+        return metrics
 
     def fail_all(self, reason: str) -> None:
         """Ends every registered request with an error event (the core that held them is gone)."""
@@ -228,7 +255,8 @@ class OutputProcessor:
         for request_id, state in failed.items():
             logprobs = None if state.cumulative_logprob is None else []
             state.sink(RequestOutput(request_id, [], "", True, FinishReason.ERROR, state.num_prompt_tokens, len(state.output_ids),
-                                     now, reason, logprobs, state.cumulative_logprob))  # fmt: skip
+                                     now, reason, logprobs, state.cumulative_logprob,
+                                     self._final_metrics(state, None)))  # fmt: skip
 
     def _add_logprobs(self, event: RequestOutput, state: _RequestState, logprobs: list[TokenLogprobs]) -> None:
         """The event's logprob dicts and running total: the sampled token first, with its own rank (a

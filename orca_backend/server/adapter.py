@@ -28,7 +28,8 @@ class EngineAdapter:
         config = self.engine_config()
         self.engine = LLMEngine.launch(config)  # the engine core process; returns once the model is loaded
         self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
+                                     self.engine.model_config.max_context)  # fmt: skip
         self._poller = MetricsPoller(self.engine, self.metrics).start()
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "

@@ -19,6 +19,7 @@ from orca_backend.server.protocol import (
     ParsedRequest,
     ResponseBuilder,
     error_response,
+    finished_request,
     make_response,
     read_request,
     request_failure,
@@ -102,7 +103,7 @@ class BaselineModel(EngineAdapter):
             if event.finished:
                 remaining.discard(index)
                 builder = builders[index]
-                self.metrics.request_finished(builder.finish_reason)
+                self.metrics.request_finished(finished_request(builder))
                 try:
                     if builder.error is not None:
                         failure = request_failure(builder.error, self.engine.healthy, builder.finish_reason)

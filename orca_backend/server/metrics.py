@@ -1,15 +1,23 @@
-"""Engine gauges and counters exported on Triton's metrics port (pb_utils.MetricFamily).
+"""What a served model exports on Triton's metrics port (pb_utils.MetricFamily), labelled with the
+model name and version so that `orca` and `baseline` sit side by side:
 
-Each setter is an IPC round trip to the Triton process, so values are written only when they
-changed, from the adapter's response thread (never from the engine loop).
+- the engine's gauges and counters (`orca_*`), from EngineStats snapshots;
+- per-request latency histograms and counters with the names, labels and buckets of Triton's vLLM
+  backend (`vllm:*`, its src/utils/metrics.py), so dashboards built for it work unchanged, plus what
+  it lacks: success by finish reason for every reason, and preemptions per request.
+
+Every setter or observation is an IPC round trip to the Triton process, so nothing is exported from
+the engine loop or the response thread: a finished request is queued (`request_finished`) and the
+metrics thread (`MetricsPoller`, every 0.2 s) exports the queue and the stats that changed.
 """
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass
 from typing import Any
 
-from orca_backend.messages import FinishReason
+from orca_backend.messages import FinishReason, RequestMetrics
 
 # name -> (kind, help). Counters are monotonic engine totals exported as increments.
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -48,6 +56,62 @@ _STAT_OF = {
 }
 
 
+# The vLLM backend's buckets (they are vLLM's own).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+PREEMPTION_BUCKETS = [0, 1, 2, 5, 10, 20, 50]
+
+
+def one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return buckets
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
+
+# name -> (help, buckets or None for the context-length token buckets). Observed once per request.
+_HISTOGRAMS: dict[str, tuple[str, list[float] | None]] = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "vllm:time_per_output_token_seconds": ("Histogram of time per output token in seconds (each request's mean "
+                                           "between its first and last token).", TPOT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request (arrival to first "
+                                        "scheduled).", REQUEST_LATENCY_BUCKETS),
+    "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
+                                            REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
+                                          REQUEST_LATENCY_BUCKETS),
+    "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
+                                         REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", None),
+    "vllm:request_generation_tokens": ("Number of generation tokens processed.", None),
+    "vllm:request_params_n": ("Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
+    "orca_request_preemptions": ("Histogram of the times each request was preempted.", PREEMPTION_BUCKETS),
+}
+_REQUEST_COUNTERS = {
+    "vllm:prompt_tokens_total": "Number of prefill tokens processed (counted as each request ends).",
+    "vllm:generation_tokens_total": "Number of generation tokens processed (counted as each request ends).",
+    "vllm:request_success_total": "Requests finished, by finished_reason (stop, length, abort, timeout, error, "
+                                  "invalid).",
+}
+# vLLM-named gauges and counters from EngineStats, beside the orca_* ones.
+_VLLM_STATS: dict[str, tuple[str, str, str]] = {
+    "vllm:num_requests_running": ("GAUGE", "Number of requests currently running.", "num_running"),
+    "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed.", "num_waiting"),
+    "vllm:gpu_cache_usage_perc": ("GAUGE", "KV-cache usage (on any device). 1 means 100 percent usage.",
+                                  "kv_usage"),
+    "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions.", "num_preemptions"),
+}
+# The contract's names for finish reasons (a cancel is vLLM's "abort").
+_REASON_LABEL = {FinishReason.CANCELLED: "abort"}
+
+
 @dataclass
 class _Exported:
     metric: Any
@@ -55,26 +119,52 @@ class _Exported:
     value: float = 0.0
 
 
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What a request's end adds to the histograms and counters."""
+
+    finish_reason: FinishReason | None
+    metrics: RequestMetrics | None
+    num_input_tokens: int
+    num_output_tokens: int
+
+
 class EngineMetrics:
     """The gauges of one model instance, labelled with the model name and version."""
 
-    def __init__(self, pb_utils: Any, model_name: str, model_version: str = "1") -> None:
+    def __init__(self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048) -> None:
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
+        kinds = pb_utils.MetricFamily
+        families = {name: (kind, text) for name, (kind, text) in _FAMILIES.items()}
+        families |= {name: ("HISTOGRAM", text) for name, (text, _) in _HISTOGRAMS.items()}
+        families |= {name: ("COUNTER", text) for name, text in _REQUEST_COUNTERS.items()}
+        families |= {name: (kind, text) for name, (kind, text, _) in _VLLM_STATS.items()}
         self._families = {
-            name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(pb_utils.MetricFamily, kind))
-            for name, (kind, text) in _FAMILIES.items()
+            name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(kinds, kind))
+            for name, (kind, text) in families.items()
         }
         self._metrics = {
-            name: _Exported(self._families[name].Metric(labels=self._labels), _FAMILIES[name][0] == "COUNTER")
-            for name in _STAT_OF
+            name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
+            for name in (*_STAT_OF, *_VLLM_STATS, "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+        }
+        token_buckets = one_two_five_buckets(max_context)
+        self._histograms = {
+            name: self._families[name].Metric(labels=self._labels, buckets=buckets or token_buckets)
+            for name, (_, buckets) in _HISTOGRAMS.items()
         }
         self._finished: dict[str, _Exported] = {}
+        self._success: dict[str, Any] = {}
+        self._ended: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""
         for name, attr in _STAT_OF.items():
             self._write(self._metrics[name], float(getattr(stats, attr)))
+        for name, (_, _, attr) in _VLLM_STATS.items():
+            value = stats.kv_used_blocks / stats.kv_num_blocks if attr == "kv_usage" and stats.kv_num_blocks else (
+                0.0 if attr == "kv_usage" else float(getattr(stats, attr)))  # fmt: skip
+            self._write(self._metrics[name], value)
 
     def zero_gauges(self) -> None:
         """After the engine stopped nothing is running or reserved any more."""
@@ -82,14 +172,41 @@ class EngineMetrics:
             if not exported.counter:
                 self._write(exported, 0.0)
 
-    def request_finished(self, finish_reason: FinishReason | None) -> None:
-        reason = finish_reason.value if finish_reason is not None else "unknown"
+    def request_finished(self, finished: FinishedRequest) -> None:
+        """Queues a request's end for the metrics thread (any thread; no IPC here)."""
+        self._ended.put(finished)
+
+    def export_finished(self) -> None:
+        """Exports every queued request end: its counters and histogram observations (metrics thread)."""
+        while True:
+            try:
+                finished = self._ended.get_nowait()
+            except queue.Empty:
+                return
+            self._export(finished)
+
+    def _export(self, finished: FinishedRequest) -> None:
+        reason = finished.finish_reason.value if finished.finish_reason is not None else "unknown"
         exported = self._finished.get(reason)
         if exported is None:
             metric = self._families["orca_requests_finished_total"].Metric(labels={**self._labels, "reason": reason})
             exported = self._finished[reason] = _Exported(metric, counter=True)
         exported.metric.increment(1.0)
         exported.value += 1.0
+        label = _REASON_LABEL.get(finished.finish_reason, reason)
+        success = self._success.get(label)
+        if success is None:
+            success = self._success[label] = self._families["vllm:request_success_total"].Metric(
+                labels={**self._labels, "finished_reason": label})  # fmt: skip
+        success.increment(1.0)
+        for name, count in (("vllm:prompt_tokens_total", finished.num_input_tokens),
+                            ("vllm:generation_tokens_total", finished.num_output_tokens)):  # fmt: skip
+            if count:
+                exported = self._metrics[name]
+                exported.metric.increment(float(count))
+                exported.value += count
+        for name, value in observations(finished).items():
+            self._histograms[name].observe(value)
 
     @staticmethod
     def _write(exported: _Exported, value: float) -> None:
@@ -102,6 +219,36 @@ class EngineMetrics:
         else:
             exported.metric.set(value)
             exported.value = value
+
+
+def observations(finished: FinishedRequest) -> dict[str, float]:
+    """The histogram observations of one request's end: a duration only where both of its ends are
+    known (no TTFT without a token, no queue time for a request never scheduled, no time per
+    output token for fewer than two)."""
+    values: dict[str, float] = {
+        "vllm:request_prompt_tokens": finished.num_input_tokens,
+        "vllm:request_generation_tokens": finished.num_output_tokens,
+        "vllm:request_params_n": 1,
+    }
+    m = finished.metrics
+    if m is None:
+        return values
+    values["orca_request_preemptions"] = m.num_preemptions
+    end = m.last_token_time
+    if end is not None:
+        values["vllm:e2e_request_latency_seconds"] = end - m.arrival_time
+    if m.first_token_time is not None:
+        values["vllm:time_to_first_token_seconds"] = m.first_token_time - m.arrival_time
+        if end is not None and finished.num_output_tokens > 1:
+            values["vllm:time_per_output_token_seconds"] = (end - m.first_token_time) / (finished.num_output_tokens - 1)
+            values["vllm:request_decode_time_seconds"] = end - m.first_token_time
+    if m.first_scheduled_time is not None:
+        values["vllm:request_queue_time_seconds"] = m.first_scheduled_time - m.arrival_time
+        if m.first_token_time is not None:
+            values["vllm:request_prefill_time_seconds"] = m.first_token_time - m.first_scheduled_time
+        if end is not None:
+            values["vllm:request_inference_time_seconds"] = end - m.first_scheduled_time
+    return values
 
 
 class MetricsPoller:
@@ -126,6 +273,7 @@ class MetricsPoller:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
+                self._metrics.export_finished()
                 if self._engine.healthy:
                     self._metrics.update(self._engine.stats())
                 else:
@@ -137,4 +285,5 @@ class MetricsPoller:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self._metrics.export_finished()
         self._metrics.zero_gauges()

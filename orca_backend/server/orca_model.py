@@ -31,6 +31,7 @@ from orca_backend.server.protocol import (
     EngineUnavailable,
     ResponseBuilder,
     error_response,
+    finished_request,
     make_response,
     read_request,
     request_failure,
@@ -169,7 +170,7 @@ class OrcaModel(EngineAdapter):
         with self._lock:
             if self._pending.pop(request_id, None) is None:
                 return
-        self.metrics.request_finished(builder.finish_reason)
+        self.metrics.request_finished(finished_request(builder))
         self._send_last(pending)
 
     def _send_last(self, pending: _Pending) -> None:

@@ -18,8 +18,9 @@ import numpy as np
 from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import check_priority, check_timeout
 from orca_backend.engine.output_processor import RequestOutput
-from orca_backend.messages import EngineDeadError, EngineOverloadedError, FinishReason
+from orca_backend.messages import EngineDeadError, EngineOverloadedError, FinishReason, RequestMetrics
 from orca_backend.sampling_params import SamplingParams, parse_sampling_json
+from orca_backend.server.metrics import FinishedRequest
 
 # Triton's vLLM backend sends these outputs only when the request's input of the same name is true
 # (docs/vllm-backend-contract.md); text_output, and this project's output_ids, are always sent.
@@ -30,10 +31,16 @@ RETURN_INPUTS = {
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
 }
+# `return_perf_metrics` (TensorRT-LLM's name) switches on the request's timeline and counts, in its
+# final response only: times in ns on the server host's CLOCK_MONOTONIC (time.monotonic_ns(), as
+# TensorRT-LLM's steady clock), -1 where a moment never came (a request that ended before it was
+# scheduled, or without a token).
+PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                "num_preemptions", "prefix_cache_hit_tokens")
 INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output",
-               *RETURN_INPUTS)
+               *RETURN_INPUTS, "return_perf_metrics")
 ALWAYS_SENT = ("text_output", "output_ids")
-OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values())
+OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values(), *PERF_OUTPUTS)
 # The engine's finish reasons as the contract names them (the others end in an error response).
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.CANCELLED: "abort"}
 NOT_FINISHED = "None"  # finish_reason of every response but the last (vLLM's str(None))
@@ -104,6 +111,8 @@ def parse_inputs(
         if "exclude_input_in_output" in arrays else None
     returned = tuple(output for flag, output in RETURN_INPUTS.items()
                      if flag in arrays and _scalar_bool(flag, arrays[flag]))
+    if "return_perf_metrics" in arrays and _scalar_bool("return_perf_metrics", arrays["return_perf_metrics"]):
+        returned += PERF_OUTPUTS
     priority = _parameter_int("scheduling_priority", request_parameters.get("scheduling_priority", 0))
     check_priority(priority, max_priority)
     timeouts = [t / 1e6 for t in (triton_timeout_us,) if t]
@@ -256,6 +265,7 @@ class ResponseBuilder:
     finished: bool = False
     finish_reason: FinishReason | None = None  # the engine's
     error: str | None = None  # the request ends in an error response with this message
+    request_metrics: RequestMetrics | None = None  # from the final event
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
     _logprobs: list[dict[int, Any]] = field(default_factory=list)
@@ -275,6 +285,7 @@ class ResponseBuilder:
         if event.finished:
             self.finished = True
             self.finish_reason = event.finish_reason
+            self.request_metrics = event.metrics
             if event.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT, FinishReason.INVALID):
                 self.error = event.error or "the engine failed this request"
             elif event.finish_reason is FinishReason.CANCELLED and self.stream:
@@ -300,8 +311,17 @@ class ResponseBuilder:
         self._ids, self._text, self._logprobs = [], [], []
         new_tokens, self._num_output_sent = self.num_output_tokens - self._num_output_sent, self.num_output_tokens
         reason = FINISH_REASONS.get(self.finish_reason, str(self.finish_reason)) if self.finished else NOT_FINISHED
-        return output_arrays(ids, text, reason, self.num_input_tokens, new_tokens, self.batched, self.outputs,
-                             cumulative_logprob=self.cumulative_logprob, logprobs=logprobs)
+        # The perf metrics are known at the end only: a stream's earlier responses go without them.
+        names = self.outputs if self.finished else tuple(n for n in self.outputs if n not in PERF_OUTPUTS)
+        return output_arrays(ids, text, reason, self.num_input_tokens, new_tokens, self.batched, names,
+                             cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
+                             metrics=self.request_metrics)
+
+
+def finished_request(builder: ResponseBuilder) -> FinishedRequest:
+    """What a finished request's builder holds for the metrics."""
+    return FinishedRequest(builder.finish_reason, builder.request_metrics, builder.num_input_tokens,
+                           builder.num_output_tokens)  # fmt: skip
 
 
 def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False,
@@ -333,7 +353,7 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
 def output_arrays(
     ids: list[int], text: str, finish_reason: str, num_input_tokens: int, num_output_tokens: int, batched: bool,
     names: tuple[str, ...] = OUTPUT_NAMES, *, cumulative_logprob: float | None = None,
-    logprobs: list[dict[int, Any]] | None = None,
+    logprobs: list[dict[int, Any]] | None = None, metrics: RequestMetrics | None = None,
 ) -> dict[str, np.ndarray]:
     """The response payload: the outputs in `names`, with the vLLM backend's dtypes.
 
@@ -356,8 +376,22 @@ def output_arrays(
         arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
     if "num_output_tokens" in names:
         arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+    if PERF_OUTPUTS[0] in names:
+        arrays.update(_perf_arrays(metrics))
     if batched:  # the baseline's outputs carry the batch dimension too
         arrays = {name: value[np.newaxis, ...] for name, value in arrays.items()}
+    return arrays
+
+
+def _perf_arrays(metrics: RequestMetrics | None) -> dict[str, np.ndarray]:
+    def ns(seconds: float | None) -> int:
+        return -1 if seconds is None else round(seconds * 1e9)
+
+    m = metrics or RequestMetrics(0.0, None, 0, 0)
+    times = (m.arrival_time if metrics else None, m.first_scheduled_time, m.first_token_time, m.last_token_time)
+    arrays = {name: np.array([ns(t)], dtype=np.int64) for name, t in zip(PERF_OUTPUTS[:4], times, strict=True)}
+    arrays["num_preemptions"] = np.array([m.num_preemptions], dtype=np.uint32)
+    arrays["prefix_cache_hit_tokens"] = np.array([m.num_cached_tokens], dtype=np.uint32)
     return arrays
 
 
