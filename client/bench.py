@@ -52,7 +52,7 @@ from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, s
 from orca_client.bench_server import EngineRunStats, ServedModel
 from orca_client.early_stop import with_early_stops
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
-from orca_client.report import write_all
+from orca_client.report import ITERATION_LOGS, write_all
 from orca_client.workload import (
     ARRIVAL_HELP,
     DIST_HELP,
@@ -579,6 +579,13 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
                          "every orca run of this bench used it (--served-path-streams '' keeps config.pbtxt's)"
                          + (", and so did its variants." if variants else "."))
     per_model.update(variant_parameters(per_model["orca"], variants))
+    if args.iteration_log and not args.echo:
+        logs = out / ITERATION_LOGS
+        shutil.rmtree(logs, ignore_errors=True)  # the engines append: this run's lines only
+        logs.mkdir(parents=True)
+        for name in names:
+            if name != "echo":
+                per_model.setdefault(name, {})["iteration_log"] = str((logs / f"{name}.jsonl").resolve())
     options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
                             parameters={} if args.echo else params,
                             model_parameters={} if args.echo else per_model,
@@ -761,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-fairness", action="store_true",
                    help="no equal-length burst on the baseline; with explicit --rates, none on orca either")
     s.add_argument("--no-echo", action="store_true", help="skip the load generator overhead check")
+    s.add_argument("--iteration-log", action="store_true",
+                   help="every served engine writes its iteration log to OUT/iteration_logs/<model>.jsonl, "
+                        "plotted as OUT/iterations.png (batch size and K/V use over time, all models)")
     s.add_argument("--echo", action="store_true", help="only measure the load generator's overhead against `echo`")
     s.add_argument("--no-early-stop", action="store_true", help="run every rate even after a model missed the SLO")
     sp = p.add_argument_group("served path (served vs offline throughput, server CPU per token)")

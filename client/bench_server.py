@@ -140,9 +140,13 @@ def served_model(name: str, config: Mapping[str, Any]) -> ServedModel:
     return ServedModel(name, "orca", max_num_seqs=seqs)
 
 
+# Per model by construction, not what a variant tests.
+_OWN_PARAMETERS = ("iteration_log",)
+
+
 def parameter_differences(variant: Mapping[str, str], orca: Mapping[str, str]) -> dict[str, str]:
     """The string parameters where a variant's served config differs from orca's (what it tests)."""
-    return {key: value for key, value in variant.items() if orca.get(key) != value}
+    return {key: value for key, value in variant.items() if orca.get(key) != value and key not in _OWN_PARAMETERS}
 
 
 def describe_variants(url: str, models: Iterable[ServedModel]) -> None:

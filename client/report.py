@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 JSON_NAME, MARKDOWN_NAME, PLOT_NAME = "bench.json", "summary.md", "curve.png"
+ITERATION_LOGS, ITERATIONS_PLOT = "iteration_logs", "iterations.png"  # --iteration-log
 
 
 def _json_default(value: Any) -> Any:
@@ -347,10 +348,53 @@ def plot_curves(result: dict[str, Any], out_dir: Path) -> Path | None:
     return path
 
 
+def read_iteration_logs(log_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each model's iteration-log lines (its iterations only), by model name."""
+    logs = {}
+    for path in sorted(log_dir.glob("*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        logs[path.stem] = [line for line in lines if "iteration" in line]
+    return logs
+
+
+def plot_iterations(log_dir: Path, out_dir: Path) -> Path | None:
+    """Batch size (requests per iteration) and K/V blocks in use over the run, one line per model:
+    what iteration-level scheduling does differently, beside the A/B curve."""
+    logs = {model: lines for model, lines in read_iteration_logs(log_dir).items() if lines}
+    if not logs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = min(lines[0]["time"] for lines in logs.values())
+    fig, (batch_ax, kv_ax) = plt.subplots(2, 1, figsize=(8, 5.5), dpi=120, sharex=True)
+    for model, lines in logs.items():
+        times = [line["time"] - start for line in lines]
+        width = 1.6 if model == "orca" else 1.0
+        batch_ax.plot(times, [line["requests"] for line in lines], label=model, linewidth=width)
+        kv_ax.plot(times, [line["kv_blocks_used"] for line in lines], label=model, linewidth=width)
+    batch_ax.set_ylabel("requests per iteration")
+    kv_ax.set_ylabel("K/V blocks in use")
+    kv_ax.set_xlabel("seconds since the first iteration")
+    for ax in (batch_ax, kv_ax):
+        ax.grid(True, alpha=0.3)
+    batch_ax.legend(fontsize=8)
+    batch_ax.set_title("iteration logs: batch size and K/V use over the run", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / ITERATIONS_PLOT
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def write_all(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": write_json(result, out_dir), "markdown": write_markdown(result, out_dir)}
     plot = plot_curves(json.loads(paths["json"].read_text()), out_dir)
     if plot is not None:
         paths["plot"] = plot
+    if (out_dir / ITERATION_LOGS).is_dir() and (iterations := plot_iterations(out_dir / ITERATION_LOGS, out_dir)):
+        paths["iterations"] = iterations
     return paths

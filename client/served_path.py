@@ -173,7 +173,9 @@ def offline_main(payload: Mapping[str, Any]) -> dict[str, Any]:
     from orca_backend.llm import LLM
     from orca_backend.sampling_params import SamplingParams
 
-    llm = LLM(**asdict(EngineConfig.from_parameters(payload["engine"])))
+    # The served model's engine settings, less its iteration log: that file is the served engine's.
+    engine = {key: value for key, value in payload["engine"].items() if key != "iteration_log"}
+    llm = LLM(**asdict(EngineConfig.from_parameters(engine)))
     prompts: list[list[int]] = payload["prompts"]
     params = SamplingParams(max_tokens=payload["max_tokens"], temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up

@@ -276,6 +276,8 @@ class EngineConfig:
     # Failure budget: this many failed iterations in a row end the engine (a sticky device error
     # fails every batch); 0 never does.
     max_consecutive_failed_iterations: int = 10
+    # One JSON line per iteration appended to this file (core/iteration_log.py); "" turns it off.
+    iteration_log: str = ""
     # Limits a deployment sets on each request, checked before it reaches the engine (0: none).
     max_input_tokens: int = 0  # prompt tokens; the model's context length bounds it anyway
     max_stop_sequences: int = 16  # stop strings per request

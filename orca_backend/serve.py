@@ -437,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "being ready (its engine died and it unloaded itself), stop tritonserver and exit with "
                         f"code {EXIT_MODEL_FAILED}, so that a supervisor (compose restart policy, systemd, "
                         "Kubernetes) restarts the deployment. Without it the other models go on serving")
+    p.add_argument("--iteration-log", type=Path, metavar="DIR",
+                   help="write each served model's iteration log (one JSON line per engine iteration) to "
+                        "DIR/<model>.jsonl; off by default")
     p.add_argument("--admin-key", default=os.environ.get("ORCA_ADMIN_KEY") or None,
                    help="the key Triton's model-repository API (load/unload) asks for, over HTTP (header admin-key) "
                         "and gRPC (triton-grpc-protocol-admin-key); default $ORCA_ADMIN_KEY, else a random key "
@@ -463,9 +466,15 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens")
         if (value := getattr(args, flag)) is not None
     }
+    model_parameters: dict[str, dict[str, str]] = {"orca": orca_params} if orca_params else {}
+    if args.iteration_log is not None:
+        args.iteration_log.mkdir(parents=True, exist_ok=True)
+        for model in models:
+            log = str((args.iteration_log / f"{model}.jsonl").resolve())
+            model_parameters[model] = {**model_parameters.get(model, {}), "iteration_log": log}
     return ServerOptions(
         models=models, model_repository=args.model_repository, parameters=params,
-        model_parameters={"orca": orca_params} if orca_params else {},
+        model_parameters=model_parameters,
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg), admin_key=args.admin_key,

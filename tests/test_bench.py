@@ -734,12 +734,22 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
         "--rates", "3,12", "--num-requests", "10", "--baseline-batch-sizes", "4,8",
         "--unloaded-repeats", "1", "--fairness-tokens", "8", "--no-early-stop", "--out", str(out), "--quiet",
         "--served-path-streams", "8", "--served-path-tokens", "16", "--served-path-repeats", "1",
-        "--orca-variants", "reserve:kv_policy=reserve",
+        "--orca-variants", "reserve:kv_policy=reserve", "--iteration-log",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     assert (out / "summary.md").is_file() and (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
     assert data["command"] == "orca-bench " + " ".join(argv)
+    # --iteration-log: every engine's log (its lines flushed as written; the closing line needs a clean
+    # engine shutdown, which Triton's 10 s exit timeout does not always leave a model) and its plot.
+    logs = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
+            for path in (out / "iteration_logs").glob("*.jsonl")}  # fmt: skip
+    assert set(logs) == {"orca", "orca_reserve", "baseline_bs4", "baseline_bs8"}
+    for lines in logs.values():
+        steps = [line for line in lines if "iteration" in line]
+        assert [s["iteration"] for s in steps] == list(range(1, len(steps) + 1)) and all(s["dropped"] == 0 for s in steps)
+        assert sum(s["generated_tokens"] for s in steps) > 0 and lines[len(steps):] in ([], [{"event": "closed", "dropped": 0}])
+    assert (out / "iterations.png").read_bytes()[:4] == b"\x89PNG"
     # The report names the machine: figures move with the CPU and the width torch's kernels run at.
     host = data["setup"]["machine"]
     assert host["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and host["cpu"]

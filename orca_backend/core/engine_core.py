@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from orca_backend.config import AnyModelConfig, EngineConfig
 from orca_backend.core.batch_builder import BatchBuilder
+from orca_backend.core.iteration_log import IterationLog
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
@@ -60,6 +61,8 @@ class EngineCore:
         self.last_iteration_seconds = 0.0
         self.max_batches_in_flight = 0
         self._failed_in_a_row = 0  # the failure budget's count (config.max_consecutive_failed_iterations)
+        self.iteration_log = IterationLog(config.iteration_log) if config.iteration_log else None
+        self._logged = (0, 0, 0)  # generated tokens, preemptions, prefix-cache hit tokens at the last line
 
     # ----------------------------------------------------------------- any thread
     def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
@@ -158,8 +161,25 @@ class EngineCore:
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
+        if self.iteration_log is not None:
+            self._log_iteration(batch)
         outputs += updated
         return outputs
+
+    def _log_iteration(self, batch: ScheduledBatch) -> None:
+        """One line of the iteration log: what this iteration did, and what happened since the last."""
+        s, kv = self.scheduler, self.kv
+        totals = (s.num_generated_tokens, s.num_preemptions, kv.prefix_hit_tokens)
+        generated, preemptions, hits = (now - before for now, before in zip(totals, self._logged, strict=True))
+        self._logged = totals
+        self.iteration_log.record({
+            "time": time.time(), "iteration": self.num_iterations, "seconds": self.last_iteration_seconds,
+            "requests": len(batch.requests), "decode_tokens": batch.num_decodes,
+            "prompt_tokens": batch.num_tokens - batch.num_decodes, "generated_tokens": generated,
+            "running": len(s.running), "waiting": len(s.waiting) + s.num_compiling,
+            "kv_blocks_used": kv.used_blocks, "kv_blocks_free": kv.num_blocks - kv.used_blocks,
+            "preemptions": preemptions, "prefix_cache_hit_tokens": hits,
+        })  # fmt: skip
 
     def run_forever(self, emit: Callable[[CoreOutputs], None]) -> None:
         """The background loop: iterations while work exists, idle on the inbox otherwise. Every
@@ -218,4 +238,6 @@ class EngineCore:
         outputs += self.scheduler.fail_all(reason)
         self.structured.shutdown()
         self.executor.shutdown()
+        if self.iteration_log is not None:
+            self.iteration_log.close()
         return outputs

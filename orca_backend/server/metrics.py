@@ -13,7 +13,8 @@ metrics thread (`MetricsPoller`, every 0.2 s) exports the queue and the stats th
 
 from __future__ import annotations
 
-import queue
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 PREEMPTION_BUCKETS = [0, 1, 2, 5, 10, 20, 50]
+MAX_QUEUED_ENDS = 100_000
 
 
 def one_two_five_buckets(limit: int) -> list[float]:
@@ -155,7 +157,11 @@ class EngineMetrics:
         }
         self._finished: dict[str, _Exported] = {}
         self._success: dict[str, Any] = {}
-        self._ended: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
+        # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
+        # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
+        # (counted) rather than held without bound.
+        self._ended: deque[FinishedRequest] = deque(maxlen=MAX_QUEUED_ENDS)
+        self.dropped_ends = 0
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""
@@ -174,16 +180,16 @@ class EngineMetrics:
 
     def request_finished(self, finished: FinishedRequest) -> None:
         """Queues a request's end for the metrics thread (any thread; no IPC here)."""
-        self._ended.put(finished)
+        if len(self._ended) == self._ended.maxlen:
+            self.dropped_ends += 1
+        self._ended.append(finished)
 
-    def export_finished(self) -> None:
-        """Exports every queued request end: its counters and histogram observations (metrics thread)."""
-        while True:
-            try:
-                finished = self._ended.get_nowait()
-            except queue.Empty:
-                return
-            self._export(finished)
+    def export_finished(self, budget_s: float) -> None:
+        """Exports queued request ends, oldest first, for at most `budget_s` (metrics thread): their
+        counters and histogram observations."""
+        deadline = time.monotonic() + budget_s
+        while self._ended and time.monotonic() < deadline:
+            self._export(self._ended.popleft())
 
     def _export(self, finished: FinishedRequest) -> None:
         reason = finished.finish_reason.value if finished.finish_reason is not None else "unknown"
@@ -252,10 +258,17 @@ def observations(finished: FinishedRequest) -> dict[str, float]:
 
 
 class MetricsPoller:
-    """Exports engine.stats() every `interval_s` from its own thread until stop().
+    """Exports the queued request ends and engine.stats() every `interval_s` from its own thread
+    until stop().
 
-    Every changed value is an IPC round trip to tritonserver; 5 a second is plenty for a scrape.
+    Every changed value and every observation is an IPC round trip to tritonserver; 5 exports a
+    second are plenty for a scrape. Each tick spends at most EXPORT_BUDGET_S on request ends, and
+    stop() at most STOP_EXPORT_BUDGET_S: a model being unloaded must finish within Triton's exit
+    timeout, and what its metrics would still have said matters less.
     """
+
+    EXPORT_BUDGET_S = 0.5
+    STOP_EXPORT_BUDGET_S = 1.0
 
     def __init__(self, engine: Any, metrics: EngineMetrics, interval_s: float = 0.2) -> None:
         import threading
@@ -273,7 +286,7 @@ class MetricsPoller:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                self._metrics.export_finished()
+                self._metrics.export_finished(self.EXPORT_BUDGET_S)
                 if self._engine.healthy:
                     self._metrics.update(self._engine.stats())
                 else:
@@ -284,6 +297,7 @@ class MetricsPoller:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        self._metrics.export_finished()
-        self._metrics.zero_gauges()
+            self._thread.join(timeout=2 * self.EXPORT_BUDGET_S)
+        if not self._thread.is_alive():  # never two threads exporting at once
+            self._metrics.export_finished(self.STOP_EXPORT_BUDGET_S)
+            self._metrics.zero_gauges()
