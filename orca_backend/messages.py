@@ -153,6 +153,11 @@ class EngineStats:
         return self.kv_num_blocks - self.kv_used_blocks
 
     @property
+    def kv_usage(self) -> float:
+        """The share of K/V blocks in use (vLLM's gpu_cache_usage_perc: 1 is all of them)."""
+        return self.kv_used_blocks / self.kv_num_blocks if self.kv_num_blocks else 0.0
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
 

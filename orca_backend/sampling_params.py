@@ -62,7 +62,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # duplicates change nothing but the cost
+        self.stop_token_ids = list(self.stop_token_ids)
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
@@ -78,6 +78,7 @@ class SamplingParams:
                f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # duplicates change nothing but the cost
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                f"{len(self.stop_token_ids)} distinct stop_token_ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -44,6 +44,8 @@ class IterationLog:
 
     def close(self) -> None:
         """Writes what is queued and a last line with the drop count, then closes the file."""
+        if not self._thread.is_alive():  # writing failed earlier (said then): nothing drains the queue
+            return
         try:
             self._queue.put({"event": "closed", "dropped": self.dropped}, timeout=5)
             self._queue.put(None, timeout=5)

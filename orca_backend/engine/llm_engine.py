@@ -228,14 +228,14 @@ class LLMEngine:
             return
         # Bounded before anything compiles: compile time grows steeply with a schema's depth.
         size = sum(len(part.encode()) for part in ((spec.value,) if isinstance(spec.value, str) else spec.value))
-        limit = self.config.max_structured_output_bytes
-        if limit and size > limit:
+        max_bytes, max_depth = self.config.max_structured_output_bytes, self.config.max_structured_output_depth
+        if max_bytes and size > max_bytes:
             raise ValueError(f"the structured-output {spec.kind} holds {size} bytes, more than this deployment's "
-                             f"max_structured_output_bytes of {limit}")  # fmt: skip
-        depth, limit = json_depth(spec.value) if spec.kind == "json" else 0, self.config.max_structured_output_depth
-        if limit and depth > limit:
+                             f"max_structured_output_bytes of {max_bytes}")  # fmt: skip
+        depth = json_depth(spec.value) if spec.kind == "json" else 0
+        if max_depth and depth > max_depth:
             raise ValueError(f"the structured-output JSON schema nests {depth} levels deep, more than this "
-                             f"deployment's max_structured_output_depth of {limit}")  # fmt: skip
+                             f"deployment's max_structured_output_depth of {max_depth}")  # fmt: skip
         if self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer (tokenizer.json), and this model has none")
         if self.model_config.eos_token_id is None:

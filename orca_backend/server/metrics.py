@@ -38,6 +38,13 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_generated_tokens_total": ("COUNTER", "Output tokens generated"),
     "orca_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason (length, stop, cancelled, "
                                      "timeout, error, invalid)"),
+    "orca_request_metrics_dropped_total": ("COUNTER", "Finished requests left out of the latency histograms: the "
+                                           "metrics thread fell too far behind"),
+    # The vLLM backend's names for some of the same stats.
+    "vllm:num_requests_running": ("GAUGE", "Number of requests currently running."),
+    "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed."),
+    "vllm:gpu_cache_usage_perc": ("GAUGE", "KV-cache usage (on any device). 1 means 100 percent usage."),
+    "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions."),
 }
 _STAT_OF = {
     "orca_requests_waiting": "num_waiting",
@@ -54,6 +61,10 @@ _STAT_OF = {
     "orca_iteration_seconds": "last_iteration_seconds",
     "orca_iterations_total": "num_iterations",
     "orca_generated_tokens_total": "num_generated_tokens",
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:num_preemptions_total": "num_preemptions",
 }
 
 
@@ -102,14 +113,6 @@ _REQUEST_COUNTERS = {
     "vllm:request_success_total": "Requests finished, by finished_reason (stop, length, abort, timeout, error, "
                                   "invalid).",
 }
-# vLLM-named gauges and counters from EngineStats, beside the orca_* ones.
-_VLLM_STATS: dict[str, tuple[str, str, str]] = {
-    "vllm:num_requests_running": ("GAUGE", "Number of requests currently running.", "num_running"),
-    "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed.", "num_waiting"),
-    "vllm:gpu_cache_usage_perc": ("GAUGE", "KV-cache usage (on any device). 1 means 100 percent usage.",
-                                  "kv_usage"),
-    "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions.", "num_preemptions"),
-}
 # The contract's names for finish reasons (a cancel is vLLM's "abort").
 _REASON_LABEL = {FinishReason.CANCELLED: "abort"}
 
@@ -141,14 +144,14 @@ class EngineMetrics:
         families = {name: (kind, text) for name, (kind, text) in _FAMILIES.items()}
         families |= {name: ("HISTOGRAM", text) for name, (text, _) in _HISTOGRAMS.items()}
         families |= {name: ("COUNTER", text) for name, text in _REQUEST_COUNTERS.items()}
-        families |= {name: (kind, text) for name, (kind, text, _) in _VLLM_STATS.items()}
         self._families = {
             name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(kinds, kind))
             for name, (kind, text) in families.items()
         }
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
-            for name in (*_STAT_OF, *_VLLM_STATS, "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+            for name in (*_STAT_OF, "orca_request_metrics_dropped_total", "vllm:prompt_tokens_total",
+                         "vllm:generation_tokens_total")
         }
         token_buckets = one_two_five_buckets(max_context)
         self._histograms = {
@@ -159,7 +162,7 @@ class EngineMetrics:
         self._success: dict[str, Any] = {}
         # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
         # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
-        # (counted) rather than held without bound.
+        # (counted in orca_request_metrics_dropped_total) rather than held without bound.
         self._ended: deque[FinishedRequest] = deque(maxlen=MAX_QUEUED_ENDS)
         self.dropped_ends = 0
 
@@ -167,10 +170,6 @@ class EngineMetrics:
         """Exports an EngineStats snapshot."""
         for name, attr in _STAT_OF.items():
             self._write(self._metrics[name], float(getattr(stats, attr)))
-        for name, (_, _, attr) in _VLLM_STATS.items():
-            value = stats.kv_used_blocks / stats.kv_num_blocks if attr == "kv_usage" and stats.kv_num_blocks else (
-                0.0 if attr == "kv_usage" else float(getattr(stats, attr)))  # fmt: skip
-            self._write(self._metrics[name], value)
 
     def zero_gauges(self) -> None:
         """After the engine stopped nothing is running or reserved any more."""
@@ -190,6 +189,7 @@ class EngineMetrics:
         deadline = time.monotonic() + budget_s
         while self._ended and time.monotonic() < deadline:
             self._export(self._ended.popleft())
+        self._write(self._metrics["orca_request_metrics_dropped_total"], float(self.dropped_ends))
 
     def _export(self, finished: FinishedRequest) -> None:
         reason = finished.finish_reason.value if finished.finish_reason is not None else "unknown"
