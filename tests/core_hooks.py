@@ -20,17 +20,29 @@ class StepGate:
     def __init__(self) -> None:
         self._permits = _ctx.Semaphore(0)
         self._open = _ctx.Event()
+        self._aborts = _ctx.Semaphore(0)  # one per abort the core has taken into its inbox
 
     def __call__(self, core: Any) -> None:  # in the core process
         executor = core.executor
         run = executor.collect_oldest
+        abort = core.abort
 
         def collect() -> list[int]:
             if not self._open.is_set():
                 assert self._permits.acquire(timeout=60), "the test never let this iteration run"
             return run()
 
+        def noted_abort(*args: Any, **kwargs: Any) -> None:
+            abort(*args, **kwargs)
+            self._aborts.release()
+
         executor.collect_oldest = collect
+        core.abort = noted_abort
+
+    def wait_for_abort(self, timeout_s: float = 60.0) -> bool:
+        """Until the core's inbox holds the abort the test sent (its reader thread took it from the
+        pipe): the next iteration's drain then sees it, however the core's threads are scheduled."""
+        return self._aborts.acquire(timeout=timeout_s)
 
     def allow(self, iterations: int = 1) -> None:
         for _ in range(iterations):

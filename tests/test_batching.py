@@ -174,6 +174,7 @@ def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
         first = next(iter(long))
         assert not first.finished
         engine.abort_request(long.request_id)
+        assert gate.wait_for_abort()  # in the core's inbox: not racing the reader thread
         gate.open()  # the iteration already waiting runs; the abort is taken in before the next
         rest = list(long)
         assert rest[-1].finished and rest[-1].finish_reason == "cancelled"

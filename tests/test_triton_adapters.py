@@ -382,6 +382,7 @@ def test_orca_cancellation_aborts_and_frees_kv(pb_utils):
         # The response thread has asked the engine to abort: at most the iteration the engine is
         # already waiting to run completes before the abort is taken in.
         assert wait_for(lambda: all(p.abort_requested for p in model._pending.values()))
+        assert gate.wait_for_abort()  # and the core has it in its inbox: not racing its reader thread
         gate.open()
         sender = finish(request)
         final = sender.sent[-1][0].error  # a cancelled stream ends in vLLM's CANCELLED error
