@@ -131,8 +131,7 @@ def make_batch(args: argparse.Namespace, device: torch.device):
         block_size=size,
         max_query_len=max(n for n, _ in requests),
         max_context_len=max(context_lens),
-        query_start_host=query_start,
-        context_lens_host=context_lens,
+        num_requests=len(requests),
     )
     return requests, meta, sum(counts) * size
 
@@ -146,7 +145,7 @@ def padded_sdpa_inputs(q, k_cache, v_cache, requests, meta):
     mask = torch.zeros(b, 1, max_q, max_ctx, dtype=torch.bool, device=q.device)
     mask[:, :, :, 0] = True  # padded query rows see key 0, so no row is all -inf (NaN)
     for i, (n, ctx) in enumerate(requests):
-        lo, slots = meta.query_start_host[i], meta.context_slots(i)
+        lo, slots = meta.host_lens()[0][i], meta.context_slots(i)
         qp[i, :, :n] = q[lo : lo + n].transpose(0, 1)
         kp[i, :, :ctx] = k_cache[slots].transpose(0, 1)
         vp[i, :, :ctx] = v_cache[slots].transpose(0, 1)
@@ -235,7 +234,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     # The attention step: a ragged batch of prompts and decodes over a shared K/V pool.
     heads, dim, scale = args.heads, args.head_dim, args.head_dim**-0.5
     requests, meta, slots = make_batch(args, device)
-    tokens = meta.query_start_host[-1]
+    tokens = sum(n for n, _ in requests)
     q, k_new, v_new = randn(tokens, heads, dim), randn(tokens, heads, dim), randn(tokens, heads, dim)
     k_cache, v_cache = randn(slots, heads, dim), randn(slots, heads, dim)
 

@@ -19,6 +19,11 @@ Grouped-query attention (Llama 2 70B onwards, Mistral, Qwen2/3): the pool holds 
 and q has ``Hq`` heads, a multiple of ``Hkv``; query head ``h`` attends with K/V head
 ``h // (Hq // Hkv)``, so consecutive query heads share one K/V head (transformers' ``repeat_kv``
 order). ``Hkv == Hq`` is ordinary multi-head attention and ``Hkv == 1`` multi-query attention.
+
+The metadata holds the per-request values only as tensors on the batch's device, no host copies, so
+that a kernel launch needs no device->host read and a step can be captured as a CUDA graph. This
+module's reference and the CPU path's prefill loop read them to the host once per step
+(``AttentionMetadata.host_lens``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,17 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
+    """One step's batch layout, as device tensors plus the plain integers a launch is sized by.
+
+    Nothing here is a per-request host list: a kernel launch reads only the tensors and the ints,
+    so the step can be captured as a CUDA graph. The torch reference and the CPU path's prefill
+    loop, which do need per-request integers on the host, call `host_lens()`.
+
+    Everything derived from the tensors (`host_lens`, `context_slots`, `kernel_tables`) is built at
+    its first use and kept on this object for every layer of the step, so the tensors must not be
+    changed in place afterwards: a new step builds a new object. (A CUDA graph that captured a
+    step re-runs the device-side builds on every replay; `host_lens` cannot be captured at all.)"""
+
     query_start: torch.Tensor  # int32 [B + 1]: offsets of each request's queries in the flat batch
     context_lens: torch.Tensor  # int32 [B]: K/V tokens of each request after this step's write
     block_tables: torch.Tensor  # int32 [B, max_blocks]: pool blocks in context order, right-padded
@@ -39,22 +55,29 @@ class AttentionMetadata:
     block_size: int  # slots per block; any value >= 1
     max_query_len: int
     max_context_len: int
-    # Host copies, so the per-request torch loop does not sync a device tensor in every layer.
-    query_start_host: list[int]
-    context_lens_host: list[int]
+    num_requests: int  # B
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.context_lens_host)
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """(query_start, context_lens) as host lists: a device->host read (a sync on a GPU), made
+        once per object and reused by every layer. For the torch reference and the CPU path only,
+        never for the Triton launch, which must stay free of host reads."""
+        return self._host_lens
+
+    @functools.cached_property
+    def _host_lens(self) -> tuple[list[int], list[int]]:
+        # One read for both tensors: one sync per step on a GPU instead of two.
+        values = torch.cat((self.query_start, self.context_lens)).tolist()
+        split = self.query_start.numel()
+        return values[:split], values[split:]
 
     def context_slots(self, i: int) -> torch.Tensor:
         """int64 [context_lens[i]]: the pool slot of each of request i's context tokens, in context
-        order, on the block table's device. Built from the device table (no host sync) on the first
-        call and kept on this object, so every layer of a step reuses it: the tables must not be
-        changed after that."""
+        order, on the block table's device. Built from the device table on the first call (the
+        context length comes from `host_lens`, read once per object) and kept on this object, so
+        every layer of a step reuses it."""
         slots = self._context_slots.get(i)
         if slots is None:
-            ctx, size = self.context_lens_host[i], self.block_size
+            ctx, size = self.host_lens()[1][i], self.block_size
             blocks = self.block_tables[i, : -(-ctx // size)].long()
             offsets = torch.arange(size, dtype=torch.int64, device=blocks.device)
             slots = self._context_slots[i] = (blocks[:, None] * size + offsets).flatten()[:ctx]
@@ -63,6 +86,13 @@ class AttentionMetadata:
     @functools.cached_property
     def _context_slots(self) -> dict[int, torch.Tensor]:
         return {}  # not a dataclass field (no annotation): a per-object cache for context_slots
+
+    @functools.cached_property
+    def kernel_tables(self) -> dict[object, torch.Tensor]:
+        """Device tensors a kernel derives from this metadata on the device (the Triton launch's
+        query-block table), keyed as that kernel chooses: built at the first layer's launch and
+        reused by the others. Not a dataclass field."""
+        return {}
 
 
 def write_kv_torch(
@@ -94,7 +124,7 @@ def attention_torch(
     num_kv_heads = k_cache.shape[1]
     group = gqa_group_size(q.shape[1], num_kv_heads)
     out = torch.empty_like(q)
-    qs = meta.query_start_host
+    qs = meta.host_lens()[0]
     q_scaled = q * scale  # for the decode path, once for the whole batch
     for i in range(meta.num_requests):
         q_lo, q_hi = qs[i], qs[i + 1]

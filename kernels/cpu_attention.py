@@ -90,7 +90,7 @@ def attention_cpu(
         scratch.data_ptr(), threads,
     )  # fmt: skip
     if meta.max_query_len > 1:
-        qs = meta.query_start_host
+        qs = meta.host_lens()[0]  # read once per metadata object, shared by every layer
         for i in range(meta.num_requests):
             q_lo, q_hi = qs[i], qs[i + 1]
             if q_hi - q_lo > 1:

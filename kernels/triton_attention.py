@@ -1,8 +1,10 @@
 """Ragged-batch attention and K/V scatter as Triton kernels (see ``attention.py`` for the semantics).
 
 One launch covers the whole selectively-batched step, prefill and decode requests alike, with no
-padding: the grid is (query block, K/V head), and a small host-built table maps every query block to
-its request and to the block's first query inside that request. Each program streams its request's
+padding: the grid is (query block, K/V head), and a small table maps every query block to its
+request and to the block's first query inside that request. The table is built on the device from
+the metadata's tensors and the grid is sized from plain integers alone, so a launch reads nothing
+back to the host and a step can be captured as a CUDA graph. Each program streams its request's
 keys from the paged pool in tiles of ``BLOCK_N`` with an online softmax in fp32, flash-attention
 style, and applies the bottom-right causal rule: query ``t`` of ``n`` sees keys ``0 .. ctx - n + t``.
 
@@ -132,6 +134,8 @@ def _attention_kernel(
     m_start = tl.load(block_m_ptr + pid)  # first query of this block, counted within its request
     q_lo = tl.load(query_start_ptr + req)
     n = tl.load(query_start_ptr + req + 1) - q_lo
+    if m_start >= n:
+        return  # one of the grid's spare programs (see _query_grid): no queries of its own
     ctx = tl.load(context_lens_ptr + req)
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
 
@@ -218,30 +222,41 @@ def _write_kv_kernel(
 
 INTERPRETED: bool = not isinstance(_attention_kernel, JITFunction)
 
-# One-entry cache of the query-block table: every layer of a step passes the same batch layout, so
-# only the first layer pays for building it and copying it to the device.
-_table_cache: tuple[tuple, torch.Tensor] | None = None
+
+def _query_grid(num_requests: int, num_tokens: int, max_query_len: int, block_m: int) -> int:
+    """Programs along the query-block axis: an upper bound on the real count of query blocks,
+    sum_i cdiv(n_i, block_m), from plain integers alone, since the n_i stay on the device.
+
+    cdiv(n, m) == 1 + (n - 1) // m, and a sum of floors is at most the floor of the sum, so the
+    count is at most B + (T - B) // block_m: at most (T - B) // block_m spare programs, none for a
+    decode-only batch. B * cdiv(max_query_len, block_m) is a bound too, and the tighter one when
+    every request fits one block (it is then exactly B). The spare programs exit at once (the
+    kernel's m_start >= n check)."""
+    return min(
+        num_requests + (num_tokens - num_requests) // block_m,
+        num_requests * triton.cdiv(max_query_len, block_m),
+    )
 
 
-def _query_block_table(meta: AttentionMetadata, block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [2, num_blocks]: (request, first query within the request) of every query block (not
-    to be confused with the K/V block tables in ``meta``)."""
-    global _table_cache
-    key = (tuple(meta.query_start_host), tuple(meta.context_lens_host), block_m, device)
-    cached = _table_cache
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    qs, ctxs = meta.query_start_host, meta.context_lens_host
-    blocks = []  # (keys the block reads, request, first query)
-    for i in range(meta.num_requests):
-        n, ctx = qs[i + 1] - qs[i], ctxs[i]
-        for m in range(0, n, block_m):
-            blocks.append((min(ctx, ctx - n + m + block_m), i, m))
-    # Longest blocks first, so the short decode blocks fill in behind them instead of leaving a tail.
-    blocks.sort(key=lambda b: -b[0])
-    table = torch.tensor([[b[1] for b in blocks], [b[2] for b in blocks]], dtype=torch.int32, device=device)
-    _table_cache = (key, table)
-    return table
+def _query_block_table(meta: AttentionMetadata, block_m: int, num_programs: int) -> torch.Tensor:
+    """int32 [2, num_programs]: (request, first query within the request) of every query block (not
+    to be confused with the K/V block tables in ``meta``), built by device ops on ``query_start``
+    and ``context_lens`` with no host read. Programs past the real count of blocks get a first query
+    past their request's last query, and the kernel returns at once for them."""
+    query_start = meta.query_start.long()
+    n = query_start[1:] - query_start[:-1]
+    blocks = (n + block_m - 1) // block_m
+    ends = torch.cumsum(blocks, 0)  # request i owns programs [ends[i] - blocks[i], ends[i])
+    pid = torch.arange(num_programs, dtype=torch.int64, device=ends.device)
+    # A spare program (pid >= ends[-1]) lands on the last request, past its last block.
+    req = torch.searchsorted(ends, pid, right=True).clamp_(max=meta.num_requests - 1)
+    first = (pid - (ends - blocks)[req]) * block_m
+    # Longest blocks first, so the short decode blocks fill in behind them instead of leaving a
+    # tail: a sort on the device (no host read), by the keys each block reads; spares go last.
+    n_req, ctx = n[req], meta.context_lens[req].long()
+    reads = torch.where(first < n_req, torch.minimum(ctx, ctx - n_req + first + block_m), -1)
+    order = torch.argsort(reads, descending=True, stable=True)
+    return torch.stack((req, first))[:, order].to(torch.int32)
 
 
 def _unit_last_stride(t: torch.Tensor, name: str) -> None:
@@ -297,12 +312,18 @@ def attention_triton(
     heads, splits = _attention_heads(group)
     default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
     block_m, block_n = block_m or default_m, block_n or default_n
-    table = _query_block_table(meta, block_m, q.device)
+    # Every layer of a step launches with the same tiling: the first builds the table, the others
+    # reuse it (kept on the metadata object, which lives for one step).
+    num_programs = _query_grid(meta.num_requests, num_tokens, meta.max_query_len, block_m)
+    key = ("triton_query_blocks", block_m, num_programs)
+    table = meta.kernel_tables.get(key)
+    if table is None:
+        table = meta.kernel_tables[key] = _query_block_table(meta, block_m, num_programs)
     block_tables = meta.block_tables if meta.block_tables.stride(-1) == 1 else meta.block_tables.contiguous()
     block_d = max(triton.next_power_of_2(head_dim), 16)
     # fp32 inputs would otherwise run the dot products in TF32 on NVIDIA GPUs (~1e-3 error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (table.shape[1], k_cache.shape[1] * splits)
+    grid = (num_programs, k_cache.shape[1] * splits)
     _attention_kernel[grid](
         q,
         k_cache,

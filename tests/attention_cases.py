@@ -56,8 +56,7 @@ def make_meta(
         block_size=block_size,
         max_query_len=max(n for n, _ in requests),
         max_context_len=max(context_lens),
-        query_start_host=query_start,
-        context_lens_host=context_lens,
+        num_requests=len(requests),
     )
 
 
@@ -76,8 +75,8 @@ def dense_attention(
     q_heads, kv_heads = q.shape[1], k_cache.shape[1]
     kv_head = torch.arange(q_heads) // (q_heads // kv_heads)
     out = torch.empty(q.shape, dtype=torch.float64)
-    size, qs = meta.block_size, meta.query_start_host
-    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables.tolist(), strict=True)):
+    size, (qs, context_lens) = meta.block_size, meta.host_lens()
+    for i, (ctx, table) in enumerate(zip(context_lens, meta.block_tables.tolist(), strict=True)):
         slots = [table[j // size] * size + j % size for j in range(ctx)]
         k, v = k_cache[slots][:, kv_head], v_cache[slots][:, kv_head]  # [ctx, q_heads, head_dim]
         n = qs[i + 1] - qs[i]

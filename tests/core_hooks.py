@@ -55,8 +55,8 @@ class StepGate:
 
 class PoisonSampling:
     """Makes the sampling of one request's rows fail inside the workers, after every collective (a
-    banned id past the vocabulary makes the sampler's indexing raise), as a fault that strikes only
-    that batch would."""
+    structured-output bitmask that does not split into its rows makes the sampling rank raise), as a
+    fault that strikes only that batch would."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -65,11 +65,10 @@ class PoisonSampling:
         executor = core.executor
         submit = executor.submit
 
-        def poisoned(batch_meta: Any) -> None:
-            for row, rid in enumerate(batch_meta.request_ids):
-                if rid == self.request_id:
-                    batch_meta.banned_ids[row] = [10**9]
-            submit(batch_meta)
+        def poisoned(step: Any) -> None:
+            if self.request_id in step.scheduled_ids:
+                step.bitmask_rows, step.bitmask = [step.scheduled_ids.index(self.request_id)], b"\0"
+            submit(step)
 
         executor.submit = poisoned
 

@@ -265,8 +265,8 @@ def poison_runner(engine: LLMEngine, poison: set[str]) -> list[list[str]]:
     original, tried = runner.execute, []
 
     def execute(meta):
-        tried.append(list(meta.request_ids))
-        if poison & set(meta.request_ids):
+        tried.append(list(meta.scheduled_ids))
+        if poison & set(meta.scheduled_ids):
             raise RuntimeError("injected: this batch holds a poison request")
         return original(meta)
 
@@ -369,8 +369,8 @@ def test_a_request_whose_batch_mate_was_aborted_mid_flight_is_re_run_before_it_i
     original, tried = runner.execute, []
 
     def execute(meta):
-        tried.append(list(meta.request_ids))
-        if "culprit" in meta.request_ids:
+        tried.append(list(meta.scheduled_ids))
+        if "culprit" in meta.scheduled_ids:
             # Its abort lands while the batch runs (as with pipeline parallelism), its event reported.
             engine._process(engine.core.scheduler.finish("culprit", FinishReason.CANCELLED))
             raise RuntimeError("injected: the culprit's input breaks the forward")

@@ -122,7 +122,7 @@ def test_max_batch_size_bounds_every_iteration(tiny_checkpoint):
     original = runner.execute
 
     def spy(meta):
-        sizes.append(len(meta.request_ids))
+        sizes.append(len(meta.scheduled_ids))
         return original(meta)
 
     runner.execute = spy
@@ -142,7 +142,7 @@ def test_kv_capacity_limits_admission_without_overcommit(tiny_checkpoint):
     def spy(meta):
         nonlocal peak
         assert engine.core.kv.used_tokens <= engine.core.kv.capacity_tokens
-        peak = max(peak, len(meta.request_ids))
+        peak = max(peak, len(meta.scheduled_ids))
         return original(meta)
 
     engine.core.executor.runner.execute = spy
@@ -201,7 +201,7 @@ def test_paged_pool_runs_more_requests_at_once_and_preempts_without_changing_tok
     original = runner.execute
 
     def spy(meta):
-        sizes.append(len(meta.request_ids))
+        sizes.append(len(meta.scheduled_ids))
         return original(meta)
 
     runner.execute = spy

@@ -19,7 +19,7 @@ from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel
 
 def _inputs(meta, heads: int, head_dim: int, seed: int, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
+    tokens, slots = meta.host_lens()[0][-1], pool_slots(meta)
     q = torch.randn(tokens, 3, heads, head_dim, generator=g).to(dtype)[:, 0]  # strided, as from a fused qkv
     pool = torch.randn(2, 2, slots, heads, head_dim, generator=g).to(dtype)
     return q, pool[0, 1], pool[1, 1]  # caches: one layer of a multi-layer pool
@@ -40,11 +40,12 @@ def test_reference_matches_dense_attention(batch: str, q_heads: int, kv_heads: i
 
 def test_context_slots_follow_the_table_and_are_cached() -> None:
     meta = make_meta("cpu", BATCHES["mixed"], block_size=5)
-    for i, (ctx, table) in enumerate(zip(meta.context_lens_host, meta.block_tables.tolist(), strict=True)):
+    for i, (ctx, table) in enumerate(zip(meta.host_lens()[1], meta.block_tables.tolist(), strict=True)):
         slots = meta.context_slots(i)
         assert slots.dtype == torch.int64
         assert slots.tolist() == [table[j // 5] * 5 + j % 5 for j in range(ctx)]
         assert meta.context_slots(i) is slots  # built once per metadata object, for every layer
+    assert meta.host_lens() is meta.host_lens()  # one device->host read per metadata object
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -88,7 +89,7 @@ GQA_BATCHES = {
 
 def _gqa_inputs(meta, q_heads: int, kv_heads: int, head_dim: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
+    tokens, slots = meta.host_lens()[0][-1], pool_slots(meta)
     q = torch.randn(tokens, 3, q_heads, head_dim, generator=g)[:, 0]  # strided, as from a fused qkv
     pool = torch.randn(3, slots, kv_heads, head_dim, generator=g)
     return q, pool[1], pool[2]  # caches: layers of a multi-layer pool, at a non-zero offset
@@ -145,7 +146,7 @@ def test_gqa_decodes_equal_multi_head_over_repeated_kv(q_heads: int, kv_heads: i
     q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, 64, seed=q_heads + kv_heads)
     group = q_heads // kv_heads
     k_rep, v_rep = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
-    qs = meta.query_start_host
+    qs = meta.host_lens()[0]
     decodes = [qs[i] for i in range(meta.num_requests) if qs[i + 1] - qs[i] == 1]
     out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out[decodes], attention_cpu(q, k_rep, v_rep, meta, 0.125)[decodes])

@@ -7,9 +7,8 @@ import torch
 from kv_modes import KV_MODES
 
 from orca_backend import LLM, ModelConfig, SamplingParams
-from orca_backend.core.batch_builder import build_batch_meta
 from orca_backend.core.request import Request
-from orca_backend.core.scheduler import ScheduledBatch
+from orca_backend.core.scheduler import ScheduledBatch, make_scheduler_output
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,11 +65,13 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
         assert engine.core.kv.admit(r, others_running=True)
     runner = engine.core.executor.runner
 
-    def logits_of(batch: ScheduledBatch) -> torch.Tensor:
-        return runner.run_stage(build_batch_meta(batch, 0, engine.core.kv.block_size, None, []))
+    def logits_of(batch: ScheduledBatch, step: int, recorded: tuple[list[str], list[int]] = ([], [])) -> torch.Tensor:
+        output = make_scheduler_output(batch, step, recorded)
+        runner.update_states(output)
+        return runner.run_stage(output)
 
     # Iteration 1: all prompts prefilled in one flat batch.
-    prefill = logits_of(ScheduledBatch(requests, [len(p) for p in prompts]))
+    prefill = logits_of(ScheduledBatch(requests, [len(p) for p in prompts]), 0)
     next_tokens = prefill.argmax(-1).tolist()
     for r, t in zip(requests, next_tokens, strict=True):
         r.num_computed = r.num_prompt_tokens
@@ -79,7 +80,8 @@ def test_last_token_logits_match_transformers(make_checkpoint, geometry):
     fresh = [Request(f"f{i}", p, params, arrival_time=0.0) for i, p in enumerate(prompts[:2])]
     for r in fresh:
         assert engine.core.kv.admit(r, others_running=True)
-    mixed = logits_of(ScheduledBatch(requests[:3] + fresh, [1, 1, 1] + [len(p) for p in prompts[:2]]))
+    mixed = logits_of(ScheduledBatch(requests[:3] + fresh, [1, 1, 1] + [len(p) for p in prompts[:2]]), 1,
+                      ([r.request_id for r in requests], next_tokens))  # fmt: skip
 
     with torch.no_grad():
         for i, p in enumerate(prompts):

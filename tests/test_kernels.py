@@ -22,7 +22,7 @@ from triton_testing import (
     use_import_mode,
 )
 
-from orca_kernels import KernelOps, dispatch, get_ops
+from orca_kernels import AttentionMetadata, KernelOps, dispatch, get_ops
 from orca_kernels.dispatch import TORCH_OPS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -143,7 +143,7 @@ def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int)
 
 def _attention_check(ops: KernelOps, meta, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
+    tokens, slots = meta.host_lens()[0][-1], pool_slots(meta)
     # q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool.
     q = randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)[:, 0]
     pool = randn(2, 2, slots, heads, head_dim, g=g, dtype=dtype)
@@ -185,7 +185,7 @@ def test_attention_block_sizes(ops: KernelOps, block_m: int, block_n: int, block
     pool blocks' edges within the key tiles."""
     meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size)
     g = torch.Generator().manual_seed(block_m + block_n)
-    heads, head_dim, tokens, slots = 2, 64, meta.query_start_host[-1], pool_slots(meta)
+    heads, head_dim, tokens, slots = 2, 64, meta.host_lens()[0][-1], pool_slots(meta)
     q = randn(tokens, heads, head_dim, g=g)
     k_cache, v_cache = randn(slots, heads, head_dim, g=g), randn(slots, heads, head_dim, g=g)
 
@@ -199,7 +199,7 @@ def test_write_then_attend(ops: KernelOps, block_size: int) -> None:
     """One model step: scatter this step's K/V by slot_mapping, then attend over the pool."""
     meta = make_meta(DEVICE, BATCHES["mixed"], block_size=block_size)
     g = torch.Generator().manual_seed(11)
-    heads, head_dim, tokens, slots = 3, 80, meta.query_start_host[-1], pool_slots(meta)
+    heads, head_dim, tokens, slots = 3, 80, meta.host_lens()[0][-1], pool_slots(meta)
     q, k, v = randn(3, tokens, heads, head_dim, g=g).unbind(0)
     caches = randn(2, slots, heads, head_dim, g=g)
     k_cache, v_cache = caches.clone().unbind(0)
@@ -213,16 +213,64 @@ def test_write_then_attend(ops: KernelOps, block_size: int) -> None:
     assert_close(out, expected, torch.float32)
 
 
-def test_query_block_table_covers_every_query_once(ops: KernelOps) -> None:
-    from orca_kernels.triton_attention import _query_block_table
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_query_block_table_covers_every_query_once(ops: KernelOps, batch: str, block_m: int) -> None:
+    from orca_kernels.triton_attention import _query_block_table, _query_grid
 
-    meta = make_meta(DEVICE, BATCHES["mixed"])
-    table = _query_block_table(meta, 16, torch.device("cpu"))
-    sizes = [n for n, _ in BATCHES["mixed"]]
+    meta = make_meta(DEVICE, BATCHES[batch])
+    sizes = [n for n, _ in BATCHES[batch]]
+    num_programs = _query_grid(len(sizes), sum(sizes), max(sizes), block_m)
+    table = _query_block_table(meta, block_m, num_programs).cpu()
+    assert table.dtype == torch.int32 and table.shape == (2, num_programs)
     covered = sorted(
-        (req, m0 + j) for req, m0 in table.t().tolist() for j in range(16) if m0 + j < sizes[req]
+        (req, m0 + j) for req, m0 in table.t().tolist() for j in range(block_m) if m0 + j < sizes[req]
     )
     assert covered == [(i, t) for i, n in enumerate(sizes) for t in range(n)]
+    # The grid is an upper bound on the blocks; the spare programs, which start past their
+    # request's queries, come after every real block.
+    real = [m0 < sizes[req] for req, m0 in table.t().tolist()]
+    assert sum(real) == sum(-(-n // block_m) for n in sizes)
+    assert real == sorted(real, reverse=True)
+
+
+@pytest.mark.parametrize(("batch", "block_m"), [("mixed", None), ("chunked", 4), ("decode_only", None)])
+def test_attention_launch_reads_nothing_back_to_the_host(
+    ops: KernelOps, monkeypatch: pytest.MonkeyPatch, batch: str, block_m: int | None
+) -> None:
+    """The Triton launch builds its query-block table on the device and sizes its grid from plain
+    integers, so that a step can be captured as a CUDA graph: a host read of a tensor (.tolist(),
+    .item(), .cpu(), int(t), ...: each a sync on a GPU) fails here. The chunked batch at
+    block_m=4 also launches spare programs (the grid is an upper bound on the query blocks)."""
+    g = torch.Generator().manual_seed(17)
+    meta = make_meta(DEVICE, BATCHES[batch], block_size=5)
+    heads, head_dim, tokens, slots = 2, 64, meta.host_lens()[0][-1], pool_slots(meta)
+    q = randn(tokens, heads, head_dim, g=g)
+    k_cache, v_cache = randn(slots, heads, head_dim, g=g), randn(slots, heads, head_dim, g=g)
+    # Before the guard: the reference reads host values by design. The warm-up (its own metadata,
+    # so the guarded call still builds the table) keeps compilation out of the guarded call.
+    expected = TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.125)
+    warm_meta = make_meta(DEVICE, BATCHES[batch], block_size=5)
+    ops.attention(q, k_cache, v_cache, warm_meta, 0.125, block_m=block_m)
+
+    def host_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the Triton attention launch read a tensor back to the host")
+
+    with monkeypatch.context() as guard:
+        for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+            guard.setattr(torch.Tensor, name, host_read)
+        # The reference has already filled these per-object host caches: they are off limits too.
+        for name in ("host_lens", "context_slots"):
+            guard.setattr(AttentionMetadata, name, host_read)
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = ops.attention(q, k_cache, v_cache, meta, 0.125, block_m=block_m)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+
+    assert_close(out, expected, torch.float32)
 
 
 # --- dispatch ----------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def test_rotary_many_heads(ops: KernelOps) -> None:
 def _gqa_inputs(meta, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, seed: int):
     """q as a strided view of a fused qkv tensor; the caches as one layer of a multi-layer pool."""
     g = torch.Generator().manual_seed(seed)
-    tokens, slots = meta.query_start_host[-1], pool_slots(meta)
+    tokens, slots = meta.host_lens()[0][-1], pool_slots(meta)
     q = randn(tokens, hq + 2 * hkv, head_dim, g=g, dtype=dtype)[:, :hq]
     pool = randn(2, 2, slots, hkv, head_dim, g=g, dtype=dtype)
     return q, pool[0, 1], pool[1, 1]
@@ -367,7 +367,7 @@ def test_gqa_write_then_attend(ops: KernelOps) -> None:
     heads, attend with Hq query heads; all Triton against all torch."""
     meta = make_meta(DEVICE, BATCHES["mixed"], block_size=5)
     g = torch.Generator().manual_seed(11)
-    hq, hkv, head_dim, tokens, slots = 4, 2, 64, meta.query_start_host[-1], pool_slots(meta)
+    hq, hkv, head_dim, tokens, slots = 4, 2, 64, meta.host_lens()[0][-1], pool_slots(meta)
     qkv, q, k = _qk_views(tokens, hq, hkv, head_dim, g, torch.float32)
     v = qkv[:, (hq + hkv) * head_dim :].view(tokens, hkv, head_dim)
     positions = torch.cat([torch.arange(c - n, c) for n, c in BATCHES["mixed"]]).to(DEVICE)

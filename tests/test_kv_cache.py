@@ -2,9 +2,10 @@
 them under chunking, preemption, aborts and failed batches, checked against a fake model.
 
 The fake model (`TokenEchoExecutor`) keeps a pool of token ids where the real one keeps K/V: it
-writes each new token to its slot and answers with a function of the context it reads back
-through the request's block table. Any mistake in slots, block tables, prefix sharing, chunk
-positions or preemption then changes the answer, in pure Python, fast enough for many seeds.
+takes each step's deltas into the real persistent input batch (worker/input_batch.py), writes each
+new token to its slot and answers with a function of the context it reads back through the
+request's block table row. Any mistake in slots, block tables, the deltas, prefix sharing, chunk
+positions or preemption then changes the answer, fast enough for many seeds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 from collections import deque
 
 import pytest
+import torch
 
 from orca_backend.config import EngineConfig, ModelConfig
 from orca_backend.core.block_pool import BlockPool, block_key
@@ -21,7 +23,8 @@ from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVMana
 from orca_backend.core.request import Request
 from orca_backend.messages import EngineCoreRequest
 from orca_backend.sampling_params import SamplingParams
-from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
+from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
+from orca_backend.worker.input_batch import InputBatch
 
 VOCAB = 97
 
@@ -127,29 +130,34 @@ class TokenEchoExecutor:
     """A model whose K/V is the token id itself, and whose next token is a hash of the context it
     reads back through the block table. `fail_rate` makes batches raise, as a failed forward does."""
 
-    def __init__(self, num_slots: int, max_in_flight: int, seed: int, fail_rate: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig, max_in_flight: int, seed: int, fail_rate: float = 0.0) -> None:
+        num_slots = config.kv_capacity_tokens // config.block_size * config.block_size
         self.pool = [-1] * num_slots
         self.max_in_flight = max_in_flight
         self.rng = random.Random(seed)
         self.fail_rate = fail_rate
-        self._pending: deque[BatchMeta] = deque()
-        self.block_size = 0  # set by the test from the engine config
+        self.block_size = config.block_size
+        self.input_batch = InputBatch(config.max_num_seqs * max_in_flight, num_slots, config.block_size, VOCAB,
+                                      torch.device("cpu"))  # fmt: skip
+        self._pending: deque[tuple[list[list[int]], list[int], list[bool]]] = deque()
 
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def submit(self, batch_meta: BatchMeta) -> None:
-        for token, slot in zip(batch_meta.input_ids, batch_meta.slot_mapping, strict=True):
+    def submit(self, step: SchedulerOutput) -> None:
+        self.input_batch.apply(step)
+        inputs = self.input_batch.prepare(step)  # views of buffers the next step reuses: copied out
+        for token, slot in zip(inputs.input_ids.tolist(), inputs.slot_mapping.tolist(), strict=True):
             self.pool[slot] = token
-        self._pending.append(batch_meta)
+        self._pending.append((inputs.block_tables.tolist(), inputs.context_lens.tolist(), inputs.sampling.sample.tolist()))
 
     def collect_oldest(self) -> SamplerOutput:
-        meta = self._pending.popleft()
+        block_tables, context_lens, sample_flags = self._pending.popleft()
         if self.rng.random() < self.fail_rate:
             raise RuntimeError("injected forward failure")
         size, tokens = self.block_size, []
-        for table, ctx, sample in zip(meta.block_tables, meta.context_lens, meta.sample, strict=True):
+        for table, ctx, sample in zip(block_tables, context_lens, sample_flags, strict=True):
             context = [self.pool[table[j // size] * size + j % size] for j in range(ctx)]
             tokens.append(expected_next(context) if sample else -1)
         return SamplerOutput(tokens)
@@ -169,9 +177,7 @@ def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth: int = 1, fail_rate: float = 0.0,
              abort_rate: float = 0.0, shared_prefix: int = 0) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
     rng = random.Random(seed)
-    executor = TokenEchoExecutor(config.kv_capacity_tokens // config.block_size * config.block_size,
-                                 pipeline_depth, seed, fail_rate)  # fmt: skip
-    executor.block_size = config.block_size
+    executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate)
     core = EngineCore(config, ModelConfig(vocab_size=VOCAB, eos_token_id=None), executor=executor)
     prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
     prompts, got, ended = {}, {}, {}

@@ -2,9 +2,9 @@
 
 Layers, top to bottom (docs/architecture.md): server adapters, the offline LLM and orca-serve ->
 engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop) -> executor ->
-worker -> model -> distributed -> shared plain modules (config, sampling params, structured-output
-spec, tokenizer, net) and the kernels. A module may import its own layer or any layer below it, never
-one above.
+worker -> model -> distributed -> shared plain modules (config, messages, the scheduler output,
+sampling params, structured-output spec, tokenizer, net) and the kernels. A module may import its own
+layer or any layer below it, never one above.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "orca_backend.distributed": 2,
     "orca_backend.config": 1,
     "orca_backend.messages": 1,
+    "orca_backend.scheduler_output": 1,
     "orca_backend.processes": 1,
     "orca_backend.sampling_params": 1,
     "orca_backend.structured_spec": 1,

@@ -36,7 +36,7 @@ def spy_iterations(llm: LLM) -> list[tuple[int, int]]:
     original = runner.execute
 
     def spy(meta):
-        seen.append((len(meta.request_ids), meta.num_tokens))
+        seen.append((len(meta.scheduled_ids), meta.num_tokens))
         return original(meta)
 
     runner.execute = spy

@@ -76,7 +76,7 @@ def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp, mod
 
 def test_penalties_and_logprobs_equal_single_process(checkpoint):
     """The sampling rank of a worker pool holds the penalty state and returns logprobs as the
-    in-process sampler does: the extras of BatchMeta and the logprobs cross the pipes as JSON."""
+    in-process sampler does: the steps' deltas cross the pipes pickled, the logprobs as JSON."""
     prompts = make_prompts(4)
     params = [
         SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=-0.5, repetition_penalty=1.3, logprobs=3, ignore_eos=True),

@@ -58,15 +58,19 @@ def test_top_k_restricts_to_the_k_most_likely(llm):
 
 
 def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    from orca_backend.core.batch_builder import build_batch_meta
     from orca_backend.core.request import Request
-    from orca_backend.core.scheduler import ScheduledBatch
+    from orca_backend.core.scheduler import ScheduledBatch, make_scheduler_output
+    from orca_backend.scheduler_output import SchedulerOutput
 
     engine = llm.engine
     r = Request("probe", prompt, SamplingParams(max_tokens=1), arrival_time=0.0)
     assert engine.core.kv.admit(r, others_running=False)
-    logits = engine.core.executor.runner.run_stage(build_batch_meta(ScheduledBatch([r], [len(prompt)]), 0, engine.core.kv.block_size, None, []))[0]
+    runner = engine.core.executor.runner
+    step = make_scheduler_output(ScheduledBatch([r], [len(prompt)]), -1)
+    runner.update_states(step)
+    logits = runner.run_stage(step)[0]
     engine.core.kv.free(r)
+    runner.update_states(SchedulerOutput(-1, [], [], [], finished_ids=["probe"]))  # the runner forgets the probe
     return logits
 
 
@@ -167,3 +171,13 @@ def test_a_stream_that_never_completes_a_character_costs_linear_work(tiny_checkp
     update_text(Counting(), state, final=True)
     assert max(decoded) <= 16  # the last release (its context) and up to 8 waiting tokens, whatever n is
     assert state.text == tokenizer.decode([lone] * n)
+
+
+def test_the_cpu_argmax_is_torchs_first_maximum():
+    from orca_backend.worker.sampler import _argmax
+
+    logits = torch.randn(64, 300)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first wins, as in torch
+    logits[5] = float("-inf")
+    assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(_argmax(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # not contiguous: torch's own

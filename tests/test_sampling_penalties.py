@@ -9,6 +9,7 @@ the tests check it.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.llm import CompletionOutput
-from orca_backend.worker.batch_meta import BatchMeta, LogitsSetup, RowExtras
+from orca_backend.scheduler_output import NewRequest, SchedulerOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
 
 transformers = pytest.importorskip("transformers")
@@ -237,7 +238,7 @@ def test_a_failed_batch_records_nothing_in_the_sampler(checkpoint):
 
     def execute(meta):
         count[0] += 1
-        whole = len(meta.request_ids) == len(prompts)  # its halves then run alone, and succeed
+        whole = len(meta.scheduled_ids) == len(prompts)  # its halves then run alone, and succeed
         if count[0] == 1 or (whole and count[0] % 7 == 0):  # the sampler never sees the setup or the update
             raise RuntimeError("injected failure before sampling")
         out = original(meta)
@@ -252,29 +253,30 @@ def test_a_failed_batch_records_nothing_in_the_sampler(checkpoint):
     assert count[0] > 2 * GREEDY.max_tokens  # the failures happened and were re-run
 
 
-def test_batch_meta_extras_cross_as_json():
-    extras = [RowExtras(1, num_logprobs=2, processed=True, setup=LogitsSetup(0.5, 0.0, 1.2, [3], [1.5], [7, 8]),
-                        output_offset=4, output_ids=[9]), RowExtras(0, num_logprobs=0)]  # fmt: skip
-    meta = BatchMeta(0, ["a", "b"], [1, 2], [0, 0], [0, 1], [0, 1, 2], [1, 1], [[0], [1]], [True, True],
-                     [0.0, 1.0], [0, 0], [1.0, 1.0], [1, 2], [[], []], extras=extras)  # fmt: skip
-    assert BatchMeta.from_bytes(meta.to_bytes()) == meta
+def test_a_scheduler_output_crosses_the_worker_pipe_whole():
+    """What the worker pool is sent (pickled): a new request's parameters (logit_bias keys stay ints),
+    the recorded tokens, the grown tables and the ends."""
+    params = SamplingParams(max_tokens=5, temperature=0.5, presence_penalty=0.5, repetition_penalty=1.2,
+                            logit_bias={3: 1.5}, logprobs=2, stop_token_ids=[7])  # fmt: skip
+    step = SchedulerOutput(3, ["a", "b"], [4, 1], [0, 6], [NewRequest("a", [1, 2, 3, 4], 4, [0], params, 9, [7])],
+                           ["b"], [5], ["b"], [[2]], ["c"], ["d"])  # fmt: skip
+    back = pickle.loads(pickle.dumps(step))
+    assert back == step and back.new_requests[0].params.logit_bias == {3: 1.5}
 
 
-def test_sampler_output_updates_are_idempotent_and_refuse_gaps():
-    processors = LogitsProcessors()
-
-    def meta(**extras) -> BatchMeta:
-        return BatchMeta(0, ["r"], [1], [0], [0], [0, 1], [1], [[0]], [True], [0.0], [0], [1.0], [0], [[]],
-                         extras=[RowExtras(0, processed=True, **extras)])  # fmt: skip
-
-    like = torch.zeros(1, 10)  # the tables take their width and device from the logits
-    processors.update(like, meta(setup=LogitsSetup(frequency_penalty=1.0), output_ids=[3, 3]))
-    processors.update(like, meta(output_ids=[3, 3, 4]))  # a re-run batch: 3, 3 again, then 4
-    logits = torch.zeros(1, 10)
-    processors.apply(logits, meta(output_offset=3))
-    assert logits[0].tolist() == [0, 0, 0, -2, -1, 0, 0, 0, 0, 0]
-    with pytest.raises(RuntimeError, match="counted 3 output tokens, but an update starts at 5"):
-        processors.update(like, meta(output_offset=5, output_ids=[1]))
-    processors.release(["r"])
-    with pytest.raises(RuntimeError, match="does not hold its logits processing"):
-        processors.update(like, meta(output_offset=3))
+def test_penalty_counts_follow_the_deltas_and_are_rebuilt_when_a_row_is_taken_again():
+    """Counts come from the output tokens a row is given (at add, from each delta); a request that takes
+    a row again (resumed after a preemption) gets them back from its tokens, whatever row it lands in."""
+    params = SamplingParams(frequency_penalty=1.0)
+    processors = LogitsProcessors(4, 10, torch.device("cpu"))
+    processors.add(2, params, [1], [3, 3])
+    processors.count([2], [[4]])
+    logits = torch.zeros(2, 10)
+    processors.apply(logits, [1], [2])
+    assert logits[1].tolist() == [0, 0, 0, -2, -1, 0, 0, 0, 0, 0] and torch.all(logits[0] == 0)
+    processors.remove(2)
+    assert not processors.processed[2] and not processors.penalized[2]
+    processors.add(0, params, [1], [3, 3, 4])
+    again = torch.zeros(2, 10)
+    processors.apply(again, [1], [0])
+    assert torch.equal(again, logits)

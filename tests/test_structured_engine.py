@@ -249,9 +249,9 @@ def test_failed_batches_aborts_and_finishes_leave_no_matcher_and_never_advance_o
     def failing() -> object:  # before it runs, fails every batch holding "poison", and two decode batches
         meta = executor._pending[0]
         calls[0] += 1
-        if "poison" in meta.request_ids or calls[0] in (8, 9):
+        if "poison" in meta.scheduled_ids or calls[0] in (8, 9):
             executor._pending.popleft()
-            failures.append(meta.request_ids)
+            failures.append(meta.scheduled_ids)
             raise RuntimeError("injected forward failure")
         return collect()
 

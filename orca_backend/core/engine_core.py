@@ -9,7 +9,6 @@ watching for stop strings is the output processor's job, off this thread's criti
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -18,7 +17,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from orca_backend.config import AnyModelConfig, EngineConfig
-from orca_backend.core.batch_builder import BatchBuilder
 from orca_backend.core.iteration_log import IterationLog
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import Request
@@ -50,9 +48,7 @@ class EngineCore:
             pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
             priority_aging_s=config.priority_aging_s, structured=self.structured,
         )  # fmt: skip
-        self.batch_builder = BatchBuilder(self.kv.block_size, model_config.eos_token_id, self.kv.table_changes, self.structured)
         self._in_flight: deque[ScheduledBatch] = deque()
-        self._batch_ids = itertools.count()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
         self._inbox_lock = threading.Lock()
         self._stopping = False
@@ -130,10 +126,8 @@ class EngineCore:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            # Requests ended since the last batch: the workers drop their sampler state.
-            released, self.scheduler.ended_ids = self.scheduler.ended_ids, []
-            batch_meta = self.batch_builder.build(batch, next(self._batch_ids), released)
-            self.executor.submit(batch_meta)
+            assert batch.output is not None
+            self.executor.submit(batch.output)
             self._in_flight.append(batch)
             self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
         if not self._in_flight:

@@ -35,9 +35,6 @@ class KVCacheManager(ABC):
         # Prefix-cache counters, in tokens: what admissions looked up, and what they found.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        # Every request whose table was replaced, in order, until the batch builder takes them (its
-        # kept table rows follow this log instead of checking every request every iteration).
-        self.table_changes: list[Request] = []
 
     @property
     def num_blocks(self) -> int:
@@ -84,7 +81,6 @@ class KVCacheManager(ABC):
         for block_id in hits:
             self.pool.share(block_id)
         request.block_table = hits + self.pool.allocate(new_blocks)
-        self.table_changes.append(request)
         request.num_computed = len(hits) * self.block_size
         request.num_registered_blocks = len(hits)
         if self.enable_prefix_caching:
@@ -100,10 +96,7 @@ class KVCacheManager(ABC):
             return True
         if missing > self.pool.num_free:
             return False
-        # A new list, never an append: the batch builder's kept row was copied from the old list,
-        # and it tells that a logged table changed by its no longer being that list.
-        request.block_table = request.block_table + self.pool.allocate(missing)
-        self.table_changes.append(request)
+        request.block_table += self.pool.allocate(missing)
         return True
 
     def free(self, request: Request) -> None:
@@ -111,7 +104,6 @@ class KVCacheManager(ABC):
         self.pool.release(request.block_table)
         request.block_table = []
         request.num_registered_blocks = 0
-        self.table_changes.append(request)
 
     def register_computed(self, request: Request) -> None:
         """After a step landed: the request's blocks that are now full and computed become cached

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
 
 # eq=False: requests compare (and hash) by identity. The scheduler's lists search them (`remove`, `in`),
 # and a generated field-by-field __eq__ would make each of those comparisons build two tuples of fields.
-# slots: the scheduler and the batch builder read several fields of every running request every
+# slots: the scheduler reads several fields of every running request every
 # iteration, and a slot is read faster than an instance dict's entry.
 @dataclass(eq=False, slots=True)
 class Request:
@@ -48,29 +48,20 @@ class Request:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
-    # What the sampling worker holds of a request with penalties or logit_bias: None until a batch
-    # carrying its setup has returned, then how many of its output tokens it has been sent. Only a
-    # returned batch moves it: a failed one records nothing, and its re-run sends the same again.
-    sampler_synced: int | None = None
-    # Penalties, logit_bias or logprobs: its rows carry `RowExtras` (set from params; every request is
-    # asked this every iteration, so it is one attribute).
-    sampler_extras: bool = field(init=False, default=False)
-    # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and
-    # its rows carry bitmasks (one attribute for the same reason).
+    # The blocks of its table the model runners hold (scheduler_output.py): -1 until they are sent the
+    # request (whole), 0 after a preemption freed them.
+    num_blocks_sent: int = -1
+    # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and the
+    # steps it samples in carry its bitmask row (read for every request every iteration: one attribute).
     structured: bool = field(init=False, default=False)
     # The prompt never changes: its length is read for every request every iteration, so it is kept.
     num_prompt_tokens: int = field(init=False, default=0)
-    # Its fields as BatchMeta's per-request columns carry them (id, temperature, top_k, top_p, seed), and
-    # whether its rows need more (sampler extras, a grammar, a min_tokens ban): the same every iteration,
-    # so core/batch_builder.py computes them once (the seed is set after construction).
-    batch_columns: tuple[str, float, int, float, int, bool, bool, bool] | None = field(init=False, default=None)
-    # The tokens that may end it with "stop" (stop ids, and EOS unless ignored), set by the scheduler
-    # (which knows EOS) as it takes the request in; None: not computed, check_stop decides alone.
-    stop_ids: frozenset[int] | None = field(init=False, default=None)
+    # The tokens that end it with "stop" (stop ids, and EOS unless ignored), set by the scheduler (which
+    # knows EOS) as it takes the request in (core/stop.py).
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         p = self.params
-        self.sampler_extras = p.penalized or bool(p.logit_bias) or p.logprobs is not None
         self.structured = p.structured_outputs is not None
         if p.logprobs is not None:
             self.output_logprobs = []

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import sys
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, RequestMetrics, TokenLogprobs
+from orca_backend.scheduler_output import NewRequest, SchedulerOutput
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
@@ -57,13 +59,14 @@ _FINISHED = RequestStatus.FINISHED
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # a prompt (or a chunk of it) on a request's first iterations, then 1
-    # The leading requests that compute exactly their last token (and so sample): decodes, which
-    # core/batch_builder.py flattens without looking at each request's counts. All of them in the
-    # steady state; before the prompts of requests admitted this iteration under load.
+    # The leading requests that compute exactly their last token (and so sample): decodes. All of them
+    # in the steady state; before the prompts of requests admitted this iteration under load.
     num_decodes: int = 0
     # A half of a failed batch, re-run alone to find the request that fails (`fail_batch`): its
     # failure is being attributed, so it does not spend the engine's failure budget.
     rerun: bool = False
+    # What the model runners are sent for it (`Scheduler.schedule` sets it).
+    output: SchedulerOutput | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -72,6 +75,46 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+
+def make_scheduler_output(
+    batch: ScheduledBatch, step_id: int, recorded: tuple[list[str], list[int]] = ([], []),
+    preempted_ids: list[str] | None = None, finished_ids: list[str] | None = None,
+    structured: StructuredOutputManager | None = None,
+) -> SchedulerOutput:  # fmt: skip
+    """The batch as deltas against what the runners hold (scheduler_output.py): a request they have
+    never been sent comes whole, any other with the blocks its table gained since (a whole table
+    after a preemption); `recorded` are the tokens recorded since the last step (request ids, token
+    ids). Constrained requests that sample get their grammar's bitmask row from `structured`."""
+    requests = batch.requests
+    new: list[NewRequest] = []
+    grown_ids: list[str] = []
+    grown_block_ids: list[list[int]] = []
+    for request in [r for r in requests if len(r.block_table) != r.num_blocks_sent]:  # new, grown or resumed
+        table, sent = request.block_table, request.num_blocks_sent
+        if sent < 0:
+            new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
+                                  request.params, request.sampling_seed, sorted(request.stop_ids)))  # fmt: skip
+        else:
+            grown_ids.append(request.request_id)
+            grown_block_ids.append(table[sent:])
+        request.num_blocks_sent = len(table)
+    output = SchedulerOutput(
+        step_id, list(map(_request_id, requests)), batch.num_new_tokens, list(map(_num_computed, requests)), new,
+        recorded[0], recorded[1], grown_ids, grown_block_ids, preempted_ids or [], finished_ids or [],
+    )  # fmt: skip
+    # The bitmask rows of the constrained requests that sample (compute their last token) this step.
+    bitmask_rows = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens, strict=True))
+                    if r.structured and r.num_computed + n == r.num_tokens]  # fmt: skip
+    if bitmask_rows:
+        assert structured is not None, "a constrained request in a batch built without its matchers"
+        output.bitmask_rows = bitmask_rows
+        output.bitmask = structured.fill_bitmask([requests[i].request_id for i in bitmask_rows])
+    return output
+
+
+_request_id = operator.attrgetter("request_id")
+_num_computed = operator.attrgetter("num_computed")
 
 
 class Scheduler:
@@ -105,8 +148,13 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
         self.num_generated_tokens = 0
         self._held: list[CoreOutput] = []  # request-level mode: the running batch's outputs
-        # Requests ended since the engine core last took them: the workers drop their sampler state.
-        self.ended_ids: list[str] = []
+        # Since the last SchedulerOutput: the tokens recorded (request ids, token ids), the requests that
+        # ended, and those preempted: the runners are sent them with the next step (scheduler_output.py).
+        self._recorded_ids: list[str] = []
+        self._recorded_tokens: list[int] = []
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        self._step_ids = itertools.count()
 
     def has_work(self) -> bool:
         """Requests to schedule. Requests waiting for their grammar are not: nothing can run them yet."""
@@ -172,10 +220,21 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next batch: running decodes first, then running prefills, then newly admitted
         requests (FCFS), within `max_num_seqs` requests and the token budget. A prompt longer than
-        the budget left is split into chunks over several iterations."""
+        the budget left is split into chunks over several iterations. Its `output` is what the model
+        runners are sent."""
         budget = self.max_num_batched_tokens or sys.maxsize
-        if self._suspects:
-            return self._schedule_suspects(budget)
+        batch = self._schedule_suspects(budget) if self._suspects else self._schedule(budget)
+        if batch is not None:
+            batch.output = self._scheduler_output(batch)
+        return batch
+
+    def _scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
+        output = make_scheduler_output(batch, next(self._step_ids), (self._recorded_ids, self._recorded_tokens),
+                                       self._preempted_ids, self._finished_ids, self.structured)  # fmt: skip
+        self._recorded_ids, self._recorded_tokens, self._preempted_ids, self._finished_ids = [], [], [], []
+        return output
+
+    def _schedule(self, budget: int) -> ScheduledBatch | None:
         idle, preemptions = not self.running, self.num_preemptions
         # One pass over the running requests (this runs every iteration for every one of them): what
         # each has left to compute, and which decodes cross into a block they do not hold yet. Each
@@ -286,10 +345,12 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: its blocks go back to the pool and it waits at the head of the
         queue with the tokens it produced; re-admitted, it prefills prompt and outputs together.
-        Its reported tokens are never sent again, and its sampler state (generator, penalty counts,
-        `sampler_synced`) lives on in the workers, as its grammar's matcher does here: it has accepted
+        Its reported tokens are never sent again. The runners free its row and keep its tokens and
+        generator (worker/input_batch.py), as its grammar's matcher lives on here: it has accepted
         exactly the tokens the request keeps."""
         self.kv.free(request)
+        request.num_blocks_sent = 0
+        self._preempted_ids.append(request.request_id)
         request.num_computed = 0
         self.num_preemptions += 1
         request.num_preemptions += 1
@@ -310,9 +371,8 @@ class Scheduler:
         # The lengths are checked once here, so the loop's zip need not be strict.
         if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
             raise ValueError(f"{len(requests)} requests scheduled, {len(sampled)} tokens sampled")
-        # This loop runs for every request every iteration: the common request (a decode without a
-        # grammar that samples no stop token short of max_tokens) takes a few attribute updates and
-        # two column appends; anything else is decided by the same code as ever (check_stop, _end).
+        # This loop runs for every request every iteration. A request that goes on, with nothing to
+        # report but its new token (no logprobs, nothing held back), goes out in the two columns.
         outputs: list[CoreOutput] = []
         request_ids: list[str] = []
         token_ids: list[int] = []
@@ -324,13 +384,10 @@ class Scheduler:
                 self.kv.free(request)
                 continue
             output_ids = request.output_ids
-            num_output = len(output_ids)
-            if request.sampler_extras:  # the sampler now holds its setup and every output token sent
-                request.sampler_synced = num_output
             num_computed = request.num_computed = request.num_computed + num_new
             if prefix_caching:
                 self.kv.register_computed(request)
-            if num_computed < request.num_prompt_tokens + num_output:
+            if num_computed < request.num_prompt_tokens + len(output_ids):
                 continue  # a prefill chunk short of the last token: nothing was sampled
             if request.structured:
                 outputs.append(self._land_constrained(request, token, token_logprobs))
@@ -339,18 +396,20 @@ class Scheduler:
             output_ids.append(token)
             if token_logprobs is not None:  # the sampler returns them for the rows that asked only
                 request.output_logprobs.append(token_logprobs)
-            stop_ids = request.stop_ids
-            if stop_ids is None or token in stop_ids or num_output >= request.params.max_tokens - 1 \
-                    or request.num_reported != num_output or request.output_logprobs is not None:  # fmt: skip
-                reason = check_stop(request, token, self.eos_token_id)
-                if reason is not None:
-                    self._end(request, reason)
-                outputs.append(self._output(request))
+            reason = check_stop(request, token)
+            if reason is None and request.output_logprobs is None and request.num_reported == len(output_ids) - 1:
+                request.num_reported += 1
+                request_ids.append(request.request_id)
+                token_ids.append(token)
                 continue
-            request.num_reported += 1
-            request_ids.append(request.request_id)
-            token_ids.append(token)
+            self._recorded_ids.append(request.request_id)
+            self._recorded_tokens.append(token)
+            if reason is not None:
+                self._end(request, reason)
+            outputs.append(self._output(request))
         self.num_generated_tokens += generated
+        self._recorded_ids += request_ids  # the columns' tokens are recorded too
+        self._recorded_tokens += token_ids
         return self._release(CoreOutputs(request_ids, token_ids, outputs))
 
     def _land_constrained(self, request: Request, token: int, token_logprobs: TokenLogprobs | None) -> CoreOutput:
@@ -363,12 +422,14 @@ class Scheduler:
             return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
         self.num_generated_tokens += 1
         request.output_ids.append(token)
+        self._recorded_ids.append(request.request_id)
+        self._recorded_tokens.append(token)
         if token_logprobs is not None:
             request.output_logprobs.append(token_logprobs)
         if self.structured.is_terminated(request.request_id):
             reason: FinishReason | None = FinishReason.STOP
         else:
-            reason = check_stop(request, token, self.eos_token_id)
+            reason = check_stop(request, token)
         if reason is not None:
             self._end(request, reason)
         return self._output(request)
@@ -435,7 +496,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.ended_ids.append(request.request_id)
+        self._finished_ids.append(request.request_id)
         del self._requests[request.request_id]
         if request.structured:  # its matcher (or its compile) goes with it
             self.structured.remove(request.request_id)

@@ -5,7 +5,7 @@ token bitmasks that the workers apply to its logits (worker/bitmask.py).
 vLLM v1's design: the matchers live here, beside the scheduler. A constrained request waits, not admitted,
 until its grammar has compiled on a background thread (`StructuredOutputManager`; vLLM's WAITING_FOR_FSM);
 each step the core fills a bitmask row for every constrained request that samples in the batch and sends
-the rows with it (`BatchMeta.bitmask`); when the batch returns, each constrained request's matcher accepts
+the rows with it (`SchedulerOutput.bitmask`); when the batch returns, each constrained request's matcher accepts
 its sampled token (`Scheduler.update_from_output`), never a failed batch's nor a prefill chunk's that
 sampled nothing.
 
@@ -16,7 +16,7 @@ The pieces, each usable alone:
 - `StructuredOutputMatchers` keeps each constrained request's matcher state: it fills bitmask rows for
   the next step and accepts the sampled tokens;
 - `StructuredOutputManager` is the engine core's: compiles off the loop, holds the matchers, and hands
-  the bitmask rows over as BatchMeta carries them.
+  the bitmask rows over as SchedulerOutput carries them.
 
 A bitmask row is xgrammar's layout: int32 words, ceil(vocab_size / 32) per row, bit (id % 32) of word
 (id // 32) set when token `id` is allowed. When a grammar is complete the matcher allows only EOS (plus
@@ -386,7 +386,7 @@ class StructuredOutputManager:
             wait_futures([task.future for task in self._pending.values()], timeout=timeout_s)
 
     def fill_bitmask(self, request_ids: Sequence[str]) -> bytes:
-        """The next-token bitmask rows of these requests (in this order), as BatchMeta carries them: the
+        """The next-token bitmask rows of these requests (in this order), as SchedulerOutput carries them: the
         int32 words, row after row."""
         assert self._matchers is not None
         return self._matchers.fill_bitmask(request_ids).numpy().tobytes()

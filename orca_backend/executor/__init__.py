@@ -1,4 +1,4 @@
-"""Executors run a BatchMeta on the model: in this process, or on tp x pp worker processes."""
+"""Executors run a step (a SchedulerOutput) on the model: in this process, or on tp x pp worker processes."""
 
 from __future__ import annotations
 

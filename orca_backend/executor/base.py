@@ -1,4 +1,4 @@
-"""The executor interface: the engine core submits `BatchMeta`s and collects sampled tokens (a
+"""The executor interface: the engine core submits `SchedulerOutput`s and collects sampled tokens (a
 `SamplerOutput`: the tokens, and logprobs for the rows that asked), oldest first.
 
 Up to `max_in_flight` batches may be submitted before collecting: one for a single stage, `pp`
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
+from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 
 
 class WorkerFailure(RuntimeError):
@@ -27,7 +27,7 @@ class Executor(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def submit(self, batch_meta: BatchMeta) -> None: ...
+    def submit(self, step: SchedulerOutput) -> None: ...
 
     def collect_oldest(self) -> SamplerOutput:
         """Sampled tokens of the oldest submitted batch, blocking; raises WorkerFailure if the model is

@@ -1,5 +1,5 @@
 """The engine master's side of distributed execution: starts tp x pp worker processes and talks
-to them over the control channel (one pipe each: batch metadata out, tokens, logprobs and errors back).
+to them over the control channel (one pipe each: the scheduler's steps out, tokens, logprobs and errors back).
 
 A worker that raises or dies turns into `WorkerFailure` within one poll interval; every other
 worker is then stopped too, so no process is left behind and nothing waits forever.
@@ -16,6 +16,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
 from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.processes import exit_description
-from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
+from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -136,17 +137,18 @@ class WorkerPoolExecutor:
     def num_in_flight(self) -> int:
         return len(self._pending)
 
-    def submit(self, batch_meta: BatchMeta) -> None:
-        data = batch_meta.to_bytes()
+    def submit(self, step: SchedulerOutput) -> None:
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         # Structured output's bitmask rows (a few KB per constrained row) matter to the sampling rank alone.
-        others = replace(batch_meta, bitmask_rows=[], bitmask=b"").to_bytes() if batch_meta.bitmask_rows else data
+        others = pickle.dumps(replace(step, bitmask_rows=[], bitmask=b""), protocol=pickle.HIGHEST_PROTOCOL) \
+            if step.bitmask_rows else data  # fmt: skip
         try:
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(data if rank == self._sampler_rank else others)
         except OSError as exc:
             self.shutdown()
             raise WorkerFailure(f"cannot reach a worker: {exc}") from None
-        self._pending.append(batch_meta.batch_id)
+        self._pending.append(step.step_id)
 
     def collect_oldest(self) -> SamplerOutput:
         expected = self._pending.popleft()

@@ -1,2 +1,2 @@
-"""What runs next to the weights: the BatchMeta wire format, the model runner, the sampler, the K/V
+"""What runs next to the weights: the model runner, its persistent input batch, the sampler, the K/V
 pool, and the worker process's main loop."""

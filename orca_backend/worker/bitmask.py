@@ -27,7 +27,7 @@ _CHUNK_BYTES = 4 << 20
 
 
 def decode_bitmask(data: bytes, num_rows: int) -> torch.Tensor:
-    """BatchMeta.bitmask (the rows' int32 words as bytes) as a [num_rows, words * 4] uint8 tensor."""
+    """SchedulerOutput.bitmask (the rows' int32 words as bytes) as a [num_rows, words * 4] uint8 tensor."""
     if num_rows == 0 or len(data) % (4 * num_rows):
         raise ValueError(f"a bitmask of {len(data)} bytes does not split into {num_rows} rows of int32 words")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(num_rows, -1)

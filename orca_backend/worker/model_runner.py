@@ -1,8 +1,10 @@
-"""Runs one iteration of (a slice of) the model on a `BatchMeta`: flat inputs, forward, sampling.
+"""Runs one step of (a slice of) the model on a `SchedulerOutput`: deltas into the persistent input
+batch, flat inputs, forward, sampling.
 
-The runner owns what lives on the model's device: the weights, the K/V pool of its layers and
-the sampler. It knows nothing of requests or scheduling, so the same class runs in the engine's
-process (tp = pp = 1) and inside each worker process.
+The runner owns what lives on the model's device and the requests' state the scheduler sends it:
+the weights, the K/V pool of its layers, the input batch (worker/input_batch.py) and the sampler.
+It knows nothing of scheduling, so the same class runs in the engine's process (tp = pp = 1) and
+inside each worker process, each applying the same deltas.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
-from orca_backend.worker.batch_meta import BatchMeta, SamplerOutput
+from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
+from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
 from orca_backend.worker.sampler import Sampler
 from orca_kernels import AttentionMetadata
@@ -40,63 +43,91 @@ class ModelRunner:
             len(self.model.weights.layers), num_slots, self.model.num_kv_heads, model_config.head_dim,
             torch_dtype(config.dtype), self.device,
         )  # fmt: skip
+        # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
+        self.input_batch = InputBatch(
+            config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
+            config.block_size, model_config.vocab_size, self.device,
+        )  # fmt: skip
         self.sampler = Sampler()
+        self._step: tuple[int, StepInputs] | None = None  # the inputs of the step being run (run_stage, then sample)
+        # CUDA: the persistent device buffers the host buffers are copied into, and the event that marks the
+        # last copies done (the host buffers are not written again before it).
+        self._device_buffers: dict[str, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def update_states(self, step: SchedulerOutput) -> None:
+        """Takes in the step's deltas (scheduler_output.py). Every runner does, as the step arrives, before
+        and whatever its forward then does: the core counts them as held once sent."""
+        self.input_batch.apply(step)
 
     # One inference-mode scope per entry point: entering one costs microseconds, every iteration.
     @torch.inference_mode()
-    def execute(self, batch_meta: BatchMeta) -> SamplerOutput:
-        """The whole model in this process: forward and sample."""
-        return self._sample(self._run_stage(batch_meta), batch_meta)
+    def execute(self, step: SchedulerOutput) -> SamplerOutput:
+        """The whole model in this process, on a step whose deltas it has taken in: forward and sample."""
+        return self._sample(self._run_stage(step), step)
 
     @torch.inference_mode()
-    def run_stage(self, batch_meta: BatchMeta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def run_stage(self, step: SchedulerOutput, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's layers; logits on the last stage, activations for the next stage otherwise."""
-        return self._run_stage(batch_meta, hidden)
+        return self._run_stage(step, hidden)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, step: SchedulerOutput) -> SamplerOutput:
         """The sampling rank's last step: the grammar masks, then the sampler."""
-        return self._sample(logits, batch_meta)
+        return self._sample(logits, step)
 
-    def _run_stage(self, batch_meta: BatchMeta, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        input_ids, positions, attn_meta, logits_indices = self._prepare_inputs(batch_meta)
+    def _run_stage(self, step: SchedulerOutput, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        inputs = self.input_batch.prepare(step)
+        self._step = (step.step_id, inputs)
+        input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
         return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
 
-    def _sample(self, logits: torch.Tensor, batch_meta: BatchMeta) -> SamplerOutput:
-        self.sampler.release(batch_meta.released_ids)
-        if batch_meta.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
-            rows = batch_meta.bitmask_rows
-            apply_bitmask(logits, decode_bitmask(batch_meta.bitmask, len(rows)), rows)
-        return self.sampler.sample(logits, batch_meta)
+    def _sample(self, logits: torch.Tensor, step: SchedulerOutput) -> SamplerOutput:
+        assert self._step is not None and self._step[0] == step.step_id, "sample() follows run_stage() of the same step"
+        inputs = self._step[1]
+        if step.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
+            rows = step.bitmask_rows
+            apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
+        return self.sampler.sample(logits, inputs.sampling)
 
-    def _prepare_inputs(self, batch_meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's index tensors, from the BatchMeta's arrays as they are: one int64 and one int32
-        host buffer (and the block tables) make three tensors, moved to the device in three copies
-        (none on CPU), and every index tensor is a view of one of them. This runs every iteration, and
-        each call into numpy or torch costs microseconds whatever its size."""
-        m = batch_meta
-        num_tokens, num_requests = m.num_tokens, len(m.context_lens)
-        query_start, context_lens = m.query_start, m.context_lens
-        logits_indices = query_start[1:] - 1  # each request's last token
-        host64 = np.concatenate((m.input_ids, m.positions, m.slot_mapping))
-        host32 = np.concatenate((query_start, context_lens, logits_indices))
-        tensors = [torch.from_numpy(a) for a in (host64, host32, m.block_tables)]
-        if self.device.type != "cpu":
-            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
-        flat64, flat32, block_tables = tensors
+    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's index tensors: the input batch wrote them into three persistent host buffers
+        (int64 tokens, int32 requests, the block tables), moved to the device in three copies (none
+        on CPU); every index tensor is a view of one of them. This runs every iteration, and each call
+        into numpy or torch costs microseconds whatever its size."""
+        num_tokens, num_requests = inputs.num_tokens, inputs.num_requests
+        flat64, flat32, block_tables = (self._to_device(name, array) for name, array in
+                                        (("flat64", inputs.flat64), ("flat32", inputs.flat32), ("tables", inputs.block_tables)))  # fmt: skip
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         # split_with_sizes, not split: the same views without split's Python wrapper (microseconds a step)
         input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, num_tokens])
-        query_start_t, context_lens_t, logits_index_tensor = flat32.split_with_sizes([num_requests + 1, num_requests, num_requests])
+        query_start, context_lens, logits_indices = flat32.split_with_sizes([num_requests + 1, num_requests, num_requests])
         attn_meta = AttentionMetadata(
-            query_start=query_start_t,
-            context_lens=context_lens_t,
+            query_start=query_start,
+            context_lens=context_lens,
             block_tables=block_tables,
             slot_mapping=slot_mapping,
             block_size=self.block_size,
-            # a decode-only batch (one token per request, the steady state) needs no difference taken
-            max_query_len=1 if num_tokens == num_requests else int(np.diff(query_start).max()),
-            max_context_len=int(context_lens.max()),
-            query_start_host=query_start.tolist(),
-            context_lens_host=context_lens.tolist(),
+            max_query_len=inputs.max_query_len,
+            max_context_len=inputs.max_context_len,
+            num_requests=num_requests,
         )
-        return input_ids, positions, attn_meta, logits_index_tensor
+        return input_ids, positions, attn_meta, logits_indices
+
+    def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """The host buffer itself on CPU; elsewhere its copy in the persistent device buffer `name`
+        (grown by doubling), as one asynchronous copy from pinned memory."""
+        host = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return host
+        buffer = self._device_buffers.get(name)
+        if buffer is None or buffer.numel() < host.numel():
+            size = max(host.numel(), 1024, 0 if buffer is None else 2 * buffer.numel())
+            buffer = self._device_buffers[name] = torch.empty(size, dtype=host.dtype, device=self.device)
+        device_view = buffer[: host.numel()].view(host.shape)
+        device_view.copy_(host, non_blocking=True)
+        return device_view

@@ -1,7 +1,7 @@
 """A worker process: one rank of the model (a tensor-parallel shard of one pipeline stage).
 
-It receives every batch's `BatchMeta` on its control pipe (JSON bytes), runs its slice of the
-model, and passes activations to the next stage with point-to-point sends on the tensor data
+It receives every step's `SchedulerOutput` on its control pipe (pickled), applies its deltas to its
+input batch, runs its slice of the model, and passes activations to the next stage with point-to-point sends on the tensor data
 plane (torch.distributed: NCCL on GPUs, gloo on CPU). The first tensor-parallel rank of the last
 stage samples and answers the master with the batch's tokens (and the logprobs of the rows that
 asked for them); any failure is reported on the pipe
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import traceback
 from datetime import timedelta
@@ -28,7 +29,7 @@ from orca_backend.config import AnyModelConfig, EngineConfig, model_config_from_
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import ParallelLayout
 from orca_backend.model.device import torch_dtype
-from orca_backend.worker.batch_meta import BatchMeta
+from orca_backend.scheduler_output import SchedulerOutput
 from orca_backend.worker.model_runner import ModelRunner
 
 STOP = b"stop"
@@ -84,21 +85,22 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
         data = conn.recv_bytes()
         if data == STOP:
             break
-        batch_meta = BatchMeta.from_bytes(data)
+        step: SchedulerOutput = pickle.loads(data)
+        runner.update_states(step)
         hidden = None
         if not layout.is_first_stage:
-            hidden = torch.empty((2, batch_meta.num_tokens, *hidden_shape_tail), dtype=torch_dtype(config.dtype), device=device)
+            hidden = torch.empty((2, step.num_tokens, *hidden_shape_tail), dtype=torch_dtype(config.dtype), device=device)
             dist.recv(hidden, src=rank - tp)
-        out = runner.run_stage(batch_meta, hidden)
+        out = runner.run_stage(step, hidden)
         if not layout.is_last_stage:
             dist.send(out.contiguous(), dst=rank + tp)
         elif samples:
             try:
-                sampled = runner.sample(out, batch_meta)
+                sampled = runner.sample(out, step)
             except Exception:  # noqa: BLE001 - after every collective: this batch alone failed, the ranks stay in step
-                send_message(conn, kind="batch_failed", batch_id=batch_meta.batch_id, message=traceback.format_exc())
+                send_message(conn, kind="batch_failed", batch_id=step.step_id, message=traceback.format_exc())
                 continue
-            send_message(conn, kind="tokens", batch_id=batch_meta.batch_id, tokens=sampled.token_ids,
+            send_message(conn, kind="tokens", batch_id=step.step_id, tokens=sampled.token_ids,
                          logprobs=sampled.logprobs)  # fmt: skip
     dist.destroy_process_group()
 

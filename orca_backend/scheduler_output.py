@@ -1,0 +1,79 @@
+"""What crosses between the engine core and the model runners each step, torch-free: the scheduler's
+`SchedulerOutput` out, the sampler's `SamplerOutput` back (vLLM v1's SchedulerOutput and
+ModelRunnerOutput, in this project's words).
+
+A SchedulerOutput is a delta. Every runner (the one in the core's process, or each worker process)
+keeps the state of every unfinished request it has been sent, in its persistent input batch
+(worker/input_batch.py); a step brings only what changed since the one before:
+
+- `new_requests`: a request's first step: its tokens, sampling parameters and blocks;
+- `recorded_ids` / `recorded_tokens`: the tokens the core recorded since its last step (what the steps
+  that landed sampled, one per request that sampled): every rank appends them, so the sampling rank
+  holds nothing the others do not, and a step that failed recorded nothing;
+- `grown_ids` / `grown_block_ids`: blocks appended to requests' tables (after a preemption, a whole
+  new table);
+- `preempted_ids`: requests that lost their blocks (preemption by recompute): a runner frees their
+  rows and keeps their tokens and generator; a preempted request that is scheduled again takes a row
+  again;
+- `finished_ids`: requests that ended: a runner forgets them.
+
+The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
+position `num_computed`. Every rank gets the same message, so every rank holds the same rows; a
+runner takes it in as it arrives (before the step's forward, whatever that then does), and the core
+counts it as held once sent.
+
+The worker pipes carry it pickled: the master and its workers are one deployment on one machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orca_backend.messages import TokenLogprobs
+from orca_backend.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request as the runners first see it."""
+
+    request_id: str
+    token_ids: list[int]  # its prompt and every output token recorded so far
+    num_prompt_tokens: int
+    block_ids: list[int]  # its K/V blocks, in context order
+    params: SamplingParams
+    seed: int  # its generator's seed: params.seed, or one the engine drew at arrival
+    # The tokens that end it with "stop" (stop ids, EOS unless ignored): the sampler bans them while it is
+    # short of min_tokens.
+    stop_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled_ids: list[str]  # the batch, in order
+    num_scheduled_tokens: list[int]  # per scheduled request
+    num_computed: list[int]  # per scheduled request: tokens whose K/V is in the cache before this step
+    new_requests: list[NewRequest] = field(default_factory=list)
+    recorded_ids: list[str] = field(default_factory=list)
+    recorded_tokens: list[int] = field(default_factory=list)
+    grown_ids: list[str] = field(default_factory=list)
+    grown_block_ids: list[list[int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    # Structured output: the batch positions of constrained requests that sample this step, and their
+    # grammars' token bitmask rows in that order (int32 words, ceil(vocab / 32) per row, as raw bytes;
+    # worker/bitmask.py). Only the sampling rank of a worker pool is sent them.
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: bytes = b""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per scheduled request (one that samples nothing has a placeholder the core ignores)
+    # One per request when any asked for logprobs (None for those that did not), else None.
+    logprobs: list[TokenLogprobs | None] | None = None

@@ -1,0 +1,287 @@
+"""The persistent input batch: every request a runner holds, as rows of fixed-size arrays, kept from
+step to step and changed only by the scheduler's deltas (scheduler_output.py; vLLM v1's InputBatch,
+in this project's words).
+
+A running request owns one row from the step that brings it until it ends or is preempted: its token
+ids, block table, computed count and sampling columns (temperature, top-k, top-p, min_tokens,
+logprobs), and its logits processing (penalty counts, logit_bias; worker/logits_processors.py). Its
+generator and its tokens live on in its `RequestState` while it is preempted, so a request's tokens
+are the same whether its row moved or not. Rows are `max_rows` = the most requests that can run
+(max_num_seqs per batch in flight), each `max_tokens` long (the model's context, or the K/V pool if
+smaller): token ids take 4 bytes per token slot, block tables 4 per block.
+
+`prepare` turns a step's batch into the model's flat inputs with whole-array operations over the
+batch's rows: no per-request Python loop in the steady state. It writes them into persistent host
+buffers (pinned on CUDA; the runner moves each with one copy into persistent device buffers).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from orca_backend.scheduler_output import NewRequest, SchedulerOutput
+from orca_backend.worker.logits_processors import LogitsProcessors
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What a runner holds of a request from its first step to its end, row or not."""
+
+    request_id: str
+    num_prompt_tokens: int
+    new: NewRequest  # as it was sent (parameters, seed, stop ids)
+    generator: torch.Generator | None  # random sampling only
+    row: int = -1  # -1 while preempted
+    token_ids: list[int] = field(default_factory=list)  # while preempted only: its tokens (the row holds them otherwise)
+
+
+@dataclass
+class SamplingBatch:
+    """A step's sampling columns, one entry per scheduled request, in batch order."""
+
+    rows: np.ndarray  # each request's row of the input batch
+    sample: np.ndarray  # bool: it computes its last token this step (a prefill chunk short of it does not)
+    temperature: np.ndarray  # float32; 0 is greedy
+    top_k: np.ndarray  # int64; 0 is off
+    top_p: np.ndarray  # float32
+    generators: list[torch.Generator | None]  # empty when every request is greedy
+    banned: list[tuple[int, list[int]]]  # (position, token ids it must not sample): short of min_tokens
+    logprobs: list[tuple[int, int]]  # (position, top alternatives) of the sampling requests that asked
+    processors: LogitsProcessors
+
+
+@dataclass
+class StepInputs:
+    """A step's flat model inputs (views of the persistent host buffers, valid until the next step)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: the K/V slot each new token is written to
+    flat64: np.ndarray  # the three above, one buffer [3 * T]
+    query_start: np.ndarray  # int32 [B + 1]
+    context_lens: np.ndarray  # int32 [B]
+    logits_indices: np.ndarray  # int32 [B]: each request's last token
+    flat32: np.ndarray  # the three above, one buffer [3 * B + 1]
+    block_tables: np.ndarray  # int32 [B, W], W the most blocks any context of the batch fills
+    max_query_len: int
+    max_context_len: int
+    sampling: SamplingBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_lens)
+
+
+def ragged_arange(lengths: np.ndarray, total: int) -> np.ndarray:
+    """0..n-1 for each n of `lengths`, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+class InputBatch:
+    def __init__(
+        self, max_rows: int, max_tokens: int, block_size: int, vocab_size: int, device: torch.device
+    ) -> None:  # fmt: skip
+        self.max_rows, self.max_tokens, self.block_size = max_rows, max_tokens, block_size
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_rows - 1, -1, -1))  # the lowest row first
+        self.token_ids = np.zeros((max_rows, max_tokens), dtype=np.int32)
+        self.num_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_computed = np.zeros(max_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_rows, -(-max_tokens // block_size)), dtype=np.int32)
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.temperature = np.zeros(max_rows, dtype=np.float32)
+        self.top_k = np.zeros(max_rows, dtype=np.int64)
+        self.top_p = np.ones(max_rows, dtype=np.float32)
+        self.min_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.generators: list[torch.Generator | None] = [None] * max_rows
+        self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]
+        self.processors = LogitsProcessors(max_rows, vocab_size, device)
+        self._flat64 = _HostBuffer(np.int64, device)
+        self._flat32 = _HostBuffer(np.int32, device)
+        self._tables = _HostBuffer(np.int32, device)
+        self._rows: tuple[int, np.ndarray] | None = None  # the last step applied, and its requests' rows
+
+    # ------------------------------------------------------------------ deltas
+    def apply(self, step: SchedulerOutput) -> None:
+        """Brings the rows up to the step (scheduler_output.py): recorded tokens are appended, ended and
+        preempted requests leave their rows, new ones take rows, and so does every scheduled request
+        without one (resumed after a preemption); tables grow; computed counts are the core's."""
+        if step.recorded_ids:
+            self._append_tokens(step.recorded_ids, step.recorded_tokens)
+        for request_id in step.finished_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None and state.row >= 0:
+                self._free(state)
+        for request_id in step.preempted_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.row >= 0:
+                row = state.row
+                state.token_ids = self.token_ids[row, : self.num_tokens[row]].tolist()
+                self._free(state)
+        for new in step.new_requests:
+            self._add(new)
+        ids = step.scheduled_ids
+        rows = np.fromiter(map(self.row_of.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids))
+        for index in np.flatnonzero(rows < 0).tolist():  # resumed after a preemption: its tokens go back in a row
+            rows[index] = self._take_row(self.states[ids[index]], [])
+        if step.grown_ids:
+            grown = np.fromiter(map(self.row_of.__getitem__, step.grown_ids), dtype=np.int64, count=len(step.grown_ids))
+            _append(self.block_table, self.num_blocks, grown, step.grown_block_ids)
+        self.num_computed[rows] = step.num_computed
+        self._rows = (step.step_id, rows)
+
+    def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
+        """One recorded token each (a request samples at most one per step), into its row."""
+        rows = np.fromiter(map(self.row_of.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids))
+        if (rows < 0).any():
+            missing = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
+            raise RuntimeError(f"tokens were recorded for requests that hold no row: {missing[:5]}")
+        ends = self.num_tokens[rows]
+        if int(ends.max()) >= self.max_tokens:
+            raise RuntimeError(f"a request outgrew its row ({self.max_tokens} tokens)")
+        self.token_ids[rows, ends] = tokens
+        self.num_tokens[rows] = ends + 1
+        counted = np.flatnonzero(self.processors.penalized[rows]).tolist()
+        if counted:
+            self.processors.count([int(rows[i]) for i in counted], [[tokens[i]] for i in counted])
+
+    def _add(self, new: NewRequest) -> None:
+        if new.request_id in self.states:
+            raise RuntimeError(f"request {new.request_id} was sent as new twice")
+        p = new.params
+        generator = None if p.greedy else torch.Generator().manual_seed(new.seed)
+        state = self.states[new.request_id] = RequestState(new.request_id, new.num_prompt_tokens, new, generator,
+                                                           token_ids=new.token_ids)  # fmt: skip
+        self._take_row(state, new.block_ids)
+
+    def _take_row(self, state: RequestState, block_ids: list[int]) -> int:
+        """Writes the request's whole row: its tokens (then dropped from the state), blocks and columns."""
+        if not self._free_rows:
+            raise RuntimeError(f"the input batch has no free row for request {state.request_id} (all {self.max_rows} "
+                               "hold running requests)")  # fmt: skip
+        tokens = state.token_ids
+        if len(tokens) > self.max_tokens or len(block_ids) > self.block_table.shape[1]:
+            raise RuntimeError(f"request {state.request_id} has {len(tokens)} tokens and {len(block_ids)} blocks; "
+                               f"a row holds {self.max_tokens} and {self.block_table.shape[1]}")  # fmt: skip
+        row = state.row = self._free_rows.pop()
+        self.row_of[state.request_id] = row
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        new, p = state.new, state.new.params
+        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        self.top_k[row] = max(p.top_k, 0)
+        self.top_p[row] = p.top_p
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.generators[row] = state.generator
+        self.stop_ids[row] = new.stop_ids
+        self.processors.add(row, p, tokens[: state.num_prompt_tokens], tokens[state.num_prompt_tokens :])
+        state.token_ids = []
+        return row
+
+    def _free(self, state: RequestState) -> None:
+        row = state.row
+        del self.row_of[state.request_id]
+        self.processors.remove(row)
+        self.generators[row] = None
+        state.row = -1
+        self._free_rows.append(row)
+
+    # ------------------------------------------------------------------ a step's inputs
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
+        """The step's flat inputs and sampling columns, from the rows of its scheduled requests."""
+        assert self._rows is not None and self._rows[0] == step.step_id, "prepare() follows apply() of the same step"
+        rows = self._rows[1]
+        count = len(rows)
+        num_new = np.array(step.num_scheduled_tokens, dtype=np.int64)
+        total = int(num_new.sum())
+        first = self.num_computed[rows]  # each request's first new position
+        flat32 = self._flat32.take(3 * count + 1)
+        query_start, context_lens, logits_indices = flat32[: count + 1], flat32[count + 1 : 2 * count + 1], flat32[2 * count + 1 :]
+        query_start[0] = 0
+        np.cumsum(num_new, out=query_start[1:])
+        np.add(first, num_new, out=context_lens, casting="unsafe")
+        np.subtract(query_start[1:], 1, out=logits_indices)
+        flat64 = self._flat64.take(3 * total)
+        input_ids, positions, slot_mapping = flat64[:total], flat64[total : 2 * total], flat64[2 * total :]
+        if total == count:  # one token each (decodes): the requests' rows are the tokens' rows
+            token_rows = rows
+            positions[:] = first
+        else:
+            token_rows = np.repeat(rows, num_new)
+            np.add(np.repeat(first, num_new), ragged_arange(num_new, total), out=positions)
+        input_ids[:] = self.token_ids[token_rows, positions]
+        block_index, offset = np.divmod(positions, self.block_size)
+        np.multiply(self.block_table[token_rows, block_index], self.block_size, out=slot_mapping)
+        slot_mapping += offset
+        max_context_len = int(context_lens.max())
+        width = -(-max_context_len // self.block_size)
+        block_tables = self._tables.take(count * width).reshape(count, width)
+        np.take(self.block_table[:, :width], rows, axis=0, out=block_tables)
+        return StepInputs(
+            input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
+            max_query_len=int(num_new.max()), max_context_len=max_context_len,
+            sampling=self._sampling(step, rows, context_lens),
+        )  # fmt: skip
+
+    def _sampling(self, step: SchedulerOutput, rows: np.ndarray, context_lens: np.ndarray) -> SamplingBatch:
+        sample = context_lens == self.num_tokens[rows]
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        short = np.flatnonzero(num_output < self.min_tokens[rows]).tolist()
+        banned = [(i, self.stop_ids[int(rows[i])]) for i in short]
+        num_logprobs = self.num_logprobs[rows]
+        asking = np.flatnonzero((num_logprobs >= 0) & sample).tolist()
+        temperature = self.temperature[rows]
+        # Greedy requests have no generator: a batch of them (the common case) skips the list.
+        generators = [self.generators[row] for row in rows.tolist()] if temperature.any() else []
+        return SamplingBatch(
+            rows, sample, temperature, self.top_k[rows], self.top_p[rows], generators, banned,
+            [(i, int(num_logprobs[i])) for i in asking], self.processors,
+        )  # fmt: skip
+
+
+def _append(table: np.ndarray, lengths: np.ndarray, rows: np.ndarray, values: list[list[int]]) -> None:
+    """Appends each row's values after its `lengths` entries."""
+    counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    total = int(counts.sum())
+    if not total:
+        return
+    at_rows = np.repeat(rows, counts)
+    at_columns = np.repeat(lengths[rows], counts) + ragged_arange(counts, total)
+    if int(at_columns.max()) >= table.shape[1]:
+        raise RuntimeError(f"a request outgrew its row ({table.shape[1]} entries)")
+    table[at_rows, at_columns] = np.fromiter(itertools.chain.from_iterable(values), dtype=table.dtype, count=total)
+    lengths[rows] += counts
+
+
+class _HostBuffer:
+    """A persistent host array (pinned for a CUDA runner), grown by doubling: a step's inputs are
+    views of it, so nothing is allocated per step."""
+
+    def __init__(self, dtype: type, device: torch.device) -> None:
+        self.dtype, self.pin = dtype, device.type == "cuda"
+        self.array = self._allocate(1024)
+
+    def _allocate(self, size: int) -> np.ndarray:
+        return torch.empty(size, dtype=torch.from_numpy(np.empty(0, self.dtype)).dtype, pin_memory=self.pin).numpy()
+
+    def take(self, size: int) -> np.ndarray:
+        if size > len(self.array):
+            self.array = self._allocate(max(size, 2 * len(self.array)))
+        return self.array[:size]
