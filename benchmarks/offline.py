@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -204,18 +205,27 @@ def suite_overhead(args) -> dict:
     tokens and more queued, so requests end and newcomers' prompts join the decodes nearly every
     iteration, as under load. "256-core": the lockstep 256 again, timing only what the engine core
     process does per iteration when served (the step and its frame to the frontend): the events,
-    text and sinks are then the frontend's work, in the Triton stub's process beside it."""
+    text and sinks are then the frontend's work, in the Triton stub's process beside it.
+    "256-vocab50k": the lockstep 256 on the same tiny model with GPT-2's real vocabulary (50,257
+    entries), where the sampler's argmax over [256, 50257] logits shows. Each scenario also reports
+    the sampler's share of the overhead."""
     from orca_backend.messages import outputs_frame
+    from orca_backend.model.checkpoint import write_random_checkpoint
 
     result = {}
     scenarios = (("64", 64, False, False), ("256", 256, False, False), ("256-churn", 256, True, False),
-                 ("256-core", 256, False, True))  # fmt: skip
+                 ("256-core", 256, False, True), ("256-vocab50k", 256, False, False))  # fmt: skip
+    big_vocab = Path(tempfile.mkdtemp(prefix="orca-vocab50k-"))
+    tiny = PRESETS["gpt2-tiny"]
+    write_random_checkpoint(big_vocab, replace(tiny, vocab_size=50257), seed=0, tokenizer=False)
     for label, running, churn, core_only in scenarios:
-        engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=running,
+        model_name = str(big_vocab) if label.endswith("vocab50k") else "gpt2-tiny"
+        engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=running,
                                         kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
-        model = engine.core.executor.runner.model
-        forward_s = 0.0
-        inner = model.forward
+        runner = engine.core.executor.runner
+        model = runner.model
+        forward_s = sample_s = 0.0
+        inner, inner_sample = model.forward, runner.sampler.sample
 
         def timed_forward(*a, _inner=inner, **k):
             nonlocal forward_s
@@ -224,7 +234,14 @@ def suite_overhead(args) -> dict:
             forward_s += time.perf_counter() - start
             return out
 
-        model.forward = timed_forward
+        def timed_sample(*a, _inner=inner_sample, **k):
+            nonlocal sample_s
+            start = time.perf_counter()
+            out = _inner(*a, **k)
+            sample_s += time.perf_counter() - start
+            return out
+
+        model.forward, runner.sampler.sample = timed_forward, timed_sample
         for i in range(3 * running if churn else running):
             max_tokens = 20 + (i * 37) % 150 if churn else 90
             engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -237,16 +254,20 @@ def suite_overhead(args) -> dict:
             outputs_frame(core.step(), core.stats(), core.dead_reason)
 
         # Per step, its time less its forward's; the median of 40 (a noisy neighbour inflates a few steps).
-        step_s, overhead_s = [], []
+        step_s, overhead_s, sampler_s = [], [], []
         for _ in range(40):
-            forward_before = forward_s
+            forward_before, sample_before = forward_s, sample_s
             step_s.append(_timeit(core_iteration if core_only else engine.step))
             overhead_s.append(step_s[-1] - (forward_s - forward_before))
-        step, overhead = statistics.median(step_s), statistics.median(overhead_s)
+            sampler_s.append(sample_s - sample_before)
+        step, overhead, sampler = statistics.median(step_s), statistics.median(overhead_s), statistics.median(sampler_s)
         running_now = len(engine.core.scheduler.running)
-        result[label] = {"step_ms": step * 1e3, "overhead_ms": overhead * 1e3, "running": running_now}
+        result[label] = {"step_ms": step * 1e3, "overhead_ms": overhead * 1e3, "sampler_ms": sampler * 1e3,
+                         "running": running_now}  # fmt: skip
         print(f"{label} ({running_now} running): {step * 1e3:.2f} ms per iteration -> engine overhead "
-              f"{overhead * 1e3:.2f} ms (medians of 40)")  # fmt: skip
+              f"{overhead * 1e3:.2f} ms, of which the sampler {sampler * 1e3:.2f} ms (medians of 40)")  # fmt: skip
+        engine.shutdown()
+    shutil.rmtree(big_vocab, ignore_errors=True)
     return result
 
 

@@ -99,14 +99,14 @@ def _step(step_id: int, ids: list[str], counts: list[int], computed: list[int], 
                            list(grown), list(grown.values()), preempted or [], finished or [])  # fmt: skip
 
 
-def test_rows_are_freed_by_ends_and_preemptions_and_taken_again_by_the_lowest_free():
+def test_rows_are_freed_by_ends_and_preemptions_and_taken_again():
     batch = InputBatch(3, 32, 4, 50, torch.device("cpu"))
     params = SamplingParams(max_tokens=8)
     batch.apply(_step(0, ["a", "b"], [3, 2], [0, 0], new=[NewRequest("a", [1, 2, 3], 3, [5], params, 0),
                                                           NewRequest("b", [4, 5], 2, [6], params, 0)]))  # fmt: skip
     assert batch.row_of == {"a": 0, "b": 1}
     # "a" decodes its sampled 9 into a new block; "b" is preempted after its 6 was recorded; "c" joins in
-    # the lowest free row.
+    # the row "b" left.
     step = _step(1, ["a", "c"], [1, 1], [3, 0], new=[NewRequest("c", [7], 1, [8], params, 0)],
                  recorded={"a": 9, "b": 6}, grown={"a": [2]}, preempted=["b"])  # fmt: skip
     batch.apply(step)
@@ -118,6 +118,7 @@ def test_rows_are_freed_by_ends_and_preemptions_and_taken_again_by_the_lowest_fr
     step = _step(2, ["b"], [3], [0], grown={"b": [1]}, finished=["a"])
     batch.apply(step)
     assert batch.row_of == {"c": 1, "b": 0} and "a" not in batch.states
+    assert batch.block_table[0, :3].tolist() == [1, 0, 0]  # nothing left of "a"'s two blocks
     inputs = batch.prepare(step)
     assert inputs.input_ids.tolist() == [4, 5, 6] and inputs.slot_mapping.tolist() == [4, 5, 6]
     assert inputs.sampling.sample.tolist() == [True]

@@ -80,18 +80,22 @@ class ScheduledBatch:
 def make_scheduler_output(
     batch: ScheduledBatch, step_id: int, recorded: tuple[list[str], list[int]] = ([], []),
     preempted_ids: list[str] | None = None, finished_ids: list[str] | None = None,
-    structured: StructuredOutputManager | None = None,
+    structured: StructuredOutputManager | None = None, tables_changed: list[Request] | None = None,
 ) -> SchedulerOutput:  # fmt: skip
     """The batch as deltas against what the runners hold (scheduler_output.py): a request they have
     never been sent comes whole, any other with the blocks its table gained since (a whole table
     after a preemption); `recorded` are the tokens recorded since the last step (request ids, token
-    ids). Constrained requests that sample get their grammar's bitmask row from `structured`."""
+    ids). `tables_changed`: the requests whose table may have changed since the last step (the
+    scheduler's record; default: look at every request of the batch). Constrained requests that
+    sample get their grammar's bitmask row from `structured`."""
     requests = batch.requests
     new: list[NewRequest] = []
     grown_ids: list[str] = []
     grown_block_ids: list[list[int]] = []
-    for request in [r for r in requests if len(r.block_table) != r.num_blocks_sent]:  # new, grown or resumed
+    for request in tables_changed if tables_changed is not None else requests:
         table, sent = request.block_table, request.num_blocks_sent
+        if len(table) == sent:  # unchanged, or already sent (a request recorded twice)
+            continue
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
                                   request.params, request.sampling_seed, sorted(request.stop_ids)))  # fmt: skip
@@ -104,6 +108,8 @@ def make_scheduler_output(
         recorded[0], recorded[1], grown_ids, grown_block_ids, preempted_ids or [], finished_ids or [],
     )  # fmt: skip
     # The bitmask rows of the constrained requests that sample (compute their last token) this step.
+    if not any(map(_structured, requests)):
+        return output
     bitmask_rows = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens, strict=True))
                     if r.structured and r.num_computed + n == r.num_tokens]  # fmt: skip
     if bitmask_rows:
@@ -115,6 +121,7 @@ def make_scheduler_output(
 
 _request_id = operator.attrgetter("request_id")
 _num_computed = operator.attrgetter("num_computed")
+_structured = operator.attrgetter("structured")
 
 
 class Scheduler:
@@ -154,6 +161,8 @@ class Scheduler:
         self._recorded_tokens: list[int] = []
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
+        # The requests whose block table was given or grown since the last SchedulerOutput.
+        self._tables_changed: list[Request] = []
         self._step_ids = itertools.count()
 
     def has_work(self) -> bool:
@@ -230,8 +239,9 @@ class Scheduler:
 
     def _scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
         output = make_scheduler_output(batch, next(self._step_ids), (self._recorded_ids, self._recorded_tokens),
-                                       self._preempted_ids, self._finished_ids, self.structured)  # fmt: skip
+                                       self._preempted_ids, self._finished_ids, self.structured, self._tables_changed)  # fmt: skip
         self._recorded_ids, self._recorded_tokens, self._preempted_ids, self._finished_ids = [], [], [], []
+        self._tables_changed = []
         return output
 
     def _schedule(self, budget: int) -> ScheduledBatch | None:
@@ -287,6 +297,7 @@ class Scheduler:
                 assert request is not None
                 if not self.kv.admit(request, others_running=bool(self.running)):
                     break  # strict FCFS: a later, smaller request does not overtake the head of the queue
+                self._tables_changed.append(request)
                 if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
                     request.first_scheduled_time = self.clock()
                     request.num_cached_tokens = request.num_computed
@@ -303,7 +314,16 @@ class Scheduler:
             return True
         if len(requests) > self.kv.pool.num_free:
             return False
-        return all([self.kv.grow(request, 1) for request in requests])
+        return all([self._grow(request, 1) for request in requests])
+
+    def _grow(self, request: Request, num_new_tokens: int) -> bool:
+        """KVCacheManager.grow, recording a request whose table it grew (the runners are sent its new blocks)."""
+        num_blocks = len(request.block_table)
+        if not self.kv.grow(request, num_new_tokens):
+            return False
+        if len(request.block_table) != num_blocks:
+            self._tables_changed.append(request)
+        return True
 
     def _schedule_suspects(self, budget: int) -> ScheduledBatch | None:
         """The next half of a failed batch, alone: its members still running, nobody else."""
@@ -332,7 +352,7 @@ class Scheduler:
         lowest priority, the most recently admitted of it first; never one in flight or in this batch)
         until it fits. False if it cannot run this iteration: nothing left to preempt, or it was
         itself the one preempted."""
-        while not self.kv.grow(request, num_new):
+        while not self._grow(request, num_new):
             candidates = (r for r in reversed(self.running) if not r.in_flight and r not in batch.requests)
             victim = max(candidates, key=lambda r: r.priority, default=None)  # max keeps the first, the newest
             if victim is None:

@@ -51,6 +51,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # empty when every request is greedy
     banned: list[tuple[int, list[int]]]  # (position, token ids it must not sample): short of min_tokens
     logprobs: list[tuple[int, int]]  # (position, top alternatives) of the sampling requests that asked
+    processed: list[int]  # positions of the sampling requests with logit_bias or penalties
     processors: LogitsProcessors
 
 
@@ -113,6 +114,13 @@ class InputBatch:
         self._flat32 = _HostBuffer(np.int32, device)
         self._tables = _HostBuffer(np.int32, device)
         self._rows: tuple[int, np.ndarray] | None = None  # the last step applied, and its requests' rows
+        # The rows of the last list of ids looked up, while no row was taken or freed since (`_layout`
+        # counts those): in the steady state a step schedules, and records the tokens of, the same
+        # requests as the one before, and the lookup is one list comparison. The sampling columns of
+        # those rows are kept with them.
+        self._layout = 0
+        self._looked_up: tuple[int, list[str], np.ndarray] | None = None
+        self._columns: tuple[np.ndarray, _RowColumns] | None = None
 
     # ------------------------------------------------------------------ deltas
     def apply(self, step: SchedulerOutput) -> None:
@@ -134,9 +142,12 @@ class InputBatch:
         for new in step.new_requests:
             self._add(new)
         ids = step.scheduled_ids
-        rows = np.fromiter(map(self.row_of.get, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids))
-        for index in np.flatnonzero(rows < 0).tolist():  # resumed after a preemption: its tokens go back in a row
-            rows[index] = self._take_row(self.states[ids[index]], [])
+        rows = self._lookup(ids)
+        resumed = np.flatnonzero(rows < 0).tolist()
+        if resumed:  # after a preemption: its tokens go back in a row
+            rows = rows.copy()
+            for index in resumed:
+                rows[index] = self._take_row(self.states[ids[index]], [])
         if step.grown_ids:
             grown = np.fromiter(map(self.row_of.__getitem__, step.grown_ids), dtype=np.int64, count=len(step.grown_ids))
             _append(self.block_table, self.num_blocks, grown, step.grown_block_ids)
@@ -145,7 +156,7 @@ class InputBatch:
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
         """One recorded token each (a request samples at most one per step), into its row."""
-        rows = np.fromiter(map(self.row_of.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids))
+        rows = self._lookup(request_ids)
         if (rows < 0).any():
             missing = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
             raise RuntimeError(f"tokens were recorded for requests that hold no row: {missing[:5]}")
@@ -157,6 +168,15 @@ class InputBatch:
         counted = np.flatnonzero(self.processors.penalized[rows]).tolist()
         if counted:
             self.processors.count([int(rows[i]) for i in counted], [[tokens[i]] for i in counted])
+
+    def _lookup(self, request_ids: list[str]) -> np.ndarray:
+        """The rows of these requests (-1 for one without a row); not to be changed by the caller."""
+        looked_up = self._looked_up
+        if looked_up is not None and looked_up[0] == self._layout and looked_up[1] == request_ids:
+            return looked_up[2]
+        rows = np.fromiter(map(self.row_of.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids))
+        self._looked_up = (self._layout, request_ids, rows)
+        return rows
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.states:
@@ -177,6 +197,7 @@ class InputBatch:
             raise RuntimeError(f"request {state.request_id} has {len(tokens)} tokens and {len(block_ids)} blocks; "
                                f"a row holds {self.max_tokens} and {self.block_table.shape[1]}")  # fmt: skip
         row = state.row = self._free_rows.pop()
+        self._layout += 1
         self.row_of[state.request_id] = row
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -197,11 +218,16 @@ class InputBatch:
 
     def _free(self, state: RequestState) -> None:
         row = state.row
+        # A step's tables are W columns of the rows, W its widest context: zeros past a request's blocks,
+        # as a from-scratch build has, never the blocks of a row's earlier holder.
+        self.block_table[row, : self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
         del self.row_of[state.request_id]
         self.processors.remove(row)
         self.generators[row] = None
         state.row = -1
         self._free_rows.append(row)
+        self._layout += 1
 
     # ------------------------------------------------------------------ a step's inputs
     def prepare(self, step: SchedulerOutput) -> StepInputs:
@@ -241,19 +267,47 @@ class InputBatch:
         )  # fmt: skip
 
     def _sampling(self, step: SchedulerOutput, rows: np.ndarray, context_lens: np.ndarray) -> SamplingBatch:
-        sample = context_lens == self.num_tokens[rows]
-        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
-        short = np.flatnonzero(num_output < self.min_tokens[rows]).tolist()
-        banned = [(i, self.stop_ids[int(rows[i])]) for i in short]
-        num_logprobs = self.num_logprobs[rows]
-        asking = np.flatnonzero((num_logprobs >= 0) & sample).tolist()
+        columns = self._columns[1] if self._columns is not None and self._columns[0] is rows else None
+        if columns is None:
+            columns = self._row_columns(rows)
+            self._columns = (rows, columns)
+        num_tokens = self.num_tokens[rows]
+        sample = context_lens == num_tokens
+        banned: list[tuple[int, list[int]]] = []
+        if columns.min_tokens.any():
+            short = np.flatnonzero(num_tokens - self.num_prompt_tokens[rows] < columns.min_tokens).tolist()
+            banned = [(i, self.stop_ids[int(rows[i])]) for i in short]
+        logprobs: list[tuple[int, int]] = []
+        if columns.asking_logprobs:
+            logprobs = [(i, int(columns.num_logprobs[i])) for i in np.flatnonzero((columns.num_logprobs >= 0) & sample).tolist()]
+        processed = np.flatnonzero(columns.processed & sample).tolist() if columns.processed.any() else []
+        return SamplingBatch(rows, sample, columns.temperature, columns.top_k, columns.top_p, columns.generators, banned,
+                             logprobs, processed, self.processors)  # fmt: skip
+
+    def _row_columns(self, rows: np.ndarray) -> _RowColumns:
         temperature = self.temperature[rows]
-        # Greedy requests have no generator: a batch of them (the common case) skips the list.
-        generators = [self.generators[row] for row in rows.tolist()] if temperature.any() else []
-        return SamplingBatch(
-            rows, sample, temperature, self.top_k[rows], self.top_p[rows], generators, banned,
-            [(i, int(num_logprobs[i])) for i in asking], self.processors,
+        num_logprobs = self.num_logprobs[rows]
+        return _RowColumns(
+            temperature, self.top_k[rows], self.top_p[rows], self.min_tokens[rows], num_logprobs,
+            bool((num_logprobs >= 0).any()), self.processors.processed[rows],
+            # Greedy requests have no generator: a batch of them (the common case) skips the list.
+            [self.generators[row] for row in rows.tolist()] if temperature.any() else [],
         )  # fmt: skip
+
+
+@dataclass
+class _RowColumns:
+    """The sampling columns of some rows, in their order: what does not change while they hold the
+    same requests."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_tokens: np.ndarray
+    num_logprobs: np.ndarray
+    asking_logprobs: bool
+    processed: np.ndarray  # bool: logit_bias or penalties
+    generators: list[torch.Generator | None]
 
 
 def _append(table: np.ndarray, lengths: np.ndarray, rows: np.ndarray, values: list[list[int]]) -> None:

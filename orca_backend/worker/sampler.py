@@ -32,9 +32,8 @@ class Sampler:
         raw_logprobs = None
         if batch.logprobs:  # before any processing
             raw_logprobs = logits[[position for position, _ in batch.logprobs]].log_softmax(dim=-1)
-        processed = np.flatnonzero(batch.processors.processed[batch.rows] & batch.sample).tolist()
-        if processed:  # logit_bias and the penalties
-            batch.processors.apply(logits, processed, batch.rows[processed].tolist())
+        if batch.processed:  # logit_bias and the penalties
+            batch.processors.apply(logits, batch.processed, batch.rows[batch.processed].tolist())
         if batch.banned:  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
             logits[_ban_index(batch.banned, logits.device)] = float("-inf")
         tokens = _argmax(logits)
