@@ -113,13 +113,14 @@ class InputBatch:
         self._flat64 = _HostBuffer(np.int64, device)
         self._flat32 = _HostBuffer(np.int32, device)
         self._tables = _HostBuffer(np.int32, device)
+        self._arange = np.arange(max_rows + 1, dtype=np.int32)  # a decode batch's query starts
         self._rows: tuple[int, np.ndarray] | None = None  # the last step applied, and its requests' rows
         # The rows of the last list of ids looked up, while no row was taken or freed since (`_layout`
         # counts those): in the steady state a step schedules, and records the tokens of, the same
         # requests as the one before, and the lookup is one list comparison. The sampling columns of
         # those rows are kept with them.
         self._layout = 0
-        self._looked_up: tuple[int, list[str], np.ndarray] | None = None
+        self._looked_up: tuple[int, list[str], np.ndarray, bool] | None = None
         self._columns: tuple[np.ndarray, _RowColumns] | None = None
 
     # ------------------------------------------------------------------ deltas
@@ -142,11 +143,10 @@ class InputBatch:
         for new in step.new_requests:
             self._add(new)
         ids = step.scheduled_ids
-        rows = self._lookup(ids)
-        resumed = np.flatnonzero(rows < 0).tolist()
-        if resumed:  # after a preemption: its tokens go back in a row
+        rows, missing = self._lookup(ids)
+        if missing:  # resumed after a preemption: its tokens go back in a row
             rows = rows.copy()
-            for index in resumed:
+            for index in np.flatnonzero(rows < 0).tolist():
                 rows[index] = self._take_row(self.states[ids[index]], [])
         if step.grown_ids:
             grown = np.fromiter(map(self.row_of.__getitem__, step.grown_ids), dtype=np.int64, count=len(step.grown_ids))
@@ -156,8 +156,8 @@ class InputBatch:
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
         """One recorded token each (a request samples at most one per step), into its row."""
-        rows = self._lookup(request_ids)
-        if (rows < 0).any():
+        rows, missing = self._lookup(request_ids)
+        if missing:
             missing = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
             raise RuntimeError(f"tokens were recorded for requests that hold no row: {missing[:5]}")
         ends = self.num_tokens[rows]
@@ -165,18 +165,20 @@ class InputBatch:
             raise RuntimeError(f"a request outgrew its row ({self.max_tokens} tokens)")
         self.token_ids[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
-        counted = np.flatnonzero(self.processors.penalized[rows]).tolist()
+        counted = np.flatnonzero(self.processors.penalized[rows]).tolist() if self.processors.penalized.any() else []
         if counted:
             self.processors.count([int(rows[i]) for i in counted], [[tokens[i]] for i in counted])
 
-    def _lookup(self, request_ids: list[str]) -> np.ndarray:
-        """The rows of these requests (-1 for one without a row); not to be changed by the caller."""
+    def _lookup(self, request_ids: list[str]) -> tuple[np.ndarray, bool]:
+        """The rows of these requests (-1 for one without a row; not to be changed by the caller), and
+        whether any has none."""
         looked_up = self._looked_up
         if looked_up is not None and looked_up[0] == self._layout and looked_up[1] == request_ids:
-            return looked_up[2]
+            return looked_up[2], looked_up[3]
         rows = np.fromiter(map(self.row_of.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids))
-        self._looked_up = (self._layout, request_ids, rows)
-        return rows
+        missing = bool((rows < 0).any())
+        self._looked_up = (self._layout, request_ids, rows, missing)
+        return rows, missing
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.states:
@@ -235,23 +237,28 @@ class InputBatch:
         assert self._rows is not None and self._rows[0] == step.step_id, "prepare() follows apply() of the same step"
         rows = self._rows[1]
         count = len(rows)
-        num_new = np.array(step.num_scheduled_tokens, dtype=np.int64)
-        total = int(num_new.sum())
+        total = sum(step.num_scheduled_tokens)
         first = self.num_computed[rows]  # each request's first new position
         flat32 = self._flat32.take(3 * count + 1)
         query_start, context_lens, logits_indices = flat32[: count + 1], flat32[count + 1 : 2 * count + 1], flat32[2 * count + 1 :]
-        query_start[0] = 0
-        np.cumsum(num_new, out=query_start[1:])
-        np.add(first, num_new, out=context_lens, casting="unsafe")
-        np.subtract(query_start[1:], 1, out=logits_indices)
         flat64 = self._flat64.take(3 * total)
         input_ids, positions, slot_mapping = flat64[:total], flat64[total : 2 * total], flat64[2 * total :]
         if total == count:  # one token each (decodes): the requests' rows are the tokens' rows
+            query_start[:] = self._arange[: count + 1]
+            logits_indices[:] = self._arange[:count]
+            np.add(first, 1, out=context_lens, casting="unsafe")
             token_rows = rows
             positions[:] = first
+            max_query_len = 1
         else:
+            num_new = np.array(step.num_scheduled_tokens, dtype=np.int64)
+            query_start[0] = 0
+            np.cumsum(num_new, out=query_start[1:])
+            np.add(first, num_new, out=context_lens, casting="unsafe")
+            np.subtract(query_start[1:], 1, out=logits_indices)
             token_rows = np.repeat(rows, num_new)
             np.add(np.repeat(first, num_new), ragged_arange(num_new, total), out=positions)
+            max_query_len = int(num_new.max())
         input_ids[:] = self.token_ids[token_rows, positions]
         block_index, offset = np.divmod(positions, self.block_size)
         np.multiply(self.block_table[token_rows, block_index], self.block_size, out=slot_mapping)
@@ -262,7 +269,7 @@ class InputBatch:
         np.take(self.block_table[:, :width], rows, axis=0, out=block_tables)
         return StepInputs(
             input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
-            max_query_len=int(num_new.max()), max_context_len=max_context_len,
+            max_query_len=max_query_len, max_context_len=max_context_len,
             sampling=self._sampling(step, rows, context_lens),
         )  # fmt: skip
 
