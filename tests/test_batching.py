@@ -1,22 +1,19 @@
-"""Batch invariance and iteration-level (vs request-level) scheduling, observed through the engine."""
+"""Batching, observed through the engine: a request's tokens are the same alone, in a batch of 16,
+joining a batch mid-decode and under request-level scheduling (batch invariance); and what bounds a
+batch: max_num_seqs, and the K/V pool under ORCA's reservation (no overcommit) and the paged policy
+(more requests at once, preempted without changing a token). The scheduler's other decisions are
+tests/test_scheduler.py's."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from core_hooks import StepGate
+from engine_helpers import random_prompts
 from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def random_prompts(n: int, vocab: int, seed: int, max_len: int = 24) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len, (n,), generator=gen).tolist()
-    return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
 
 
 def step_until_done(engine: LLMEngine, streams, max_steps: int = 10_000) -> None:
@@ -55,55 +52,6 @@ def test_batch_invariance_alone_vs_batch_of_16_vs_joining(tiny_checkpoint, mode)
     for i, rid in enumerate(ids):
         assert events[rid] == alone[i][: lengths[i]], f"request {i}"
     assert engine.core.kv.used_tokens == 0
-
-
-def _run_long_and_short(tiny_checkpoint, scheduling: str):
-    path, config = tiny_checkpoint
-    engine = LLMEngine_for(path, scheduling)
-    prompts = random_prompts(5, config.vocab_size, seed=9)
-    finish: dict[str, float] = {}
-    first: dict[str, float] = {}
-
-    def collect(out):
-        if out.new_token_ids:
-            first.setdefault(out.request_id, out.time)
-        if out.finished:
-            finish[out.request_id] = out.time
-
-    long_id = engine.add_request(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), on_output=collect).request_id
-    short_ids = [
-        engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), on_output=collect).request_id
-        for p in prompts[1:4]
-    ]
-    for _ in range(6):
-        engine.step()
-    late_id = engine.add_request(prompts[4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), on_output=collect).request_id
-    while engine.has_work():
-        engine.step()
-    assert engine.core.kv.used_tokens == 0
-    return long_id, short_ids, late_id, first, finish
-
-
-def LLMEngine_for(path, scheduling: str) -> LLMEngine:
-    from orca_backend.config import EngineConfig
-
-    return LLMEngine(EngineConfig(model=str(path), max_num_seqs=8, scheduling=scheduling))
-
-
-def test_iteration_level_short_requests_leave_early_and_new_ones_join(tiny_checkpoint):
-    long_id, short_ids, late_id, first, finish = _run_long_and_short(tiny_checkpoint, "iteration")
-    for sid in short_ids:
-        assert finish[sid] < finish[long_id]
-    assert first[late_id] < finish[long_id]  # joined the running batch
-    assert finish[late_id] < finish[long_id]
-
-
-def test_request_level_holds_the_batch_and_admits_nobody_midway(tiny_checkpoint):
-    long_id, short_ids, late_id, first, finish = _run_long_and_short(tiny_checkpoint, "request")
-    for sid in short_ids:  # every response of the batch is released together, at the end
-        assert finish[sid] == finish[long_id]
-        assert first[sid] == finish[long_id]
-    assert first[late_id] > finish[long_id]  # waited for the whole batch
 
 
 def test_request_level_returns_same_tokens(tiny_checkpoint):
@@ -151,41 +99,6 @@ def test_kv_capacity_limits_admission_without_overcommit(tiny_checkpoint):
     assert peak == 2
     assert all(len(o.output_ids) == 12 for o in outs)
     assert engine.core.kv.used_tokens == 0
-
-
-def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
-    path, _ = tiny_checkpoint
-    from orca_backend.config import EngineConfig
-
-    # Each forward waits for the test's permit, so how far generation gets does not depend on
-    # the machine's speed.
-    gate = StepGate()
-    engine = LLMEngine.launch(EngineConfig(model=str(path)), core_hook=gate)
-    try:
-        # Added together, so both join the first iteration: five iterations finish the short one.
-        long, short = engine.add_requests(
-            [[1, 2, 3], [4, 5]],
-            [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
-             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)],
-        )  # fmt: skip
-        gate.allow(5)
-        got = [o for o in short]
-        assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
-        first = next(iter(long))
-        assert not first.finished
-        engine.abort_request(long.request_id)
-        assert gate.wait_for_abort()  # in the core's inbox: not racing the reader thread
-        gate.open()  # the iteration already waiting runs; the abort is taken in before the next
-        rest = list(long)
-        assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
-        tokens = len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)
-        assert tokens <= 6
-        # Abort is processed before the next iteration; afterwards the pool is empty again.
-        again = engine.add_request([7], SamplingParams(max_tokens=3, temperature=0.0))
-        list(again)
-        assert engine.stats().kv_used_tokens == 0 and engine.stats().num_running == 0
-    finally:
-        engine.shutdown()
 
 
 def test_paged_pool_runs_more_requests_at_once_and_preempts_without_changing_tokens(tiny_checkpoint):

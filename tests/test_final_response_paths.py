@@ -1,11 +1,13 @@
 """Every request gets exactly one final event on every path, proved by injecting the fault of each:
-a request whose event cannot be made (its text, its sink) inside a step's outputs, and an output
-thread that dies. (The failed forward's paths are tests/test_admission.py's: poison requests,
-sticky failures, a batch-mate aborted mid-flight; the hang's is tests/test_reliability.py's.)"""
+a request whose event cannot be made (its text, its sink) inside a step's outputs, an output thread
+that dies, and a shutdown with streams still open. (The failed forward's paths are
+tests/test_scheduler.py's: poison requests, sticky failures, a batch-mate aborted mid-flight; the
+hang's is tests/test_reliability.py's.)"""
 
 from __future__ import annotations
 
 import pytest
+from engine_helpers import GREEDY
 
 from orca_backend import EngineConfig, SamplingParams
 from orca_backend.engine import core_client
@@ -90,3 +92,17 @@ def test_an_output_thread_that_dies_ends_every_request_and_marks_the_engine_dead
             engine.add_request([1], SamplingParams(max_tokens=2))
     finally:
         engine.shutdown()
+
+
+def test_shutdown_ends_every_open_stream_and_refuses_later_requests(tiny_checkpoint):
+    from orca_backend.messages import EngineDeadError
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1))
+    streams = [engine.add_request([1, 2], GREEDY) for _ in range(3)]
+    engine.step()
+    engine.shutdown()
+    for s in streams:
+        last = list(s)[-1]
+        assert last.finish_reason == "error" and "shut down" in last.error
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.add_request([1, 2], GREEDY)

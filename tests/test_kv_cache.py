@@ -1,5 +1,7 @@
-"""K/V block accounting: the block pool, both policies, prefix caching, and the engine core's use of
-them under chunking, preemption, aborts and failed batches, checked against a fake model.
+"""K/V block accounting (core/kv_cache_manager.py, core/block_pool.py): the block pool, both policies,
+prefix caching, and the engine core's use of them under chunking, preemption, aborts and failed
+batches, checked against a fake model; then prefix caching on the real (tiny) model, which computes
+fewer prompt tokens, gives the same outputs and gives cached blocks up when the pool needs them.
 
 The fake model (`TokenEchoExecutor`) keeps a pool of token ids where the real one keeps K/V: it
 takes each step's deltas into the real persistent input batch (worker/input_batch.py), writes each
@@ -15,7 +17,9 @@ from collections import deque
 
 import pytest
 import torch
+from engine_helpers import long_prompts, mixed_params
 
+from orca_backend import LLM
 from orca_backend.config import EngineConfig, ModelConfig
 from orca_backend.core.block_pool import BlockPool, block_key
 from orca_backend.core.engine_core import EngineCore
@@ -282,3 +286,42 @@ def test_shared_prefixes_compute_fewer_prompt_tokens():
         computed[caching] = stats.num_prompt_tokens_computed
         assert (stats.prefix_cache_hit_tokens > 0) == caching
     assert computed[True] <= computed[False] - 40 * 6
+
+
+# ------------------------------------------------------------------------- on the real (tiny) model
+def test_prefix_caching_skips_shared_prompt_tokens_and_keeps_outputs(tiny_checkpoint):
+    path, config = tiny_checkpoint
+    prompts = long_prompts(6, config.vocab_size, seed=4, shared=64)  # a 64-token "system prompt"
+    params = mixed_params(6, seed=4)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(str(path), kv_policy="paged", enable_prefix_caching=caching, max_num_seqs=2)
+        outs = llm.generate(prompts, params)
+        runs[caching] = ([o.output_ids for o in outs], llm.engine.stats())
+    assert runs[True][0] == runs[False][0]
+    plain, cached = runs[False][1], runs[True][1]
+    assert plain.num_prompt_tokens_computed == sum(len(p) for p in prompts)
+    # Two run at a time: the first two compute the prefix, the other four find its 16 blocks cached.
+    assert cached.num_prompt_tokens_computed == plain.num_prompt_tokens_computed - 4 * 64
+    assert cached.prefix_cache_hit_tokens == 4 * 64 and 0 < cached.prefix_cache_hit_rate < 1
+
+
+def test_cached_prefixes_are_evicted_when_the_pool_needs_their_blocks(tiny_checkpoint):
+    path, config = tiny_checkpoint
+    llm = LLM(str(path), kv_policy="paged", enable_prefix_caching=True, block_size=4, kv_capacity_tokens=128)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    first, big = (torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (64, 108))
+
+    def hits_of(prompt: list[int]) -> tuple[list[int], int]:
+        before = llm.engine.stats().prefix_cache_hit_tokens
+        out = llm.generate([prompt], greedy)[0].output_ids
+        return out, llm.engine.stats().prefix_cache_hit_tokens - before
+
+    expected, _ = hits_of(first)
+    assert hits_of(first) == (expected, 60)  # 15 of its 16 blocks: the last token is always computed
+    # 108 + 4 tokens need 28 of the 32 blocks; at most 19 were ever handed out, so cached ones go.
+    hits_of(big)
+    out, hits = hits_of(first)
+    assert out == expected and hits < 60
+    assert llm.engine.stats().kv_used_blocks == 0

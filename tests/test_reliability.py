@@ -1,5 +1,7 @@
 """Failures no exception reports in time: the failure budget (a run of failed iterations ends the
-engine) and the watchdog (a hung iteration ends the engine core process and every request)."""
+engine), the watchdog (a hung iteration ends the engine core process and every request), a stream
+whose event never comes (iterating it fails with the request named instead of hanging), and a
+tensor-parallel worker that stops, or whose sampling fails for one request of its batch."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import signal
 
 import pytest
 from core_hooks import PoisonSampling, StepGate, pid_alive
+from engine_helpers import GREEDY
 from serving_utils import wait_until
 
 from orca_backend import LLM, SamplingParams
@@ -111,3 +114,13 @@ def test_a_batch_whose_sampling_fails_in_a_tensor_parallel_worker_fails_only_its
     finally:
         engine.shutdown()
 
+
+def test_iterating_a_stream_whose_event_never_comes_fails_with_the_request_named(tiny_checkpoint, monkeypatch):
+    """Not stepped, the in-process engine never produces an event: iteration fails, it does not hang."""
+    from orca_backend.engine.llm_engine import RequestStream
+
+    monkeypatch.setattr(RequestStream, "wait_timeout_s", 0.2)
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    stream = engine.add_request([1, 2], GREEDY, request_id="never-stepped")
+    with pytest.raises(TimeoutError, match=r"request never-stepped: no event for 0.2 s"):
+        list(stream)

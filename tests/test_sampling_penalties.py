@@ -9,7 +9,6 @@ the tests check it.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import replace
 
 import pytest
@@ -18,7 +17,6 @@ from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.llm import CompletionOutput
-from orca_backend.scheduler_output import NewRequest, SchedulerOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
 
 transformers = pytest.importorskip("transformers")
@@ -251,18 +249,6 @@ def test_a_failed_batch_records_nothing_in_the_sampler(checkpoint):
     for a, b in zip(expected, got, strict=True):
         assert a.output_ids == b.output_ids
     assert count[0] > 2 * GREEDY.max_tokens  # the failures happened and were re-run
-
-
-def test_a_scheduler_output_crosses_the_worker_pipe_whole():
-    """What the worker pool is sent (pickled): a new request's parameters (logit_bias keys stay ints),
-    the recorded tokens, the grown tables and the ends."""
-    params = SamplingParams(max_tokens=5, temperature=0.5, presence_penalty=0.5, repetition_penalty=1.2,
-                            logit_bias={3: 1.5}, logprobs=2, stop_token_ids=[7])  # fmt: skip
-    step = SchedulerOutput(3, ["a", "b"], [4, 1], [0, 6], [NewRequest("a", [1, 2, 3, 4], 4, [0], params, 9, [7])],
-                           ["b"], [5], ["b"], [[2]], ["c"], ["d"])  # fmt: skip
-    back = pickle.loads(pickle.dumps(step))
-    assert back == step and back.new_requests[0].params.logit_bias == {3: 1.5}
-
 
 def test_penalty_counts_follow_the_deltas_and_are_rebuilt_when_a_row_is_taken_again():
     """Counts come from the output tokens a row is given (at add, from each delta); a request that takes

@@ -1,7 +1,8 @@
 """Structured output through the engine (docs/architecture.md, "Structured output") on a tiny random-weight
 checkpoint with a byte-level BPE tokenizer: the parsed constraint compiles in the engine core, its
 bitmask rows travel with the batch, the sampling worker masks the rows' logits, and the core advances
-each matcher with the token that landed.
+each matcher with the token that landed. (Where a request whose grammar compiled takes its place in
+the scheduler's queue is tests/test_scheduler.py's.)
 
 A random model left alone writes byte soup, so a constrained output that parses is the mask's doing; each
 validity test also checks that the same requests unconstrained do not parse. The JSON case uses compact
@@ -19,10 +20,6 @@ import numpy as np
 import pytest
 
 from orca_backend import LLM, EngineConfig, SamplingParams
-from orca_backend.core.kv_cache_manager import make_kv_manager
-from orca_backend.core.request import Request
-from orca_backend.core.scheduler import Scheduler
-from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.engine.llm_engine import LLMEngine, RequestOutput
 from orca_backend.server.protocol import parse_inputs
 from orca_backend.structured_spec import StructuredOutputSpec
@@ -280,50 +277,6 @@ def test_failed_batches_aborts_and_finishes_leave_no_matcher_and_never_advance_o
         assert ids_of(events[name]) == ids_of(out)  # as if no batch had failed
         assert CASES[name][1](text_of(events[name]))
     assert_clean(engine)
-
-
-def test_a_compiled_request_takes_its_place_in_the_queue_by_arrival():
-    """While its grammar compiles a request waits out of the queue (it holds nobody up); compiled, it goes
-    before the requests of its priority that arrived after it (ties of arrival time: the order the
-    scheduler took them in)."""
-    def request(name: str, arrival: float, order: int, priority: int = 0) -> Request:
-        r = Request(name, [1], SamplingParams(), arrival_time=arrival, priority=priority)
-        r.arrival_order = order
-        return r
-
-    queue = WaitingQueue()
-    for r in (request("a", 1.0, 0), request("c", 2.0, 2), request("d", 3.0, 3), request("x", 0.5, 4, priority=1)):
-        queue.append(r)
-    queue.insert(request("b", 2.0, 1))  # arrived with c, taken in before it
-    queue.insert(request("e", 4.0, 5))  # the last to arrive: the tail
-    queue.insert(request("w", 0.1, 6, priority=1))
-    assert [r.request_id for r in queue] == ["a", "b", "c", "d", "e", "w", "x"] and len(queue) == 7
-
-    class Compiles:  # the scheduler's StructuredOutputManager, with compiles that end when the test says
-        def __init__(self) -> None:
-            self.pending, self.done = set(), []
-
-        def submit(self, request_id, spec) -> None:
-            self.pending.add(request_id)
-
-        def poll(self):
-            done, self.done = self.done, []
-            return done
-
-        def remove(self, request_id) -> None:
-            self.pending.discard(request_id)
-
-    compiles = Compiles()
-    scheduler = Scheduler(make_kv_manager(EngineConfig()), 1, False, None, structured=compiles)
-    for name in ("constrained", "first", "second"):
-        scheduler.add(Request(name, [1, 2], SamplingParams(structured_outputs={"regex": "a"} if name == "constrained"
-                                                           else None), arrival_time=0.0))  # fmt: skip
-    assert scheduler.schedule().requests[0].request_id == "first"  # the compiling request holds nobody up
-    assert scheduler.num_compiling == 1 and [r.request_id for r in scheduler.waiting] == ["second"]
-    compiles.done.append(("constrained", None, None))
-    assert not scheduler.take_compiled()
-    assert [r.request_id for r in scheduler.waiting] == ["constrained", "second"]  # by arrival
-
 
 def test_preemption_by_recompute_keeps_the_matcher_and_the_outputs(llm, checkpoint):
     """A small paged pool with chunked prefill preempts constrained requests mid-output; re-admitted, they

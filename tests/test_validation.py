@@ -1,4 +1,6 @@
-"""Bad input raises a clear ValueError and leaves the engine serving everyone else."""
+"""Bad input raises a clear ValueError and leaves the engine serving everyone else: sampling
+parameters, prompts, engine and K/V settings, requests that could never fit. (What a deployment's
+limits and a full queue refuse is tests/test_engine_limits.py's.)"""
 
 from __future__ import annotations
 
@@ -192,33 +194,3 @@ def test_a_cuda_device_this_machine_lacks_is_refused():
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ValueError, match="CUDA device"):
         LLM("gpt2-tiny", device=f"cuda:{count}")
-
-
-def test_queue_limits_refuse_at_once_and_reopen_as_requests_start(tiny_checkpoint):
-    from orca_backend.engine.llm_engine import EngineOverloadedError, LLMEngine
-
-    config = EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=2, max_queued_requests=3,
-                          max_queued_prompt_tokens=40)  # fmt: skip
-    engine = LLMEngine(config)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    streams = [engine.add_request([1] * 5, params) for _ in range(3)]
-    with pytest.raises(EngineOverloadedError, match=r"3 requests queued, max_queued_requests=3.*retry later"):
-        engine.add_request([1] * 5, params, request_id="refused")
-    engine.step()  # two start (max_num_seqs 2) and get their first token: one is still queued
-    assert engine.outputs.num_queued == (1, 5)
-    streams.append(engine.add_request([2] * 30, params))  # 2 queued, 35 prompt tokens
-    with pytest.raises(EngineOverloadedError, match="35 prompt tokens queued, max_queued_prompt_tokens=40"):
-        engine.add_request([3] * 10, params)
-    # Exactly at both limits, under the id refused before (a refusal leaves nothing behind).
-    streams.append(engine.add_request([3] * 5, params, request_id="refused"))
-    with pytest.raises(EngineOverloadedError, match="3 requests queued, max_queued_requests=3"):
-        engine.add_request([1], params)
-    while engine.has_work():
-        engine.step()
-    assert all(list(s)[-1].num_output_tokens == 3 for s in streams)  # every accepted request finished
-    assert engine.outputs.num_queued == (0, 0)
-    # An empty queue takes a request of any size: none is refused for its size alone.
-    big = engine.add_request([5] * 60, params)
-    while engine.has_work():
-        engine.step()
-    assert list(big)[-1].finish_reason == "length"

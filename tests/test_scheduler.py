@@ -1,21 +1,28 @@
-"""What decides whether and when a request runs: deployment limits, priorities (with aging),
-deadlines (queued and running), and a failing batch narrowed down to the request that fails.
-
-Time is the scheduler's injected clock wherever the outcome depends on it, so no test races the
-machine: a deadline either has passed on that clock or it has not.
+"""The scheduler's decisions (core/scheduler.py, core/waiting_queue.py): the waiting queue's order
+(priorities with aging, first come first served within one, a request whose grammar compiled taking
+its place by arrival), iteration-level admission against request-level mode, chunked prefill under a
+token budget, preemption (lowest priority first, by recompute with every token kept), deadlines and
+aborts (`expire`, a cancel taken in before the next iteration), and a failed batch narrowed down to
+the request that fails (`fail_batch`). Time is the scheduler's injected clock wherever the outcome
+depends on it, so no test races the machine. What bounds a batch's size (max_num_seqs, the K/V pool)
+is tests/test_batching.py's; the K/V manager's own accounting is tests/test_kv_cache.py's.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from core_hooks import StepGate
+from engine_helpers import GREEDY, drain, long_prompts, mixed_params, random_prompts
 
 from orca_backend import LLM, EngineConfig, SamplingParams
+from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import Request
+from orca_backend.core.scheduler import Scheduler
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.messages import FinishReason
-
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 class Clock:
@@ -37,11 +44,6 @@ def engine_with_clock(checkpoint, **config) -> tuple[LLMEngine, Clock]:
     return engine, clock
 
 
-def drain(engine: LLMEngine) -> None:
-    while engine.has_work():
-        engine.step()
-
-
 class FirstEvents:
     """An output sink recording the order in which requests had their first event."""
 
@@ -53,75 +55,7 @@ class FirstEvents:
             self.order.append(event.request_id)
 
 
-# ------------------------------------------------------------------------------ deployment limits
-@pytest.mark.parametrize(
-    ("config", "prompt", "params", "message"),
-    [
-        ({"max_input_tokens": 8}, [1] * 9, GREEDY, "9 tokens, more than this deployment's max_input_tokens of 8"),
-        ({"max_input_tokens": 8}, [1] * 8, GREEDY, None),
-        ({"max_stop_sequences": 2}, [1, 2], SamplingParams(stop=["a", "b", "c"]), "3 stop strings, more than .*max_stop_sequences of 2"),
-        ({"max_stop_sequences": 2}, [1, 2], SamplingParams(max_tokens=2, stop=["a", "b"]), None),
-        ({"max_stop_length": 4}, [1, 2], SamplingParams(stop=["abcde"]), "a stop string of 5 characters, longer than .*max_stop_length of 4"),
-        ({"max_stop_length": 4}, [1, 2], SamplingParams(max_tokens=2, stop=["abcd"]), None),
-    ],
-)
-def test_deployment_limits_refuse_with_the_limit_named(tiny_checkpoint, config, prompt, params, message):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), **config))
-    if message is None:
-        stream = engine.add_request(prompt, params)
-        drain(engine)
-        assert list(stream)[-1].finished
-    else:
-        with pytest.raises(ValueError, match=message):
-            engine.add_request(prompt, params)
-        assert not engine.has_work()
-
-
-def test_stop_limits_are_checked_before_the_prompt_is_tokenized(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_stop_sequences=1))
-    calls = []
-    encode = engine.tokenizer.encode
-    engine.tokenizer.encode = lambda text: calls.append(text) or encode(text)
-    with pytest.raises(ValueError, match="max_stop_sequences"):
-        engine.add_request("a long prompt " * 100, SamplingParams(stop=["x", "y"]))
-    assert calls == []
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"priority": 1.5}, "priority must be an integer"),
-        ({"priority": True}, "priority must be an integer"),
-        ({"priority": 2**31}, r"priority must be an integer in \[-20, 20\]"),
-        ({"priority": -(2**31) + 1}, r"priority must be an integer in \[-20, 20\] .*max_priority is 20"),
-        ({"priority": 21}, r"priority must be an integer in \[-20, 20\]"),
-        ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0"),
-        ({"timeout_s": float("inf")}, "timeout_s must be a number of seconds > 0"),
-        ({"timeout_s": "5"}, "timeout_s must be a number of seconds > 0"),
-    ],
-)
-def test_bad_priority_or_timeout_is_refused(tiny_checkpoint, kwargs, message):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
-    with pytest.raises(ValueError, match=message):
-        engine.add_request([1, 2], GREEDY, **kwargs)
-    assert not engine.has_work()
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"max_input_tokens": -1}, "max_input_tokens must be >= 1, or 0"),
-        ({"max_request_bytes": -1}, "max_request_bytes must be >= 1, or 0"),
-        ({"priority_aging_s": -1}, "priority_aging_s must be > 0, or 0 for strict priority"),
-        ({"max_priority": -1}, "max_priority must be >= 1, or 0"),
-    ],
-)
-def test_bad_limit_config(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(**kwargs)
-
-
-# ------------------------------------------------------------------------------------- priorities
+# ------------------------------------------------------------------------- the queue and priorities
 def test_waiting_queue_serves_lower_priority_values_first_fcfs_within_one():
     q = WaitingQueue()
     reqs = {name: Request(name, [1], GREEDY, arrival_time=t, priority=p)
@@ -179,6 +113,49 @@ def test_removing_from_the_middle_and_requeueing_at_the_head():
     assert [r.request_id for r in q] == ["p", "r0", "r1", "r3", "r4"]
 
 
+def test_a_compiled_request_takes_its_place_in_the_queue_by_arrival():
+    """While its grammar compiles a request waits out of the queue (it holds nobody up); compiled, it goes
+    before the requests of its priority that arrived after it (ties of arrival time: the order the
+    scheduler took them in)."""
+    def request(name: str, arrival: float, order: int, priority: int = 0) -> Request:
+        r = Request(name, [1], SamplingParams(), arrival_time=arrival, priority=priority)
+        r.arrival_order = order
+        return r
+
+    queue = WaitingQueue()
+    for r in (request("a", 1.0, 0), request("c", 2.0, 2), request("d", 3.0, 3), request("x", 0.5, 4, priority=1)):
+        queue.append(r)
+    queue.insert(request("b", 2.0, 1))  # arrived with c, taken in before it
+    queue.insert(request("e", 4.0, 5))  # the last to arrive: the tail
+    queue.insert(request("w", 0.1, 6, priority=1))
+    assert [r.request_id for r in queue] == ["a", "b", "c", "d", "e", "w", "x"] and len(queue) == 7
+
+    class Compiles:  # the scheduler's StructuredOutputManager, with compiles that end when the test says
+        def __init__(self) -> None:
+            self.pending, self.done = set(), []
+
+        def submit(self, request_id, spec) -> None:
+            self.pending.add(request_id)
+
+        def poll(self):
+            done, self.done = self.done, []
+            return done
+
+        def remove(self, request_id) -> None:
+            self.pending.discard(request_id)
+
+    compiles = Compiles()
+    scheduler = Scheduler(make_kv_manager(EngineConfig()), 1, False, None, structured=compiles)
+    for name in ("constrained", "first", "second"):
+        scheduler.add(Request(name, [1, 2], SamplingParams(structured_outputs={"regex": "a"} if name == "constrained"
+                                                           else None), arrival_time=0.0))  # fmt: skip
+    assert scheduler.schedule().requests[0].request_id == "first"  # the compiling request holds nobody up
+    assert scheduler.num_compiling == 1 and [r.request_id for r in scheduler.waiting] == ["second"]
+    compiles.done.append(("constrained", None, None))
+    assert not scheduler.take_compiled()
+    assert [r.request_id for r in scheduler.waiting] == ["constrained", "second"]  # by arrival
+
+
 def test_the_engine_admits_by_priority_and_equal_priorities_first_come_first_served(tiny_checkpoint):
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1, priority_aging_s=0))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -191,6 +168,93 @@ def test_the_engine_admits_by_priority_and_equal_priorities_first_come_first_ser
     assert first.order == ["first", "e-1", "c0", "f0", "b1", "d1"]
 
 
+# --------------------------------------------------------------- iteration-level vs request-level
+def _run_long_and_short(tiny_checkpoint, scheduling: str):
+    path, config = tiny_checkpoint
+    engine = LLMEngine_for(path, scheduling)
+    prompts = random_prompts(5, config.vocab_size, seed=9)
+    finish: dict[str, float] = {}
+    first: dict[str, float] = {}
+
+    def collect(out):
+        if out.new_token_ids:
+            first.setdefault(out.request_id, out.time)
+        if out.finished:
+            finish[out.request_id] = out.time
+
+    long_id = engine.add_request(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), on_output=collect).request_id
+    short_ids = [
+        engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), on_output=collect).request_id
+        for p in prompts[1:4]
+    ]
+    for _ in range(6):
+        engine.step()
+    late_id = engine.add_request(prompts[4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), on_output=collect).request_id
+    while engine.has_work():
+        engine.step()
+    assert engine.core.kv.used_tokens == 0
+    return long_id, short_ids, late_id, first, finish
+
+
+def LLMEngine_for(path, scheduling: str) -> LLMEngine:
+    from orca_backend.config import EngineConfig
+
+    return LLMEngine(EngineConfig(model=str(path), max_num_seqs=8, scheduling=scheduling))
+
+
+def test_iteration_level_short_requests_leave_early_and_new_ones_join(tiny_checkpoint):
+    long_id, short_ids, late_id, first, finish = _run_long_and_short(tiny_checkpoint, "iteration")
+    for sid in short_ids:
+        assert finish[sid] < finish[long_id]
+    assert first[late_id] < finish[long_id]  # joined the running batch
+    assert finish[late_id] < finish[long_id]
+
+
+def test_request_level_holds_the_batch_and_admits_nobody_midway(tiny_checkpoint):
+    long_id, short_ids, late_id, first, finish = _run_long_and_short(tiny_checkpoint, "request")
+    for sid in short_ids:  # every response of the batch is released together, at the end
+        assert finish[sid] == finish[long_id]
+        assert first[sid] == finish[long_id]
+    assert first[late_id] > finish[long_id]  # waited for the whole batch
+
+
+# --------------------------------------------------------------------------------- chunked prefill
+def spy_iterations(llm: LLM) -> list[tuple[int, int]]:
+    """(requests, tokens) of every iteration the model runs."""
+    runner = llm.engine.core.executor.runner
+    seen: list[tuple[int, int]] = []
+    original = runner.execute
+
+    def spy(meta):
+        seen.append((len(meta.scheduled_ids), meta.num_tokens))
+        return original(meta)
+
+    runner.execute = spy
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    path, config = tiny_checkpoint
+    prompts = long_prompts(10, config.vocab_size, seed=2)
+    params = mixed_params(10, seed=2)
+    outs = LLM(str(path), max_num_seqs=4).generate(prompts, params)
+    return str(path), prompts, params, [o.output_ids for o in outs]
+
+
+@pytest.mark.parametrize("policy", ["reserve", "paged"])
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_gives_the_unchunked_tokens(reference, policy, budget):
+    path, prompts, params, expected = reference
+    llm = LLM(path, max_num_seqs=4, kv_policy=policy, max_num_batched_tokens=budget)
+    iterations = spy_iterations(llm)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert max(tokens for _, tokens in iterations) <= budget
+    if budget > 1:  # decodes ride along with prompt chunks
+        assert any(requests > 1 and tokens > requests for requests, tokens in iterations)
+
+
+# ------------------------------------------------------------------------------------- preemption
 def test_preemption_takes_the_lowest_priority_first(tiny_checkpoint):
     """Two running requests outgrow a small paged pool: the older, low-priority one is preempted
     rather than the newest (which a priority-blind scheduler would take)."""
@@ -212,7 +276,20 @@ def test_preemption_takes_the_lowest_priority_first(tiny_checkpoint):
     assert [t for e in high_events for t in e.new_token_ids] == reference[1].output_ids
 
 
-# -------------------------------------------------------------------------------------- deadlines
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pool_too_small_for_the_batch_preempts_and_keeps_every_token(tiny_checkpoint, seed):
+    path, config = tiny_checkpoint
+    prompts = long_prompts(8, config.vocab_size, seed=seed)
+    params = mixed_params(8, seed=seed)
+    expected = [LLM(str(path)).generate([p], [sp])[0].output_ids for p, sp in zip(prompts, params, strict=True)]
+    llm = LLM(str(path), kv_policy="paged", block_size=4, kv_capacity_tokens=64, max_num_seqs=8, kv_watermark=0.0,
+              max_num_batched_tokens=random.Random(seed).choice([0, 16]))  # fmt: skip
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_used_blocks == 0
+
+
+# ---------------------------------------------------------------------------- deadlines and aborts
 def test_a_queued_request_times_out_with_a_clear_error_and_holds_nothing(tiny_checkpoint):
     engine, clock = engine_with_clock(tiny_checkpoint[0], max_num_seqs=1)
     long = engine.add_request([1, 2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -255,6 +332,41 @@ def test_a_request_finished_before_its_deadline_is_not_touched_by_it(tiny_checkp
     later = engine.add_request([1, 2], GREEDY)
     drain(engine)
     assert [e.finish_reason for e in stream][-1] == "length" and list(later)[-1].finish_reason == "length"
+
+
+def test_background_loop_streams_and_abort_frees_kv(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    from orca_backend.config import EngineConfig
+
+    # Each forward waits for the test's permit, so how far generation gets does not depend on
+    # the machine's speed.
+    gate = StepGate()
+    engine = LLMEngine.launch(EngineConfig(model=str(path)), core_hook=gate)
+    try:
+        # Added together, so both join the first iteration: five iterations finish the short one.
+        long, short = engine.add_requests(
+            [[1, 2, 3], [4, 5]],
+            [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)],
+        )  # fmt: skip
+        gate.allow(5)
+        got = [o for o in short]
+        assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
+        first = next(iter(long))
+        assert not first.finished
+        engine.abort_request(long.request_id)
+        assert gate.wait_for_abort()  # in the core's inbox: not racing the reader thread
+        gate.open()  # the iteration already waiting runs; the abort is taken in before the next
+        rest = list(long)
+        assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
+        tokens = len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)
+        assert tokens <= 6
+        # Abort is processed before the next iteration; afterwards the pool is empty again.
+        again = engine.add_request([7], SamplingParams(max_tokens=3, temperature=0.0))
+        list(again)
+        assert engine.stats().kv_used_tokens == 0 and engine.stats().num_running == 0
+    finally:
+        engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- failing batch member
@@ -334,31 +446,6 @@ def test_a_sticky_failure_of_every_fresh_batch_spends_the_failure_budget(tiny_ch
     # Four fresh pairs, the first three narrowed down to each member alone before the next was tried.
     assert tried == [["r0", "r1"], ["r0"], ["r1"], ["r2", "r3"], ["r2"], ["r3"], ["r4", "r5"], ["r4"], ["r5"],
                      ["r6", "r7"]]  # fmt: skip
-
-
-def test_shutdown_ends_every_open_stream_and_refuses_later_requests(tiny_checkpoint):
-    from orca_backend.messages import EngineDeadError
-
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), max_num_seqs=1))
-    streams = [engine.add_request([1, 2], GREEDY) for _ in range(3)]
-    engine.step()
-    engine.shutdown()
-    for s in streams:
-        last = list(s)[-1]
-        assert last.finish_reason == "error" and "shut down" in last.error
-    with pytest.raises(EngineDeadError, match="shut down"):
-        engine.add_request([1, 2], GREEDY)
-
-
-def test_iterating_a_stream_whose_event_never_comes_fails_with_the_request_named(tiny_checkpoint, monkeypatch):
-    """Not stepped, the in-process engine never produces an event: iteration fails, it does not hang."""
-    from orca_backend.engine.llm_engine import RequestStream
-
-    monkeypatch.setattr(RequestStream, "wait_timeout_s", 0.2)
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
-    stream = engine.add_request([1, 2], GREEDY, request_id="never-stepped")
-    with pytest.raises(TimeoutError, match=r"request never-stepped: no event for 0.2 s"):
-        list(stream)
 
 
 def test_a_request_whose_batch_mate_was_aborted_mid_flight_is_re_run_before_it_is_blamed(tiny_checkpoint):
