@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+import orca_backend
 from orca_backend import LLM, EngineConfig, SamplingParams
 from orca_backend.config import PRESETS, LlamaConfig
 from orca_backend.engine.llm_engine import LLMEngine
@@ -297,8 +298,10 @@ def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in trace], f)
-    proc = subprocess.run([str(python), str(ROOT / "benchmarks" / "peer_vllm.py"), str(ckpt), f.name, str(args.repeat)],
-                          env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
+    # -P: benchmarks/ stays off the peer's path, where our kernels.py would shadow the `kernels` package that
+    # transformers probes for on import.
+    proc = subprocess.run([str(python), "-P", str(ROOT / "benchmarks" / "peer_vllm.py"), str(ckpt), f.name,
+                           str(args.repeat)], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
     results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -321,6 +324,14 @@ def run_transformers(ckpt: Path, trace: list[TraceRequest]) -> dict:
             tokens += out.shape[1] - ids.shape[1]
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def _commit() -> str:
+    """This checkout's commit, "+dirty" with uncommitted changes to tracked files."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main() -> None:
@@ -347,7 +358,8 @@ def main() -> None:
     checkpoint_dir = Path(args.checkpoint_dir or ROOT / "runs" / f"{args.model}-random")
     trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
                             vocab_size=PRESETS[args.model].vocab_size, seed=0)
-    results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe()}
+    results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe(),
+                     "commit": _commit(), "orca_backend": str(Path(orca_backend.__file__).parent)}  # fmt: skip
     print(f"machine: {machine.summary(results['machine'])}", flush=True)
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)
