@@ -350,3 +350,52 @@ def test_openai_healthcheck_needs_a_ready_server_orca_alone_and_a_generated_toke
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- the monitoring profile ---------------------------------------------------------------------
+def _mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path (relative to the repository) of a service's bind mounts."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        host, container, *_ = volume.split(":")
+        if host.startswith("./"):
+            mounts[container] = host[2:]
+    return mounts
+
+
+def test_prometheus_and_grafana_run_only_in_the_monitoring_profile_on_loopback(compose):
+    services = compose["services"]
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):
+        service = services[name]
+        assert service["profiles"] == ["monitoring"], name
+        assert re.fullmatch(r"[\w./-]+:v?\d+(\.\d+)+", service["image"]), f"{name}: pin the image, got {service['image']}"
+        assert service["ports"] == [f"${{ORCA_PUBLISH_ADDRESS:-127.0.0.1}}:{port}:{port}"]
+    assert "profiles" not in services["triton"]  # `docker compose up -d triton` is unchanged
+
+
+def test_prometheus_scrapes_tritons_metrics_port(compose):
+    prometheus = compose["services"]["prometheus"]
+    config = yaml.safe_load((ROOT / _mounts(prometheus)["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = [t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]]
+    assert targets == ["triton:8002"]
+    published = {entry.rsplit(":", 1)[1] for entry in compose["services"]["triton"]["ports"]}
+    assert "8002" in published  # the metrics port
+    assert "triton" in prometheus["depends_on"]
+
+
+def test_grafana_provisions_the_dashboard_on_the_prometheus_data_source(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "orca.yml").read_text())["providers"]
+    dashboards = ROOT / mounts[provider["options"]["path"]]
+    dashboard = json.loads((dashboards / "orca.json").read_text())
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{provider['options']['path']}/orca.json"
+    targets = [t for panel in dashboard["panels"] for t in panel["targets"]]
+    assert targets and all(t["datasource"]["uid"] == source["uid"] for t in targets)
+    assert all(panel["datasource"]["uid"] == source["uid"] for panel in dashboard["panels"])
+    # Read-only: anonymous viewers, and no login form to guess a password at.
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"

@@ -15,6 +15,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.integration
 SERVER_MODEL = ModelConfig(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 BASELINE_BATCH = 8
 GREEDY = {"temperature": 0}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -513,3 +515,27 @@ def test_metrics_are_exported(server):
             assert any(n == name and ("model", model) in labels for (n, labels) in samples), f"{name} missing: {model}"
     assert metric(server, "orca_kv_capacity_tokens", "orca") == 32768
     assert metric(server, "orca_iterations_total", "orca") > 0
+
+
+def dashboard_series() -> set[str]:
+    """Every metric the shipped Grafana dashboard (monitoring/grafana/dashboards/orca.json) queries."""
+    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "dashboards" / "orca.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs += [dashboard["templating"]["list"][0]["query"]["query"]]
+    return {name for expr in exprs for name in re.findall(r"\b(?:vllm:|orca_)[a-z0-9_:]+", expr)}
+
+
+def test_every_series_the_dashboard_queries_is_exported_by_both_models(server, reference):
+    """After traffic on both models (a request each here, whatever ran before), each series the dashboard
+    reads has samples labelled with each model, so both curves of the A/B are drawn."""
+    for model in ("orca", "baseline"):
+        one_request(server.grpc_url, model, input_ids=[4, 5, 6], max_tokens=3, sampling=GREEDY, stream=True)
+    series = dashboard_series()
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:gpu_cache_usage_perc"} <= series
+    for model in ("orca", "baseline"):
+        # A request's end is exported by the metrics thread shortly after its final response.
+        assert wait_until(lambda model=model: metric(server, "vllm:e2e_request_latency_seconds_count", model) > 0)
+        samples = read_metrics(server)
+        missing = sorted(name for name in series
+                         if not any(n == name and ("model", model) in labels for (n, labels) in samples))
+        assert not missing, f"{model} exports none of {missing}"
