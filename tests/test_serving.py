@@ -531,7 +531,8 @@ def test_every_series_the_dashboard_queries_is_exported_by_both_models(server, r
     for model in ("orca", "baseline"):
         one_request(server.grpc_url, model, input_ids=[4, 5, 6], max_tokens=3, sampling=GREEDY, stream=True)
     series = dashboard_series()
-    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:gpu_cache_usage_perc"} <= series
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:gpu_cache_usage_perc", "orca_request_preemptions_bucket"} <= series
     for model in ("orca", "baseline"):
         # A request's end is exported by the metrics thread shortly after its final response.
         assert wait_until(lambda model=model: metric(server, "vllm:e2e_request_latency_seconds_count", model) > 0)
