@@ -9,6 +9,7 @@
     orca-bench --orca-variants 'paged:kv_policy=paged' --kv-capacity-tokens 4096   # K/V policies side by side
     orca-bench --shared-prefix 256 --orca-variants 'cached:kv_policy=paged,enable_prefix_caching=true'
     orca-bench --max-tokens 512 --rates 1,2 --orca-variants 'paged:kv_policy=paged'   # answers stop early
+    orca-bench --tune max_num_seqs=8,16,32,64 --slo-ms 40   # ORCA's tuning: best max_num_seqs within 40 ms/token
 
 Steps: start tritonserver with `orca`, one `orca_<name>` copy per --orca-variants entry (orca with
 other engine parameters), one `baseline` copy per --baseline-batch-sizes and `echo`;
@@ -47,12 +48,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orca_client import bench_server, machine, protocol, served_path
+from orca_client import bench_server, machine, protocol, served_path, tune
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import EngineRunStats, ServedModel
 from orca_client.early_stop import with_early_stops
 from orca_client.loadgen import LoadOptions, RunResult, run_trace
 from orca_client.report import ITERATION_LOGS, write_all
+from orca_client.tune import parse_tune
 from orca_client.workload import (
     ARRIVAL_HELP,
     DIST_HELP,
@@ -773,6 +775,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "plotted as OUT/iterations.png (batch size and K/V use over time, all models)")
     s.add_argument("--echo", action="store_true", help="only measure the load generator's overhead against `echo`")
     s.add_argument("--no-early-stop", action="store_true", help="run every rate even after a model missed the SLO")
+    t = p.add_argument_group("tuning (ORCA's step: the highest throughput within a latency budget)")
+    t.add_argument("--tune", type=parse_tune, metavar="KEY=V1,V2,...",
+                   help="serve one orca copy per value of this orca parameter beside the others on the same traces "
+                        "(e.g. max_num_seqs=8,16,32,64 or kv_policy=reserve,paged) and report the value with the "
+                        "highest request throughput whose median normalized latency is within the SLO (the budget: "
+                        "--slo-ms, or --slo-factor × the unloaded latency), with its config.pbtxt line")
+    t.add_argument("--tune-p90", action="store_true", help="with --tune: the p90 normalized latency must be within the "
+                                                          "budget too")
     sp = p.add_argument_group("served path (served vs offline throughput, server CPU per token)")
     sp.add_argument("--served-path-streams", type=_int_list, default=[64, 256],
                     help="burst sizes (concurrent streams) of the served-path stage, comma-separated; '' skips "
@@ -808,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
                          "request's stop token is computed offline, once)")
     if args.orca_variants and (args.echo or args.served_path_only):
         raise SystemExit("orca-bench: --orca-variants are swept beside orca; --echo and --served-path-only run no sweep")
+    if args.tune_p90 and not args.tune:
+        raise SystemExit("orca-bench: --tune-p90 goes with --tune")
+    if args.tune:
+        _add_tune_variants(args)
     if args.served_path_only:
         if args.echo or not args.served_path_streams:
             raise SystemExit("orca-bench: --served-path-only needs orca and non-empty --served-path-streams")
@@ -941,6 +955,11 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
     curves = bench.sweep(workload, rates, slo, start=AUTO_START if explicit_rates is None and len(rates) > 1 else 0)
     sustained = {name: sustained_throughput(points, slo) for name, points in curves.items() if points}
     result["sustained"] = sustained
+    if args.tune:
+        result["tune"] = tune.choose(args.tune, curves, slo, args.tune_p90)
+        best = result["tune"].get("config_pbtxt")
+        bench.progress.info(f"--tune {args.tune.key}: " + (f"best {result['tune']['best']}: {best}" if best else
+                                                           "no value met the budget at any rate tried"))
     kinds = {m.name: m.kind for m in bench.models}
     baseline_rates = [m.offered_rate for name, points in curves.items() for m in points
                       if kinds.get(name) == "baseline" and math.isfinite(m.offered_rate)]
@@ -950,6 +969,20 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
         peak = max((m.output_token_throughput for points in curves.values() for m in points), default=None)
         bench.echo_overhead(workload, top, unloaded_ms, peak)
     result["notes"] += sweep_notes([run["metrics"] for run in result["runs"]], bench.models)
+
+
+def _add_tune_variants(args: argparse.Namespace) -> None:
+    """--tune's values as orca variants, beside any --orca-variants."""
+    if args.echo or args.served_path_only:
+        raise SystemExit("orca-bench: --tune sweeps orca copies; --echo and --served-path-only run no sweep")
+    known = _orca_parameter_keys()
+    if known is not None and args.tune.key not in known:
+        raise SystemExit(f"orca-bench: --tune {args.tune.key}: not a parameter of orca's config.pbtxt "
+                         f"(known: {', '.join(sorted(known))})")
+    for name, settings in args.tune.variants().items():
+        if name in args.orca_variants:
+            raise SystemExit(f"orca-bench: --tune's variant {name!r} is also in --orca-variants")
+        args.orca_variants[name] = settings
 
 
 def _served_path(bench: Bench) -> dict[str, Any]:

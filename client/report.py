@@ -92,6 +92,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             table.append(f"| {label} | {_f(s['max_throughput'], 3)}{flag} | {_rate(s.get('at_rate'))} | "
                          f"{_f(s.get('interpolated'), 3)} | {s['points_met']}/{s['points']} |")
         lines += table + [""]
+    if result.get("tune"):
+        lines += tune_lines(result["tune"])
     if any(kind == "orca_variant" for kind in _kinds(result).values()):
         lines += _variants_lines(result)
     unloaded = result.get("unloaded")
@@ -284,6 +286,26 @@ def _served_path_lines(section: dict[str, Any]) -> list[str]:
         lines += ["Equal-length burst: no baseline ran it (--skip-fairness or no baseline model).", ""]
     lines += [f"- {note}" for note in section.get("notes", [])]
     return lines + ([""] if section.get("notes") else [])
+
+
+def tune_lines(tune: dict[str, Any]) -> list[str]:
+    """The summary's section for `orca-bench --tune` (client/tune.py)."""
+    which = " and ".join(tune["percentiles"])
+    lines = ["## Tuning", "",
+             f"`{tune['key']}`: the highest throughput whose {which} normalized latency is within "
+             f"{_f(tune['budget_ms_per_token'])} ms/token, each value served beside the others on the same traces.", "",
+             "| value | max req/s within the budget | out tok/s | at offered req/s | norm. median | norm. p90 | points met |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in tune["choices"]:
+        mark = " **(best)**" if c["value"] == tune.get("best") else ""
+        lines.append(f"| {c['value']}{mark} | {_f(c['max_request_throughput'], 3)} | {_f(c['output_token_throughput'])} | "
+                     f"{_rate(c['at_rate'])} | {_f(c['median_ms_per_token'])} | {_f(c['p90_ms_per_token'])} | "
+                     f"{c['points_met']}/{c['points']} |")  # fmt: skip
+    if tune.get("best") is None:
+        lines += ["", "No value met the budget at any rate tried: lower the rates, or raise the budget."]
+    else:
+        lines += ["", f"Use: `{tune['config_pbtxt']}`"]
+    return lines + [""]
 
 
 def _headline_text(result: dict[str, Any]) -> str:
