@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from orca_client.loadgen import RequestRecord, RunResult
+from orca_client.protocol import PERF_OUTPUTS
 
 
 @dataclass
@@ -106,6 +107,11 @@ class RunMetrics:
     prefix_cache_hits: int | None = None  # ... of orca_prefix_cache_hits_total (tokens)
     prefix_cache_queries: int | None = None  # ... of orca_prefix_cache_queries_total (tokens)
     engine_metrics_note: str | None = None  # why some of the five above are None
+    # Where each request's time went, from the server's timeline of it (return_perf_metrics): "queue"
+    # (arrival in the engine to first scheduled), "prefill" (to its first token), "decode" (to its last
+    # token) and "outside" (the client's end-to-end less that span: the network, Triton, the response
+    # path). None: no response carried a timeline.
+    latency_split_ms: dict[str, Stats] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -144,9 +150,27 @@ def summarize(run: RunResult, slo_ms_per_token: float | None = None) -> RunMetri
         client_cpu_share=run.client_cpu_s / duration if duration > 0 else math.nan,
         first_error=next((r.error for r in records if r.error is not None), None),
     )
+    metrics.latency_split_ms = latency_split(done)
     if slo_ms_per_token is not None:
         apply_slo(metrics, done, slo_ms_per_token)
     return metrics
+
+
+def latency_split(done: Sequence[RequestRecord]) -> dict[str, Stats] | None:
+    """RunMetrics.latency_split_ms of the completed requests whose timeline has every moment."""
+    spans = []
+    for r in done:
+        perf = r.perf
+        if perf is None:
+            continue
+        arrival, scheduled, first, last = (perf[name] for name in PERF_OUTPUTS[:4])
+        if min(arrival, scheduled, first, last) < 0:  # a moment that never came (no token, say)
+            continue
+        spans.append(((scheduled - arrival) / 1e9, (first - scheduled) / 1e9, (last - first) / 1e9,
+                      e2e_s(r) - (last - arrival) / 1e9))  # fmt: skip
+    if not spans:
+        return None
+    return {part: Stats.of(s[i] for s in spans) for i, part in enumerate(("queue", "prefill", "decode", "outside"))}
 
 
 def apply_slo(metrics: RunMetrics, done: Sequence[RequestRecord], slo_ms_per_token: float) -> None:

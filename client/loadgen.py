@@ -39,6 +39,9 @@ class RequestRecord:
     finish_reason: str = ""
     reported_output_tokens: int = 0  # the sum of the responses' num_output_tokens
     error: str | None = None
+    # The server's timeline of it (protocol.PERF_OUTPUTS: ns on the server's clock, -1 for a moment
+    # that never came), from its last response.
+    perf: dict[str, int] | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -77,10 +80,11 @@ class LoadOptions:
     progress_interval_s: float = 0.5
 
 
-def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> list[Any]:
+def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions, timeline: bool = False) -> list[Any]:
     """InferInputs of one trace request: its prompt (text or ids) and sampling_parameters JSON carrying
     max_tokens (with options.sampling's temperature 0 and ignore_eos, so output length is the trace's;
-    in early-stop mode the looser sent_max_tokens and the stop token that ends it at that length)."""
+    in early-stop mode the looser sent_max_tokens and the stop token that ends it at that length);
+    with `timeline`, return_perf_metrics too (the server's timeline of it, in its last response)."""
     sampling = {**options.sampling, "max_tokens": req.sent_max_tokens or req.max_tokens}
     if req.stop_token_ids:
         sampling["stop_token_ids"] = list(req.stop_token_ids)
@@ -89,7 +93,8 @@ def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions) -> li
     # the outputs READ_OUTPUTS names are switched on.
     return protocol.build_inputs(text=req.prompt_text, input_ids=ids, sampling=sampling, stream=options.stream,
                                  exclude_input_in_output=True, batched=batched,
-                                 return_outputs=(protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS))
+                                 return_outputs=(protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS,
+                                                 *((protocol.PERF_METRICS,) if timeline else ())))  # fmt: skip
 
 
 def _client(url: str, channel: int) -> Any:
@@ -114,6 +119,8 @@ def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
     record.response_tokens.append(counts.output_ids)
     if counts.num_output_tokens is not None:
         record.reported_output_tokens += counts.num_output_tokens
+    if counts.perf is not None:
+        record.perf = counts.perf
     if counts.finish_reason:
         record.finish_reason = counts.finish_reason
         record.done_time = now
@@ -126,10 +133,10 @@ def _read_response(result: Any, record: RequestRecord, now: float) -> bool:
 READ_OUTPUTS = (protocol.OUTPUT_IDS, protocol.FINISH_REASON, protocol.NUM_OUTPUT_TOKENS)
 
 
-def requested_outputs() -> list[Any]:
+def requested_outputs(timeline: bool = False) -> list[Any]:
     import tritonclient.grpc as grpcclient
 
-    return [grpcclient.InferRequestedOutput(name) for name in READ_OUTPUTS]
+    return [grpcclient.InferRequestedOutput(name) for name in READ_OUTPUTS + (protocol.PERF_OUTPUTS if timeline else ())]
 
 
 async def _one_request(client: Any, model: str, inputs: list[Any], record: RequestRecord, t0: float,
@@ -178,10 +185,11 @@ async def replay(url: str, model: str, trace: list[TraceRequest], options: LoadO
     clients = [_client(url, c) for c in range(max(1, options.num_channels))]
     tasks: list[asyncio.Task] = []
     try:
-        if batched is None:
-            batched = protocol.is_batched(await protocol.get_model_config_async(clients[0], model))
-        payloads = [request_inputs(r, batched, options) for r in trace]  # built before the clock starts
-        outputs = requested_outputs()
+        config = await protocol.get_model_config_async(clients[0], model)
+        batched = protocol.is_batched(config) if batched is None else batched
+        timeline = protocol.takes_input(config, "return_perf_metrics")  # orca and baseline: yes; echo: no
+        payloads = [request_inputs(r, batched, options, timeline) for r in trace]  # built before the clock starts
+        outputs = requested_outputs(timeline)
         # Open the connections first, so the first requests do not pay for TCP/HTTP2 setup.
         await asyncio.gather(*(c.is_server_live() for c in clients))
         cpu0 = time.process_time()

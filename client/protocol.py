@@ -189,6 +189,7 @@ class ResponseCounts:
     output_ids: int  # ids this response carries
     num_output_tokens: int | None  # the tokens this response counts, when it carries the count
     finish_reason: str  # "" until the last response
+    perf: dict[str, int] | None = None  # PERF_OUTPUTS, when the response carries them (the last one)
 
 
 def read_response_counts(response: Any) -> ResponseCounts:
@@ -201,7 +202,11 @@ def read_response_counts(response: Any) -> ResponseCounts:
     ids = 0
     reported: int | None = None
     finish = ""
+    perf: dict[str, int] = {}
     for output, raw in zip(response.outputs, response.raw_output_contents, strict=False):
+        if output.name in _PERF_NAMES:
+            perf[output.name] = int.from_bytes(raw, "little", signed=output.datatype.startswith("INT"))
+            continue
         if output.name == OUTPUT_IDS:
             ids = len(raw) // 4
         elif output.name == NUM_OUTPUT_TOKENS and len(raw) >= 4:
@@ -209,7 +214,10 @@ def read_response_counts(response: Any) -> ResponseCounts:
         elif output.name == FINISH_REASON and len(raw) > 4:
             size = int.from_bytes(raw[:4], "little")
             finish = raw[4:4 + size].decode()
-    return ResponseCounts(ids, reported, "" if finish == NOT_FINISHED else finish)
+    return ResponseCounts(ids, reported, "" if finish == NOT_FINISHED else finish, perf or None)
+
+
+_PERF_NAMES = frozenset(PERF_OUTPUTS)
 
 
 # ----------------------------------------------------------------------------- model configs
@@ -233,6 +241,11 @@ async def get_model_config_async(client: Any, model: str) -> dict[str, Any]:
 def triton_max_batch_size(config: Mapping[str, Any]) -> int:
     """Triton's top-level max_batch_size: the dynamic batcher's limit (0: the model does not batch)."""
     return int(config.get("max_batch_size", 0))
+
+
+def takes_input(config: Mapping[str, Any], name: str) -> bool:
+    """Whether the model declares the input `name` (echo takes no `return_perf_metrics`, say)."""
+    return any(entry.get("name") == name for entry in config.get("input", []))
 
 
 def is_batched(config: Mapping[str, Any]) -> bool:

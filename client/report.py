@@ -134,6 +134,24 @@ def render_markdown(result: dict[str, Any]) -> str:
                 f"{'–' if good is None else f'{100 * good:.0f}%'} | {m.get('batches') if m.get('batches') is not None else '–'} | {status} |"
             )
         lines.append("")
+    split = [m for m in runs if m.get("latency_split_ms")]
+    if split:
+        lines += [
+            "## Where the time went",
+            "",
+            "Medians in ms, from the server's timeline of each request (`return_perf_metrics`): queue = arrival in the "
+            "engine to first scheduled, prefill = to the first token, decode = to the last token, outside = the "
+            "client's end-to-end less that span (network, Triton, the response path).",
+            "",
+            "| model | offered req/s | queue | prefill | decode | outside | requests |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for m in split:
+            parts = m["latency_split_ms"]
+            label = result.get("labels", {}).get(m["model"], m["model"])
+            lines.append(f"| {label} | {_rate(m['offered_rate'])} | " + " | ".join(
+                _f(parts[p]["median"]) for p in ("queue", "prefill", "decode", "outside")) + f" | {parts['queue']['count']} |")
+        lines.append("")
     fairness = result.get("fairness")
     if fairness:
         lines += ["## Fairness: a burst of equal-length requests", "", fairness["summary"], "",

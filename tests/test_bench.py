@@ -779,6 +779,15 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
             assert m["preemptions"] == 0 and m["prefix_cache_hits"] == 0
         else:
             assert m["peak_running"] is None and m["prompt_tokens_computed"] is None
+        # Both models send their timeline of each request: the split's parts are durations, and the server's
+        # span (queue + prefill + decode) plus what lay outside it is the client's end-to-end.
+        assert all(rec["perf"] is not None and rec["perf"]["num_preemptions"] == 0 for rec in raw["requests"])
+        split = m["latency_split_ms"]
+        assert split["queue"]["count"] == 10 and all(split[p]["median"] >= 0 for p in ("queue", "prefill", "decode"))
+        for rec in raw["requests"]:
+            perf = rec["perf"]
+            span_s = (perf["last_token_time_ns"] - perf["arrival_time_ns"]) / 1e9
+            assert 0 < span_s <= rec["done_time"] - rec["send_time"]
         assert m["request_throughput"] == pytest.approx(m["completed"] / m["duration_s"])
         end = max(r["done_time"] for r in raw["requests"])
         assert m["duration_s"] == pytest.approx(end)
@@ -812,6 +821,7 @@ def test_ab_sweep_on_a_tiny_model(tiny_checkpoint, tmp_path):
     assert 0 < row["responses_per_token"] <= 1
     assert data["served_path"]["fairness"]["orca_over_baseline"] > 0
     assert "## Served path" in (out / "summary.md").read_text()
+    assert "## Where the time went" in (out / "summary.md").read_text()
 
 
 @needs_server
@@ -855,3 +865,22 @@ def test_early_stops_end_each_request_at_its_computed_length_inside_a_loose_max_
     assert (sent["max_tokens"], sent["stop_token_ids"], sent["ignore_eos"]) == (100, list(stopped[0].stop_token_ids), True)
     with pytest.raises(ValueError, match="below request"):
         with_early_stops(trace, 10, "gpt2-tiny", "cpu", "float32")
+
+
+def test_latency_split_from_the_servers_timeline():
+    """queue / prefill / decode from the server's timeline, outside = the client's end-to-end less it;
+    requests without a timeline, or with a moment that never came, are left out."""
+    ms = 1_000_000
+
+    def record(perf):
+        r = RequestRecord(0, 0.0, 4, 3, send_time=1.0, done_time=1.1, finish_reason="length", perf=perf)
+        r.response_times, r.response_tokens = [1.05, 1.1], [1, 2]
+        return r
+
+    timeline = {"arrival_time_ns": 5 * ms, "first_scheduled_time_ns": 15 * ms, "first_token_time_ns": 45 * ms,
+                "last_token_time_ns": 85 * ms, "num_preemptions": 0, "prefix_cache_hit_tokens": 0}
+    split = bench_metrics.latency_split([record(timeline), record(None), record({**timeline, "first_token_time_ns": -1})])
+    assert {part: round(stats.median, 6) for part, stats in split.items()} == {
+        "queue": 10.0, "prefill": 30.0, "decode": 40.0, "outside": 20.0}
+    assert split["queue"].count == 1
+    assert bench_metrics.latency_split([record(None)]) is None
