@@ -648,7 +648,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"{env['device']} (host: {env.get('host_cpu', '?')}); torch {env['torch']}, triton {env['triton']}, Python {env['python']}. "
         f"Model `{args['model']}` ({args['dtype']}), max {args['max_seqs']} requests per iteration. "
-        f"Command: `{result['command']}`. Every percentage is against this device's ceilings measured in the same run.",
+        f"Command: `{result['command']}`, at commit `{result.get('commit', 'unknown')}`. Every percentage is against this device's ceilings measured in the same run.",
         "",
     ]
     if not str(args["device"]).startswith("cuda"):
@@ -837,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "command": " ".join(["benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": machine.code_revision(BENCH_DIR.parent),
         "args": vars(args),
         "environment": {
             "device": torch.cuda.get_device_name(device)

@@ -326,14 +326,6 @@ def run_transformers(ckpt: Path, trace: list[TraceRequest]) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def _commit() -> str:
-    """This checkout's commit, "+dirty" with uncommitted changes to tracked files."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suites", default="throughput,modes,roofline,overhead")
@@ -359,7 +351,7 @@ def main() -> None:
     trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
                             vocab_size=PRESETS[args.model].vocab_size, seed=0)
     results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe(),
-                     "commit": _commit(), "orca_backend": str(Path(orca_backend.__file__).parent)}  # fmt: skip
+                     "commit": machine.code_revision(ROOT), "orca_backend": str(Path(orca_backend.__file__).parent)}  # fmt: skip
     print(f"machine: {machine.summary(results['machine'])}", flush=True)
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)

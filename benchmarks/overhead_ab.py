@@ -50,10 +50,6 @@ def main() -> None:
     args = ap.parse_args()
     from orca_client import machine
 
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
-                          text=True).stdout.strip()  # fmt: skip
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
     runs: dict[str, list[dict]] = {"baseline": [], "tree": []}
     with tempfile.TemporaryDirectory(prefix="orca-baseline-") as tmp:
         env = baseline_tree(args.baseline, Path(tmp))
@@ -61,7 +57,7 @@ def main() -> None:
             for side, side_env in (("baseline", env), ("tree", None)):
                 runs[side].append(run_suite(side_env, Path(tmp) / f"{side}-{round_}.json"))
                 print(f"round {round_ + 1}/{args.rounds}: {side} done", flush=True)
-    report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "tree": head + ("+dirty" if dirty else ""),
+    report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "tree": machine.code_revision(ROOT),
                     "machine": machine.describe(), "rounds": args.rounds, "scenarios": {}}  # fmt: skip
     print(f"machine: {machine.summary(report['machine'])}; baseline {args.baseline} vs tree {report['tree']}, "
           f"{args.rounds} rounds (each a median of 40 steps)")  # fmt: skip

@@ -9,6 +9,7 @@ more requests than --max-num-seqs so the pipeline can fill.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from orca_backend import LLM, SamplingParams
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"commit: {machine.code_revision()}")
     print(f"machine: {machine.summary()}")
     rates = {}
     for spec in args.configs.split(","):

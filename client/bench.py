@@ -875,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     host = machine.describe()
     result.update({
         "command": "orca-bench " + shlex.join(argv),
+        "commit": machine.code_revision(),
         "started": started_wall.isoformat(timespec="seconds"),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.monotonic() - started,

@@ -1,7 +1,7 @@
 """Which machine a benchmark ran on: the CPU's model and widest vector extension, and the capability
 torch's CPU kernels dispatch to. CPU figures move with both (this project's machines are AMD EPYCs
 with AVX2 or AVX-512 and Intel Xeons with AVX-512 and AMX, handed out at random), so every report
-names them."""
+names them; and which code it ran (`code_revision`), so every figure can be traced to a commit."""
 
 from __future__ import annotations
 
@@ -64,3 +64,21 @@ def summary(machine: dict[str, str] | None = None) -> str:
     """One line for a report: 'AMD EPYC (AVX-512), 2 CPUs, torch CPU capability AVX512'."""
     m = machine or describe()
     return f"{m['cpu']} ({m['cpu_vectors']}), {m['cpus']} CPUs, torch CPU capability {m['torch_cpu_capability']}"
+
+
+def code_revision(tree: Path | None = None) -> str:
+    """The commit of the checkout at `tree` (default: the one this package sits in), "+dirty" with
+    uncommitted changes to tracked files; "unknown" outside a git checkout (an installed copy)."""
+    tree = tree or Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")

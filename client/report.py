@@ -75,7 +75,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     if setup:
         lines += [
             f"Model `{setup.get('model')}` on {setup.get('device')} ({setup.get('dtype')}); workload: "
-            f"{setup.get('workload')}. {setup.get('host', '')}",
+            f"{setup.get('workload')}. {setup.get('host', '')} Code: commit `{result.get('commit', 'unknown')}`.",
             "",
         ]
     headline = result.get("headline")

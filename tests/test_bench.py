@@ -12,6 +12,8 @@ import random
 import re
 import shutil
 import statistics
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -884,3 +886,15 @@ def test_latency_split_from_the_servers_timeline():
         "queue": 10.0, "prefill": 30.0, "decode": 40.0, "outside": 20.0}
     assert split["queue"].count == 1
     assert bench_metrics.latency_split([record(None)]) is None
+
+
+def test_reports_name_the_commit_they_ran(tmp_path):
+    """Every raw result names its code: the checkout's commit (+dirty), or "unknown" outside one."""
+    from orca_client import machine
+
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=False).stdout.strip()  # fmt: skip
+    if head:
+        assert machine.code_revision(root).split("+")[0] == head
+    assert machine.code_revision(tmp_path) == "unknown"
