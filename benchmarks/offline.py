@@ -126,6 +126,20 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeat: int = 5) -> float:
     return num_bytes / best
 
 
+class _Timed:
+    """A callable in place of `fn` that adds up the seconds its calls take."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def _timeit(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -224,25 +238,8 @@ def suite_overhead(args) -> dict:
         engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=running,
                                         kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
         runner = engine.core.executor.runner
-        model = runner.model
-        forward_s = sample_s = 0.0
-        inner, inner_sample = model.forward, runner.sampler.sample
-
-        def timed_forward(*a, _inner=inner, **k):
-            nonlocal forward_s
-            start = time.perf_counter()
-            out = _inner(*a, **k)
-            forward_s += time.perf_counter() - start
-            return out
-
-        def timed_sample(*a, _inner=inner_sample, **k):
-            nonlocal sample_s
-            start = time.perf_counter()
-            out = _inner(*a, **k)
-            sample_s += time.perf_counter() - start
-            return out
-
-        model.forward, runner.sampler.sample = timed_forward, timed_sample
+        forward = runner.model.forward = _Timed(runner.model.forward)
+        sample = runner.sampler.sample = _Timed(runner.sampler.sample)
         for i in range(3 * running if churn else running):
             max_tokens = 20 + (i * 37) % 150 if churn else 90
             engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -257,10 +254,10 @@ def suite_overhead(args) -> dict:
         # Per step, its time less its forward's; the median of 40 (a noisy neighbour inflates a few steps).
         step_s, overhead_s, sampler_s = [], [], []
         for _ in range(40):
-            forward_before, sample_before = forward_s, sample_s
+            forward_before, sample_before = forward.seconds, sample.seconds
             step_s.append(_timeit(core_iteration if core_only else engine.step))
-            overhead_s.append(step_s[-1] - (forward_s - forward_before))
-            sampler_s.append(sample_s - sample_before)
+            overhead_s.append(step_s[-1] - (forward.seconds - forward_before))
+            sampler_s.append(sample.seconds - sample_before)
         step, overhead, sampler = statistics.median(step_s), statistics.median(overhead_s), statistics.median(sampler_s)
         running_now = len(engine.core.scheduler.running)
         result[label] = {"step_ms": step * 1e3, "overhead_ms": overhead * 1e3, "sampler_ms": sampler * 1e3,

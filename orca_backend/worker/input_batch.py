@@ -158,8 +158,8 @@ class InputBatch:
         """One recorded token each (a request samples at most one per step), into its row."""
         rows, missing = self._lookup(request_ids)
         if missing:
-            missing = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
-            raise RuntimeError(f"tokens were recorded for requests that hold no row: {missing[:5]}")
+            rowless = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
+            raise RuntimeError(f"tokens were recorded for requests that hold no row: {rowless[:5]}")
         ends = self.num_tokens[rows]
         if int(ends.max()) >= self.max_tokens:
             raise RuntimeError(f"a request outgrew its row ({self.max_tokens} tokens)")
@@ -270,10 +270,10 @@ class InputBatch:
         return StepInputs(
             input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
             max_query_len=max_query_len, max_context_len=max_context_len,
-            sampling=self._sampling(step, rows, context_lens),
+            sampling=self._sampling(rows, context_lens),
         )  # fmt: skip
 
-    def _sampling(self, step: SchedulerOutput, rows: np.ndarray, context_lens: np.ndarray) -> SamplingBatch:
+    def _sampling(self, rows: np.ndarray, context_lens: np.ndarray) -> SamplingBatch:
         columns = self._columns[1] if self._columns is not None and self._columns[0] is rows else None
         if columns is None:
             columns = self._row_columns(rows)
