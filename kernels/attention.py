@@ -98,7 +98,12 @@ class AttentionMetadata:
 def write_kv_torch(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatters new K/V ([T, heads, head_dim]) into the pool ([slots, heads, head_dim]) in place."""
+    """Scatters new K/V ([T, heads, head_dim]) into the pool ([slots, heads, head_dim]) in place. A
+    negative slot (a padded row of a CUDA-graph bucket) writes nothing; the reference drops those
+    rows first, a data-dependent shape the kernels avoid."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 

@@ -1,4 +1,5 @@
-"""Selective-batching attention on CPU: decode requests in one C call per layer, prefills by SDPA.
+"""Selective-batching attention on CPU: decode requests in one C call per layer, prefills by SDPA;
+and the K/V write, one C call per layer.
 
 The torch reference (`attention_torch`) loops over requests in Python; at 64 decoding requests
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
@@ -43,6 +44,39 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     return native.declare("decode_attention", "orca_decode_attention_f32", [
         p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int,
     ], None)  # fmt: skip
+
+
+@functools.cache
+def load_write_kv_kernel() -> ctypes._CFuncPtr:
+    p, i64 = native.PTR, native.I64
+    # k, k_row_stride, v, v_row_stride, k_cache, v_cache, slots, tokens, row_bytes (strides in bytes)
+    return native.declare("decode_attention", "orca_write_kv", [p, i64, p, i64, p, p, p, i64, i64], None)
+
+
+def write_kv_cpu(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Same contract as `write_kv_torch` (a negative slot writes nothing), one C call for any dtype:
+    it copies each token's row of bytes, and its launch does not depend on how many slots are
+    negative (the CUDA-graph path's padded rows; worker/cuda_graphs.py)."""
+    tokens, heads, head_dim = k.shape
+    row = heads * head_dim
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[1:] != (heads, head_dim) \
+            or v_cache.shape != k_cache.shape or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"write_kv_cpu needs contiguous pools [slots, {heads}, {head_dim}] of k's dtype, got "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")  # fmt: skip
+    if k.stride(2) != 1 or k.stride(1) != head_dim:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != head_dim:
+        v = v.contiguous()
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.numel() != tokens:
+        raise ValueError(f"write_kv_cpu needs a contiguous int64 slot per token, got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)} for {tokens} tokens")  # fmt: skip
+    size = k.element_size()
+    load_write_kv_kernel()(
+        k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), tokens, row * size,
+    )  # fmt: skip
 
 
 def attention_cpu(

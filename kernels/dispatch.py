@@ -1,6 +1,6 @@
 """Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU (``cpu``) the C
-kernels (decode attention; in float32 the Llama family's RMSNorm, rotary and SiLU-and-mul, and
-GPT-2's LayerNorm and bias-GELU) and the torch references for the rest (write_kv, and every
+kernels (decode attention and the K/V write; in float32 the Llama family's RMSNorm, rotary and SiLU-and-mul, and
+GPT-2's LayerNorm and bias-GELU) and the torch references for the rest (every
 element-wise op in half precision).
 
 ``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
@@ -24,7 +24,7 @@ import torch
 
 from . import cpu_gpt2_ops, cpu_llama_ops, native
 from .attention import attention_torch, write_kv_torch
-from .cpu_attention import attention_cpu, load_decode_kernel
+from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
 from .rmsnorm import add_rmsnorm_torch
@@ -103,7 +103,7 @@ TORCH_OPS = KernelOps(
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
 )  # fmt: skip
 CPU_OPS = KernelOps(
-    "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_torch,
+    "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch,
 )  # fmt: skip
 
@@ -174,6 +174,7 @@ def _cpu_ops(device: torch.device, forced: bool) -> KernelOps:
     # compiler, usually) builds none of them.
     for kernel, load in (
         ("decode-attention", load_decode_kernel),
+        ("K/V write", load_write_kv_kernel),
         ("Llama element-wise", cpu_llama_ops.load_llama_kernels),
         ("GPT-2 element-wise", cpu_gpt2_ops.load_gpt2_kernels),
     ):

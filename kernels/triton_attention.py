@@ -22,10 +22,24 @@ Every K and V tile it loads then feeds one dot product for the whole group, and 
 single query would leave most of a 16-row tile masked, fills those rows with the group's heads
 instead. ``HEADS`` is the group rounded up to a power of two (padded heads are masked); groups past
 ``_MAX_HEADS`` are split over several programs per K/V head. GROUP == 1 is plain multi-head.
+
+Decode-only steps (one query per request) take a split-K path instead, flash-decoding style. The
+ragged grid would give them one program per (request, K/V head), 16 for GPT-2 medium at batch 1
+against an H100's 132 SMs, each walking the whole context alone. ``_decode_split_kernel`` adds a
+third grid axis that cuts each request's keys into ``NUM_SPLITS`` ranges of whole ``BLOCK_N``
+tiles, computed on the device from ``context_lens`` (splits past the context have nothing to do),
+and writes each split's unnormalised partial (acc, running max m, sum l) to fp32 scratch;
+``_decode_reduce_kernel`` then merges the splits of each (request, head) with the log-sum-exp
+rescaling. ``NUM_SPLITS`` comes from the batch size, the K/V-head programs and the SM count alone
+(`decode_splits`), never from the context lengths, so the grid is fixed per batch size and one
+CUDA graph captured per batch size replays for any contexts. A request of context 0 (a padded row
+of such a graph's batch) reads no K/V and gets zeros, as it does from the ragged kernel; its slot
+-1 makes `write_kv_triton` write nothing for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -83,7 +97,8 @@ def _attention_inner(
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [M, N], log2 units
         if MASKED:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
-        # Every row sees key 0, which lies in the first block processed, so m_new is finite here.
+        # Every row sees the range's first key (key 0 for the ragged kernel, the split's first for
+        # the decode kernel), which lies in the first tile processed, so m_new is finite here.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -181,7 +196,9 @@ def _attention_kernel(
     )
     # fmt: on
 
-    out = acc / l_i[:, None]
+    # A request of context 0 (a padded row of a CUDA graph's batch) saw no key: acc is 0, and so
+    # is its output, not 0 / 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -211,6 +228,8 @@ def _write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return  # slot -1 marks a padded row of a CUDA graph's batch: it reads and writes nothing
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -218,6 +237,152 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(k_cache_ptr + slot * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    acc_ptr,
+    ml_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    stride_bt,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_splits,
+    ml_stride,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """Program (request r, K/V-head program g, split s) of a decode-only batch, whose token r is
+    request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) into an
+    online softmax for the HEADS query heads of its group, stacked as the rows of one tile (ROWS,
+    at least 16 for tl.dot; rows past HEADS or past the group are masked), and stores the
+    unnormalised acc, m (log2 units) and l. DIRECT (one split): stores the normalised output."""
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = (tl.program_id(1) // HEAD_SPLITS).to(tl.int64)
+    head0 = tl.program_id(1) % HEAD_SPLITS * HEADS
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + req)
+    # The split's key range, on the device: whole BLOCK_N tiles, so that only the context's last
+    # tile needs masking. A split past the context (every split of a context-0 row) gets lo == hi
+    # and reads nothing, not even its block table entries.
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, ctx), lo)
+    full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    table_row = block_tables_ptr + req * stride_bt
+
+    offs_r = tl.arange(0, ROWS)
+    offs_g = head0 + offs_r  # the row's query head, counted within the group
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = (offs_r < HEADS) & (offs_g < GROUP)
+    qo_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # Every row is the same query and sees every key of the range; the masked tile's causal rule
+    # (key <= q_pos) cuts it at the range's end. Splits are whole tiles, so only the context's last
+    # tile is ever partial, but the rule holds for any range.
+    q_pos = tl.zeros([ROWS], dtype=tl.int32) + (hi - 1)
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    # fmt: off
+    acc, l_i, m_i = _attention_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, lo, full_end,
+        qk_scale, False, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
+    )
+    acc, l_i, m_i = _attention_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, hi,
+        qk_scale, True, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
+    )
+    # fmt: on
+
+    if DIRECT:
+        # One split holds the whole context: normalise here, no scratch and no reduce. Context 0
+        # leaves acc and l at 0: zeros, not 0 / 0.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=qo_mask,
+        )
+    else:
+        # Scratch rows are (request, head, split): acc [B, Hq, S, HEAD_DIM], m and l [2, B, Hq, S].
+        # An empty split stores m = -inf, l = 0 and acc = 0, which the reduce weighs by 0.
+        rows = (req * num_heads + heads) * num_splits + split
+        tl.store(acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qo_mask)
+        tl.store(ml_ptr + rows, m_i, mask=row_mask)
+        tl.store(ml_ptr + ml_stride + rows, l_i, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    acc_ptr,
+    ml_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    ml_stride,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program (request r, query head h): merges the num_splits partials of (r, h) into out[r, h].
+    With M the largest split max, split s is weighed by 2^(m_s - M): out = sum_s w_s acc_s /
+    sum_s w_s l_s. Empty splits (m = -inf) weigh 0; when all are empty (context 0) so is out."""
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    rows = (req * tl.num_programs(1) + head) * num_splits + offs_s
+    m_s = tl.load(ml_ptr + rows, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ml_ptr + ml_stride + rows, mask=s_mask, other=0.0)
+    m_max = tl.max(m_s, axis=0)
+    # All splits empty: -inf - -inf would be NaN; any finite stand-in gives every split weight 0.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m_s - m_max)
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(
+        acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + req * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 INTERPRETED: bool = not isinstance(_attention_kernel, JITFunction)
@@ -288,6 +453,116 @@ def _attention_blocks(q: torch.Tensor, max_query_len: int, heads: int) -> tuple[
     return max(rows // heads, 1), (32 if q.dtype == torch.float32 else 64)
 
 
+# Decode splits: the grid should hold about twice as many programs as the GPU has SMs, so that
+# every SM has work and a second wave hides the tail; more splits than this only cut the contexts
+# finer than a tile or two and grow the reduce. The interpreter takes a few, to exercise the merge.
+_DECODE_WAVES = 2
+_MAX_DECODE_SPLITS = 16
+_INTERPRETER_DECODE_SPLITS = 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(num_requests: int, kv_programs: int, device: torch.device) -> int:
+    """Key splits per (request, K/V-head program) for a decode-only batch: the smallest power of two
+    that gives the grid (num_requests x kv_programs x splits) at least ``_DECODE_WAVES`` programs per
+    SM, at most ``_MAX_DECODE_SPLITS``; 1 for a batch that fills the GPU on its own. Plain integers
+    in, so the choice is the same for every batch of a size whatever its context lengths (one CUDA
+    graph per batch size replays for all of them); never the metadata's max_context_len either."""
+    if device.type != "cuda":
+        return _INTERPRETER_DECODE_SPLITS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = max(num_requests * kv_programs, 1)
+    wanted = triton.cdiv(_DECODE_WAVES * _sm_count(index), programs)
+    return min(triton.next_power_of_2(wanted), _MAX_DECODE_SPLITS)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    block_n: int | None,
+    num_splits: int | None,
+) -> None:
+    """A decode-only batch (token i is request i's one query) through the split-K kernels: plain
+    integers size the grid and the scratch, and nothing is read back to the host."""
+    num_requests, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    heads, head_splits = _attention_heads(group)
+    kv_programs = num_kv_heads * head_splits
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    splits = num_splits or decode_splits(num_requests, kv_programs, q.device)
+    block_n = block_n or _attention_blocks(q, 1, heads)[1]
+    rows = max(heads, 16)  # the smallest tl.dot tile; rows past the group's heads are masked
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    block_tables = meta.block_tables if meta.block_tables.stride(-1) == 1 else meta.block_tables.contiguous()
+    direct = splits == 1
+    if direct:  # the split kernel writes out itself: no scratch
+        acc = ml = out
+    else:
+        acc = torch.empty((num_requests, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        ml = torch.empty((2, num_requests, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_requests, kv_programs, splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        acc,
+        ml,
+        meta.context_lens,
+        block_tables,
+        block_tables.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        splits,
+        num_requests * num_heads * splits,  # ml's stride between m and l
+        scale * math.log2(math.e),  # the kernel uses exp2
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=meta.block_size,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        GROUP=group,
+        HEADS=heads,
+        ROWS=rows,
+        HEAD_SPLITS=head_splits,
+        DIRECT=direct,
+        num_warps=4 if block_d <= 64 and rows <= 64 else 8,
+        num_stages=2,
+    )
+    if direct:
+        return
+    _decode_reduce_kernel[(num_requests, num_heads)](
+        acc,
+        ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        num_requests * num_heads * splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=1 if block_d <= 64 else 2,
+    )
+
+
 def attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -297,9 +572,14 @@ def attention_triton(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``attention_torch`` (GQA included); block sizes are overridable for tests and
-    benchmarks (``block_m`` counts queries: a program's tile holds them for each head of its group)."""
+    benchmarks (``block_m`` counts queries: a program's tile holds them for each head of its group).
+
+    A decode-only batch (``max_query_len == 1`` and one token per request) takes the split-K
+    kernels, with ``num_splits`` key splits per request (default: `decode_splits`; ``block_m`` does
+    not apply there); any other batch takes the ragged kernel."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -308,6 +588,9 @@ def attention_triton(
     group = gqa_group_size(num_heads, k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
+        return out
+    if meta.max_query_len == 1 and num_tokens == meta.num_requests:
+        _decode_attention(q, k_cache, v_cache, out, meta, scale, block_n, num_splits)
         return out
     heads, splits = _attention_heads(group)
     default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
@@ -364,7 +647,9 @@ def attention_triton(
 def write_kv_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Same contract as ``write_kv_torch``: scatters k/v [T, heads, head_dim] into the pool in place."""
+    """Same contract as ``write_kv_torch``: scatters k/v [T, heads, head_dim] into the pool in place,
+    except that a token whose slot is negative (slot -1: a padded row of a CUDA graph's batch) is
+    skipped: it writes nothing, so no pool slot changes for it."""
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:

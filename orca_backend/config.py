@@ -248,6 +248,12 @@ PRESETS: dict[str, AnyModelConfig] = {
     "llama-tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                               initializer_range=0.3),
+    # Qwen2.5-0.5B geometry (its config.json): GQA 14/2, biased q/k/v, tied embeddings, 152k vocabulary
+    "qwen2.5-0.5b": LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
+                                intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+                                rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True,
+                                eos_token_id=151643),
 }
 
 
@@ -302,6 +308,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kernels: str = "auto"  # "auto" | "triton" | "cpu" | "torch" (see orca_kernels.dispatch)
+    # CUDA: decode-only steps replay CUDA graphs captured at load (worker/cuda_graphs.py); True runs
+    # every step eagerly (vLLM's name). Graphs are CUDA and tp = pp = 1 only.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

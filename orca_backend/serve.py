@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, help="baseline: Triton's dynamic-batcher max_batch_size")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: run every step eagerly instead of replaying the decode steps' CUDA graphs")
     p.add_argument("--kv-policy", choices=("reserve", "paged"),
                    help="orca: reserve prompt + max_tokens at admission (ORCA) or page K/V on demand (vLLM)")
     p.add_argument("--block-size", type=int, help="orca: K/V slots per block")
@@ -456,10 +458,14 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     if unknown or not models:
         raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
     params = _parse_key_values(args.param)
-    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
+    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size",
+                 "pipeline_parallel_size", "enforce_eager"):  # fmt: skip
         value = getattr(args, flag)
-        if value is not None:
-            params[flag] = str(Path(value).resolve()) if flag in ("model", "tokenizer") and Path(value).exists() else str(value)
+        if value is None:
+            continue
+        if flag in ("model", "tokenizer") and Path(value).exists():
+            value = Path(value).resolve()
+        params[flag] = str(value).lower() if isinstance(value, bool) else str(value)
     # The K/V and chunking knobs are orca's: the baseline stays ORCA-reserved, request-level serving.
     orca_params = {
         flag: str(value).lower()

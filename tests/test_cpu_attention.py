@@ -13,8 +13,8 @@ import torch
 from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
 
 from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
-from orca_kernels.attention import attention_torch
-from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel
+from orca_kernels.attention import attention_torch, write_kv_torch
+from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel, write_kv_cpu
 
 
 def _inputs(meta, heads: int, head_dim: int, seed: int, dtype=torch.float32):
@@ -317,3 +317,38 @@ def test_without_a_compiler_the_elementwise_kernels_fail_to_load(
     finally:
         for loader in loaders:
             loader.cache_clear()
+
+
+@pytest.mark.parametrize("write_kv", [write_kv_cpu, write_kv_torch], ids=["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_padded_slots(write_kv, dtype: torch.dtype) -> None:
+    """Each token's K/V lands in its slot and nowhere else; a slot of -1 (a padded row of a CUDA-graph
+    bucket) writes nothing. k and v are strided views of a fused projection, as the models make them."""
+    g = torch.Generator().manual_seed(1)
+    tokens, slots, heads, head_dim = 6, 40, 3, 8
+    qkv = torch.randn(tokens, 3, heads, head_dim, generator=g).to(dtype)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens]
+    slot_mapping[[0, 3]] = -1
+    k_cache, v_cache = (torch.randn(slots, heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    live = torch.tensor([1, 2, 4, 5])
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping[live]] = False
+    assert torch.equal(k_cache[slot_mapping[live]], k[live]) and torch.equal(v_cache[slot_mapping[live]], v[live])
+    assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+
+
+def test_a_row_without_context_gives_zeros() -> None:
+    """A padded row of a CUDA-graph bucket (context 0) reads no K/V and gives zeros, beside live rows
+    that give the reference's output."""
+    meta = make_meta("cpu", BATCHES["decode_only"])
+    q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0)
+    live = attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    meta.context_lens = meta.context_lens.clone()
+    meta.context_lens[1] = 0
+    out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    others = [i for i in range(meta.num_requests) if i != 1]
+    assert torch.equal(out[others], live[others])

@@ -190,3 +190,38 @@ def test_llama_family_bf16_tokens_are_near_top_under_fp32_reference(llama_checkp
     assert gaps.max().item() <= BF16_GAP_NATS, summary
     assert exact >= BF16_MIN_EXACT, summary
 
+
+
+def test_cuda_graph_tokens_equal_eager(make_checkpoint) -> None:
+    """Decode steps replayed from the captured graphs (every bucket up to 16, most of them padded)
+    give the tokens of the same engine run eagerly, in float32 (where these checkpoints' margins make
+    exact equality sound; a padded GEMM may round differently from an unpadded one in bfloat16)."""
+    dtype = "float32"
+    path, config = make_checkpoint(GEOMETRIES[3], seed=3, tokenizer=False)
+    prompts = prompts_for(config.vocab_size, seed=4) * 3  # 15 requests: buckets 16, 8, 4, 2, 1 as they finish
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    graphed = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=16)
+    runner = graphed.engine.core.executor.runner
+    assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 4, 8, 16]
+    replays = []
+    run = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda inputs: replays.append(inputs.num_requests) or run(inputs)
+    with_graphs = [o.output_ids for o in graphed.generate(prompts, params)]
+    eager = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=16, enforce_eager=True)
+    assert eager.engine.core.executor.runner.decode_graphs is None
+    assert with_graphs == [o.output_ids for o in eager.generate(prompts, params)]
+    assert {runner.decode_graphs.bucket(n) for n in replays} == {1, 2, 4, 8, 16}
+
+
+def test_gpt2_mlp_epilogue_is_gelu_tanh() -> None:
+    """GPT-2's fc layer on CUDA is one GEMM with a bias + GELU epilogue; it must be GPT-2's gelu_new
+    (the tanh form), not erf's GELU (they differ by up to ~5e-4 here)."""
+    from orca_backend.model.gemm import linear_bias_gelu
+    from orca_kernels.gelu import bias_gelu_torch
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(7, 64, generator=g), torch.randn(256, 64, generator=g) * 0.3, torch.randn(256, generator=g)
+    out = linear_bias_gelu(x.cuda(), w.cuda(), b.cuda(), bias_gelu_torch).cpu()
+    y = x.double() @ w.double().t() + b.double()
+    assert torch.allclose(out.double(), torch.nn.functional.gelu(y, approximate="tanh"), atol=2e-5, rtol=0)
+    assert not torch.allclose(out.double(), torch.nn.functional.gelu(y), atol=1e-4, rtol=0)

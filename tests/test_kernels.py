@@ -119,24 +119,32 @@ def test_bias_gelu(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
 # --- write_kv ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "head_dim"), [(3, 80), (2, 64), (40, 128)])  # 40x128: 2 head blocks
-def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+def test_write_kv(ops: KernelOps, dtype: torch.dtype, heads: int, head_dim: int, padded: bool) -> None:
+    """Each token's K/V lands in its slot and nowhere else; a slot of -1 (a padded row of a CUDA-graph
+    bucket) writes nothing."""
     g = torch.Generator().manual_seed(heads)
     tokens, slots = 5, 32
     # k and v as strided views of a fused qkv projection, as the model produces them.
     qkv = randn(tokens, 3, heads, head_dim, g=g, dtype=dtype)
     k, v = qkv[:, 1], qkv[:, 2]
     slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(DEVICE)
+    if padded:
+        slot_mapping[[1, 4]] = -1
     k_cache = randn(slots, heads, head_dim, g=g, dtype=dtype)
     v_cache = randn(slots, heads, head_dim, g=g, dtype=dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
 
     ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-    TORCH_OPS.write_kv(k, v, k_ref, v_ref, slot_mapping)
 
-    assert torch.equal(k_cache, k_ref)
-    assert torch.equal(v_cache, v_ref)
+    live = (slot_mapping >= 0).nonzero().flatten()
+    written = slot_mapping[live]
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.equal(k_cache[written], k[live]) and torch.equal(v_cache[written], v[live])
+    assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
 
 
 # --- attention ---------------------------------------------------------------------------------

@@ -32,6 +32,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -57,7 +58,8 @@ static void attend_one(const float *q, int64_t q_head_stride, const float *k_cac
     const int64_t kv_row = kv_heads * head_dim; /* floats per token in the K/V pool */
     const int64_t block_floats = block_size * kv_row;
     for (int64_t i = 0; i < q_heads * head_dim; i++) out[i] = 0.0f;
-    if (ctx < 1) return; /* nothing to attend to (never for a real decode); avoids reading s[0] below */
+    /* nothing to attend to: a padded row of a CUDA-graph bucket gets zeros (and s[0] is never read) */
+    if (ctx < 1) return;
 
     for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
         const float *kb = k_cache + blocks[b] * block_floats; /* int64: the offset can pass 2**31 */
@@ -114,5 +116,19 @@ void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_h
         attend_one(q + first * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
                    block_size, out + first * out_row, context_lens[r], q_heads, kv_heads, head_dim, scale,
                    scratch + (int64_t)omp_get_thread_num() * q_heads * max_context);
+    }
+}
+
+/* Writes each new token's K and V row (row_bytes each: kv_heads * head_dim elements of any dtype,
+ * contiguous within the token) into its pool slot. A negative slot is a padded row of a CUDA-graph
+ * bucket (worker/cuda_graphs.py) and writes nothing, so a padded batch keeps the shape of a live
+ * one and leaves the pool as the live rows alone would. Slots are trusted to lie in the pool. */
+void orca_write_kv(const char *k, int64_t k_row_stride, const char *v, int64_t v_row_stride, char *k_cache,
+                   char *v_cache, const int64_t *slots, int64_t tokens, int64_t row_bytes) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_bytes, k + t * k_row_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, v + t * v_row_stride, (size_t)row_bytes);
     }
 }

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,3 +96,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if choice == "onednn" or (choice == "native" and tokens <= ONEDNN_MAX_TOKENS):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, bias_gelu: Callable) -> torch.Tensor:
+    """bias_gelu(linear(x, weight), bias): GPT-2's MLP input. On CUDA it is one cuBLASLt GEMM whose
+    epilogue adds the bias and applies GELU in its tanh form, GPT-2's `gelu_new` (torch's
+    _addmm_activation; one launch per layer instead of two); elsewhere the GEMM, then `bias_gelu`
+    (the kernel set's, which on CPU reproduces torch's rounding)."""
+    if x.is_cuda:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return bias_gelu(linear(x, weight), bias)
+

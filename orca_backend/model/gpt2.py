@@ -148,7 +148,7 @@ class GPT2:
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
             x = row_parallel_linear(attn, layer.attn_out_w, layer.attn_out_b, self.tp)
             h, residual = ops.add_layernorm(x, residual, layer.ln2_w, layer.ln2_b, cfg.layer_norm_epsilon)
-            h = ops.bias_gelu(gemm.linear(h, layer.fc_w), layer.fc_b)
+            h = gemm.linear_bias_gelu(h, layer.fc_w, layer.fc_b, ops.bias_gelu)
             x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp)
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])

@@ -9,6 +9,8 @@ inside each worker process, each applying the same deltas.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -21,10 +23,13 @@ from orca_backend.model.stage_input import StageInput
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
+from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
 from orca_backend.worker.sampler import Sampler
 from orca_kernels import AttentionMetadata
+
+logger = logging.getLogger("orca.worker")
 
 
 class ModelRunner:
@@ -54,6 +59,31 @@ class ModelRunner:
         # last copies done (the host buffers are not written again before it).
         self._device_buffers: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        eager_because = self._eager_reason(config)
+        if eager_because:
+            logger.info("decode steps run eagerly: %s", eager_because)
+        else:
+            self.decode_graphs = self.static_decode(capture_sizes(config.max_num_seqs))
+            self.decode_graphs.capture()
+
+    def _eager_reason(self, config: EngineConfig) -> str:
+        """Why decode steps cannot replay CUDA graphs here ("" when they can)."""
+        if config.enforce_eager:
+            return "enforce_eager is set"
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device, this runner's is {self.device.type}"
+        if self.layout.tp_size > 1 or self.layout.pp_size > 1:
+            return "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only"
+        return ""
+
+    def static_decode(self, sizes: list[int]) -> DecodeGraphs:
+        """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
+        that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
+        def forward(stage_input: StageInput, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+            return self.model.forward(stage_input, meta, self.kv_caches, logits_indices)
+
+        return DecodeGraphs(forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device)
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Takes in the step's deltas (scheduler_output.py). Every runner does, as the step arrives, before
@@ -81,6 +111,8 @@ class ModelRunner:
             self._copied.synchronize()
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
+        if self.decode_graphs is not None and hidden is None and self.decode_graphs.fits(inputs):
+            return self.decode_graphs.run(inputs)
         input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
         return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
 

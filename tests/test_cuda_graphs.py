@@ -1,0 +1,309 @@
+"""The CUDA-graph path's conditions, checked on the CPU (CI has no GPU): decode steps run on the
+static buffers of worker/cuda_graphs.py give the eager path's tokens for every bucket, padded rows
+write no K/V, and two different batches of one bucket make identical launches — every torch op and
+every C kernel call, with its shapes, strides, buffers and non-tensor arguments — which is what a
+captured graph replayed for another batch relies on."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import random_prompts
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+from triton_testing import NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
+
+import orca_kernels.cpu_attention
+import orca_kernels.cpu_gpt2_ops
+import orca_kernels.cpu_llama_ops
+from orca_backend import LLM, SamplingParams
+from orca_backend.model import gemm
+from orca_backend.worker.cuda_graphs import PAD_SLOT, DecodeGraphs, capture_sizes
+from orca_backend.worker.model_runner import ModelRunner
+
+MODELS = ["gpt2-tiny", "llama-tiny"]
+# The CPU's C kernels, and the Triton kernels a GPU runs (here in Triton's interpreter).
+KERNELS = ["cpu", "triton"]
+MAX_NUM_SEQS = 8
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the Triton cases run in this process")
+def test_triton_cases_in_fresh_process() -> None:
+    run_in_fresh_process(__file__)
+
+
+def _kernels(kernels: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    if kernels == "triton":
+        use_import_mode(monkeypatch)  # skips when this process cannot run Triton (the fresh-process test does)
+    return kernels
+
+
+def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Eight requests of different lengths, greedy and seeded random, finishing one after another, so
+    the decode batches shrink through every size from 8 to 1 (buckets 8, 4, 2, 1, most padded)."""
+    prompts = random_prompts(MAX_NUM_SEQS, vocab, seed=5)
+    params = [
+        SamplingParams(max_tokens=2 + i, ignore_eos=True, temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
+        for i in range(MAX_NUM_SEQS)
+    ]
+    return prompts, params
+
+
+def _static_llm(model: str, kernels: str) -> tuple[LLM, ModelRunner]:
+    llm = LLM(model, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=1024, kernels=kernels)
+    runner = llm.engine.core.executor.runner
+    assert runner.decode_graphs is None  # a CPU runner runs eagerly unless a test says otherwise
+    runner.decode_graphs = runner.static_decode(capture_sizes(MAX_NUM_SEQS))
+    return llm, runner
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("model", MODELS)
+def test_static_decode_gives_the_eager_tokens_for_every_bucket_and_padded_rows_write_no_kv(model, kernels, monkeypatch):
+    kernels = _kernels(kernels, monkeypatch)
+    eager = LLM(model, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=1024, kernels=kernels)
+    prompts, params = _workload(eager.engine.model_config.vocab_size)
+    expected = [o.output_ids for o in eager.generate(prompts, params)]
+
+    llm, runner = _static_llm(model, kernels)
+    graphs: DecodeGraphs = runner.decode_graphs
+    run = graphs.run
+    seen: list[tuple[int, int]] = []  # (live requests, bucket) of every static step
+
+    def checked_run(inputs):
+        """The pool after the step differs from before only in the live rows' slots."""
+        before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        logits = run(inputs)
+        live_slots = torch.from_numpy(inputs.slot_mapping.copy())
+        untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
+        untouched[live_slots] = False
+        for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
+            assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+            assert not torch.equal(k0[live_slots], k1[live_slots])  # and the live rows did write
+        assert logits.shape[0] == inputs.num_requests
+        seen.append((inputs.num_requests, graphs.bucket(inputs.num_requests)))
+        return logits
+
+    graphs.run = checked_run
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert {bucket for _, bucket in seen} == {1, 2, 4, 8}
+    assert any(live < bucket for live, bucket in seen)  # padded rows were run
+
+
+def test_decode_graphs_are_off_on_cpu_with_the_reason_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="orca.worker"):
+        llm = LLM("gpt2-tiny", kv_capacity_tokens=256)
+    assert llm.engine.core.executor.runner.decode_graphs is None
+    assert "decode steps run eagerly: CUDA graphs need a CUDA device" in caplog.text
+    with caplog.at_level(logging.INFO, logger="orca.worker"):
+        LLM("gpt2-tiny", kv_capacity_tokens=256, enforce_eager=True)
+    assert "decode steps run eagerly: enforce_eager is set" in caplog.text
+    with pytest.raises(RuntimeError, match="captured on a CUDA device"):
+        llm.engine.core.executor.runner.static_decode([1, 2]).capture()
+
+
+# --- launch recording ---------------------------------------------------------------------------
+
+
+class LaunchRecorder(TorchDispatchMode):
+    """Records every torch op (through the dispatcher) and every C kernel call (through the kernel
+    loaders, patched by `record_c_kernels`) with memory named, not numbered: a named buffer (static
+    buffers, the K/V pool, the weights) by its name and offset, a temporary by the order in which it
+    was allocated within the recording. Two recordings are equal when the launches are."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.regions: list[tuple[int, int, str]] = []  # (start, end, name), the newest last
+        self.temporaries = 0
+        for name, tensor in named.items():
+            self._add_region(tensor, name)
+        self.launches: list[tuple] = []
+
+    def _add_region(self, tensor: torch.Tensor, name: str) -> None:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            self.regions.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
+
+    def name_of(self, address: int) -> tuple[str, int] | None:
+        for start, end, name in reversed(self.regions):
+            if start <= address < end:
+                return name, address - start
+        return None
+
+    def _describe(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            where = self.name_of(value.data_ptr()) if value.numel() else ("empty", 0)
+            if where is None:  # memory no op made and no name covers: name it by first appearance
+                where = (f"outside{len(self.regions)}", 0)
+                self._add_region(value, where[0])
+            return ("tensor", where, tuple(value.shape), value.stride(), str(value.dtype))
+        if isinstance(value, (list, tuple)):
+            return tuple(self._describe(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, self._describe(v)) for k, v in sorted(value.items()))
+        if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(value)
+        return value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        described = (self._describe(args), self._describe(kwargs))
+        out = func(*args, **kwargs)
+        input_storages = {t.untyped_storage().data_ptr() for t in inputs}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in input_storages:
+                self._add_region(t, f"temp{self.temporaries}")  # a new allocation
+                self.temporaries += 1
+        self.launches.append(("op", str(func), described, self._describe(out)))
+        return out
+
+    def c_call(self, name: str, args: tuple) -> None:
+        described = []
+        for arg in args:
+            where = self.name_of(arg) if isinstance(arg, int) and arg > 1 << 20 else None
+            described.append(where if where is not None else arg)
+        self.launches.append(("c", name, tuple(described)))
+
+
+class _RecordedKernel:
+    """A C kernel whose calls the active recorder sees."""
+
+    active: LaunchRecorder | None = None
+
+    def __init__(self, name: str, kernel: ctypes._CFuncPtr) -> None:
+        self.name, self.kernel = name, kernel
+
+    def __call__(self, *args: Any) -> Any:
+        if _RecordedKernel.active is not None:
+            _RecordedKernel.active.c_call(self.name, args)
+        return self.kernel(*args)
+
+
+def record_c_kernels(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Patches every C kernel loader (functools.cache'd functions returning a ctypes function) of the
+    CPU kernel modules and the GEMM to return a recording wrapper; returns how many."""
+    patched = 0
+    for module in (orca_kernels.cpu_attention, orca_kernels.cpu_gpt2_ops, orca_kernels.cpu_llama_ops, gemm):
+        for attribute, loader in list(vars(module).items()):
+            if not hasattr(loader, "cache_info") or loader.__wrapped__.__code__.co_argcount:
+                continue
+            try:
+                kernel = loader()
+            except Exception:  # noqa: BLE001 - a loader this machine cannot build is not called either
+                continue
+            if isinstance(kernel, ctypes._CFuncPtr):
+                wrapped = _RecordedKernel(f"{module.__name__}.{attribute}", kernel)
+                monkeypatch.setattr(module, attribute, lambda wrapped=wrapped: wrapped)
+                patched += 1
+    return patched
+
+
+def record_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Records every Triton launch (interpreter) with its grid and arguments, as `c_call` records C
+    calls; the interpreter's own torch ops inside a launch are not recorded (a GPU runs none)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        recorder = _RecordedKernel.active
+        if recorder is not None and not warmup:
+            recorder.launches.append(("triton", self.__name__, grid, recorder._describe(args), recorder._describe(kwargs)))
+            with _disable_current_modes():
+                return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    return True
+
+
+def _named_buffers(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    graphs = runner.decode_graphs
+    named = {name: getattr(graphs, name) for name in ("tokens", "context_lens", "block_tables", "query_start", "logits_indices")}
+    for i, (k, v) in enumerate(runner.kv_caches):
+        named[f"k_cache{i}"], named[f"v_cache{i}"] = k, v
+
+    def weights(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            named[prefix] = value
+        elif dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                weights(f"{prefix}.{field.name}", getattr(value, field.name))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                weights(f"{prefix}[{i}]", item)
+
+    weights("weights", runner.model.weights)
+    return named
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("model", MODELS)
+def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, monkeypatch):
+    """Every decode step of the workload is recorded; within each bucket, batches with different
+    live rows, tokens and contexts must make the same launches, and none reads a value back to the
+    host (a CUDA graph cannot capture that)."""
+    kernels = _kernels(kernels, monkeypatch)
+    c_kernels = record_c_kernels(monkeypatch)
+    triton_kernels = record_triton_kernels(monkeypatch) if kernels == "triton" else False
+    llm, runner = _static_llm(model, kernels)
+    graphs: DecodeGraphs = runner.decode_graphs
+    forward = graphs.forward
+    recordings: dict[int, list[tuple[int, list[tuple]]]] = defaultdict(list)  # bucket -> (live, launches)
+    live = 0
+
+    def recorded_forward(stage_input, meta, logits_indices):
+        recorder = LaunchRecorder(_named_buffers(runner))
+        _RecordedKernel.active = recorder
+        try:
+            with recorder:
+                logits = forward(stage_input, meta, logits_indices)
+        finally:
+            _RecordedKernel.active = None
+        recordings[meta.num_requests].append((live, recorder.launches))
+        return logits
+
+    def counting_run(inputs, run=graphs.run):
+        nonlocal live
+        live = inputs.num_requests
+        return run(inputs)
+
+    graphs.forward, graphs.run = recorded_forward, counting_run
+    prompts, params = _workload(llm.engine.model_config.vocab_size)
+    llm.generate(prompts, params)
+
+    assert set(recordings) == {1, 2, 4, 8}
+    padded_twice = 0
+    for bucket, steps in recordings.items():
+        first = steps[0][1]
+        ops = [launch[1] for launch in first]
+        assert "aten._local_scalar_dense.default" not in ops and not any("nonzero" in op for op in ops), ops
+        for live_rows, launches in steps[1:]:
+            assert len(launches) == len(first), (bucket, live_rows)
+            for i, (a, b) in enumerate(zip(first, launches, strict=True)):
+                assert a == b, f"bucket {bucket}: launch {i} differs with {live_rows} live rows:\n{a}\n{b}"
+        padded_twice += len({live_rows for live_rows, _ in steps}) > 1
+    assert padded_twice >= 2  # at least two buckets compared batches of different sizes
+    # The kernels themselves were recorded: on the CPU path the C decode attention and K/V write
+    # (whenever a compiler built them), on the Triton path every Triton launch with its grid.
+    kinds = {(launch[0], launch[1]) for launch in recordings[8][0][1]}
+    if kernels == "cpu" and c_kernels:
+        assert {("c", "orca_kernels.cpu_attention.load_decode_kernel"),
+                ("c", "orca_kernels.cpu_attention.load_write_kv_kernel")} <= kinds  # fmt: skip
+    if triton_kernels:
+        launched = {name for kind, name in kinds if kind == "triton"}
+        assert {"_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel"} <= launched, launched
+    assert PAD_SLOT == -1

@@ -1,0 +1,348 @@
+"""The split-K decode attention kernels (``_decode_split_kernel`` + ``_decode_reduce_kernel``) and
+the CUDA-graph padding rules (context 0, slot -1) against the torch reference: on the GPU when there
+is one, else on CPU through Triton's interpreter (see tests/triton_testing.py).
+
+Every pool slot outside the live contexts holds NaN, so a kernel that reads one K/V slot it should
+not (past a context, a padded row's, a split's neighbour's tail) returns NaN instead of passing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import make_meta, pool_slots
+from triton_testing import (
+    DEVICE,
+    NEEDS_FRESH_PROCESS,
+    assert_close,
+    randn,
+    run_in_fresh_process,
+    triton_ops,
+)
+
+from orca_kernels import AttentionMetadata, KernelOps
+from orca_kernels.dispatch import TORCH_OPS
+
+# Decode contexts: a single key, one shorter than the interpreter's 4 splits, one BLOCK_N tile
+# exactly (the interpreter's 16), and two over several pool blocks and tiles, 37 a multiple of
+# neither. With 4 splits of whole 16-key tiles, 40 fills three splits (the last one partly) and
+# leaves one empty; every shorter context leaves three empty.
+CONTEXTS = [1, 2, 16, 37, 40]
+# (query heads, K/V heads): multi-head, a GQA group of 4, multi-query.
+LAYOUTS = {"mha": (2, 2), "group4": (8, 2), "mqa": (4, 1)}
+HEAD_DIM = 16
+
+
+@pytest.fixture
+def ops(monkeypatch: pytest.MonkeyPatch) -> KernelOps:
+    return triton_ops(monkeypatch)
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
+def test_in_fresh_process() -> None:
+    run_in_fresh_process(__file__)
+
+
+def _module():
+    """The Triton attention module as `triton_ops` left it (reloaded in this process's mode)."""
+    from orca_kernels import triton_attention
+
+    return triton_attention
+
+
+def _decode_meta(contexts: list[int], block_size: int, seed: int = 0) -> AttentionMetadata:
+    return make_meta(DEVICE, [(1, ctx) for ctx in contexts], block_size=block_size, seed=seed)
+
+
+def _nan_outside_contexts(meta: AttentionMetadata, *caches: torch.Tensor) -> None:
+    """Fills every pool slot that no request's context names with NaN, in place."""
+    unused = torch.ones(caches[0].shape[0], dtype=torch.bool, device=caches[0].device)
+    for i in range(meta.num_requests):
+        unused[meta.context_slots(i)] = False
+    for cache in caches:
+        cache[unused] = float("nan")
+
+
+def _inputs(
+    meta: AttentionMetadata,
+    q_heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    seed: int,
+    head_dim: int = HEAD_DIM,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q as a strided view of a fused qkv tensor; K/V as one layer of a two-layer pool."""
+    g = torch.Generator().manual_seed(seed)
+    q = randn(meta.num_requests, 3, q_heads, head_dim, g=g, dtype=dtype)[:, 0]
+    pool = randn(2, 2, pool_slots(meta), kv_heads, head_dim, g=g, dtype=dtype)
+    k_cache, v_cache = pool[0, 1], pool[1, 1]
+    _nan_outside_contexts(meta, k_cache, v_cache)
+    return q, k_cache, v_cache
+
+
+def _check(
+    ops: KernelOps,
+    meta: AttentionMetadata,
+    layout: str,
+    dtype: torch.dtype,
+    seed: int,
+    head_dim: int = HEAD_DIM,
+    **kwargs: object,
+) -> None:
+    q, k_cache, v_cache = _inputs(meta, *LAYOUTS[layout], dtype, seed, head_dim)
+    scale = head_dim**-0.5
+    out = ops.attention(q, k_cache, v_cache, meta, scale, **kwargs)
+    expected = TORCH_OPS.attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert_close(out, expected, dtype)
+
+
+# --- against the reference ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 4])
+def test_decode_attention_num_splits(ops: KernelOps, num_splits: int | None) -> None:
+    """1: the split kernel normalises and writes out itself (no scratch, no reduce); 3: a split
+    count that is not a power of two (the reduce masks its padded splits); None: the default."""
+    _check(ops, _decode_meta(CONTEXTS, block_size=5), "group4", torch.float32, seed=7, num_splits=num_splits)
+
+
+# group4 at block size 5 is the num_splits test's.
+@pytest.mark.parametrize(("layout", "block_size"), [("mha", 16), ("mha", 5), ("group4", 16), ("mqa", 5)])
+def test_decode_attention_layouts(ops: KernelOps, layout: str, block_size: int) -> None:
+    _check(ops, _decode_meta(CONTEXTS, block_size, seed=block_size), layout, torch.float32, seed=block_size)
+
+
+@pytest.mark.parametrize(("layout", "block_size"), [("mha", 16), ("mqa", 5)])
+def test_decode_attention_bf16(ops: KernelOps, layout: str, block_size: int) -> None:
+    _check(ops, _decode_meta(CONTEXTS, block_size, seed=3), layout, torch.bfloat16, seed=3, head_dim=32)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "max_heads"), [(6, 2, 64), (6, 1, 2)])
+def test_decode_attention_padded_and_split_groups(
+    ops: KernelOps, monkeypatch: pytest.MonkeyPatch, q_heads: int, kv_heads: int, max_heads: int
+) -> None:
+    """A group of 3 heads padded to a tile of 4 (the padded rows store nothing), and a group of 6
+    split over 3 programs per K/V head (each its own partials); head_dim 24 masks the tile's columns."""
+    monkeypatch.setattr(_module(), "_MAX_HEADS", max_heads)
+    monkeypatch.setitem(LAYOUTS, "custom", (q_heads, kv_heads))
+    _check(ops, _decode_meta(CONTEXTS, block_size=5), "custom", torch.float32, seed=q_heads, head_dim=24)
+
+
+# --- CUDA-graph padding: context 0 and slot -1 --------------------------------------------------
+
+
+def _with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[AttentionMetadata, list[int]]:
+    """The live decode batch with a padded row (context 0, slot -1, a table row naming the pool's
+    unused, NaN-filled last block) inserted after each live row listed in pad_after, as a CUDA
+    graph's batch-size bucket pads a smaller batch. Returns the metadata and the live rows' places."""
+    pad_block = int(live.block_tables.max())
+    width = live.block_tables.shape[1]
+    ctx, tables, slots, places = [], [], [], []
+    for i in range(live.num_requests):
+        places.append(len(ctx))
+        ctx.append(int(live.context_lens[i]))
+        tables.append(live.block_tables[i].tolist())
+        slots.append(int(live.slot_mapping[i]))
+        for _ in range(pad_after.count(i)):
+            ctx.append(0)
+            tables.append([pad_block] * width)
+            slots.append(-1)
+    rows = len(ctx)
+    meta = AttentionMetadata(
+        query_start=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_size=live.block_size,
+        max_query_len=1,
+        max_context_len=max(ctx),
+        num_requests=rows,
+    )
+    return meta, places
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_splits"), [(torch.float32, None), (torch.float32, 1), (torch.bfloat16, 3)]
+)
+def test_decode_padded_rows_are_zero(ops: KernelOps, dtype: torch.dtype, num_splits: int | None) -> None:
+    """Padded rows (context 0) come out exactly zero even with a NaN query and read no K/V (their
+    table row names NaN slots); the live rows equal the reference on the live rows alone."""
+    live = _decode_meta([37, 2, 16], block_size=5)
+    meta, places = _with_padded_rows(live, pad_after=[0, 2, 2])
+    q_live, k_cache, v_cache = _inputs(live, 8, 2, dtype, seed=5)
+    q = torch.full((meta.num_requests, 8, HEAD_DIM), float("nan"), dtype=dtype, device=DEVICE)
+    q[places] = q_live
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+
+    padded = [i for i in range(meta.num_requests) if i not in places]
+    assert torch.equal(out[padded], torch.zeros_like(out[padded]))
+    expected = TORCH_OPS.attention(q_live.float(), k_cache.float(), v_cache.float(), live, 0.25)
+    assert_close(out[places], expected, dtype)
+
+
+def test_ragged_kernel_context_zero_row_is_zero(ops: KernelOps) -> None:
+    """The ragged (non-decode) kernel gives a context-0 row zeros too, not 0 / 0."""
+    g = torch.Generator().manual_seed(2)
+    prefill = make_meta(DEVICE, [(3, 3), (1, 6)], block_size=5)
+    meta = AttentionMetadata(
+        query_start=torch.tensor([0, 3, 4, 5], dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([3, 6, 0], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.cat((prefill.block_tables, prefill.block_tables[-1:])),
+        slot_mapping=torch.cat((prefill.slot_mapping, torch.tensor([-1], device=DEVICE))),
+        block_size=5,
+        max_query_len=3,
+        max_context_len=6,
+        num_requests=3,
+    )
+    q = randn(5, 2, HEAD_DIM, g=g)
+    k_cache, v_cache = (
+        randn(pool_slots(prefill), 2, HEAD_DIM, g=g),
+        randn(pool_slots(prefill), 2, HEAD_DIM, g=g),
+    )
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.25)
+
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert_close(out[:4], TORCH_OPS.attention(q[:4], k_cache, v_cache, prefill, 0.25), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_negative_slots(ops: KernelOps, dtype: torch.dtype) -> None:
+    """Slot -1 writes nothing: not the pool's last slot (as Python indexing would), not the memory
+    just before the pool (as the raw pointer arithmetic would), no slot at all; live tokens land."""
+    g = torch.Generator().manual_seed(9)
+    tokens, slots, heads = 6, 20, 3
+    k, v = randn(2, tokens, heads, HEAD_DIM, g=g, dtype=dtype).unbind(0)
+    slot_mapping = torch.tensor([4, -1, 19, -1, 0, -1], dtype=torch.int64, device=DEVICE)
+    # Each cache is a view one slot into a larger buffer: buffer slot 0 is a guard before the pool.
+    buffers = randn(2, slots + 1, heads, HEAD_DIM, g=g, dtype=dtype)
+    k_cache, v_cache = buffers[0, 1:], buffers[1, 1:]
+    before = buffers.clone()
+
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    live = slot_mapping >= 0
+    expected = before.clone()
+    TORCH_OPS.write_kv(k[live], v[live], expected[0, 1:], expected[1, 1:], slot_mapping[live])
+    assert torch.equal(buffers, expected)
+
+
+# --- launch: routing, grid and host reads ------------------------------------------------------
+
+
+class _GridRecorder:
+    """Stands in for a kernel: records each launch's grid and runs the kernel."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_decode_batches_take_the_split_kernels(ops: KernelOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-only batch launches split + reduce; a batch with a longer query keeps the ragged kernel."""
+    module = _module()
+    recorders = {}
+    for name in ("_decode_split_kernel", "_decode_reduce_kernel", "_attention_kernel"):
+        recorders[name] = _GridRecorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
+    g = torch.Generator().manual_seed(4)
+
+    decode = _decode_meta([3, 20], block_size=16)
+    q, k_cache, v_cache = _inputs(decode, 4, 2, torch.float32, seed=4)
+    ops.attention(q, k_cache, v_cache, decode, 0.25, num_splits=2)
+    assert recorders["_decode_split_kernel"].grids == [(2, 2, 2)]  # (requests, K/V heads, splits)
+    assert recorders["_decode_reduce_kernel"].grids == [(2, 4)]  # (requests, query heads)
+    assert recorders["_attention_kernel"].grids == []
+
+    mixed = make_meta(DEVICE, [(2, 2), (1, 5)], block_size=16)
+    q = randn(3, 4, HEAD_DIM, g=g)
+    k_cache, v_cache = randn(pool_slots(mixed), 2, HEAD_DIM, g=g), randn(pool_slots(mixed), 2, HEAD_DIM, g=g)
+    out = ops.attention(q, k_cache, v_cache, mixed, 0.25)
+    assert len(recorders["_attention_kernel"].grids) == 1
+    assert len(recorders["_decode_split_kernel"].grids) == 1
+    assert_close(out, TORCH_OPS.attention(q, k_cache, v_cache, mixed, 0.25), torch.float32)
+
+
+def test_decode_grid_is_fixed_per_batch_size(ops: KernelOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two batches of one size, with different context lengths and max_context_len, launch the same
+    grids and allocate the same scratch: what a CUDA graph captured once per batch size needs."""
+    module = _module()
+    split = _GridRecorder(module._decode_split_kernel)
+    reduce = _GridRecorder(module._decode_reduce_kernel)
+    monkeypatch.setattr(module, "_decode_split_kernel", split)
+    monkeypatch.setattr(module, "_decode_reduce_kernel", reduce)
+    shapes = []
+    empty = torch.empty
+
+    def recording_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        shapes.append(tuple(t.shape))
+        return t
+
+    for contexts in ([1, 2, 3], [40, 17, 64]):
+        meta = _decode_meta(contexts, block_size=16)
+        q, k_cache, v_cache = _inputs(meta, 4, 2, torch.float32, seed=len(shapes))
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", recording_empty)
+            ops.attention(q, k_cache, v_cache, meta, 0.25)
+    assert split.grids[0] == split.grids[1] and reduce.grids[0] == reduce.grids[1]
+    assert shapes[: len(shapes) // 2] == shapes[len(shapes) // 2 :]
+    splits = split.grids[0][2]
+    assert splits == module.decode_splits(3, 2, torch.device(DEVICE))
+    if DEVICE == "cpu":
+        assert splits > 1  # the interpreter exercises the reduce
+
+
+def test_decode_splits_fill_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a (pretend) 132-SM GPU: at least two programs per SM while the batch is small, a power
+    of two, at most 16, and 1 once the batch fills the GPU on its own."""
+    triton_ops(monkeypatch)
+    module = _module()
+    monkeypatch.setattr(module, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    assert module.decode_splits(1, 16, gpu) == 16  # GPT-2 medium at batch 1: 256 programs
+    assert module.decode_splits(4, 16, gpu) == 8  # 264 / 64 -> 5 -> 8: 512 programs
+    assert module.decode_splits(1, 8, gpu) == 16  # capped
+    assert module.decode_splits(64, 16, gpu) == 1
+    for batch in (1, 2, 3, 5, 8, 13, 16, 17):
+        splits = module.decode_splits(batch, 16, gpu)
+        assert splits & (splits - 1) == 0 and 1 <= splits <= 16
+        assert splits == 16 or batch * 16 * splits >= 2 * 132
+    assert module.decode_splits(1, 16, torch.device("cpu")) > 1
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_launch_reads_nothing_back_to_the_host(
+    ops: KernelOps, monkeypatch: pytest.MonkeyPatch, num_splits: int | None
+) -> None:
+    """The split-K launch takes each request's context length and key ranges on the device: a host
+    read of a tensor (.tolist(), .item(), .cpu(), int(t), bool(t), ...: each a sync on a GPU) fails
+    here. The batch has padded rows, as a CUDA graph's bucket has."""
+    meta, places = _with_padded_rows(_decode_meta([37, 2, 16], block_size=5), pad_after=[1])
+    q, k_cache, v_cache = _inputs(meta, 8, 2, torch.float32, seed=13)
+    # Before the guard: the reference reads host values by design, and a warm-up keeps
+    # compilation out of the guarded call.
+    expected = TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.25)
+    ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+
+    def host_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the Triton decode attention launch read a tensor back to the host")
+
+    with monkeypatch.context() as guard:
+        for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+            guard.setattr(torch.Tensor, name, host_read)
+        for name in ("host_lens", "context_slots"):
+            guard.setattr(AttentionMetadata, name, host_read)
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+
+    assert_close(out, expected, torch.float32)
