@@ -222,13 +222,17 @@ def suite_overhead(args) -> dict:
     process does per iteration when served (the step and its frame to the frontend): the events,
     text and sinks are then the frontend's work, in the Triton stub's process beside it.
     "256-vocab50k": the lockstep 256 on the same tiny model with GPT-2's real vocabulary (50,257
-    entries), where the sampler's argmax over [256, 50257] logits shows. Each scenario also reports
-    the sampler's share of the overhead."""
+    entries), where the sampler's argmax over [256, 50257] logits shows. "1-graphs" and "64-graphs":
+    batch 1 and the lockstep 64 on the CUDA-graph path's static buffers (worker/cuda_graphs.py, run
+    eagerly on a CPU): what a graphed decode step costs the host besides the replay, beside "1" and
+    "64" run eagerly (skipped on a tree without that path, as overhead_ab.py's baselines may be).
+    Each scenario also reports the sampler's share of the overhead."""
     from orca_backend.messages import outputs_frame
     from orca_backend.model.checkpoint import write_random_checkpoint
 
     result = {}
-    scenarios = (("64", 64, False, False), ("256", 256, False, False), ("256-churn", 256, True, False),
+    scenarios = (("1", 1, False, False), ("1-graphs", 1, False, False), ("64", 64, False, False),
+                 ("64-graphs", 64, False, False), ("256", 256, False, False), ("256-churn", 256, True, False),
                  ("256-core", 256, False, True), ("256-vocab50k", 256, False, False))  # fmt: skip
     big_vocab = Path(tempfile.mkdtemp(prefix="orca-vocab50k-"))
     tiny = PRESETS["gpt2-tiny"]
@@ -238,6 +242,14 @@ def suite_overhead(args) -> dict:
         engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=running,
                                         kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
         runner = engine.core.executor.runner
+        if label.endswith("-graphs"):
+            if not hasattr(runner, "static_decode"):
+                print(f"{label}: skipped (this tree has no CUDA-graph path)")
+                engine.shutdown()
+                continue
+            from orca_backend.worker.cuda_graphs import capture_sizes
+
+            runner.decode_graphs = runner.static_decode(capture_sizes(running))
         forward = runner.model.forward = _Timed(runner.model.forward)
         sample = runner.sampler.sample = _Timed(runner.sampler.sample)
         for i in range(3 * running if churn else running):

@@ -29,6 +29,7 @@ module's reference and the CPU path's prefill loop read them to the host once pe
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,16 @@ def write_kv_torch(
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
+
+
+def write_kv_and_attend(
+    write_kv: Callable, attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """A layer's attention step: this step's K/V into the pool, then attention over it. Kernel sets
+    bind their own write_kv and attention (dispatch.py); the Triton set fuses the two for decodes."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attention(q, k_cache, v_cache, meta, scale)
 
 
 def gqa_group_size(num_q_heads: int, num_kv_heads: int) -> int:

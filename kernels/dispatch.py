@@ -14,6 +14,7 @@ fallbacks, since the result is the same and only slower.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_gpt2_ops, cpu_llama_ops, native
-from .attention import attention_torch, write_kv_torch
+from .attention import attention_torch, write_kv_and_attend, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
@@ -50,6 +51,8 @@ class KernelOps:
     add_rmsnorm: Callable
     silu_and_mul: Callable
     rotary: Callable
+    # (q, k, v, k_cache, v_cache, meta, scale): write_kv, then attention; what the models call
+    write_kv_attention: Callable
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -101,10 +104,12 @@ def bias_gelu_cpu_or_torch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
+    functools.partial(write_kv_and_attend, write_kv_torch, attention_torch),
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch,
+    functools.partial(write_kv_and_attend, write_kv_cpu, attention_cpu),
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -164,6 +169,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_rmsnorm.add_rmsnorm_triton,
         triton_silu.silu_and_mul_triton,
         triton_rotary.rotary_triton,
+        triton_attention.write_kv_attention_triton,
     )
 
 

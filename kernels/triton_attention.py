@@ -249,6 +249,9 @@ def _decode_split_kernel(
     ml_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -258,6 +261,10 @@ def _decode_split_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     num_heads,
     num_splits,
     ml_stride,
@@ -273,12 +280,19 @@ def _decode_split_kernel(
     ROWS: tl.constexpr,
     HEAD_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
+    FUSED_WRITE: tl.constexpr,
 ):
     """Program (request r, K/V-head program g, split s) of a decode-only batch, whose token r is
     request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) into an
     online softmax for the HEADS query heads of its group, stacked as the rows of one tile (ROWS,
     at least 16 for tl.dot; rows past HEADS or past the group are masked), and stores the
-    unnormalised acc, m (log2 units) and l. DIRECT (one split): stores the normalised output."""
+    unnormalised acc, m (log2 units) and l. DIRECT (one split): stores the normalised output.
+
+    FUSED_WRITE: this step's K/V (k_new, v_new: token r's row) is not in the pool yet. The split
+    holding the context's last position takes that key and value from k_new / v_new instead of
+    the pool, and the first program of each K/V head stores them at the token's slot (none for
+    slot -1). No program reads that slot, so the store races with no load: the write costs no
+    launch of its own."""
     req = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_SPLITS).to(tl.int64)
     head0 = tl.program_id(1) % HEAD_SPLITS * HEADS
@@ -290,7 +304,9 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, ctx), lo)
-    full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    # The keys read from the pool: all of the range, or with FUSED_WRITE all but the new one.
+    pool_hi = tl.maximum(tl.minimum(hi, ctx - 1), lo) if FUSED_WRITE else hi
+    full_end = lo + (pool_hi - lo) // BLOCK_N * BLOCK_N
     table_row = block_tables_ptr + req * stride_bt
 
     offs_r = tl.arange(0, ROWS)
@@ -308,7 +324,7 @@ def _decode_split_kernel(
     # Every row is the same query and sees every key of the range; the masked tile's causal rule
     # (key <= q_pos) cuts it at the range's end. Splits are whole tiles, so only the context's last
     # tile is ever partial, but the rule holds for any range.
-    q_pos = tl.zeros([ROWS], dtype=tl.int32) + (hi - 1)
+    q_pos = tl.zeros([ROWS], dtype=tl.int32) + (pool_hi - 1)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -321,10 +337,25 @@ def _decode_split_kernel(
         qk_scale, False, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
     )
     acc, l_i, m_i = _attention_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, hi,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, pool_hi,
         qk_scale, True, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
     )
     # fmt: on
+    if FUSED_WRITE:
+        k_new = tl.load(k_new_ptr + req * stride_knt + kv_head * stride_knh + offs_d, mask=d_mask, other=0.0)
+        v_new = tl.load(v_new_ptr + req * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        if (hi == ctx) & (lo < hi):  # this split holds the new key: one more step of the online softmax
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+        slot = tl.load(slot_ptr + req).to(tl.int64)
+        if (split == 0) & (head0 == 0) & (slot >= 0):
+            tl.store(k_ptr + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=d_mask)
+            tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=d_mask)
 
     if DIRECT:
         # One split holds the whole context: normalise here, no scratch and no reduce. Context 0
@@ -489,9 +520,11 @@ def _decode_attention(
     scale: float,
     block_n: int | None,
     num_splits: int | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """A decode-only batch (token i is request i's one query) through the split-K kernels: plain
-    integers size the grid and the scratch, and nothing is read back to the host."""
+    integers size the grid and the scratch, and nothing is read back to the host. `new_kv` (k, v,
+    slot_mapping): this step's K/V, written to the pool by the same launch (see FUSED_WRITE)."""
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -510,6 +543,11 @@ def _decode_attention(
     else:
         acc = torch.empty((num_requests, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((2, num_requests, num_heads, splits), dtype=torch.float32, device=q.device)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, meta.slot_mapping)  # unread without FUSED_WRITE
+    if k_new.stride(-1) != 1:
+        k_new = k_new.contiguous()
+    if v_new.stride(-1) != 1:
+        v_new = v_new.contiguous()
     _decode_split_kernel[(num_requests, kv_programs, splits)](
         q,
         k_cache,
@@ -519,6 +557,9 @@ def _decode_attention(
         ml,
         meta.context_lens,
         block_tables,
+        k_new,
+        v_new,
+        slots,
         block_tables.stride(0),
         q.stride(0),
         q.stride(1),
@@ -528,6 +569,10 @@ def _decode_attention(
         v_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         num_heads,
         splits,
         num_requests * num_heads * splits,  # ml's stride between m and l
@@ -543,6 +588,7 @@ def _decode_attention(
         ROWS=rows,
         HEAD_SPLITS=head_splits,
         DIRECT=direct,
+        FUSED_WRITE=new_kv is not None,
         num_warps=4 if block_d <= 64 and rows <= 64 else 8,
         num_stages=2,
     )
@@ -641,6 +687,34 @@ def attention_triton(
         num_warps=4 if block_d <= 64 and block_m * heads <= 64 else 8,
         num_stages=2,
     )
+    return out
+
+
+def write_kv_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``write_kv_triton`` of this step's k/v, then ``attention_triton``; for a decode-only batch in
+    one launch fewer: the split kernel writes the new K/V itself and takes the new key and value
+    from k/v rather than from the pool."""
+    num_tokens = q.shape[0]
+    if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        return attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _unit_last_stride(k_cache, "k_cache")
+    _unit_last_stride(v_cache, "v_cache")
+    gqa_group_size(q.shape[1], k_cache.shape[1])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _decode_attention(q, k_cache, v_cache, out, meta, scale, None, num_splits, (k, v, meta.slot_mapping))
     return out
 
 

@@ -181,6 +181,66 @@ def test_decode_padded_rows_are_zero(ops: KernelOps, dtype: torch.dtype, num_spl
     assert_close(out[places], expected, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize(("layout", "dtype"), [("group4", torch.float32), ("mha", torch.float32), ("mqa", torch.bfloat16)])
+def test_fused_write_equals_write_then_attention(ops: KernelOps, layout: str, dtype: torch.dtype, num_splits) -> None:
+    """write_kv_attention on a decode batch (one launch fewer: the split kernel writes the new K/V
+    and takes the new key from k/v, not the pool) equals write_kv then attention: the same output,
+    the same pool. The new tokens' slots hold NaN before the call, so reading one fails the test;
+    padded rows (context 0, slot -1) give zeros and write nothing."""
+    q_heads, kv_heads = LAYOUTS[layout]
+    live = _decode_meta(CONTEXTS, block_size=5, seed=4)
+    meta, places = _with_padded_rows(live, pad_after=[1, 4])
+    q_live, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=9)
+    g = torch.Generator().manual_seed(10)
+    q = torch.zeros((meta.num_requests, q_heads, HEAD_DIM), dtype=dtype, device=DEVICE)
+    q[places] = q_live
+    qkv = randn(meta.num_requests, 3, kv_heads, HEAD_DIM, g=g, dtype=dtype)  # k and v strided, as the models make them
+    k, v = qkv[:, 1], qkv[:, 2]
+    new_slots = live.slot_mapping
+    k_cache[new_slots], v_cache[new_slots] = float("nan"), float("nan")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    TORCH_OPS.write_kv(k, v, k_ref, v_ref, meta.slot_mapping)
+    expected = TORCH_OPS.attention(q_live.float(), k_ref.float(), v_ref.float(), live, HEAD_DIM**-0.5)
+
+    out = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, num_splits=num_splits)
+
+    assert_close(out[places], expected, dtype)
+    padded = [i for i in range(meta.num_requests) if i not in places]
+    assert torch.equal(out[padded], torch.zeros_like(out[padded]))
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+
+
+def test_fused_write_is_one_launch_fewer(ops: KernelOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch: the split kernel (and the reduce) and no K/V write kernel; a prefill batch:
+    the write kernel, then the ragged kernel."""
+    module = _module()
+    launched: list[str] = []
+    for name in ("_decode_split_kernel", "_decode_reduce_kernel", "_write_kv_kernel", "_attention_kernel"):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, _Launches(kernel, name, launched))
+    for meta, expected in ((_decode_meta([3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
+                           (make_meta(DEVICE, [(3, 3), (1, 6)], block_size=5), ["_write_kv_kernel", "_attention_kernel"])):  # fmt: skip
+        launched.clear()
+        tokens, g = meta.slot_mapping.numel(), torch.Generator().manual_seed(0)
+        q, k, v = (randn(tokens, 2, HEAD_DIM, g=g) for _ in range(3))
+        k_cache, v_cache = (randn(pool_slots(meta), 2, HEAD_DIM, g=g) for _ in range(2))
+        ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, 0.25, num_splits=2 if tokens == meta.num_requests else None)
+        assert launched == expected
+
+
+class _Launches:
+    """A kernel whose launches (kernel[grid](...)) are listed by name."""
+
+    def __init__(self, kernel, name: str, launched: list[str]) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 def test_ragged_kernel_context_zero_row_is_zero(ops: KernelOps) -> None:
     """The ragged (non-decode) kernel gives a context-0 row zeros too, not 0 / 0."""
     g = torch.Generator().manual_seed(2)

@@ -161,8 +161,7 @@ class Llama:
             if cfg.qk_norm:
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             q, k = ops.rotary(q, k, stage_input.positions, self.cos_sin)
-            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = ops.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
+            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
             x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)

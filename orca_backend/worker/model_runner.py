@@ -65,7 +65,15 @@ class ModelRunner:
             logger.info("decode steps run eagerly: %s", eager_because)
         else:
             self.decode_graphs = self.static_decode(capture_sizes(config.max_num_seqs))
-            self.decode_graphs.capture()
+            try:
+                self.decode_graphs.capture()
+            except torch.cuda.OutOfMemoryError as e:
+                pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
+                raise RuntimeError(
+                    f"capturing the decode steps' CUDA graphs (batch sizes {self.decode_graphs.sizes}) ran out of "
+                    f"GPU memory beside the weights and the K/V pool ({pool_gib:.1f} GiB); lower kv_capacity_tokens "
+                    "or max_num_seqs, or set enforce_eager to run without graphs"
+                ) from e
 
     def _eager_reason(self, config: EngineConfig) -> str:
         """Why decode steps cannot replay CUDA graphs here ("" when they can)."""
