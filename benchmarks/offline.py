@@ -240,7 +240,7 @@ def suite_overhead(args) -> dict:
     for label, running, churn, core_only in scenarios:
         model_name = str(big_vocab) if label.endswith("vocab50k") else "gpt2-tiny"
         engine = LLMEngine(EngineConfig(model=model_name, max_num_seqs=running,
-                                        kv_capacity_tokens=running * (200 if churn else 100)))  # fmt: skip
+                                        kv_capacity_tokens=max(running, 4) * (200 if churn else 100)))  # fmt: skip
         runner = engine.core.executor.runner
         if label.endswith("-graphs"):
             if not hasattr(runner, "static_decode"):
