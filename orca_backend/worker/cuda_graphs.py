@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from orca_backend.model.stage_input import StageInput
@@ -73,12 +74,17 @@ class DecodeGraphs:
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int32, device=device)
         # The host side the live batch is written into: the device buffers themselves on a CPU, pinned
-        # copies on CUDA (moved by one asynchronous copy each, guarded by an event).
+        # copies on CUDA, each moved by one asynchronous copy from contiguous pinned memory (a strided
+        # source would go through a pageable, synchronous copy), guarded by an event. The tokens and
+        # context lengths are small and go whole; the block tables go as the batch's [count, width]
+        # packed (a row holds every block of the longest context).
         cuda = device.type == "cuda"
-        self._host_tokens, self._host_context_lens, self._host_tables = (
+        self._host_tokens, self._host_context_lens = (
             (torch.zeros_like(t, device="cpu", pin_memory=True) if cuda else t).numpy()
-            for t in (self.tokens, self.context_lens, self.block_tables)
+            for t in (self.tokens, self.context_lens)
         )
+        self._host_tables = self.block_tables.numpy() if not cuda else \
+            torch.zeros(self.block_tables.numel(), dtype=torch.int32, pin_memory=True).numpy()  # fmt: skip
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits [size, vocab]
@@ -111,10 +117,17 @@ class DecodeGraphs:
         self._host_tokens[:, :count] = inputs.flat64.reshape(3, count)
         self._host_context_lens[:count] = inputs.context_lens
         width = inputs.block_tables.shape[1]
-        self._host_tables[:count, :width] = inputs.block_tables  # entries past a row's context are never read
+        self._tables(count, width)[:] = inputs.block_tables  # entries past a row's context are never read
         self._pad(count, size)
-        self._upload(size, count, width)
+        self._upload(count, width)
         return size
+
+    def _tables(self, count: int, width: int) -> np.ndarray:
+        """Where the batch's block tables are written on the host: the device buffer's rows on a CPU,
+        the pinned staging packed as [count, width] on CUDA."""
+        if self.device.type != "cuda":
+            return self._host_tables[:count, :width]
+        return self._host_tables[: count * width].reshape(count, width)
 
     def _wait_for_copies(self) -> None:
         if self._copied is not None:
@@ -126,14 +139,15 @@ class DecodeGraphs:
         self._host_tokens[2, start:stop] = PAD_SLOT
         self._host_context_lens[start:stop] = 0
 
-    def _upload(self, size: int, count: int, width: int) -> None:
-        """CUDA: the host rows of a bucket into the device buffers, one asynchronous copy each."""
+    def _upload(self, count: int, width: int) -> None:
+        """CUDA: the host buffers into the device buffers, one asynchronous copy each (the rows past a
+        bucket go too, unread: a whole small buffer is one copy, a slice of it a strided one)."""
         if self.device.type != "cuda":
             return  # the host buffers are the device's
-        self.tokens[:, :size].copy_(torch.from_numpy(self._host_tokens[:, :size]), non_blocking=True)
-        self.context_lens[:size].copy_(torch.from_numpy(self._host_context_lens[:size]), non_blocking=True)
+        self.tokens.copy_(torch.from_numpy(self._host_tokens), non_blocking=True)
+        self.context_lens.copy_(torch.from_numpy(self._host_context_lens), non_blocking=True)
         if count and width:
-            self.block_tables[:count, :width].copy_(torch.from_numpy(self._host_tables[:count, :width]), non_blocking=True)
+            self.block_tables[:count, :width].copy_(torch.from_numpy(self._tables(count, width)), non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -169,7 +183,7 @@ class DecodeGraphs:
             for size in sorted(self.sizes, reverse=True):
                 self._wait_for_copies()
                 self._pad(0, size)  # capture runs on padding: nothing is written, nothing is read
-                self._upload(size, 0, 0)
+                self._upload(0, 0)
                 self.forward(*self.views(size))  # warm-up
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()

@@ -64,16 +64,28 @@ class ModelRunner:
         if eager_because:
             logger.info("decode steps run eagerly: %s", eager_because)
         else:
-            self.decode_graphs = self.static_decode(capture_sizes(config.max_num_seqs))
-            try:
-                self.decode_graphs.capture()
-            except torch.cuda.OutOfMemoryError as e:
-                pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
-                raise RuntimeError(
-                    f"capturing the decode steps' CUDA graphs (batch sizes {self.decode_graphs.sizes}) ran out of "
-                    f"GPU memory beside the weights and the K/V pool ({pool_gib:.1f} GiB); lower kv_capacity_tokens "
-                    "or max_num_seqs, or set enforce_eager to run without graphs"
-                ) from e
+            self.decode_graphs = self._capture(capture_sizes(config.max_num_seqs))
+
+    def _capture(self, sizes: list[int]) -> DecodeGraphs | None:
+        """The decode steps' graphs, captured. Out of memory is an error naming what to lower; any
+        other capture failure leaves decode steps eager, logged with the error (the engine serves, a
+        step costs what it did before graphs; enforce_eager says so without the warning)."""
+        graphs = self.static_decode(sizes)
+        try:
+            graphs.capture()
+        except torch.cuda.OutOfMemoryError as e:
+            pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
+            raise RuntimeError(
+                f"capturing the decode steps' CUDA graphs (batch sizes {sizes}) ran out of GPU memory beside the "
+                f"weights and the K/V pool ({pool_gib:.1f} GiB); lower kv_capacity_tokens or max_num_seqs, or set "
+                "enforce_eager to run without graphs"
+            ) from e
+        except Exception:
+            logger.exception("capturing the decode steps' CUDA graphs failed; decode steps run eagerly "
+                             "(set enforce_eager to choose that without this warning)")  # fmt: skip
+            torch.cuda.synchronize(self.device)
+            return None
+        return graphs
 
     def _eager_reason(self, config: EngineConfig) -> str:
         """Why decode steps cannot replay CUDA graphs here ("" when they can)."""
