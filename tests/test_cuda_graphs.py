@@ -27,9 +27,31 @@ from orca_backend.model import gemm
 from orca_backend.worker.cuda_graphs import PAD_SLOT, DecodeGraphs, capture_sizes
 from orca_backend.worker.model_runner import ModelRunner
 
+# The families' presets; and two Llama-family variants written by transformers: Qwen2's biased q/k/v
+# and Qwen3's q/k norm (CPU kernels only: the interpreter's time goes to the two presets).
 MODELS = ["gpt2-tiny", "llama-tiny"]
+VARIANTS = {"qwen2": "Qwen2", "qwen3": "Qwen3"}
 # The CPU's C kernels, and the Triton kernels a GPU runs (here in Triton's interpreter).
 KERNELS = ["cpu", "triton"]
+CASES = [(m, k) for m in MODELS for k in KERNELS] + [(v, "cpu") for v in VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> dict[str, str]:
+    """Preset names as they are; the variants as checkpoints transformers writes (tiny, seeded)."""
+    transformers = pytest.importorskip("transformers")
+    paths = {m: m for m in MODELS}
+    for name, family in VARIANTS.items():
+        config = getattr(transformers, f"{family}Config")(
+            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
+            eos_token_id=None, bos_token_id=None,
+        )  # fmt: skip
+        torch.manual_seed(7)
+        path = tmp_path_factory.mktemp(name)
+        getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
+        paths[name] = str(path)
+    return paths
 MAX_NUM_SEQS = 8
 
 
@@ -69,10 +91,11 @@ def _static_llm(model: str, kernels: str) -> tuple[LLM, ModelRunner]:
     return llm, runner
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("model", MODELS)
-def test_static_decode_gives_the_eager_tokens_for_every_bucket_and_padded_rows_write_no_kv(model, kernels, monkeypatch):
-    kernels = _kernels(kernels, monkeypatch)
+@pytest.mark.parametrize(("model", "kernels"), CASES)
+def test_static_decode_gives_the_eager_tokens_for_every_bucket_and_padded_rows_write_no_kv(
+    model, kernels, model_paths, monkeypatch
+):  # fmt: skip
+    kernels, model = _kernels(kernels, monkeypatch), model_paths[model]
     eager = LLM(model, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=1024, kernels=kernels)
     prompts, params = _workload(eager.engine.model_config.vocab_size)
     expected = [o.output_ids for o in eager.generate(prompts, params)]
@@ -250,13 +273,12 @@ def _named_buffers(runner: ModelRunner) -> dict[str, torch.Tensor]:
     return named
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("model", MODELS)
-def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, monkeypatch):
+@pytest.mark.parametrize(("model", "kernels"), CASES)
+def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model_paths, monkeypatch):
     """Every decode step of the workload is recorded; within each bucket, batches with different
     live rows, tokens and contexts must make the same launches, and none reads a value back to the
     host (a CUDA graph cannot capture that)."""
-    kernels = _kernels(kernels, monkeypatch)
+    kernels, model = _kernels(kernels, monkeypatch), model_paths[model]
     c_kernels = record_c_kernels(monkeypatch)
     triton_kernels = record_triton_kernels(monkeypatch) if kernels == "triton" else False
     llm, runner = _static_llm(model, kernels)
