@@ -25,6 +25,9 @@ from orca_backend.worker.input_batch import SamplingBatch
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._pinned: torch.Tensor | None = None  # CUDA: where the sampled ids are copied to the host
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, vocab] float32, one row per scheduled request (changed in place). Returns one
         token id per request (the core ignores those of prefill chunks, `batch.sample` False), and the
@@ -41,9 +44,22 @@ class Sampler:
         random_rows = np.flatnonzero((batch.temperature > 0) & batch.sample).tolist() if batch.generators else []
         if random_rows:
             tokens[random_rows] = _sample_random(logits[random_rows], batch, random_rows)
+        token_ids = self._to_host(tokens)
         if raw_logprobs is None:
-            return SamplerOutput(tokens.tolist())
-        return SamplerOutput(tokens.tolist(), _gather_logprobs(raw_logprobs, tokens, batch.logprobs, len(batch.sample)))
+            return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, tokens, batch.logprobs, len(batch.sample)))
+
+    def _to_host(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled ids as a list. From a GPU: one non-blocking copy into a persistent pinned buffer
+        and a wait on it (a plain `tolist` stages through pageable memory)."""
+        if not tokens.is_cuda:
+            return tokens.tolist()
+        if self._pinned is None or self._pinned.numel() < tokens.numel():
+            self._pinned = torch.empty(max(tokens.numel(), 256), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[: tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        torch.cuda.current_stream(tokens.device).synchronize()
+        return host.tolist()
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
