@@ -311,6 +311,9 @@ class EngineConfig:
     # CUDA: decode-only steps replay CUDA graphs captured at load (worker/cuda_graphs.py); True runs
     # every step eagerly (vLLM's name). Graphs are CUDA and tp = pp = 1 only.
     enforce_eager: bool = False
+    # Schedule step N+1 while step N runs (vLLM's name): a request's token from N reaches N+1 on the
+    # device, and the host's work of a step overlaps the model's. tp = pp = 1, iteration-level only.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -343,6 +346,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.async_scheduling and (self.scheduling != "iteration" or int(self.tensor_parallel_size) != 1
+                                      or int(self.pipeline_parallel_size) != 1):  # fmt: skip
+            raise ValueError("async_scheduling runs one process with iteration-level scheduling: it needs "
+                             "tensor_parallel_size = pipeline_parallel_size = 1 and scheduling 'iteration'")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -66,6 +66,10 @@ class SchedulerOutput:
     # worker/bitmask.py). Only the sampling rank of a worker pool is sent them.
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask: bytes = b""
+    # Async scheduling: the batch positions of requests run ahead of their last step, which has not
+    # returned: their input token is the one that step samples, not yet recorded. The runner takes it
+    # from that step's sampled ids on the device (always the step submitted just before this one).
+    ahead_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -422,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="orca: K/V slots per block")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="orca: share the K/V of equal prompt prefixes")
+    p.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="orca: schedule each step while the last one runs (one process: tp = pp = 1)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="orca: tokens per engine iteration; longer prompts are prefilled in chunks (0: no limit)")
     p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
@@ -469,7 +471,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     # The K/V and chunking knobs are orca's: the baseline stays ORCA-reserved, request-level serving.
     orca_params = {
         flag: str(value).lower()
-        for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens")
+        for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "async_scheduling")
         if (value := getattr(args, flag)) is not None
     }
     model_parameters: dict[str, dict[str, str]] = {"orca": orca_params} if orca_params else {}

@@ -205,7 +205,7 @@ def test_cuda_graph_tokens_equal_eager(make_checkpoint) -> None:
     assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 4, 8, 16]
     replays = []
     run = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda inputs: replays.append(inputs.num_requests) or run(inputs)
+    runner.decode_graphs.run = lambda inputs, ahead=None: replays.append(inputs.num_requests) or run(inputs, ahead)
     with_graphs = [o.output_ids for o in graphed.generate(prompts, params)]
     eager = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=16, enforce_eager=True)
     assert eager.engine.core.executor.runner.decode_graphs is None
@@ -225,3 +225,17 @@ def test_gpt2_mlp_epilogue_is_gelu_tanh() -> None:
     y = x.double() @ w.double().t() + b.double()
     assert torch.allclose(out.double(), torch.nn.functional.gelu(y, approximate="tanh"), atol=2e-5, rtol=0)
     assert not torch.allclose(out.double(), torch.nn.functional.gelu(y), atol=1e-4, rtol=0)
+
+
+def test_async_scheduling_tokens_equal_sync(make_checkpoint) -> None:
+    """Async scheduling on a GPU (each step launched while the last runs, its tokens filled in on the
+    device, CUDA graphs on) gives the synchronous engine's tokens, float32."""
+    path, config = make_checkpoint(GEOMETRIES[1], seed=6, tokenizer=False)
+    prompts = prompts_for(config.vocab_size, seed=8) * 2
+    params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    sync = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16)
+    expected = [o.output_ids for o in sync.generate(prompts, params)]
+    del sync
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16, async_scheduling=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.max_batches_in_flight == 2

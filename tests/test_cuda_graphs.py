@@ -105,10 +105,10 @@ def test_static_decode_gives_the_eager_tokens_for_every_bucket_and_padded_rows_w
     run = graphs.run
     seen: list[tuple[int, int]] = []  # (live requests, bucket) of every static step
 
-    def checked_run(inputs):
+    def checked_run(inputs, ahead=None):
         """The pool after the step differs from before only in the live rows' slots."""
         before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        logits = run(inputs)
+        logits = run(inputs, ahead)
         live_slots = torch.from_numpy(inputs.slot_mapping.copy())
         untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
         untouched[live_slots] = False
@@ -298,10 +298,10 @@ def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model
         recordings[meta.num_requests].append((live, recorder.launches))
         return logits
 
-    def counting_run(inputs, run=graphs.run):
+    def counting_run(inputs, ahead=None, run=graphs.run):
         nonlocal live
         live = inputs.num_requests
-        return run(inputs)
+        return run(inputs, ahead)
 
     graphs.forward, graphs.run = recorded_forward, counting_run
     prompts, params = _workload(llm.engine.model_config.vocab_size)

@@ -116,13 +116,14 @@ def test_graphs_on_vs_off_with_equal_tokens(quick_run):
     assert g["captured"] is False and "no CUDA graph is captured on cpu" in g["note"]  # said, not implied
     assert list(g["models"]) == ["gpt2-tiny", "llama-tiny"]
     for name, m in g["models"].items():
-        assert m["modes"] == {"on": "static", "off": "eager"}, name  # CPU: the static buffers, run eagerly
+        # CPU: the static buffers, run eagerly; async: the same, with async scheduling
+        assert m["modes"] == {"on": "static", "off": "eager", "async": "static+async"}, name
         assert m["captured"] is False and m["max_num_seqs"] == 8 and m["capture_sizes"] == [1, 2, 4, 8]
         assert m["dtype"] == "float32" and m["layers"] == 2
         assert m["tokens_equal"] is True and m["token_check"]["mismatched"] == []
         assert m["token_check"]["requests"] == 8
         assert m["token_check"]["tokens"] == sum(4 + 4 * i for i in range(8))  # outputs of 4, 8, ... 32
-        for mode in ("on", "off"):
+        for mode in ("on", "off", "async"):
             assert finite_positive(m["build_seconds"][mode])
             assert list(m["decode"][mode]) == ["1", "2", "8"]
             for running, f in m["decode"][mode].items():

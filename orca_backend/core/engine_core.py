@@ -43,10 +43,13 @@ class EngineCore:
             config.tokenizer_path(), model_config.vocab_size, model_config.eos_token_id,
             wake=lambda: self._inbox.put(("wake",)), compile_timeout_s=config.structured_output_compile_timeout_s,
         )  # fmt: skip
+        # Batches in flight hold different requests under pipeline parallelism (that many batches' worth
+        # may run), the same ones under async scheduling (one step ahead of the other).
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.scheduling == "request", model_config.eos_token_id,
-            pipeline_depth=self.executor.max_in_flight, max_num_batched_tokens=config.max_num_batched_tokens,
-            priority_aging_s=config.priority_aging_s, structured=self.structured,
+            pipeline_depth=1 if config.async_scheduling else self.executor.max_in_flight,
+            max_num_batched_tokens=config.max_num_batched_tokens, priority_aging_s=config.priority_aging_s,
+            structured=self.structured, async_scheduling=config.async_scheduling,
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
@@ -142,6 +145,7 @@ class EngineCore:
         except Exception as exc:  # a failed forward ends only the request that fails alone; a run of them, the engine
             logger.exception("iteration failed; %s", "ending its request" if len(batch.requests) == 1
                              else f"re-running its {len(batch.requests)} requests in halves to find the one that fails")
+            outputs += self._discard_later_batches()
             outputs += self.scheduler.fail_batch(batch, f"model execution failed: {exc}")
             # The budget is for failures bisection cannot attribute (a sticky device error fails every
             # fresh batch): the re-runs that narrow a failure down to its request never spend it, so
@@ -158,6 +162,21 @@ class EngineCore:
         if self.iteration_log is not None:
             self._log_iteration(batch)
         outputs += updated
+        return outputs
+
+    def _discard_later_batches(self) -> CoreOutputs:
+        """Async scheduling: the batches submitted after a failed one ran on its tokens; their results
+        are dropped (collected, so the executor holds nothing) and their requests untouched."""
+        outputs = CoreOutputs()
+        while self._in_flight:
+            later = self._in_flight.popleft()
+            try:
+                self.executor.collect_oldest()
+            except WorkerFailure as exc:
+                outputs += self._die(f"a model worker failed: {exc}")
+            except Exception:  # noqa: BLE001 - it ran on a failed step's tokens: its own error says nothing more
+                pass
+            self.scheduler.discard_batch(later)
         return outputs
 
     def _log_iteration(self, batch: ScheduledBatch) -> None:

@@ -89,9 +89,10 @@ class KVCacheManager(ABC):
         return True
 
     def grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Makes room for the request's next `num_new_tokens`; False if the pool has too few free
-        blocks (never under reservation, whose blocks were all taken at admission)."""
-        missing = self.blocks_for(request.num_computed + num_new_tokens) - len(request.block_table)
+        """Makes room for the request's next `num_new_tokens` after those already scheduled; False if
+        the pool has too few free blocks (never under reservation, whose blocks were all taken at
+        admission)."""
+        missing = self.blocks_for(request.num_scheduled + num_new_tokens) - len(request.block_table)
         if missing <= 0:
             return True
         if missing > self.pool.num_free:

@@ -35,8 +35,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    # Written by the scheduler alone: part of a batch that has not returned yet (pipeline parallelism).
-    in_flight: bool = False
+    # Written by the scheduler alone: the batches holding it that have not returned yet (one at most,
+    # except under async scheduling: its next decode is scheduled while one is in flight), and the
+    # tokens those batches compute.
+    in_flight: int = 0
+    num_in_flight_tokens: int = 0
     block_table: list[int] = field(default_factory=list)  # its K/V blocks, in context order
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
@@ -59,6 +62,9 @@ class Request:
     # The tokens that end it with "stop" (stop ids, and EOS unless ignored), set by the scheduler (which
     # knows EOS) as it takes the request in (core/stop.py).
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    # Async scheduling may run its next step before its token lands: not for a grammar (its next mask
+    # needs the token) nor penalties (the runner counts tokens as they are recorded).
+    can_run_ahead: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -66,10 +72,17 @@ class Request:
         if p.logprobs is not None:
             self.output_logprobs = []
         self.num_prompt_tokens = len(self.prompt_ids)
+        self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
+            and p.repetition_penalty == 1.0  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens computed, or being computed by a batch in flight: where its next step starts."""
+        return self.num_computed + self.num_in_flight_tokens
 
     @property
     def max_total_tokens(self) -> int:

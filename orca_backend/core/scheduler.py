@@ -103,10 +103,15 @@ def make_scheduler_output(
             grown_ids.append(request.request_id)
             grown_block_ids.append(table[sent:])
         request.num_blocks_sent = len(table)
+    # Each request's first position this step: what it had scheduled before (the batch is counted in
+    # flight already). A request in flight in an earlier batch too runs ahead (async scheduling): its
+    # input token is the one that batch samples, which the runner fills in on the device.
+    num_computed = [r.num_scheduled - n for r, n in zip(requests, batch.num_new_tokens, strict=True)]
     output = SchedulerOutput(
-        step_id, list(map(_request_id, requests)), batch.num_new_tokens, list(map(_num_computed, requests)), new,
+        step_id, list(map(_request_id, requests)), batch.num_new_tokens, num_computed, new,
         recorded[0], recorded[1], grown_ids, grown_block_ids, preempted_ids or [], finished_ids or [],
     )  # fmt: skip
+    output.ahead_rows = [i for i, r in enumerate(requests) if r.in_flight > 1]
     # The bitmask rows of the constrained requests that sample (compute their last token) this step.
     if not any(map(_structured, requests)):
         return output
@@ -120,8 +125,14 @@ def make_scheduler_output(
 
 
 _request_id = operator.attrgetter("request_id")
-_num_computed = operator.attrgetter("num_computed")
 _structured = operator.attrgetter("structured")
+
+
+def _mark(request: Request, batches: int, tokens: int | None = None) -> None:
+    """Counts a batch (and its tokens; one by default) in flight for the request, or with negative
+    numbers one that returned or was taken back."""
+    request.in_flight += batches
+    request.num_in_flight_tokens += batches if tokens is None else tokens
 
 
 class Scheduler:
@@ -129,8 +140,12 @@ class Scheduler:
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
         pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic, structured: StructuredOutputManager | None = None,
+        async_scheduling: bool = False,
     ) -> None:  # fmt: skip
         self.kv = kv
+        # Async scheduling: a running request's next decode may be scheduled while its last step is in
+        # flight (`_runs_ahead`); the executor then holds two steps at once.
+        self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs  # requests in one batch
         # With `pipeline_depth` batches in flight, that many batches' worth of requests may run.
         self.max_running = max_num_seqs * pipeline_depth
@@ -256,15 +271,21 @@ class Scheduler:
         need_block: list[Request] = []
         last_prompt_tokens = 0  # decodes of a prompt's last token (the rest was a prefix-cache hit)
         for request in self.running:
-            if request.in_flight:  # its batch has not returned (pipeline parallelism)
-                continue
+            # In flight: its batch has not returned (pipeline parallelism), unless async scheduling
+            # runs its next decode now, on the token that batch samples (counted in `left`).
+            ahead = 0
+            if request.in_flight:
+                if not self._runs_ahead(request):
+                    continue
+                ahead = 1
             num_output = len(request.output_ids)
-            left = request.num_prompt_tokens + num_output - request.num_computed
+            scheduled = request.num_scheduled
+            left = request.num_prompt_tokens + num_output + ahead - scheduled
             if left == 1:
-                request.in_flight = True
+                _mark(request, 1)
                 decodes.append(request)
                 last_prompt_tokens += not num_output
-                if request.num_computed >= len(request.block_table) * block_size:
+                if scheduled >= len(request.block_table) * block_size:
                     need_block.append(request)
             elif left > 1:
                 prefills.append(request)
@@ -276,14 +297,14 @@ class Scheduler:
             self.num_prompt_tokens_computed += last_prompt_tokens
         else:
             for request in decodes:  # only what the loop below schedules is in flight
-                request.in_flight = False
+                _mark(request, -1)
             batch = ScheduledBatch([], [])
             for i, request in enumerate(decodes + prefills):
                 if len(batch.requests) == self.max_num_seqs or budget == 0:
                     break
                 if request.status is not _RUNNING:  # preempted in this loop
                     continue
-                num_new = min(request.num_tokens - request.num_computed, budget)
+                num_new = min(request.num_tokens + (request.in_flight > 0) - request.num_scheduled, budget)
                 if self._make_room(request, num_new, batch):
                     budget -= self._add(batch, request, num_new)
                     batch.num_decodes += i < len(decodes)  # the decodes come first
@@ -308,13 +329,13 @@ class Scheduler:
         return batch if batch.requests else None
 
     def _grow_all(self, requests: list[Request]) -> bool:
-        """Gives each decode its next block, if the pool has one for every one of them (no preemption
-        needed); False, holding nothing more, if it has not."""
+        """Gives each decode (already marked scheduled) its next block, if the pool has one for every
+        one of them (no preemption needed); False, holding nothing more, if it has not."""
         if not requests:
             return True
         if len(requests) > self.kv.pool.num_free:
             return False
-        return all([self._grow(request, 1) for request in requests])
+        return all([self._grow(request, 0) for request in requests])
 
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
         """KVCacheManager.grow, recording a request whose table it grew (the runners are sent its new blocks)."""
@@ -340,12 +361,22 @@ class Scheduler:
         return None
 
     def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
-        request.in_flight = True
+        first = request.num_scheduled
+        _mark(request, 1, num_new)
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
-        first = request.num_computed
         self.num_prompt_tokens_computed += max(min(first + num_new, request.num_prompt_tokens) - first, 0)
         return num_new
+
+    def _runs_ahead(self, request: Request) -> bool:
+        """Async scheduling: whether a request in flight gets its next decode now. Its one batch in
+        flight must sample its next token (the placeholder the runner fills on the device), that
+        token must not end it by length, and nothing of its next step may need the token on the host
+        (`Request.can_run_ahead`). A stop token found when the batch lands costs the step run ahead,
+        which is dropped (`update_from_output`)."""
+        return (self.async_scheduling and request.in_flight == 1 and request.can_run_ahead
+                and request.num_scheduled == request.num_tokens
+                and len(request.output_ids) + 1 < request.params.max_tokens)  # fmt: skip
 
     def _make_room(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Grows the request's block table for its next tokens, preempting running requests (the
@@ -399,9 +430,10 @@ class Scheduler:
         prefix_caching, generated = self.kv.enable_prefix_caching, 0
         for request, num_new, token, token_logprobs in zip(requests, batch.num_new_tokens, sampled,
                                                            logprobs or itertools.repeat(None), strict=False):  # fmt: skip
-            request.in_flight = False
-            if request.status is _FINISHED:  # aborted while in flight: only now is its K/V safe to free
-                self.kv.free(request)
+            _mark(request, -1, -num_new)
+            if request.status is _FINISHED:  # ended while in flight: only with no batch left is its K/V free
+                if not request.in_flight:
+                    self.kv.free(request)
                 continue
             output_ids = request.output_ids
             num_computed = request.num_computed = request.num_computed + num_new
@@ -472,7 +504,7 @@ class Scheduler:
         iteration was recorded, so a re-run computes the same tokens (a request's sampler state has
         advanced only if the failure came after its token was drawn). The engine goes on, unless
         the failure budget (EngineCore's) is spent."""
-        landed = [r for r in batch.requests if self._landed(r)]
+        landed = [r for r, n in zip(batch.requests, batch.num_new_tokens, strict=True) if self._landed(r, n)]
         if len(landed) > 1:
             middle = len(landed) // 2
             self._suspects.extendleft([landed[middle:], landed[:middle]])
@@ -493,19 +525,26 @@ class Scheduler:
         outputs, self._held = self._held, []
         self._suspects.clear()
         for request in [*self.running, *self.waiting, *self._compiling.values()]:
-            request.in_flight = False
+            request.in_flight = request.num_in_flight_tokens = 0
             self._end(request, FinishReason.ERROR)
             outputs.append(self._output(request, error))
         return CoreOutputs(others=outputs)
 
-    def _landed(self, request: Request) -> bool:
-        """Its batch has returned. False for a request aborted while the batch was in flight: only
-        now is its K/V safe to free, and nothing more happens to it."""
-        request.in_flight = False
+    def _landed(self, request: Request, num_new: int) -> bool:
+        """Its batch has returned. False for a request that ended while the batch was in flight: with
+        no batch left in flight its K/V is now safe to free, and nothing more happens to it."""
+        _mark(request, -1, -num_new)
         if request.finished:
-            self.kv.free(request)
+            if not request.in_flight:
+                self.kv.free(request)
             return False
         return True
+
+    def discard_batch(self, batch: ScheduledBatch) -> None:
+        """A batch run ahead of one that failed (async scheduling): its results are dropped unread and
+        its requests are as if it had never been scheduled; the failed batch's handling goes on."""
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+            self._landed(request, num_new)
 
     def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:

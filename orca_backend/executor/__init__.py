@@ -18,7 +18,7 @@ def make_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executo
         from orca_backend.executor.local import LocalExecutor
         from orca_backend.worker.model_runner import ModelRunner
 
-        return LocalExecutor(ModelRunner(config, model_config, device))
+        return LocalExecutor(ModelRunner(config, model_config, device), config.async_scheduling)
     from orca_backend.executor.multiproc import WorkerPoolExecutor
 
     return WorkerPoolExecutor(config, model_config)

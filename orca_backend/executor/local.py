@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections import deque
 
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
-from orca_backend.worker.model_runner import ModelRunner
+from orca_backend.worker.model_runner import LaunchedStep, ModelRunner
 
 
 class LocalExecutor:
-    """A step's deltas are taken in when it is submitted; it runs when it is collected, on the thread
-    that collects it."""
+    """A step's deltas are taken in when it is submitted. It runs when it is collected, on the thread
+    that collects it; under async scheduling it is launched at once instead (on a GPU its kernels are
+    queued and the host goes on), and up to two steps are in flight: the next one is scheduled and
+    launched while the last runs, and a step's tokens are read back when it is collected."""
 
-    max_in_flight = 1
-
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, async_scheduling: bool = False) -> None:
         self.runner = runner
-        self._pending: deque[SchedulerOutput] = deque()
+        self.max_in_flight = 2 if async_scheduling else 1
+        self._pending: deque[SchedulerOutput | LaunchedStep] = deque()
 
     @property
     def num_in_flight(self) -> int:
@@ -24,10 +25,13 @@ class LocalExecutor:
 
     def submit(self, step: SchedulerOutput) -> None:
         self.runner.update_states(step)
-        self._pending.append(step)
+        self._pending.append(self.runner.launch(step) if self.max_in_flight > 1 else step)
 
     def collect_oldest(self) -> SamplerOutput:
-        return self.runner.execute(self._pending.popleft())
+        pending = self._pending.popleft()
+        if isinstance(pending, SchedulerOutput):
+            return self.runner.execute(pending)
+        return pending.result()
 
     def shutdown(self) -> None:
         self._pending.clear()

@@ -98,11 +98,14 @@ class DecodeGraphs:
         """Whether the step is decode-only (one new token per request) and small enough for a bucket."""
         return inputs.max_query_len == 1 and inputs.num_tokens == inputs.num_requests <= self.max_size
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The logits [B, vocab] of a decode-only step (`fits`): its graph replayed on CUDA, the same
-        static-buffer forward run eagerly elsewhere. On CUDA the view is valid until the next run."""
+        static-buffer forward run eagerly elsewhere. On CUDA the view is valid until the next run.
+        `ahead` (async scheduling): (token positions, ids) written over the input tokens on the device."""
         num_requests = inputs.num_requests
         size = self.load(inputs)
+        if ahead is not None:
+            self.tokens[0].index_copy_(0, *ahead)
         graph = self.graphs.get(size)
         if graph is None:
             return self.forward(*self.views(size))[:num_requests]

@@ -270,15 +270,18 @@ class InputBatch:
         return StepInputs(
             input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
             max_query_len=max_query_len, max_context_len=max_context_len,
-            sampling=self._sampling(rows, context_lens),
+            sampling=self._sampling(rows, context_lens, step.ahead_rows),
         )  # fmt: skip
 
-    def _sampling(self, rows: np.ndarray, context_lens: np.ndarray) -> SamplingBatch:
+    def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int]) -> SamplingBatch:
         columns = self._columns[1] if self._columns is not None and self._columns[0] is rows else None
         if columns is None:
             columns = self._row_columns(rows)
             self._columns = (rows, columns)
         num_tokens = self.num_tokens[rows]
+        if ahead_rows:  # their last token, sampled by the step still in flight, is not recorded yet
+            num_tokens = num_tokens.copy()
+            num_tokens[ahead_rows] += 1
         sample = context_lens == num_tokens
         banned: list[tuple[int, list[int]]] = []
         if columns.min_tokens.any():

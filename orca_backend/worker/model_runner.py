@@ -9,7 +9,9 @@ inside each worker process, each applying the same deltas.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +28,24 @@ from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
-from orca_backend.worker.sampler import Sampler
+from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
 
 logger = logging.getLogger("orca.worker")
+
+
+@dataclass
+class LaunchedStep:
+    """A step launched (`ModelRunner.launch`): its sampled ids on their way, or the error it raised."""
+
+    sampled: SampledTokens | None = None
+    error: BaseException | None = None
+
+    def result(self) -> SamplerOutput:
+        if self.error is not None:
+            raise self.error
+        assert self.sampled is not None
+        return self.sampled.result()
 
 
 class ModelRunner:
@@ -55,6 +71,9 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = Sampler()
         self._step: tuple[int, StepInputs] | None = None  # the inputs of the step being run (run_stage, then sample)
+        # The last step's request ids and sampled ids on the device: under async scheduling the next
+        # step's requests run ahead on them (`SchedulerOutput.ahead_rows`).
+        self._last_sampled: tuple[list[str], torch.Tensor] | None = None
         # CUDA: the persistent device buffers the host buffers are copied into, and the event that marks the
         # last copies done (the host buffers are not written again before it).
         self._device_buffers: dict[str, torch.Tensor] = {}
@@ -111,10 +130,19 @@ class ModelRunner:
         self.input_batch.apply(step)
 
     # One inference-mode scope per entry point: entering one costs microseconds, every iteration.
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
         """The whole model in this process, on a step whose deltas it has taken in: forward and sample."""
-        return self._sample(self._run_stage(step), step)
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        """`execute` without waiting for the sampled ids (on a GPU the step's kernels are queued and the
+        host goes on); an error is kept for `result()`, as `execute` would have raised it."""
+        try:
+            return LaunchedStep(self._launch_sample(self._run_stage(step), step))
+        except Exception as e:  # noqa: BLE001 - raised by result(), where execute would have raised it
+            self._last_sampled = None  # a step run ahead of this one cannot take its tokens
+            return LaunchedStep(error=e)
 
     @torch.inference_mode()
     def run_stage(self, step: SchedulerOutput, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,18 +159,39 @@ class ModelRunner:
             self._copied.synchronize()
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
+        ahead = self._ahead_tokens(step) if step.ahead_rows else None
         if self.decode_graphs is not None and hidden is None and self.decode_graphs.fits(inputs):
-            return self.decode_graphs.run(inputs)
+            return self.decode_graphs.run(inputs, ahead)
         input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
+        if ahead is not None:
+            input_ids.index_copy_(0, *ahead)
         return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
 
+    def _ahead_tokens(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token positions, ids) of the requests run ahead: each one's input token is the id the
+        last step sampled for it, still on the device (its copy to the host may not have landed)."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step runs ahead of a step that sampled nothing (it failed)")
+        last_ids, last_tokens = self._last_sampled
+        where = {request_id: i for i, request_id in enumerate(last_ids)}
+        starts = list(itertools.accumulate(step.num_scheduled_tokens, initial=0))
+        rows = step.ahead_rows
+        index = np.array([[starts[r] for r in rows], [where[step.scheduled_ids[r]] for r in rows]], dtype=np.int64)
+        positions, sources = self._to_device("ahead", index)
+        return positions, last_tokens.index_select(0, sources)
+
     def _sample(self, logits: torch.Tensor, step: SchedulerOutput) -> SamplerOutput:
+        return self._launch_sample(logits, step).result()
+
+    def _launch_sample(self, logits: torch.Tensor, step: SchedulerOutput) -> SampledTokens:
         assert self._step is not None and self._step[0] == step.step_id, "sample() follows run_stage() of the same step"
         inputs = self._step[1]
         if step.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
-        return self.sampler.sample(logits, inputs.sampling)
+        sampled = self.sampler.launch(logits, inputs.sampling)
+        self._last_sampled = (step.scheduled_ids, sampled.tokens)
+        return sampled
 
     def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's index tensors: the input batch wrote them into three persistent host buffers

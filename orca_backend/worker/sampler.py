@@ -15,6 +15,7 @@ then greedy's argmax, or temperature, top-k, top-p and a draw.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,14 +25,40 @@ from orca_backend.scheduler_output import SamplerOutput
 from orca_backend.worker.input_batch import SamplingBatch
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled ids, on the logits' device (`tokens`), on their way to the host."""
+
+    tokens: torch.Tensor  # int64 [B]
+    logprobs: list[TokenLogprobs | None] | None
+    host: torch.Tensor | None = None  # CUDA: the pinned buffer the ids are copied into
+    copied: torch.cuda.Event | None = None
+
+    def result(self) -> SamplerOutput:
+        """The ids as a list, once their copy has landed (a wait for the step on a GPU)."""
+        if self.host is None:
+            return SamplerOutput(self.tokens.tolist(), self.logprobs)
+        assert self.copied is not None
+        self.copied.synchronize()
+        return SamplerOutput(self.host.tolist(), self.logprobs)
+
+
 class Sampler:
     def __init__(self) -> None:
-        self._pinned: torch.Tensor | None = None  # CUDA: where the sampled ids are copied to the host
+        # CUDA: where the sampled ids are copied to the host, two buffers in turn (under async
+        # scheduling a step's copy is queued before the last one's ids are read).
+        self._pinned: list[torch.Tensor] = []
+        self._turn = 0
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, vocab] float32, one row per scheduled request (changed in place). Returns one
         token id per request (the core ignores those of prefill chunks, `batch.sample` False), and the
         logprobs of the requests that asked for them."""
+        return self.launch(logits, batch).result()
+
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """`sample`, leaving the ids on the device with their copy to the host queued (on a GPU
+        nothing waits for the step here, unless a request asked for logprobs)."""
         raw_logprobs = None
         if batch.logprobs:  # before any processing
             raw_logprobs = logits[[position for position, _ in batch.logprobs]].log_softmax(dim=-1)
@@ -44,22 +71,22 @@ class Sampler:
         random_rows = np.flatnonzero((batch.temperature > 0) & batch.sample).tolist() if batch.generators else []
         if random_rows:
             tokens[random_rows] = _sample_random(logits[random_rows], batch, random_rows)
-        token_ids = self._to_host(tokens)
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids)
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, tokens, batch.logprobs, len(batch.sample)))
-
-    def _to_host(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled ids as a list. From a GPU: one non-blocking copy into a persistent pinned buffer
-        and a wait on it (a plain `tolist` stages through pageable memory)."""
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.logprobs, len(batch.sample))
         if not tokens.is_cuda:
-            return tokens.tolist()
-        if self._pinned is None or self._pinned.numel() < tokens.numel():
-            self._pinned = torch.empty(max(tokens.numel(), 256), dtype=torch.int64, pin_memory=True)
-        host = self._pinned[: tokens.numel()]
+            return SampledTokens(tokens, logprobs)
+        # One non-blocking copy into a persistent pinned buffer (a plain `tolist` stages through
+        # pageable memory and waits for the stream).
+        self._turn ^= 1
+        if len(self._pinned) < 2 or self._pinned[self._turn].numel() < tokens.numel():
+            size = max(tokens.numel(), 256)
+            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        host = self._pinned[self._turn][: tokens.numel()]
         host.copy_(tokens, non_blocking=True)
-        torch.cuda.current_stream(tokens.device).synchronize()
-        return host.tolist()
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledTokens(tokens, logprobs, host, copied)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
