@@ -119,6 +119,19 @@ def write_kv_and_attend(
     return attention(q, k_cache, v_cache, meta, scale)
 
 
+def rotate_and_attend(
+    rotary: Callable, write_kv_attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """A rotary layer's attention step (the Llama family): rotary of this step's q and k at
+    `positions`, then `write_kv_attention` of the rotated q/k and v, so the pool holds rotated keys.
+    Kernel sets bind their own rotary and write_kv_attention (dispatch.py); the Triton set fuses all
+    three into one launch for decodes. q and k are not modified (the rotaries return new tensors)."""
+    q, k = rotary(q, k, positions, cos_sin)
+    return write_kv_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
 def gqa_group_size(num_q_heads: int, num_kv_heads: int) -> int:
     """Query heads per K/V head; a clear error for a head layout no model can have."""
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:

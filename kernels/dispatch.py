@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_gpt2_ops, cpu_llama_ops, native
-from .attention import attention_torch, write_kv_and_attend, write_kv_torch
+from .attention import attention_torch, rotate_and_attend, write_kv_and_attend, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
@@ -41,7 +41,13 @@ KERNEL_ENV = "ORCA_KERNELS"
 class KernelOps:
     """One implementation of every op the model families call; the signatures are the torch
     references' (GPT-2: add_layernorm, bias_gelu; Llama family: add_rmsnorm, silu_and_mul, rotary;
-    attention and write_kv are shared, GQA included)."""
+    attention and write_kv are shared, GQA included).
+
+    The models call the compositions: GPT-2 write_kv_attention, the Llama family
+    rotary_write_kv_attention. The torch and cpu sets compose their own ops (attention.py's
+    write_kv_and_attend and rotate_and_attend, bound here, so replacing `rotary` on a set does not
+    change its composition); the Triton set fuses them for a decode-only batch into the split-K
+    decode launch (rotary, the K/V write and attention in one kernel, + its reduce)."""
 
     name: str  # "triton", "cpu" or "torch"
     add_layernorm: Callable
@@ -53,6 +59,9 @@ class KernelOps:
     rotary: Callable
     # (q, k, v, k_cache, v_cache, meta, scale): write_kv, then attention; what the models call
     write_kv_attention: Callable
+    # (q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale): rotary of q and k, then
+    # write_kv_attention; what the Llama family calls
+    rotary_write_kv_attention: Callable
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -101,15 +110,17 @@ def bias_gelu_cpu_or_torch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 # GPT-2's LayerNorm and bias-GELU have C versions too (csrc/gpt2_ops.c, issue #19): at batch 1 each
 # reference is 2 dispatch-bound aten ops, 37 calls per GPT-2-small step.
+_write_kv_attention_torch = functools.partial(write_kv_and_attend, write_kv_torch, attention_torch)
+_write_kv_attention_cpu = functools.partial(write_kv_and_attend, write_kv_cpu, attention_cpu)
 TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
-    add_rmsnorm_torch, silu_and_mul_torch, rotary_torch,
-    functools.partial(write_kv_and_attend, write_kv_torch, attention_torch),
+    add_rmsnorm_torch, silu_and_mul_torch, rotary_torch, _write_kv_attention_torch,
+    functools.partial(rotate_and_attend, rotary_torch, _write_kv_attention_torch),
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
-    add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch,
-    functools.partial(write_kv_and_attend, write_kv_cpu, attention_cpu),
+    add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
+    functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -170,6 +181,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_silu.silu_and_mul_triton,
         triton_rotary.rotary_triton,
         triton_attention.write_kv_attention_triton,
+        triton_attention.rotary_write_kv_attention_triton,
     )
 
 

@@ -35,6 +35,12 @@ rescaling. ``NUM_SPLITS`` comes from the batch size, the K/V-head programs and t
 CUDA graph captured per batch size replays for any contexts. A request of context 0 (a padded row
 of such a graph's batch) reads no K/V and gets zeros, as it does from the ragged kernel; its slot
 -1 makes `write_kv_triton` write nothing for it.
+
+The split kernel also takes over the launches before it in a decode: `write_kv_attention_triton`
+has it write this step's K/V to the pool (FUSED_WRITE), and `rotary_write_kv_attention_triton`
+(the Llama family) has it apply the rotary embedding to the query and the new key first (ROTARY),
+with the same fp32 math and rounding as `rotary_triton`: one launch (+ the reduce) where there
+were three. Other batches run the separate kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from . import triton_rotary
 from .attention import AttentionMetadata, gqa_group_size
+from .rotary import check_rotary_args
 
 
 @triton.jit
@@ -240,6 +248,19 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _rotate(x1_ptrs, mask, cos, sin, first_half, HALF: tl.constexpr):
+    """Neox rotary of the elements whose first-half partner is at ``x1_ptrs`` (element d of a head
+    reads x1 = x[d % HALF] and x2 = x[d % HALF + HALF]): ``x1 cos - x2 sin`` where ``first_half``,
+    else ``x2 cos + x1 sin``, in fp32. The same loads, casts and expressions as ``_rotate_heads`` in
+    triton_rotary.py (the unfused kernel), so that the compiler sees the same arithmetic (on sm_90
+    both compile to the same mul + fma pairs under fp fusion); the caller rounds the result to the
+    storage dtype, as that kernel's store does."""
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(first_half, x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -252,6 +273,8 @@ def _decode_split_kernel(
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
+    pos_ptr,
+    cos_sin_ptr,
     stride_bt,
     stride_qt,
     stride_qh,
@@ -265,6 +288,7 @@ def _decode_split_kernel(
     stride_knh,
     stride_vnt,
     stride_vnh,
+    stride_cs,
     num_heads,
     num_splits,
     ml_stride,
@@ -281,6 +305,7 @@ def _decode_split_kernel(
     HEAD_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
     FUSED_WRITE: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """Program (request r, K/V-head program g, split s) of a decode-only batch, whose token r is
     request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) into an
@@ -292,7 +317,12 @@ def _decode_split_kernel(
     holding the context's last position takes that key and value from k_new / v_new instead of
     the pool, and the first program of each K/V head stores them at the token's slot (none for
     slot -1). No program reads that slot, so the store races with no load: the write costs no
-    launch of its own."""
+    launch of its own.
+
+    ROTARY (with FUSED_WRITE): q and k_new are this step's un-rotated query and key (read, never
+    written); the kernel applies the neox rotary at positions[r] from the cos/sin table to both
+    (see `_rotate`), attends with the rotated query and stores the rotated key: rotary_triton's
+    launch fused away too."""
     req = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_SPLITS).to(tl.int64)
     head0 = tl.program_id(1) % HEAD_SPLITS * HEADS
@@ -316,9 +346,25 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_r < HEADS) & (offs_g < GROUP)
     qo_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
-    )
+    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
+    if ROTARY:
+        # The query and the new key are rotated here, at position positions[r] (a decode's position
+        # is its context length - 1), from row positions[r] of the fp32 cos/sin table: element d
+        # pairs with d +- HEAD_DIM / 2 and takes angle d % (HEAD_DIM / 2). fp32 math, then ONE
+        # rounding to the model dtype (q's: rotary_triton returns q_out and k_out in it), where
+        # rotary_triton rounds at its stores; the dot products and the pool see those rounded
+        # values, so pool, scores and output are the unfused path's.
+        pos = tl.load(pos_ptr + req).to(tl.int64)
+        pair = offs_d % (HEAD_DIM // 2)
+        first_half = offs_d < HEAD_DIM // 2
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + pair, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + pair, mask=d_mask, other=0.0).to(tl.float32)
+        # fmt: off
+        q = _rotate(q_rows + pair[None, :], qo_mask, cos[None, :], sin[None, :], first_half[None, :],
+                    HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
+        # fmt: on
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=qo_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
     # Every row is the same query and sees every key of the range; the masked tile's causal rule
@@ -342,7 +388,11 @@ def _decode_split_kernel(
     )
     # fmt: on
     if FUSED_WRITE:
-        k_new = tl.load(k_new_ptr + req * stride_knt + kv_head * stride_knh + offs_d, mask=d_mask, other=0.0)
+        k_row = k_new_ptr + req * stride_knt + kv_head * stride_knh
+        if ROTARY:  # rounded to the model dtype as the query (see above), then stored as it is
+            k_new = _rotate(k_row + pair, d_mask, cos, sin, first_half, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
+        else:
+            k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
         v_new = tl.load(v_new_ptr + req * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_mask, other=0.0)
         if (hi == ctx) & (lo < hi):  # this split holds the new key: one more step of the online softmax
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
@@ -521,10 +571,13 @@ def _decode_attention(
     block_n: int | None,
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """A decode-only batch (token i is request i's one query) through the split-K kernels: plain
     integers size the grid and the scratch, and nothing is read back to the host. `new_kv` (k, v,
-    slot_mapping): this step's K/V, written to the pool by the same launch (see FUSED_WRITE)."""
+    slot_mapping): this step's K/V, written to the pool by the same launch (see FUSED_WRITE).
+    `rotary` (positions, cos_sin), with `new_kv` only: q and k are rotated by that launch too (see
+    ROTARY)."""
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -548,6 +601,13 @@ def _decode_attention(
         k_new = k_new.contiguous()
     if v_new.stride(-1) != 1:
         v_new = v_new.contiguous()
+    if rotary is not None and new_kv is None:
+        raise ValueError("the fused rotary needs the fused K/V write (new_kv)")
+    positions, cos_sin = rotary if rotary is not None else (slots, q)  # unread without ROTARY
+    if positions.stride(0) != 1:
+        positions = positions.contiguous()
+    if cos_sin.stride(-1) != 1:
+        cos_sin = cos_sin.contiguous()
     _decode_split_kernel[(num_requests, kv_programs, splits)](
         q,
         k_cache,
@@ -560,6 +620,8 @@ def _decode_attention(
         k_new,
         v_new,
         slots,
+        positions,
+        cos_sin,
         block_tables.stride(0),
         q.stride(0),
         q.stride(1),
@@ -573,6 +635,7 @@ def _decode_attention(
         k_new.stride(1),
         v_new.stride(0),
         v_new.stride(1),
+        cos_sin.stride(0),
         num_heads,
         splits,
         num_requests * num_heads * splits,  # ml's stride between m and l
@@ -589,6 +652,7 @@ def _decode_attention(
         HEAD_SPLITS=head_splits,
         DIRECT=direct,
         FUSED_WRITE=new_kv is not None,
+        ROTARY=rotary is not None,
         num_warps=4 if block_d <= 64 and rows <= 64 else 8,
         num_stages=2,
     )
@@ -715,6 +779,50 @@ def write_kv_attention_triton(
     gqa_group_size(q.shape[1], k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_attention(q, k_cache, v_cache, out, meta, scale, None, num_splits, (k, v, meta.slot_mapping))
+    return out
+
+
+def rotary_write_kv_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``rotary_triton`` of q and k at ``positions``, then ``write_kv_attention_triton`` of the rotated
+    q/k and v: the pool gets the rotated key, and the output is attention with the rotated query.
+
+    A decode-only batch takes ONE split-K launch (+ the reduce when it splits): the split kernel
+    rotates the query and the new key itself (ROTARY: positions and the cos/sin row read on the
+    device, no host read), rounding them to q's dtype where rotary_triton rounds, so the pool and
+    the output are bit for bit the unfused path's. Any other batch calls the two functions.
+
+    q, k and v are only read, on either path (rotary_triton returns new tensors; the fused kernel
+    rotates in registers): q and k, views of the fused qkv projection as a rule, are left
+    un-rotated, and only the attention output and the pool carry the rotation."""
+    num_tokens = q.shape[0]
+    check_rotary_args(q, k, positions, cos_sin)
+    if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
+        # The module, not a name imported from it: get_ops may reload triton_rotary (interpreter
+        # toggling), and this call must take the reloaded kernel.
+        q, k = triton_rotary.rotary_triton(q, k, positions, cos_sin)
+        return write_kv_attention_triton(q, k, v, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _unit_last_stride(k_cache, "k_cache")
+    _unit_last_stride(v_cache, "v_cache")
+    gqa_group_size(q.shape[1], k_cache.shape[1])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # fmt: off
+    _decode_attention(q, k_cache, v_cache, out, meta, scale, None, num_splits, (k, v, meta.slot_mapping),
+                      (positions, cos_sin))
+    # fmt: on
     return out
 
 

@@ -326,7 +326,8 @@ def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model
         assert {("c", "orca_kernels.cpu_attention.load_decode_kernel"),
                 ("c", "orca_kernels.cpu_attention.load_write_kv_kernel")} <= kinds  # fmt: skip
     if triton_kernels:
-        # The decode kernels, the K/V write fused into them.
+        # The decode kernels, the K/V write (and the Llama family's rotary) fused into them.
         launched = {name for kind, name in kinds if kind == "triton"}
-        assert {"_decode_split_kernel", "_decode_reduce_kernel"} <= launched and "_write_kv_kernel" not in launched, launched
+        assert {"_decode_split_kernel", "_decode_reduce_kernel"} <= launched, launched
+        assert not {"_write_kv_kernel", "_rotary_kernel"} & launched, launched
     assert PAD_SLOT == -1

@@ -103,13 +103,13 @@ def test_last_token_logits_match_transformers(checkpoints, case_id):
     llm = LLM(path, max_num_seqs=8, kv_capacity_tokens=1024)
     sampler = llm.engine.core.executor.runner.sampler
     captured: list[torch.Tensor] = []
-    sample = sampler.sample
+    launch = sampler.launch
 
-    def capture(logits: torch.Tensor, batch_meta) -> list[int]:
+    def capture(logits: torch.Tensor, batch_meta):
         captured.append(logits.clone())
-        return sample(logits, batch_meta)
+        return launch(logits, batch_meta)
 
-    sampler.sample = capture
+    sampler.launch = capture
     ps = prompts(320, seed=2)
     outs = llm.generate(ps, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # The first iteration prefilled all five; the third decoded each one's second new token.

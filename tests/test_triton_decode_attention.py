@@ -14,6 +14,7 @@ from attention_cases import make_meta, pool_slots
 from triton_testing import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
+    TOL,
     assert_close,
     randn,
     run_in_fresh_process,
@@ -21,7 +22,9 @@ from triton_testing import (
 )
 
 from orca_kernels import AttentionMetadata, KernelOps
+from orca_kernels.attention import attention_torch, write_kv_torch
 from orca_kernels.dispatch import TORCH_OPS
+from orca_kernels.rotary import rotary_torch
 
 # Decode contexts: a single key, one shorter than the interpreter's 4 splits, one BLOCK_N tile
 # exactly (the interpreter's 16), and two over several pool blocks and tiles, 37 a multiple of
@@ -241,6 +244,122 @@ class _Launches:
         return self.kernel[grid]
 
 
+# --- rotary fused in too (the Llama family's rotary_write_kv_attention) --------------------------
+
+
+def _cos_sin(head_dim: int, max_positions: int) -> torch.Tensor:
+    """The models' fp32 table (orca_backend.model.rope): cos(p * f) in the first half, sin in the second."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
+
+
+def _pools_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("layout", "dtype", "num_splits"),
+    [("mha", torch.float32, 3), ("group4", torch.float32, 1), ("mqa", torch.float32, 3),
+     ("mha", torch.bfloat16, 1), ("group4", torch.bfloat16, 3), ("mqa", torch.bfloat16, 1)],
+)  # fmt: skip
+def test_fused_rotary_equals_rotary_then_write_then_attention(
+    ops: KernelOps, layout: str, dtype: torch.dtype, num_splits: int
+) -> None:
+    """rotary_write_kv_attention on a decode batch (one split launch + the reduce: the kernel rotates
+    q and the new key, writes the rotated key and v, attends with the rotated q) against
+    rotary_torch + write_kv_torch + attention_torch: the output within the dtype's tolerance, and
+    the pool and the output bit for bit the unfused Triton path's (rotary_triton, then
+    write_kv_attention_triton). The pool equals the torch reference's bit for bit too in fp32 under
+    the interpreter; in bf16 the interpreter rounds fp32->bf16 toward zero (torch: to nearest even),
+    and a GPU may contract the rotation into FMAs, so there it is within the dtype's tolerance.
+    The new tokens' slots hold NaN before the call (reading one fails); padded rows (context 0,
+    slot -1, NaN q/k/v) give zeros and write nothing; q, k and v are left untouched."""
+    q_heads, kv_heads = LAYOUTS[layout]
+    live = _decode_meta(CONTEXTS, block_size=5, seed=4)
+    meta, places = _with_padded_rows(live, pad_after=[1, 4])
+    _, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=11)
+    k_cache[live.slot_mapping], v_cache[live.slot_mapping] = float("nan"), float("nan")
+    # q, k and v: views of one fused qkv projection, as the models make them.
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.full((meta.num_requests, q_heads + 2 * kv_heads, HEAD_DIM), float("nan"), dtype=dtype, device=DEVICE)
+    qkv[places] = randn(live.num_requests, q_heads + 2 * kv_heads, HEAD_DIM, g=g, dtype=dtype)
+    q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=1)
+    # A decode's position is its context length - 1; a padded row's is 0 (as the CUDA-graph runner pads).
+    positions = (meta.context_lens.long() - 1).clamp(min=0)
+    cos_sin = _cos_sin(HEAD_DIM, max(CONTEXTS) + 8)
+    scale = HEAD_DIM**-0.5
+    qkv_before = qkv.clone()
+
+    q_rot, k_rot = rotary_torch(q[places], k[places], positions[places], cos_sin)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_torch(k_rot, v[places], k_ref, v_ref, live.slot_mapping)
+    expected = attention_torch(q_rot.float(), k_ref.float(), v_ref.float(), live, scale)
+    k_unfused, v_unfused = k_cache.clone(), v_cache.clone()
+    unfused = ops.write_kv_attention(
+        *ops.rotary(q, k, positions, cos_sin), v, k_unfused, v_unfused, meta, scale, num_splits=num_splits
+    )
+
+    out = ops.rotary_write_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale, num_splits=num_splits)
+
+    assert_close(out[places], expected, dtype)
+    padded = [i for i in range(meta.num_requests) if i not in places]
+    assert torch.equal(out[padded], torch.zeros_like(out[padded]))
+    assert torch.equal(out, unfused)
+    _pools_equal(k_cache, k_unfused)
+    _pools_equal(v_cache, v_unfused)
+    if dtype == torch.float32 and DEVICE == "cpu":
+        _pools_equal(k_cache, k_ref)
+    else:
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(k_cache, k_ref, atol=atol, rtol=rtol, equal_nan=True)
+    _pools_equal(v_cache, v_ref)
+    _pools_equal(qkv, qkv_before)
+
+
+def test_torch_composition_is_rotary_then_write_then_attention() -> None:
+    """The torch set's rotary_write_kv_attention is rotary_torch, write_kv_torch, attention_torch."""
+    meta = make_meta("cpu", [(3, 3), (1, 6)], block_size=5)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, meta.slot_mapping.numel(), 2, HEAD_DIM, generator=g).unbind(0)
+    caches = torch.randn(2, pool_slots(meta), 2, HEAD_DIM, generator=g)
+    positions, cos_sin = torch.tensor([0, 1, 2, 5]), _cos_sin(HEAD_DIM, 8).cpu()
+    expected_caches = caches.clone()
+    q_rot, k_rot = rotary_torch(q, k, positions, cos_sin)
+    write_kv_torch(k_rot, v, *expected_caches, meta.slot_mapping)
+    expected = attention_torch(q_rot, *expected_caches, meta, 0.25)
+
+    out = TORCH_OPS.rotary_write_kv_attention(q, k, v, positions, cos_sin, *caches, meta, 0.25)
+
+    assert torch.equal(out, expected) and torch.equal(caches, expected_caches)
+
+
+def test_fused_rotary_is_one_launch(ops: KernelOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch: the split kernel (and the reduce), no rotary kernel and no K/V write kernel;
+    a prefill batch: rotary, the K/V write, then the ragged kernel."""
+    from orca_kernels import triton_rotary
+
+    module = _module()
+    launched: list[str] = []
+    for owner, name in ((module, "_decode_split_kernel"), (module, "_decode_reduce_kernel"),
+                        (module, "_write_kv_kernel"), (module, "_attention_kernel"), (triton_rotary, "_rotary_kernel")):  # fmt: skip
+        monkeypatch.setattr(owner, name, _Launches(getattr(owner, name), name, launched))
+    cos_sin = _cos_sin(HEAD_DIM, 16)
+    for meta, expected in ((_decode_meta([3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
+                           (make_meta(DEVICE, [(3, 3), (1, 6)], block_size=5),
+                            ["_rotary_kernel", "_write_kv_kernel", "_attention_kernel"])):  # fmt: skip
+        launched.clear()
+        tokens, g = meta.slot_mapping.numel(), torch.Generator().manual_seed(0)
+        q, k, v = (randn(tokens, 2, HEAD_DIM, g=g) for _ in range(3))
+        k_cache, v_cache = (randn(pool_slots(meta), 2, HEAD_DIM, g=g) for _ in range(2))
+        positions = torch.tensor([0, 1, 2, 5] if tokens == 4 else [2, 8], device=DEVICE)
+        decode = tokens == meta.num_requests
+        ops.rotary_write_kv_attention(
+            q, k, v, positions, cos_sin, k_cache, v_cache, meta, 0.25, num_splits=2 if decode else None
+        )
+        assert launched == expected
+
+
 def test_ragged_kernel_context_zero_row_is_zero(ops: KernelOps) -> None:
     """The ragged (non-decode) kernel gives a context-0 row zeros too, not 0 / 0."""
     g = torch.Generator().manual_seed(2)
@@ -381,13 +500,19 @@ def test_decode_launch_reads_nothing_back_to_the_host(
 ) -> None:
     """The split-K launch takes each request's context length and key ranges on the device: a host
     read of a tensor (.tolist(), .item(), .cpu(), int(t), bool(t), ...: each a sync on a GPU) fails
-    here. The batch has padded rows, as a CUDA graph's bucket has."""
+    here. The batch has padded rows, as a CUDA graph's bucket has. The same launch with the rotary
+    and the K/V write fused in reads each position and cos/sin row on the device too."""
     meta, places = _with_padded_rows(_decode_meta([37, 2, 16], block_size=5), pad_after=[1])
     q, k_cache, v_cache = _inputs(meta, 8, 2, torch.float32, seed=13)
+    k, v = randn(2, meta.num_requests, 2, HEAD_DIM, g=torch.Generator().manual_seed(14)).unbind(0)
+    positions, cos_sin = (meta.context_lens.long() - 1).clamp(min=0), _cos_sin(HEAD_DIM, 40)
     # Before the guard: the reference reads host values by design, and a warm-up keeps
     # compilation out of the guarded call.
     expected = TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.25)
     ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+    fused_caches = k_cache.clone(), v_cache.clone()
+    fused_expected = ops.rotary_write_kv_attention(q, k, v, positions, cos_sin, *fused_caches, meta, 0.25,
+                                                   num_splits=num_splits)  # fmt: skip
 
     def host_read(*args: object, **kwargs: object) -> None:
         raise AssertionError("the Triton decode attention launch read a tensor back to the host")
@@ -401,8 +526,12 @@ def test_decode_launch_reads_nothing_back_to_the_host(
             torch.cuda.set_sync_debug_mode("error")
         try:
             out = ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+            fused = ops.rotary_write_kv_attention(
+                q, k, v, positions, cos_sin, *fused_caches, meta, 0.25, num_splits=num_splits
+            )
         finally:
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
 
     assert_close(out, expected, torch.float32)
+    assert torch.equal(fused, fused_expected)

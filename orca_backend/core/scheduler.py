@@ -279,10 +279,11 @@ class Scheduler:
                     continue
                 ahead = 1
             num_output = len(request.output_ids)
-            scheduled = request.num_scheduled
+            scheduled = request.num_computed + request.num_in_flight_tokens  # Request.num_scheduled, inlined
             left = request.num_prompt_tokens + num_output + ahead - scheduled
             if left == 1:
-                _mark(request, 1)
+                request.in_flight += 1  # _mark(request, 1), inlined: this loop runs for every request
+                request.num_in_flight_tokens += 1
                 decodes.append(request)
                 last_prompt_tokens += not num_output
                 if scheduled >= len(request.block_table) * block_size:
@@ -430,7 +431,8 @@ class Scheduler:
         prefix_caching, generated = self.kv.enable_prefix_caching, 0
         for request, num_new, token, token_logprobs in zip(requests, batch.num_new_tokens, sampled,
                                                            logprobs or itertools.repeat(None), strict=False):  # fmt: skip
-            _mark(request, -1, -num_new)
+            request.in_flight -= 1  # _mark(request, -1, -num_new), inlined: this loop runs for every request
+            request.num_in_flight_tokens -= num_new
             if request.status is _FINISHED:  # ended while in flight: only with no batch left is its K/V free
                 if not request.in_flight:
                     self.kv.free(request)

@@ -160,8 +160,10 @@ class Llama:
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if cfg.qk_norm:
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
-            q, k = ops.rotary(q, k, stage_input.positions, self.cos_sin)
-            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, hq * d)
+            # Rotary, the K/V write and attention: one launch (+ a reduce) for a decode on the Triton set.
+            attn = ops.rotary_write_kv_attention(
+                q, k, v, stage_input.positions, self.cos_sin, k_cache, v_cache, meta, self.scale
+            ).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
             x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
