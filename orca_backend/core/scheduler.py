@@ -103,10 +103,13 @@ def make_scheduler_output(
             grown_ids.append(request.request_id)
             grown_block_ids.append(table[sent:])
         request.num_blocks_sent = len(table)
-    # Each request's first position this step: what it had scheduled before (the batch is counted in
-    # flight already). A request in flight in an earlier batch too runs ahead (async scheduling): its
-    # input token is the one that batch samples, which the runner fills in on the device.
-    num_computed = [r.num_scheduled - n for r, n in zip(requests, batch.num_new_tokens, strict=True)]
+    # Each request's first position this step: what it had scheduled before this batch, which the
+    # scheduler has counted in flight already (a batch built by hand, as tests do, is not: its
+    # requests' computed counts are the positions). A request in flight in an earlier batch too runs
+    # ahead (async scheduling): its input token is the one that batch samples, which the runner fills
+    # in on the device.
+    num_computed = [r.num_scheduled - n if r.in_flight else r.num_computed
+                    for r, n in zip(requests, batch.num_new_tokens, strict=True)]  # fmt: skip
     output = SchedulerOutput(
         step_id, list(map(_request_id, requests)), batch.num_new_tokens, num_computed, new,
         recorded[0], recorded[1], grown_ids, grown_block_ids, preempted_ids or [], finished_ids or [],
