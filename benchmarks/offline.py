@@ -251,7 +251,10 @@ def suite_overhead(args) -> dict:
 
             runner.decode_graphs = runner.static_decode(capture_sizes(running))
         forward = runner.model.forward = _Timed(runner.model.forward)
-        sample = runner.sampler.launch = _Timed(runner.sampler.launch)  # on a CPU the whole sampling
+        # What the runner calls: `launch` (on a CPU the whole sampling), or `sample` on older trees.
+        entry = "launch" if hasattr(runner.sampler, "launch") else "sample"
+        sample = _Timed(getattr(runner.sampler, entry))
+        setattr(runner.sampler, entry, sample)
         for i in range(3 * running if churn else running):
             max_tokens = 20 + (i * 37) % 150 if churn else 90
             engine.add_request([i % 500 + 1] * 8, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
