@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench bench-offline gpu-check gpu-check-cpu clean
+.PHONY: setup test lint bench bench-offline gpu-check gpu-served gpu-check-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -46,9 +46,20 @@ gpu-check:
 	rc=0; \
 	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 \
-		tests/test_kernels.py tests/test_kernels_llama.py tests/test_cuda.py || rc=1; \
+		tests/test_kernels.py tests/test_kernels_llama.py tests/test_triton_decode_attention.py tests/test_cuda.py || rc=1; \
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
+
+# The served A/B on a GPU machine that has no tritonserver and no network: the two wheels carried
+# beside the tree (pip download --no-deps nvidia-pytriton==0.7.0 tritonclient -d wheels; about 55 MB),
+# installed without dependencies, then orca-bench against orca and baseline on the GPU, report in
+# GPU_SERVED_OUT (docs/bench/gpu/served when it is a run to keep).
+WHEELS ?= wheels
+GPU_SERVED_OUT ?= gpu_results/served
+GPU_SERVED_ARGS ?= --model gpt2-medium --dtype bfloat16
+gpu-served:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e . $(WHEELS)/*.whl
+	$(PYTHON) client/bench.py --device cuda --out $(GPU_SERVED_OUT) $(GPU_SERVED_ARGS)
 
 # The same script on CPU, as CI runs it (tests/test_gpu_check.py): every section end to end with
 # --quick's small settings (gpt2-tiny, float32, the kernels in Triton's interpreter, a short A/B);
