@@ -163,3 +163,41 @@ def test_async_scheduling_is_refused_where_it_cannot_run():
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="scheduling 'iteration'"):
         EngineConfig(async_scheduling=True, scheduling="request")
+
+
+def test_async_beside_constrained_requests(tiny_checkpoint):
+    """Structured-output requests (never run ahead: their next mask needs their token) in the same
+    batches as requests that are: every one gets the synchronous engine's tokens and text, and no
+    matcher is left behind."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, structured_outputs={"json": schema}, temperature=0.0),
+        SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=24, structured_outputs={"regex": r"\d{4}-\d{2}-\d{2}"}, temperature=0.8, seed=4),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    ]
+    prompts = ["the cat sat on", "hello there", "kalo mine to", "the cat", "hello"]
+    path = str(tiny_checkpoint[0])
+    expected = [(o.output_ids, o.text, o.finish_reason) for o in LLM(path, max_num_seqs=8).generate(prompts, params)]
+    llm = LLM(path, max_num_seqs=8, async_scheduling=True)
+    launched = _spy_launches(llm)
+    assert [(o.output_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)] == expected
+    assert any(step.ahead_rows and step.bitmask_rows for step in launched)  # both kinds in one step
+    core = llm.engine.core
+    assert core.structured.num_matchers == 0 and core.kv.used_blocks == 0
+
+
+def test_async_under_orcas_reservation_policy():
+    """kv_policy "reserve" (blocks for prompt + max_tokens at admission): a request run ahead never
+    needs a block past its reservation (the token it waits for cannot end it by length)."""
+    kwargs = dict(max_num_seqs=4, kv_policy="reserve", kv_capacity_tokens=256, block_size=4)
+    sync = LLM("gpt2-tiny", **kwargs)
+    vocab = sync.engine.model_config.vocab_size
+    prompts, params = random_prompts(10, vocab, seed=9), _params(10, seed=9, vocab=vocab)
+    expected = _outputs(sync, prompts, params)
+    llm = LLM("gpt2-tiny", async_scheduling=True, **kwargs)
+    assert _outputs(llm, prompts, params) == expected
+    assert llm.engine.core.kv.used_tokens == 0
