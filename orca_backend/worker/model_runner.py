@@ -129,11 +129,11 @@ class ModelRunner:
         and whatever its forward then does: the core counts them as held once sent."""
         self.input_batch.apply(step)
 
-    # One inference-mode scope per entry point: entering one costs microseconds, every iteration.
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
         """The whole model in this process, on a step whose deltas it has taken in: forward and sample."""
         return self.launch(step).result()
 
+    # One inference-mode scope per entry point: entering one costs microseconds, every iteration.
     @torch.inference_mode()
     def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """`execute` without waiting for the sampled ids (on a GPU the step's kernels are queued and the
