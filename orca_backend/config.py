@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -109,6 +109,10 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     eos_token_id: int | None = None
     initializer_range: float = 0.02
+    # An FP8 checkpoint (quant_method "fp8", e4m3; model/fp8.py), and its scale blocks (out, in)
+    # (None: one scale per tensor).
+    fp8: bool = False
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def max_context(self) -> int:
@@ -207,20 +211,35 @@ def model_config_from_hf(path: str | Path) -> AnyModelConfig:
     archs = raw.get("architectures") or (["GPT2LMHeadModel"] if raw.get("model_type", "gpt2") == "gpt2" else [])
     if not archs:
         raise ValueError(f"{path}: no `architectures` entry: cannot tell which model this is")
-    quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{path}: quantization_config (quant_method {method!r}) is not supported: this engine "
-                         "computes with unquantized weights only, and a quantized checkpoint would load and answer "
-                         "wrongly; serve the unquantized checkpoint")  # fmt: skip
     arch = archs[0]
+    fp8_block = _fp8_quantization(raw.get("quantization_config"), arch, path)
     if arch == ModelConfig.architecture:
         return ModelConfig.from_hf_dict(raw, str(path))
     if arch in LLAMA_ARCHITECTURES:
-        return LlamaConfig.from_hf_dict(raw, str(path))
+        config = LlamaConfig.from_hf_dict(raw, str(path))
+        return replace(config, fp8=True, fp8_block=fp8_block) if raw.get("quantization_config") else config
     raise ValueError(
         f"{path}: architectures {arch!r} is not supported; served: {ModelConfig.architecture}, {', '.join(LLAMA_ARCHITECTURES)}"
     )
+
+
+def _fp8_quantization(quantization: Any, arch: str, path: str | Path) -> tuple[int, int] | None:
+    """A checkpoint's quantization_config: none, or FP8 (e4m3) on a Llama-family model, whose scale
+    blocks it returns (None: per tensor). Anything else is refused: it would load and answer wrongly."""
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+    if method != "fp8" or arch not in LLAMA_ARCHITECTURES:
+        served = "" if method != "fp8" else f" on {arch} (served for {', '.join(LLAMA_ARCHITECTURES)})"
+        raise ValueError(f"{path}: quantization_config (quant_method {method!r}) is not supported{served}: this "
+                         "engine computes with unquantized weights, or FP8 ones on the Llama family, and any other "
+                         "quantized checkpoint would load and answer wrongly; serve the unquantized checkpoint")  # fmt: skip
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{path}: FP8 format {quantization['fmt']!r} is not supported (e4m3 is)")
+    block = quantization.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"{path}: weight_block_size {block!r} is not two positive sizes")
+    return (int(block[0]), int(block[1])) if block is not None else None
 
 
 def model_config_to_json(config: AnyModelConfig) -> str:
@@ -232,8 +251,9 @@ def model_config_from_json(text: str) -> AnyModelConfig:
     data = json.loads(text)
     cls = {"ModelConfig": ModelConfig, "LlamaConfig": LlamaConfig}[data["family"]]
     values = data["fields"]
-    if values.get("rope_llama3") is not None:
-        values["rope_llama3"] = tuple(values["rope_llama3"])
+    for name in ("rope_llama3", "fp8_block"):
+        if values.get(name) is not None:
+            values[name] = tuple(values[name])
     return cls(**values)
 
 

@@ -239,3 +239,26 @@ def test_async_scheduling_tokens_equal_sync(make_checkpoint) -> None:
     llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16, async_scheduling=True)
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.max_batches_in_flight == 2
+
+
+def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) -> None:
+    """An FP8 (block-scaled) Llama-family checkpoint: on CUDA its projections stay FP8 (the Triton
+    dequantizing GEMM), and its float32 greedy tokens equal the CPU's, which dequantizes at load."""
+    from test_fp8 import PROMPTS, write_fp8
+
+    from orca_backend.model.fp8 import Fp8Weight
+
+    config = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
+        eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(11)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "float")
+    fp8_dir = write_fp8(tmp_path / "float", tmp_path / "fp8", (16, 16))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = [o.output_ids for o in LLM(str(fp8_dir), dtype="float32").generate(PROMPTS, params)]
+    gpu = LLM(str(fp8_dir), device="cuda", dtype="float32")
+    layer = gpu.engine.core.executor.runner.model.weights.layers[0]
+    assert isinstance(layer.qkv_w, Fp8Weight) and layer.qkv_w.weight.dtype == torch.float8_e4m3fn
+    assert [o.output_ids for o in gpu.generate(PROMPTS, params)] == cpu

@@ -66,10 +66,14 @@ class WeightSource:
         return cls(dict(sd))
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, rename: Callable[[str], str | None] = lambda key: key) -> WeightSource:
+    def from_dir(
+        cls, model_dir: str | Path, rename: Callable[[str], str | None] = lambda key: key, fp8: bool = False
+    ) -> WeightSource:  # fmt: skip
         """Every tensor of the checkpoint's safetensors files: the files the sharded index
         (model.safetensors.index.json) names, else model*.safetensors. `rename` maps a stored key to
-        the name the model asks for, or None to skip it."""
+        the name the model asks for, or None to skip it. `fp8`: the config declares an FP8
+        checkpoint, whose FP8 weights and scales are read (model/fp8.py) and input scales skipped;
+        any other quantized tensor is refused."""
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -87,7 +91,10 @@ class WeightSource:
             handle = safe_open(str(f), framework="pt")
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 entry = handle.get_slice(key)
-                _refuse_quantized(model_dir, key, entry.get_dtype())
+                if fp8 and key.endswith(".input_scale"):
+                    continue  # activations are not quantized here (model/fp8.py)
+                if not (fp8 and _fp8_tensor(key, entry.get_dtype())):
+                    _refuse_quantized(model_dir, key, entry.get_dtype())
                 name = rename(key)
                 if name is not None:
                     entries[name] = entry
@@ -96,10 +103,21 @@ class WeightSource:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def get(self, name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    def shape(self, name: str) -> tuple[int, ...]:
+        entry = self._entry(name)
+        return tuple(entry.shape) if isinstance(entry, torch.Tensor) else tuple(entry.get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        entry = self._entry(name)
+        return entry.dtype if isinstance(entry, torch.Tensor) else SAFETENSORS_DTYPES[entry.get_dtype()]
+
+    def _entry(self, name: str) -> Any:
         if name not in self._entries:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        entry = self._entries[name]
+        return self._entries[name]
+
+    def get(self, name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        entry = self._entry(name)
         if dim is None:
             return entry[:]
         index = [slice(None)] * (dim + 1)
@@ -113,6 +131,15 @@ QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", 
                              "g_idx", "weight_packed", "weight_zero_point", "weight_shape", "SCB", "absmax",
                              "quant_map", "quant_state")  # fmt: skip
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
+
+
+def _fp8_tensor(key: str, dtype: str) -> bool:
+    """What an FP8 checkpoint stores beyond float tensors: FP8 weights and their float scales."""
+    return (dtype == "F8_E4M3" and key.endswith(".weight")) or (
+        key.endswith((".weight_scale", ".weight_scale_inv")) and dtype in FLOAT_DTYPES
+    )
 
 
 def _refuse_quantized(model_dir: Path, key: str, dtype: str) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from orca_backend.model.fp8 import Fp8Weight
 from orca_kernels import native
 
 logger = logging.getLogger("orca.model")
@@ -68,9 +69,9 @@ def _native_kernel() -> ctypes._CFuncPtr:
     return native.declare("decode_gemm", "orca_decode_linear_f32", [p, i64, i64, p, i64, i64, p, p, ctypes.c_int], None)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
     """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view)."""
-    return weight.contiguous()
+    return weight if isinstance(weight, Fp8Weight) else weight.contiguous()
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,8 +87,13 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight; an FP8 weight (only on CUDA:
+    elsewhere they are dequantized at load, model/fp8.py) through the Triton dequantizing GEMM."""
+    if isinstance(weight, Fp8Weight):
+        from orca_kernels.triton_fp8 import fp8_linear_triton  # triton is imported where FP8 runs only
+
+        return fp8_linear_triton(x, weight.weight, weight.scale, weight.block, bias)
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     choice, tokens = cpu_gemm_choice(), x.shape[0]

@@ -23,6 +23,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.fp8 import Fp8Weight, concat_rows, load_linear
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
@@ -37,15 +38,16 @@ def llama_key(key: str) -> str | None:
 @dataclass
 class LlamaLayerWeights:
     input_norm_w: torch.Tensor
-    qkv_w: torch.Tensor  # this rank's q heads, then its KV heads of k, then of v: [(hq + 2 hkv) d, hidden]
+    # The linear weights are FP8 (with their scales) on CUDA from an FP8 checkpoint (model/fp8.py).
+    qkv_w: torch.Tensor | Fp8Weight  # this rank's q heads, then its KV heads of k, then of v: [(hq + 2 hkv) d, hidden]
     qkv_b: torch.Tensor | None
     q_norm_w: torch.Tensor | None  # Qwen3: [head_dim]
     k_norm_w: torch.Tensor | None
-    o_w: torch.Tensor  # [hidden, hq d] columns of this rank's heads
+    o_w: torch.Tensor | Fp8Weight  # [hidden, hq d] columns of this rank's heads
     o_b: torch.Tensor | None
     post_norm_w: torch.Tensor
-    gate_up_w: torch.Tensor  # this rank's slice of gate, then of up: [2 i, hidden]
-    down_w: torch.Tensor  # [hidden, i]
+    gate_up_w: torch.Tensor | Fp8Weight  # this rank's slice of gate, then of up: [2 i, hidden]
+    down_w: torch.Tensor | Fp8Weight  # [hidden, i]
 
 
 @dataclass
@@ -59,7 +61,7 @@ class LlamaWeights:
         tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
         for layer in self.layers:
             tensors.update({id(t): t for t in vars(layer).values() if t is not None})
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.nbytes for t in tensors.values())
 
     @classmethod
     def load(
@@ -74,13 +76,16 @@ class LlamaWeights:
         def get(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
             return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
 
+        def linear(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor | Fp8Weight:
+            return load_linear(src, name, config.fp8_block, config.fp8, dim, lo, hi, dtype, device)
+
         layers = []
         for i in layout.layers(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_w = torch.cat([get(a + "q_proj.weight", 0, q_lo * d, q_hi * d),
-                               get(a + "k_proj.weight", 0, kv_lo * d, kv_hi * d),
-                               get(a + "v_proj.weight", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
+            qkv_w = concat_rows([linear(a + "q_proj.weight", 0, q_lo * d, q_hi * d),
+                                 linear(a + "k_proj.weight", 0, kv_lo * d, kv_hi * d),
+                                 linear(a + "v_proj.weight", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             qkv_b = None
             if config.qkv_bias:
                 qkv_b = torch.cat([get(a + "q_proj.bias", 0, q_lo * d, q_hi * d),
@@ -94,12 +99,12 @@ class LlamaWeights:
                     qkv_b=qkv_b,
                     q_norm_w=get(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm_w=get(a + "k_norm.weight") if config.qk_norm else None,
-                    o_w=gemm.pack(get(a + "o_proj.weight", 1, q_lo * d, q_hi * d)),
+                    o_w=gemm.pack(linear(a + "o_proj.weight", 1, q_lo * d, q_hi * d)),
                     o_b=get(a + "o_proj.bias") if config.o_bias else None,
                     post_norm_w=get(p + "post_attention_layernorm.weight"),
-                    gate_up_w=gemm.pack(torch.cat([get(m + "gate_proj.weight", 0, i_lo, i_hi),
-                                                   get(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
-                    down_w=gemm.pack(get(m + "down_proj.weight", 1, i_lo, i_hi)),
+                    gate_up_w=gemm.pack(concat_rows([linear(m + "gate_proj.weight", 0, i_lo, i_hi),
+                                                     linear(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
+                    down_w=gemm.pack(linear(m + "down_proj.weight", 1, i_lo, i_hi)),
                 )
             )
         v_lo, v_hi = layout.vocab_shard(config.vocab_size)

@@ -29,6 +29,6 @@ def load_model(
         source = WeightSource.from_state_dict(family.random_state_dict(model_config, config.seed))
     else:
         logger.info("model: checkpoint %s (%s)", config.model, model_config.architecture)
-        source = WeightSource.from_dir(config.model, family.checkpoint_key)
+        source = WeightSource.from_dir(config.model, family.checkpoint_key, fp8=getattr(model_config, "fp8", False))
     weights = family.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
     return family.model(model_config, weights, get_ops(device, config.kernels), layout, tp)
