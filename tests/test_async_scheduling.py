@@ -201,3 +201,25 @@ def test_async_under_orcas_reservation_policy():
     llm = LLM("gpt2-tiny", async_scheduling=True, **kwargs)
     assert _outputs(llm, prompts, params) == expected
     assert llm.engine.core.kv.used_tokens == 0
+
+
+def test_async_in_the_engine_core_process():
+    """The served layout: the engine core in its own process, its loop running steps while requests
+    stream in; tokens as the synchronous engine's, and an abort mid-run leaves the engine serving."""
+    from orca_backend.engine.llm_engine import LLMEngine
+
+    vocab = 512  # gpt2-tiny
+    prompts, params = random_prompts(8, vocab, seed=21), _params(8, seed=21, vocab=vocab)
+    expected = _outputs(LLM("gpt2-tiny", max_num_seqs=4), prompts, params)
+    engine = LLMEngine.launch(EngineConfig(model="gpt2-tiny", max_num_seqs=4, async_scheduling=True))
+    try:
+        streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        doomed = engine.add_request([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.abort_request(doomed.request_id)
+        events = [list(s) for s in streams]
+        got = [([t for e in es for t in e.new_token_ids], es[-1].finish_reason) for es in events]
+        assert got == [(ids, reason) for ids, reason, _ in expected]
+        assert list(doomed)[-1].finish_reason == "cancelled"
+        assert engine.healthy
+    finally:
+        engine.shutdown()
