@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench bench-offline gpu-check gpu-served gpu-check-cpu clean
+.PHONY: setup test lint bench bench-offline gpu-check gpu-check-tests gpu-check-bench gpu-served gpu-check-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -41,14 +41,25 @@ bench-offline: setup
 PYTHON ?= python3
 GPU_OUT ?= gpu_results
 GPU_CHECK_ARGS ?=
+GPU_TESTS = tests/test_kernels.py tests/test_kernels_llama.py tests/test_triton_decode_attention.py tests/test_fp8.py \
+	tests/test_cuda.py
 gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	rc=0; \
 	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 \
-		tests/test_kernels.py tests/test_kernels_llama.py tests/test_triton_decode_attention.py tests/test_cuda.py || rc=1; \
+		$(GPU_TESTS) || rc=1; \
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS) || rc=1; \
 	exit $$rc
+
+# gpu-check's two halves as separate commands, where one command has a time limit (each well under it).
+gpu-check-tests:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 $(GPU_TESTS)
+gpu-check-bench:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 # The served A/B on a GPU machine that has no tritonserver and no network: the two wheels carried
 # beside the tree (pip download --no-deps nvidia-pytriton==0.7.0 tritonclient -d wheels; about 55 MB),
