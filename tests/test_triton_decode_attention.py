@@ -16,6 +16,7 @@ from triton_testing import (
     NEEDS_FRESH_PROCESS,
     TOL,
     assert_close,
+    no_host_reads,
     randn,
     run_in_fresh_process,
     triton_ops,
@@ -514,24 +515,11 @@ def test_decode_launch_reads_nothing_back_to_the_host(
     fused_expected = ops.rotary_write_kv_attention(q, k, v, positions, cos_sin, *fused_caches, meta, 0.25,
                                                    num_splits=num_splits)  # fmt: skip
 
-    def host_read(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the Triton decode attention launch read a tensor back to the host")
-
-    with monkeypatch.context() as guard:
-        for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__"):
-            guard.setattr(torch.Tensor, name, host_read)
-        for name in ("host_lens", "context_slots"):
-            guard.setattr(AttentionMetadata, name, host_read)
-        if DEVICE == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
-            fused = ops.rotary_write_kv_attention(
-                q, k, v, positions, cos_sin, *fused_caches, meta, 0.25, num_splits=num_splits
-            )
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
+    with no_host_reads(monkeypatch, "the Triton decode attention launch"):
+        out = ops.attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits)
+        fused = ops.rotary_write_kv_attention(
+            q, k, v, positions, cos_sin, *fused_caches, meta, 0.25, num_splits=num_splits
+        )
 
     assert_close(out, expected, torch.float32)
     assert torch.equal(fused, fused_expected)

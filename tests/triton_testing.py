@@ -17,9 +17,11 @@ toward zero where GPUs round to nearest even, which costs up to one more bf16 ul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -88,3 +90,27 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     atol, rtol = TOL[dtype]
     assert actual.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch: pytest.MonkeyPatch, what: str) -> Iterator[None]:
+    """Inside: every way a tensor's value reaches the host raises, naming `what`, and so do the
+    metadata's per-object host caches (a reference may have filled them before); on CUDA any
+    synchronizing call is an error too. What a launch a CUDA graph can capture must pass."""
+    from orca_kernels import AttentionMetadata
+
+    def host_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{what} read a tensor back to the host")
+
+    with monkeypatch.context() as guard:
+        for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+            guard.setattr(torch.Tensor, name, host_read)
+        for name in ("host_lens", "context_slots"):
+            guard.setattr(AttentionMetadata, name, host_read)
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
