@@ -28,6 +28,7 @@ from .attention import attention_torch, rotate_and_attend, write_kv_and_attend, 
 from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
+from .moe import moe_torch
 from .rmsnorm import add_rmsnorm_torch
 from .rotary import rotary_torch
 from .silu import silu_and_mul_torch
@@ -62,6 +63,8 @@ class KernelOps:
     # (q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale): rotary of q and k, then
     # write_kv_attention; what the Llama family calls
     rotary_write_kv_attention: Callable
+    # (x, w13, w2, topk_weights, topk_ids) -> [T, H]: the mixture-of-experts MLP (moe.py)
+    moe: Callable
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -116,11 +119,13 @@ TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch, _write_kv_attention_torch,
     functools.partial(rotate_and_attend, rotary_torch, _write_kv_attention_torch),
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_torch),
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
     functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch),
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -163,9 +168,17 @@ def _triton_ops(device: torch.device) -> KernelOps:
         )
     _check_import_mode(interpret)
     # Imported here so that torch-only runs never import triton.
-    from . import triton_attention, triton_gelu, triton_layernorm, triton_rmsnorm, triton_rotary, triton_silu
+    from . import (
+        triton_attention,
+        triton_gelu,
+        triton_layernorm,
+        triton_moe,
+        triton_rmsnorm,
+        triton_rotary,
+        triton_silu,
+    )
 
-    modules = (triton_attention, triton_gelu, triton_layernorm, triton_rmsnorm, triton_rotary, triton_silu)
+    modules = (triton_attention, triton_gelu, triton_layernorm, triton_moe, triton_rmsnorm, triton_rotary, triton_silu)
     for module in modules:
         # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
         # have happened with TRITON_INTERPRET set differently (tests toggle it).
@@ -182,6 +195,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_rotary.rotary_triton,
         triton_attention.write_kv_attention_triton,
         triton_attention.rotary_write_kv_attention_triton,
+        functools.partial(triton_moe.moe_triton, silu_and_mul=triton_silu.silu_and_mul_triton),
     )
 
 

@@ -81,7 +81,8 @@ class ModelConfig:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ class LlamaConfig:
     # (None: one scale per tensor).
     fp8: bool = False
     fp8_block: tuple[int, int] | None = None
+    # Mixtral: each layer's MLP is `num_experts` SwiGLU experts of intermediate_size, each token routed
+    # to its top `num_experts_per_tok` (0: a dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @property
     def max_context(self) -> int:
@@ -129,7 +134,8 @@ class LlamaConfig:
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
-        per_layer = attn + 3 * h * self.intermediate_size + 2 * h
+        mlp = 3 * h * self.intermediate_size * max(self.num_experts, 1) + h * self.num_experts  # experts + router
+        per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_hidden_layers * per_layer + h
 
@@ -139,8 +145,8 @@ class LlamaConfig:
         anything it would not compute faithfully."""
         arch = raw["architectures"][0]
         for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
-            if raw.get(key):
-                raise ValueError(f"{source}: {key}={raw[key]!r}: mixture-of-experts models are not supported")
+            if raw.get(key) and arch != "MixtralForCausalLM":
+                raise ValueError(f"{source}: {key}={raw[key]!r}: mixture-of-experts is served for Mixtral only")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; only silu (SwiGLU) is")
         if raw.get("mlp_bias"):
@@ -189,12 +195,14 @@ class LlamaConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,  # the engine stops on the first EOS id
             initializer_range=raw.get("initializer_range", 0.02),
+            num_experts=int(raw.get("num_local_experts") or 0) if arch == "MixtralForCausalLM" else 0,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if arch == "MixtralForCausalLM" else 0,
         )
 
 
 def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     """The attention window some layer uses, if any (Mistral: every layer; Qwen2/3: when enabled)."""
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return raw.get("sliding_window")
     layer_types = raw.get("layer_types") or []
     if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
@@ -217,6 +225,8 @@ def model_config_from_hf(path: str | Path) -> AnyModelConfig:
         return ModelConfig.from_hf_dict(raw, str(path))
     if arch in LLAMA_ARCHITECTURES:
         config = LlamaConfig.from_hf_dict(raw, str(path))
+        if raw.get("quantization_config") and config.num_experts:
+            raise ValueError(f"{path}: FP8 mixture-of-experts checkpoints are not served (FP8 is, for dense models)")
         return replace(config, fp8=True, fp8_block=fp8_block) if raw.get("quantization_config") else config
     raise ValueError(
         f"{path}: architectures {arch!r} is not supported; served: {ModelConfig.architecture}, {', '.join(LLAMA_ARCHITECTURES)}"
@@ -268,6 +278,9 @@ PRESETS: dict[str, AnyModelConfig] = {
     "llama-tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                               initializer_range=0.3),
+    "mixtral-tiny": LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=96,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=256, initializer_range=0.3, num_experts=4, num_experts_per_tok=2),
     # Qwen2.5-0.5B geometry (its config.json): GQA 14/2, biased q/k/v, tied embeddings, 152k vocabulary
     "qwen2.5-0.5b": LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

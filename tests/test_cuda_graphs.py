@@ -33,14 +33,16 @@ MODELS = ["gpt2-tiny", "llama-tiny"]
 VARIANTS = {"qwen2": "Qwen2", "qwen3": "Qwen3"}
 # The CPU's C kernels, and the Triton kernels a GPU runs (here in Triton's interpreter).
 KERNELS = ["cpu", "triton"]
-CASES = [(m, k) for m in MODELS for k in KERNELS] + [(v, "cpu") for v in VARIANTS]
+# Mixtral's experts on the Triton path, whose grouped GEMMs are what a GPU captures (the CPU's reference
+# loops over the experts a step chose: never captured).
+CASES = [(m, k) for m in MODELS for k in KERNELS] + [(v, "cpu") for v in VARIANTS] + [("mixtral-tiny", "triton")]
 
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory) -> dict[str, str]:
     """Preset names as they are; the variants as checkpoints transformers writes (tiny, seeded)."""
     transformers = pytest.importorskip("transformers")
-    paths = {m: m for m in MODELS}
+    paths = {m: m for m in (*MODELS, "mixtral-tiny")}
     for name, family in VARIANTS.items():
         config = getattr(transformers, f"{family}Config")(
             vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -46,8 +46,13 @@ class LlamaLayerWeights:
     o_w: torch.Tensor | Fp8Weight  # [hidden, hq d] columns of this rank's heads
     o_b: torch.Tensor | None
     post_norm_w: torch.Tensor
-    gate_up_w: torch.Tensor | Fp8Weight  # this rank's slice of gate, then of up: [2 i, hidden]
-    down_w: torch.Tensor | Fp8Weight  # [hidden, i]
+    gate_up_w: torch.Tensor | Fp8Weight | None  # this rank's slice of gate, then of up: [2 i, hidden]
+    down_w: torch.Tensor | Fp8Weight | None  # [hidden, i]
+    # Mixtral (no dense MLP then): the router [experts, hidden] in float32, and every expert's slice
+    # of gate then up [experts, 2 i, hidden] and of down [experts, hidden, i].
+    router_w: torch.Tensor | None = None
+    experts_w13: torch.Tensor | None = None
+    experts_w2: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +97,7 @@ class LlamaWeights:
                                    get(a + "k_proj.bias", 0, kv_lo * d, kv_hi * d),
                                    get(a + "v_proj.bias", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             m = p + "mlp."
+            moe = _load_experts(get, p + "block_sparse_moe.", config.num_experts, i_lo, i_hi) if config.num_experts else {}
             layers.append(
                 LlamaLayerWeights(
                     input_norm_w=get(p + "input_layernorm.weight"),
@@ -102,9 +108,10 @@ class LlamaWeights:
                     o_w=gemm.pack(linear(a + "o_proj.weight", 1, q_lo * d, q_hi * d)),
                     o_b=get(a + "o_proj.bias") if config.o_bias else None,
                     post_norm_w=get(p + "post_attention_layernorm.weight"),
-                    gate_up_w=gemm.pack(concat_rows([linear(m + "gate_proj.weight", 0, i_lo, i_hi),
-                                                     linear(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
-                    down_w=gemm.pack(linear(m + "down_proj.weight", 1, i_lo, i_hi)),
+                    gate_up_w=None if moe else gemm.pack(concat_rows([linear(m + "gate_proj.weight", 0, i_lo, i_hi),
+                                                                      linear(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
+                    down_w=None if moe else gemm.pack(linear(m + "down_proj.weight", 1, i_lo, i_hi)),
+                    **moe,
                 )
             )
         v_lo, v_hi = layout.vocab_shard(config.vocab_size)
@@ -116,6 +123,18 @@ class LlamaWeights:
         if layout.is_last_stage:
             lm_head = embed if tied else get("lm_head.weight", 0, v_lo, v_hi)
         return cls(layers, embed, lm_head, get("model.norm.weight") if layout.is_last_stage else None)
+
+
+def _load_experts(get, prefix: str, num_experts: int, i_lo: int, i_hi: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Mixtral's block_sparse_moe: the router, kept in float32 (routing decides by small margins), and
+    each expert's w1 (gate) and w3 (up) rows and w2 (down) columns of this rank's intermediate slice."""
+    experts = range(num_experts)
+    return {
+        "router_w": get(prefix + "gate.weight").float(),
+        "experts_w13": torch.stack([torch.cat([get(f"{prefix}experts.{e}.w1.weight", 0, i_lo, i_hi),
+                                               get(f"{prefix}experts.{e}.w3.weight", 0, i_lo, i_hi)]) for e in experts]),
+        "experts_w2": torch.stack([get(f"{prefix}experts.{e}.w2.weight", 1, i_lo, i_hi) for e in experts]),
+    }  # fmt: skip
 
 
 class Llama:
@@ -135,6 +154,18 @@ class Llama:
         device = weights.norm_w.device if weights.norm_w is not None else weights.layers[0].input_norm_w.device
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3)
         self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
+
+    def _experts(self, h: torch.Tensor, layer: LlamaLayerWeights) -> torch.Tensor:
+        """Mixtral's MLP on the flat tokens of the whole batch: router logits in float32, softmax over
+        the experts, each token's top k renormalised (transformers' order), then every chosen expert
+        on its tokens (`ops.moe`); under tensor parallelism each rank's experts hold a slice of the
+        intermediate width, and one all-reduce sums them, as for the dense MLP."""
+        assert layer.router_w is not None and layer.experts_w13 is not None and layer.experts_w2 is not None
+        probs = torch.softmax(h.float() @ layer.router_w.t(), dim=-1)
+        weights, experts = torch.topk(probs, self.config.num_experts_per_tok, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
+        out = self.ops.moe(h, layer.experts_w13, layer.experts_w2, weights, experts)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm over each head's vector ([T, heads, d])."""
@@ -171,7 +202,10 @@ class Llama:
             ).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
-            x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
+            if layer.router_w is not None:
+                x = self._experts(h, layer)
+            else:
+                x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final norm and the LM head.
@@ -212,4 +246,12 @@ def random_llama_state_dict(config: LlamaConfig, seed: int, dtype: torch.dtype =
             sd[a + "o_proj.bias"] = normal(h)
         if config.qk_norm:
             sd |= {a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d)}
+        if config.num_experts:  # Mixtral: experts under block_sparse_moe instead of the dense MLP
+            for key in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                del sd[m + key]
+            e = f"model.layers.{i}.block_sparse_moe."
+            sd[e + "gate.weight"] = normal(config.num_experts, h)
+            for x in range(config.num_experts):
+                sd |= {f"{e}experts.{x}.w1.weight": normal(inter, h), f"{e}experts.{x}.w3.weight": normal(inter, h),
+                       f"{e}experts.{x}.w2.weight": normal(h, inter)}  # fmt: skip
     return sd

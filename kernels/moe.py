@@ -1,0 +1,38 @@
+"""Mixture-of-experts MLP for selective batching: the torch reference, which the CPU runs.
+
+Every token of the flat batch is routed together: `topk_ids` [T, k] names each token's experts and
+`topk_weights` [T, k] their weights. Each expert's MLP is SwiGLU with its gate and up projections
+stacked (`w13` [E, 2 I, H]: gate rows, then up rows) and its down projection `w2` [E, H, I]. The
+tokens of each expert that any token chose are gathered and multiplied by that expert's weights
+once, so a step reads each active expert's weights once however many tokens chose it; the
+weighted outputs are summed per token in expert order (transformers' order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_torch(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """x [T, H] -> [T, H]: sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    out = torch.zeros_like(x)
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host needs them to slice (CPU path)
+    k = topk_ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // k
+        hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        out.index_add_(0, tokens, hidden * topk_weights.flatten()[pairs, None])
+    return out
