@@ -262,3 +262,20 @@ def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) 
     layer = gpu.engine.core.executor.runner.model.weights.layers[0]
     assert isinstance(layer.qkv_w, Fp8Weight) and layer.qkv_w.weight.dtype == torch.float8_e4m3fn
     assert [o.output_ids for o in gpu.generate(PROMPTS, params)] == cpu
+
+
+def test_mixtral_on_cuda_equals_the_cpu(tmp_path) -> None:
+    """Mixtral's experts on the GPU (Triton grouped GEMMs, decode steps graphed) give the CPU's
+    float32 greedy tokens (the CPU's reference runs each chosen expert in torch)."""
+    config = transformers.MixtralConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+        initializer_range=0.3, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    prompts = prompts_for(config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = [o.output_ids for o in LLM(str(tmp_path), dtype="float32").generate(prompts, params)]
+    gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)
+    assert [o.output_ids for o in gpu.generate(prompts, params)] == cpu
