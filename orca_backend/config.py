@@ -82,7 +82,8 @@ class ModelConfig:
 
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "MixtralForCausalLM")
+                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,20 @@ class LlamaConfig:
     # (None: one scale per tensor).
     fp8: bool = False
     fp8_block: tuple[int, int] | None = None
-    # Mixtral: each layer's MLP is `num_experts` SwiGLU experts of intermediate_size, each token routed
-    # to its top `num_experts_per_tok` (0: a dense MLP).
+    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` SwiGLU experts of
+    # moe_intermediate_size per MoE layer, each token routed to its top `num_experts_per_tok`, their
+    # weights renormalised when `norm_topk_prob`; Qwen2-MoE adds a gated shared expert. MoE layers:
+    # every `decoder_sparse_step`-th, except `mlp_only_layers` (dense, of intermediate_size).
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def max_context(self) -> int:
@@ -134,10 +145,13 @@ class LlamaConfig:
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
-        mlp = 3 * h * self.intermediate_size * max(self.num_experts, 1) + h * self.num_experts  # experts + router
-        per_layer = attn + mlp + 2 * h
+        experts = 3 * h * (self.moe_intermediate_size * self.num_experts + self.shared_expert_intermediate_size)
+        total = 0
+        for layer in range(self.num_hidden_layers):
+            mlp = experts + h * self.num_experts if self.is_moe_layer(layer) else 3 * h * self.intermediate_size
+            total += attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * per_layer + h
+        return embed + total + h
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str) -> LlamaConfig:
@@ -145,8 +159,9 @@ class LlamaConfig:
         anything it would not compute faithfully."""
         arch = raw["architectures"][0]
         for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
-            if raw.get(key) and arch != "MixtralForCausalLM":
-                raise ValueError(f"{source}: {key}={raw[key]!r}: mixture-of-experts is served for Mixtral only")
+            if raw.get(key) and arch not in MOE_ARCHITECTURES:
+                raise ValueError(f"{source}: {key}={raw[key]!r}: mixture-of-experts is served for "
+                                 f"{', '.join(MOE_ARCHITECTURES)} only")  # fmt: skip
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; only silu (SwiGLU) is")
         if raw.get("mlp_bias"):
@@ -189,15 +204,33 @@ class LlamaConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_llama3=llama3,
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
+            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and attention_bias,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,  # the engine stops on the first EOS id
             initializer_range=raw.get("initializer_range", 0.02),
-            num_experts=int(raw.get("num_local_experts") or 0) if arch == "MixtralForCausalLM" else 0,
-            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if arch == "MixtralForCausalLM" else 0,
+            **_moe_fields(raw, arch),
         )
+
+
+def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts switches under each family's names (none for a dense model)."""
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": int(raw["num_local_experts"]), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True}  # fmt: skip
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {
+            # transformers 5 writes Qwen3-MoE's count as num_local_experts; the released configs say num_experts
+            "num_experts": int(raw.get("num_experts") or raw["num_local_experts"]),
+            "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+            "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+            "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        }  # fmt: skip
+    return {}
 
 
 def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
@@ -261,7 +294,7 @@ def model_config_from_json(text: str) -> AnyModelConfig:
     data = json.loads(text)
     cls = {"ModelConfig": ModelConfig, "LlamaConfig": LlamaConfig}[data["family"]]
     values = data["fields"]
-    for name in ("rope_llama3", "fp8_block"):
+    for name in ("rope_llama3", "fp8_block", "mlp_only_layers"):
         if values.get(name) is not None:
             values[name] = tuple(values[name])
     return cls(**values)
@@ -280,7 +313,17 @@ PRESETS: dict[str, AnyModelConfig] = {
                               initializer_range=0.3),
     "mixtral-tiny": LlamaConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=96,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                max_position_embeddings=256, initializer_range=0.3, num_experts=4, num_experts_per_tok=2),
+                                max_position_embeddings=256, initializer_range=0.3, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=96),
+    "qwen2-moe-tiny": LlamaConfig(architecture="Qwen2MoeForCausalLM", vocab_size=512, hidden_size=64,
+                                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, max_position_embeddings=256, initializer_range=0.3, qkv_bias=True,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                                  shared_expert_intermediate_size=48),
+    "qwen3-moe-tiny": LlamaConfig(architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64,
+                                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, max_position_embeddings=256, initializer_range=0.3, qk_norm=True,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,)),
     # Qwen2.5-0.5B geometry (its config.json): GQA 14/2, biased q/k/v, tied embeddings, 152k vocabulary
     "qwen2.5-0.5b": LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -444,7 +487,8 @@ def check_parallel_layout(config: AnyModelConfig, tp: int, pp: int) -> None:
     replicated) and the MLP width, and each pipeline stage at least one layer."""
     if isinstance(config, LlamaConfig):
         dims = [("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads),
-                ("intermediate_size", config.intermediate_size)]  # fmt: skip
+                ("intermediate_size", config.intermediate_size), ("moe_intermediate_size", config.moe_intermediate_size),
+                ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)]  # fmt: skip
     else:
         dims = [("n_head", config.n_head), ("n_inner (4 * n_embd)", config.n_inner)]
     for name, size in dims:

@@ -39,6 +39,32 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+QWEN_MOE = {
+    # Qwen2-MoE: a gated shared expert beside the routed ones, no renormalisation of the top k, q/k/v bias.
+    "Qwen2Moe": {"shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [],
+                 "decoder_sparse_step": 1},
+    # Qwen3-MoE: q/k norm, the top k renormalised, and layer 1 a dense MLP (mlp_only_layers).
+    "Qwen3Moe": {"norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1, "head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("family", list(QWEN_MOE))
+def test_qwen_moe_greedy_equals_transformers(tmp_path, family):
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, initializer_range=0.3, eos_token_id=None, bos_token_id=None, **QWEN_MOE[family],
+    )  # fmt: skip
+    torch.manual_seed(8)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    model.save_pretrained(tmp_path)
+    ours = model_config_from_hf(tmp_path / "config.json")
+    assert ours.num_experts == 4 and ours.norm_topk_prob == QWEN_MOE[family]["norm_topk_prob"]
+    assert [ours.is_moe_layer(i) for i in range(2)] == [True, family == "Qwen2Moe"]
+    outs = LLM(str(tmp_path), dtype="float32", max_num_seqs=8).generate(PROMPTS, GREEDY)
+    assert [o.output_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
 def test_mixtral_greedy_equals_transformers(mixtral):
     path, model = mixtral
     config = model_config_from_hf(path / "config.json")
@@ -48,10 +74,12 @@ def test_mixtral_greedy_equals_transformers(mixtral):
 
 
 @pytest.mark.slow
-def test_mixtral_tensor_parallel_equals_one_process(mixtral):
-    path, _ = mixtral
-    one = [o.output_ids for o in LLM(str(path), dtype="float32").generate(PROMPTS, GREEDY)]
-    two = LLM(str(path), dtype="float32", tensor_parallel_size=2)
+@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe-tiny", "qwen3-moe-tiny"])
+def test_moe_tensor_parallel_equals_one_process(mixtral, model):
+    """Every expert's width split over two ranks (Qwen2-MoE's shared expert too, its gate replicated)."""
+    path = str(mixtral[0]) if model == "mixtral" else model
+    one = [o.output_ids for o in LLM(path, dtype="float32").generate(PROMPTS, GREEDY)]
+    two = LLM(path, dtype="float32", tensor_parallel_size=2)
     try:
         assert [o.output_ids for o in two.generate(PROMPTS, GREEDY)] == one
     finally:

@@ -53,6 +53,10 @@ class LlamaLayerWeights:
     router_w: torch.Tensor | None = None
     experts_w13: torch.Tensor | None = None
     experts_w2: torch.Tensor | None = None
+    # Qwen2-MoE's shared expert (a dense SwiGLU of this rank's slice) and its gate [1, hidden].
+    shared_gate_up_w: torch.Tensor | None = None
+    shared_down_w: torch.Tensor | None = None
+    shared_gate_w: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,7 +101,7 @@ class LlamaWeights:
                                    get(a + "k_proj.bias", 0, kv_lo * d, kv_hi * d),
                                    get(a + "v_proj.bias", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             m = p + "mlp."
-            moe = _load_experts(get, p + "block_sparse_moe.", config.num_experts, i_lo, i_hi) if config.num_experts else {}
+            moe = _load_experts(get, config, layout, p) if config.is_moe_layer(i) else {}
             layers.append(
                 LlamaLayerWeights(
                     input_norm_w=get(p + "input_layernorm.weight"),
@@ -125,16 +129,36 @@ class LlamaWeights:
         return cls(layers, embed, lm_head, get("model.norm.weight") if layout.is_last_stage else None)
 
 
-def _load_experts(get, prefix: str, num_experts: int, i_lo: int, i_hi: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    """Mixtral's block_sparse_moe: the router, kept in float32 (routing decides by small margins), and
-    each expert's w1 (gate) and w3 (up) rows and w2 (down) columns of this rank's intermediate slice."""
-    experts = range(num_experts)
-    return {
+def _load_experts(get, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """A MoE layer's weights: the router, kept in float32 (routing decides by small margins), and each
+    expert's gate and up rows and down columns of this rank's slice of the expert width. Mixtral names
+    them block_sparse_moe.experts.E.w1 / w3 / w2, the Qwen MoE families mlp.experts.E.gate_proj /
+    up_proj / down_proj; Qwen2-MoE adds mlp.shared_expert (a dense SwiGLU) and its gate."""
+    if config.architecture == "MixtralForCausalLM":
+        prefix, names = layer + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        prefix, names = layer + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    lo, hi = layout.shard(config.moe_intermediate_size)
+
+    def expert(e: int, name: str, dim: int) -> torch.Tensor:
+        return get(f"{prefix}experts.{e}.{name}.weight", dim, lo, hi)
+
+    experts = range(config.num_experts)
+    weights = {
         "router_w": get(prefix + "gate.weight").float(),
-        "experts_w13": torch.stack([torch.cat([get(f"{prefix}experts.{e}.w1.weight", 0, i_lo, i_hi),
-                                               get(f"{prefix}experts.{e}.w3.weight", 0, i_lo, i_hi)]) for e in experts]),
-        "experts_w2": torch.stack([get(f"{prefix}experts.{e}.w2.weight", 1, i_lo, i_hi) for e in experts]),
-    }  # fmt: skip
+        "experts_w13": torch.stack([torch.cat([expert(e, names[0], 0), expert(e, names[1], 0)]) for e in experts]),
+        "experts_w2": torch.stack([expert(e, names[2], 1) for e in experts]),
+    }
+    if config.shared_expert_intermediate_size:
+        s_lo, s_hi = layout.shard(config.shared_expert_intermediate_size)
+        shared = prefix + "shared_expert."
+        weights |= {
+            "shared_gate_up_w": gemm.pack(torch.cat([get(shared + "gate_proj.weight", 0, s_lo, s_hi),
+                                                     get(shared + "up_proj.weight", 0, s_lo, s_hi)])),
+            "shared_down_w": gemm.pack(get(shared + "down_proj.weight", 1, s_lo, s_hi)),
+            "shared_gate_w": get(prefix + "shared_expert_gate.weight"),
+        }  # fmt: skip
+    return weights
 
 
 class Llama:
@@ -156,15 +180,20 @@ class Llama:
         self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
 
     def _experts(self, h: torch.Tensor, layer: LlamaLayerWeights) -> torch.Tensor:
-        """Mixtral's MLP on the flat tokens of the whole batch: router logits in float32, softmax over
-        the experts, each token's top k renormalised (transformers' order), then every chosen expert
-        on its tokens (`ops.moe`); under tensor parallelism each rank's experts hold a slice of the
-        intermediate width, and one all-reduce sums them, as for the dense MLP."""
+        """A MoE layer on the flat tokens of the whole batch: router logits in float32, softmax over
+        the experts, each token's top k (renormalised where the family does: Mixtral, Qwen3-MoE), then
+        every chosen expert on its tokens (`ops.moe`), plus Qwen2-MoE's gated shared expert; under
+        tensor parallelism each rank holds a slice of every expert's width, and one all-reduce sums
+        them, as for the dense MLP."""
         assert layer.router_w is not None and layer.experts_w13 is not None and layer.experts_w2 is not None
         probs = torch.softmax(h.float() @ layer.router_w.t(), dim=-1)
         weights, experts = torch.topk(probs, self.config.num_experts_per_tok, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
-        out = self.ops.moe(h, layer.experts_w13, layer.experts_w2, weights, experts)
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.ops.moe(h, layer.experts_w13, layer.experts_w2, weights.to(h.dtype), experts)
+        if layer.shared_gate_up_w is not None:  # Qwen2-MoE: + sigmoid(gate x) * shared expert (each rank's part)
+            shared = gemm.linear(self.ops.silu_and_mul(gemm.linear(h, layer.shared_gate_up_w)), layer.shared_down_w)
+            out = out + torch.sigmoid(gemm.linear(h, layer.shared_gate_w)) * shared
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -246,12 +275,20 @@ def random_llama_state_dict(config: LlamaConfig, seed: int, dtype: torch.dtype =
             sd[a + "o_proj.bias"] = normal(h)
         if config.qk_norm:
             sd |= {a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d)}
-        if config.num_experts:  # Mixtral: experts under block_sparse_moe instead of the dense MLP
+        if config.is_moe_layer(i):  # experts instead of the dense MLP, under the family's names
             for key in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
                 del sd[m + key]
-            e = f"model.layers.{i}.block_sparse_moe."
+            mixtral = config.architecture == "MixtralForCausalLM"
+            e = f"model.layers.{i}.block_sparse_moe." if mixtral else m
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            width = config.moe_intermediate_size
             sd[e + "gate.weight"] = normal(config.num_experts, h)
             for x in range(config.num_experts):
-                sd |= {f"{e}experts.{x}.w1.weight": normal(inter, h), f"{e}experts.{x}.w3.weight": normal(inter, h),
-                       f"{e}experts.{x}.w2.weight": normal(h, inter)}  # fmt: skip
+                sd |= {f"{e}experts.{x}.{gate}.weight": normal(width, h), f"{e}experts.{x}.{up}.weight": normal(width, h),
+                       f"{e}experts.{x}.{down}.weight": normal(h, width)}  # fmt: skip
+            if config.shared_expert_intermediate_size:
+                shared = config.shared_expert_intermediate_size
+                sd |= {e + "shared_expert.gate_proj.weight": normal(shared, h), e + "shared_expert.up_proj.weight":
+                       normal(shared, h), e + "shared_expert.down_proj.weight": normal(h, shared),
+                       e + "shared_expert_gate.weight": normal(1, h)}  # fmt: skip
     return sd
