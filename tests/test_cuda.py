@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_tiny import write_tiny
 
 from orca_backend import LLM, ModelConfig, SamplingParams
 
@@ -248,13 +249,7 @@ def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) 
 
     from orca_backend.model.fp8 import Fp8Weight
 
-    config = transformers.Qwen3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
-        eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(11)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "float")
+    write_tiny("Qwen3", tmp_path / "float", seed=11)
     fp8_dir = write_fp8(tmp_path / "float", tmp_path / "fp8", (16, 16))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     cpu = [o.output_ids for o in LLM(str(fp8_dir), dtype="float32").generate(PROMPTS, params)]
@@ -267,14 +262,10 @@ def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) 
 def test_mixtral_on_cuda_equals_the_cpu(tmp_path) -> None:
     """Mixtral's experts on the GPU (Triton grouped GEMMs, decode steps graphed) give the CPU's
     float32 greedy tokens (the CPU's reference runs each chosen expert in torch)."""
-    config = transformers.MixtralConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
-        initializer_range=0.3, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
-    prompts = prompts_for(config.vocab_size, seed=9)
+    from test_moe import MIXTRAL
+
+    model = write_tiny("Mixtral", tmp_path, seed=5, **MIXTRAL)
+    prompts = prompts_for(model.config.vocab_size, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     cpu = [o.output_ids for o in LLM(str(tmp_path), dtype="float32").generate(prompts, params)]
     gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from engine_helpers import random_prompts
+from hf_tiny import write_tiny
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
@@ -41,17 +42,11 @@ CASES = [(m, k) for m in MODELS for k in KERNELS] + [(v, "cpu") for v in VARIANT
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory) -> dict[str, str]:
     """Preset names as they are; the variants as checkpoints transformers writes (tiny, seeded)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     paths = {m: m for m in (*MODELS, "mixtral-tiny")}
     for name, family in VARIANTS.items():
-        config = getattr(transformers, f"{family}Config")(
-            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
-            eos_token_id=None, bos_token_id=None,
-        )  # fmt: skip
-        torch.manual_seed(7)
         path = tmp_path_factory.mktemp(name)
-        getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
+        write_tiny(family, path, seed=7)
         paths[name] = str(path)
     return paths
 MAX_NUM_SEQS = 8

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import write_tiny
 from safetensors.torch import load_file, save_file
 from triton_testing import DEVICE, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
@@ -63,18 +64,11 @@ def write_fp8(float_dir: Path, out: Path, block: tuple[int, int] | None) -> Path
 
 @pytest.fixture(scope="module")
 def float_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Qwen3 (q/k norm) and Llama (GQA, biased... no: plain) tiny float checkpoints."""
+    """Qwen3 (q/k norm) and Llama (plain GQA) tiny float checkpoints."""
     out = {}
     for family in ("Qwen3", "Llama"):
-        config = getattr(transformers, f"{family}Config")(
-            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
-            eos_token_id=None, bos_token_id=None,
-        )  # fmt: skip
-        torch.manual_seed(11)
-        path = tmp_path_factory.mktemp(family.lower())
-        getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
-        out[family] = path
+        out[family] = tmp_path_factory.mktemp(family.lower())
+        write_tiny(family, out[family], seed=11)
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_tiny import write_tiny
 from triton_testing import DEVICE, NEEDS_FRESH_PROCESS, no_host_reads, run_in_fresh_process, use_import_mode
 
 from orca_backend import LLM, SamplingParams
@@ -15,22 +16,15 @@ from orca_kernels.moe import moe_torch
 from orca_kernels.silu import silu_and_mul_torch
 
 transformers = pytest.importorskip("transformers")
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 2], [100, 7], [250, 251, 252, 253, 254, 9, 11], [3], [60, 61, 62]]
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    config = transformers.MixtralConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
-        initializer_range=0.3, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.MixtralForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("mixtral")
-    model.save_pretrained(path)
-    return path, model
+    return path, write_tiny("Mixtral", path, seed=5, **MIXTRAL)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -50,14 +44,8 @@ QWEN_MOE = {
 
 @pytest.mark.parametrize("family", list(QWEN_MOE))
 def test_qwen_moe_greedy_equals_transformers(tmp_path, family):
-    config = getattr(transformers, f"{family}Config")(
-        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, initializer_range=0.3, eos_token_id=None, bos_token_id=None, **QWEN_MOE[family],
-    )  # fmt: skip
-    torch.manual_seed(8)
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    model.save_pretrained(tmp_path)
+    model = write_tiny(family, tmp_path, seed=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       **QWEN_MOE[family])  # fmt: skip
     ours = model_config_from_hf(tmp_path / "config.json")
     assert ours.num_experts == 4 and ours.norm_topk_prob == QWEN_MOE[family]["norm_topk_prob"]
     assert [ours.is_moe_layer(i) for i in range(2)] == [True, family == "Qwen2Moe"]
