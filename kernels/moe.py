@@ -22,7 +22,7 @@ def moe_torch(
 ) -> torch.Tensor:  # fmt: skip
     """x [T, H] -> [T, H]: sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
     out = torch.zeros_like(x)
-    flat = topk_ids.flatten()
+    flat, flat_weights = topk_ids.flatten(), topk_weights.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host needs them to slice (CPU path)
     k = topk_ids.shape[1]
@@ -34,5 +34,5 @@ def moe_torch(
         start += count
         tokens = pairs // k
         hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
-        out.index_add_(0, tokens, hidden * topk_weights.flatten()[pairs, None])
+        out.index_add_(0, tokens, hidden * flat_weights[pairs, None])
     return out

@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(n, dtype=torch.int32, device=device)
+        self.logits_indices = self.query_start[:n]  # each row's one token is its last
         # The host side the live batch is written into: the device buffers themselves on a CPU, pinned
         # copies on CUDA, each moved by one asynchronous copy from contiguous pinned memory (a strided
         # source would go through a pageable, synchronous copy), guarded by an event. The tokens and
