@@ -50,15 +50,12 @@ class Sampler:
         self._pinned: list[torch.Tensor] = []
         self._turn = 0
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [B, vocab] float32, one row per scheduled request (changed in place). Returns one
-        token id per request (the core ignores those of prefill chunks, `batch.sample` False), and the
-        logprobs of the requests that asked for them."""
-        return self.launch(logits, batch).result()
-
     def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        """`sample`, leaving the ids on the device with their copy to the host queued (on a GPU
-        nothing waits for the step here, unless a request asked for logprobs)."""
+        """logits: [B, vocab] float32, one row per scheduled request (changed in place). One token id
+        per request (the core ignores those of prefill chunks, `batch.sample` False), and the logprobs
+        of the requests that asked for them, as `result()` gives them; the ids stay on the device
+        with their copy to the host queued (on a GPU nothing waits for the step here, unless a
+        request asked for logprobs)."""
         raw_logprobs = None
         if batch.logprobs:  # before any processing
             raw_logprobs = logits[[position for position, _ in batch.logprobs]].log_softmax(dim=-1)
