@@ -178,16 +178,25 @@ class WorkerPoolExecutor:
             except (EOFError, OSError):
                 continue
             if msg.get("kind") == "error":
+                # A collective fails in every rank when one rank dies (its peers' sockets are reset),
+                # and a survivor's report may arrive first: the death is the cause, so it is named (a
+                # genuine error waits at most a second for a peer that is not dying).
+                peers = [p.sentinel for rank, p in enumerate(self.processes) if rank != msg["rank"]]
+                dead = wait(peers, timeout=1.0)
+                cause = f"{self._death(sentinels[dead[0]])}; then " if dead else ""
                 self.shutdown()
-                raise WorkerFailure(f"worker {msg['rank']} raised:\n{msg['message']}")
+                raise WorkerFailure(f"{cause}worker {msg['rank']} raised:\n{msg['message']}")
             return msg
-        rank = sentinels[next(o for o in ready if o in sentinels)]
+        description = self._death(sentinels[next(o for o in ready if o in sentinels)])
+        self.shutdown()
+        raise WorkerFailure(description)
+
+    def _death(self, rank: int) -> str:
+        """How worker `rank`, whose sentinel is readable, ended."""
         # The sentinel turns readable when the process's descriptors close, a moment before its exit
         # status can be collected: join it briefly, or a SIGKILL would read as "no exit code yet".
         self.processes[rank].join(timeout=5)
-        code = self.processes[rank].exitcode
-        self.shutdown()
-        raise WorkerFailure(f"worker {rank} (pid {self.processes[rank].pid}) {exit_description(code)}")
+        return f"worker {rank} (pid {self.processes[rank].pid}) {exit_description(self.processes[rank].exitcode)}"
 
     def shutdown(self) -> None:
         """Stops every worker: politely, then by force. Idempotent."""
