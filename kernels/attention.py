@@ -15,6 +15,14 @@ query that sees its whole context; a chunked prefill has n queries over a contex
 plus the chunk itself. Queries are always the *last* ``n`` positions of the context, so query ``t``
 of ``n`` may see keys ``0 .. context_len - n + t`` (a bottom-right aligned causal mask).
 
+Sliding windows and soft-capping are per layer, so they are arguments of every attention call, not
+metadata. ``window > 0`` (Mistral, Qwen2's upper layers, Gemma's local layers): query position ``p``
+sees keys ``p - window < j <= p`` only, transformers' rule, so a decode reads its context's last
+``window`` keys. Blocks wholly before every window may be freed while a request grows
+(core/kv_cache_manager.py): a windowed kernel never reads their table entries, which may then hold
+anything (the scheduler leaves -1 there). ``softcap > 0`` (Gemma 2): each score ``s = scale * q.k``
+becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
+
 Grouped-query attention (Llama 2 70B onwards, Mistral, Qwen2/3): the pool holds ``Hkv`` K/V heads
 and q has ``Hq`` heads, a multiple of ``Hkv``; query head ``h`` attends with K/V head
 ``h // (Hq // Hkv)``, so consecutive query heads share one K/V head (transformers' ``repeat_kv``
@@ -71,21 +79,24 @@ class AttentionMetadata:
         split = self.query_start.numel()
         return values[:split], values[split:]
 
-    def context_slots(self, i: int) -> torch.Tensor:
-        """int64 [context_lens[i]]: the pool slot of each of request i's context tokens, in context
-        order, on the block table's device. Built from the device table on the first call (the
-        context length comes from `host_lens`, read once per object) and kept on this object, so
-        every layer of a step reuses it."""
-        slots = self._context_slots.get(i)
+    def context_slots(self, i: int, start: int = 0) -> torch.Tensor:
+        """int64 [context_lens[i] - start]: the pool slot of each of request i's context tokens from
+        position `start` on, in context order, on the block table's device. Table entries before
+        `start`'s block are not read (a sliding window's freed blocks). Built from the device table
+        on the first call (the context length comes from `host_lens`, read once per object) and
+        kept on this object, so every layer of a step reuses it."""
+        slots = self._context_slots.get((i, start))
         if slots is None:
             ctx, size = self.host_lens()[1][i], self.block_size
-            blocks = self.block_tables[i, : -(-ctx // size)].long()
+            first = start // size
+            blocks = self.block_tables[i, first : -(-ctx // size)].long()
             offsets = torch.arange(size, dtype=torch.int64, device=blocks.device)
-            slots = self._context_slots[i] = (blocks[:, None] * size + offsets).flatten()[:ctx]
+            slots = (blocks[:, None] * size + offsets).flatten()[start - first * size : ctx - first * size]
+            self._context_slots[(i, start)] = slots
         return slots
 
     @functools.cached_property
-    def _context_slots(self) -> dict[int, torch.Tensor]:
+    def _context_slots(self) -> dict[tuple[int, int], torch.Tensor]:
         return {}  # not a dataclass field (no annotation): a per-object cache for context_slots
 
     @functools.cached_property
@@ -112,24 +123,25 @@ def write_kv_torch(
 def write_kv_and_attend(
     write_kv: Callable, attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """A layer's attention step: this step's K/V into the pool, then attention over it. Kernel sets
     bind their own write_kv and attention (dispatch.py); the Triton set fuses the two for decodes."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attention(q, k_cache, v_cache, meta, scale)
+    return attention(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def rotate_and_attend(
     rotary: Callable, write_kv_attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """A rotary layer's attention step (the Llama family): rotary of this step's q and k at
     `positions`, then `write_kv_attention` of the rotated q/k and v, so the pool holds rotated keys.
     Kernel sets bind their own rotary and write_kv_attention (dispatch.py); the Triton set fuses all
     three into one launch for decodes. q and k are not modified (the rotaries return new tensors)."""
     q, k = rotary(q, k, positions, cos_sin)
-    return write_kv_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return write_kv_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def gqa_group_size(num_q_heads: int, num_kv_heads: int) -> int:
@@ -148,18 +160,23 @@ def attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q: [T, Hq, head_dim]; caches: [slots, Hkv, head_dim] with Hq % Hkv == 0. Returns [T, Hq, head_dim]."""
+    """q: [T, Hq, head_dim]; caches: [slots, Hkv, head_dim] with Hq % Hkv == 0. Returns [T, Hq, head_dim].
+    `window` and `softcap` as in this module's docstring (0: none)."""
     num_kv_heads = k_cache.shape[1]
     group = gqa_group_size(q.shape[1], num_kv_heads)
+    check_window(window, softcap)
     out = torch.empty_like(q)
-    qs = meta.host_lens()[0]
+    qs, ctxs = meta.host_lens()
     q_scaled = q * scale  # for the decode path, once for the whole batch
     for i in range(meta.num_requests):
         q_lo, q_hi = qs[i], qs[i + 1]
         n = q_hi - q_lo
-        ki, vi = gather_context(k_cache, v_cache, meta, i)
-        if n == 1:
+        start = first_visible_key(ctxs[i] - n, window)  # the first query's window starts here
+        ki, vi = gather_context(k_cache, v_cache, meta, i, start)
+        if n == 1 and not softcap:
             # Decode: one query over its whole context. Two matmuls and a softmax cost a third of
             # SDPA's CPU dispatch here (which picks its unfused math path for these strided views).
             # A K/V head's `group` query heads are the rows of one matmul against it, so K/V is
@@ -168,29 +185,63 @@ def attention_torch(
             scores = torch.matmul(qi, ki.transpose(1, 2))  # [Hkv, group, ctx]
             out[q_lo] = torch.matmul(scores.softmax(dim=-1), vi).view(q.shape[1], -1)
             continue
-        out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
+        out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale, window, softcap)
     return out
 
 
+def check_window(window: int, softcap: float) -> None:
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
+
+
+def first_visible_key(position: int, window: int) -> int:
+    """The first key a query at `position` sees: 0, or with a sliding window the window's start."""
+    return max(position - window + 1, 0) if window else 0
+
+
 def gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's context K and V copied out of the paged pool, each [Hkv, ctx, head_dim]."""
-    slots = meta.context_slots(i)
+    """Request i's context K and V from position `start` on, copied out of the paged pool, each
+    [Hkv, ctx - start, head_dim]."""
+    slots = meta.context_slots(i, start)
     return k_cache.index_select(0, slots).transpose(0, 1), v_cache.index_select(0, slots).transpose(0, 1)
 
 
-def prefill_attention(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, scale: float) -> torch.Tensor:
-    """One request's n queries ([n, Hq, head_dim]) over its context ([Hkv, ctx, head_dim])."""
-    n, ctx = qi.shape[0], ki.shape[1]
-    # SDPA broadcasts each K/V head over its query heads itself (no repeat_interleave copy); the
-    # flag is passed only for GQA so that multi-head attention takes exactly the path it always did.
-    gqa = {"enable_gqa": True} if gqa_group_size(qi.shape[1], ki.shape[0]) > 1 else {}
-    mask = None
-    if n < ctx:  # queries are the last n positions: bottom-right aligned causal mask
-        rows = torch.arange(n, device=qi.device)[:, None] + (ctx - n)
-        mask = torch.arange(ctx, device=qi.device)[None, :] <= rows
-    oi = F.scaled_dot_product_attention(
-        qi.transpose(0, 1), ki, vi, attn_mask=mask, is_causal=(n == ctx), scale=scale, **gqa
-    )
-    return oi.transpose(0, 1)
+def prefill_attention(
+    qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
+    """One request's n queries ([n, Hq, head_dim]) over keys ([Hkv, keys, head_dim]) that end at
+    the last query's position: query t of n sits at key index `keys - n + t`. With a sliding window
+    the keys may start past the context's first (at the first query's window: `gather_context`);
+    the window's rule reads key indices relative to that start as well."""
+    n, keys = qi.shape[0], ki.shape[1]
+    gqa = gqa_group_size(qi.shape[1], ki.shape[0]) > 1
+    if not (window or softcap):
+        # SDPA broadcasts each K/V head over its query heads itself (no repeat_interleave copy); the
+        # flag is passed only for GQA so that multi-head attention takes exactly the path it always did.
+        mask = None
+        if n < keys:  # queries are the last n positions: bottom-right aligned causal mask
+            rows = torch.arange(n, device=qi.device)[:, None] + (keys - n)
+            mask = torch.arange(keys, device=qi.device)[None, :] <= rows
+        oi = F.scaled_dot_product_attention(
+            qi.transpose(0, 1), ki, vi, attn_mask=mask, is_causal=(n == keys), scale=scale,
+            **({"enable_gqa": True} if gqa else {}),
+        )  # fmt: skip
+        return oi.transpose(0, 1)
+    # Soft-capping sits between the scores and the softmax, where SDPA takes nothing: the scores
+    # are computed here, in fp32 as transformers' eager attention does for Gemma.
+    group = qi.shape[1] // ki.shape[0]
+    k_rep = ki.repeat_interleave(group, dim=0) if group > 1 else ki  # [Hq, keys, d]
+    v_rep = vi.repeat_interleave(group, dim=0) if group > 1 else vi
+    scores = torch.matmul(qi.transpose(0, 1), k_rep.transpose(1, 2)) * scale  # [Hq, n, keys]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(n, device=qi.device)[:, None] + (keys - n)  # each query's key index
+    key = torch.arange(keys, device=qi.device)[None, :]
+    visible = key <= pos
+    if window:
+        visible &= key > pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(vi.dtype)
+    return torch.matmul(probs, v_rep).transpose(0, 1)

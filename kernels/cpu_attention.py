@@ -14,6 +14,10 @@ Grouped-query attention: the K/V pool may have fewer heads than q (Llama-style G
 with one KV head); query head h reads KV head h // (q_heads // kv_heads). The C kernel reads each
 KV head's row once for its whole group of query heads, so K/V is never repeated for decodes;
 prefills go to `prefill_attention`, which takes [kv_heads, ctx, head_dim] K/V as it is.
+
+Sliding window and soft-capping (per layer, as in attention.py): the C kernel walks a decode's
+table from its window's first key, so the table entries of blocks wholly before the window (freed,
+-1) are never read; a prefill's context is gathered from its first query's window start on.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from orca_kernels import native
 from orca_kernels.attention import (
     AttentionMetadata,
     attention_torch,
+    check_window,
+    first_visible_key,
     gather_context,
     gqa_group_size,
     prefill_attention,
@@ -40,9 +46,10 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     p, i64 = native.PTR, native.I64
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
-    # scratch, num_threads
+    # window, softcap, scratch, num_threads
     return native.declare("decode_attention", "orca_decode_attention_f32", [
-        p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int,
+        p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, p,
+        ctypes.c_int,
     ], None)  # fmt: skip
 
 
@@ -80,10 +87,17 @@ def write_kv_cpu(
 
 
 def attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as `attention_torch`: q [tokens, q_heads, head_dim], caches [slots, kv_heads,
-    head_dim] with q_heads a multiple of kv_heads (kv_heads == q_heads: multi-head attention)."""
+    head_dim] with q_heads a multiple of kv_heads (kv_heads == q_heads: multi-head attention);
+    `window` and `softcap` as in attention.py (0: none)."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
@@ -92,8 +106,9 @@ def attention_cpu(
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     gqa_group_size(heads, kv_heads)  # ValueError unless heads is a multiple of kv_heads (>= 1)
+    check_window(window, softcap)
     if q.dtype != torch.float32 or q.device.type != "cpu":
-        return attention_torch(q, k_cache, v_cache, meta, scale)
+        return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
     tables = meta.block_tables
@@ -120,15 +135,17 @@ def attention_cpu(
     load_decode_kernel()(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
-        meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale,
-        scratch.data_ptr(), threads,
+        meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, window,
+        softcap, scratch.data_ptr(), threads,
     )  # fmt: skip
     if meta.max_query_len > 1:
-        qs = meta.host_lens()[0]  # read once per metadata object, shared by every layer
+        qs, ctxs = meta.host_lens()  # read once per metadata object, shared by every layer
         for i in range(meta.num_requests):
             q_lo, q_hi = qs[i], qs[i + 1]
             if q_hi - q_lo > 1:
-                # [kv_heads, ctx, head_dim]: prefill_attention shares each K/V head over its group
-                ki, vi = gather_context(k_cache, v_cache, meta, i)
-                out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale)
+                # [kv_heads, ctx - start, head_dim] from the first query's window start on:
+                # prefill_attention shares each K/V head over its group
+                start = first_visible_key(ctxs[i] - (q_hi - q_lo), window)
+                ki, vi = gather_context(k_cache, v_cache, meta, i, start)
+                out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale, window, softcap)
     return out

@@ -31,7 +31,7 @@ from .layernorm import add_layernorm_torch
 from .moe import moe_torch
 from .rmsnorm import add_rmsnorm_torch
 from .rotary import rotary_torch
-from .silu import silu_and_mul_torch
+from .silu import gelu_and_mul_torch, silu_and_mul_torch
 
 logger = logging.getLogger("orca.kernels")
 
@@ -65,6 +65,9 @@ class KernelOps:
     rotary_write_kv_attention: Callable
     # (x, w13, w2, topk_weights, topk_ids) -> [T, H]: the mixture-of-experts MLP (moe.py)
     moe: Callable
+    # Gemma's GeGLU: as silu_and_mul with the tanh GELU. On CPU the torch reference (no C kernel:
+    # one family uses it, and torch's vectorised GELU is within reach of a C loop).
+    gelu_and_mul: Callable
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -119,13 +122,13 @@ TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch, _write_kv_attention_torch,
     functools.partial(rotate_and_attend, rotary_torch, _write_kv_attention_torch),
-    functools.partial(moe_torch, silu_and_mul=silu_and_mul_torch),
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_torch), gelu_and_mul_torch,
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
     functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
-    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch),
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch), gelu_and_mul_torch,
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -196,6 +199,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_attention.write_kv_attention_triton,
         triton_attention.rotary_write_kv_attention_triton,
         functools.partial(triton_moe.moe_triton, silu_and_mul=triton_silu.silu_and_mul_triton),
+        triton_silu.gelu_and_mul_triton,
     )
 
 

@@ -1,4 +1,5 @@
-"""SiLU-gated MLP activation (SwiGLU, the Llama family's MLP): torch reference."""
+"""Gated MLP activations: SiLU (SwiGLU, the Llama family's MLP) and tanh GELU (GeGLU, Gemma's):
+torch references."""
 
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :inner]) * x[..., inner:]
 
 
+def gelu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """As `silu_and_mul_torch` with the tanh-approximated GELU (transformers' gelu_pytorch_tanh):
+    ``gelu_tanh(gate) * up``."""
+    inner = gate_up_split(x.shape[-1])
+    return F.gelu(x[..., :inner], approximate="tanh") * x[..., inner:]
+
+
 def gate_up_split(width: int) -> int:
     """The inner width of a fused [..., 2 * inner] gate/up tensor; odd widths are a caller bug."""
     if width % 2:
-        raise ValueError(f"silu_and_mul needs [..., 2 * inner] (gate then up), got last dim {width}")
+        raise ValueError(f"a gated activation needs [..., 2 * inner] (gate then up), got last dim {width}")
     return width // 2

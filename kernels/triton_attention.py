@@ -14,6 +14,16 @@ load per key, shared by the K and V loads), so a tile may straddle any number of
 ``BLOCK_SIZE`` (the pool's block size, a compile-time constant: one engine uses one) need neither
 divide ``BLOCK_N`` nor be a power of two. Table entries past a request's context are never loaded.
 
+Sliding windows and soft-capping (``window`` and ``softcap``, per layer; 0: none) are plain
+arguments of the launch and compile-time flags (SLIDING, SOFTCAP), so a layer without them runs the
+very kernel it ran before they existed, and neither the grid nor the decode splits depend on them.
+A windowed program starts its key loop at the window start of its earliest query (the ragged
+kernel: its query block's first query's; a decode: ``max(ctx - window, 0)``), so no key before it
+is loaded, nor its table entry: the blocks wholly before every window may be freed while a request
+grows, their entries left as -1. Decode splits cut the window's span instead of the whole context.
+Soft-capping bends each score through ``softcap * tanh(score / softcap)`` before the mask and the
+softmax, the fused new key's included.
+
 Grouped-query attention needs no copy of the pool, and each K/V tile is read once per query block:
 a program takes all the query heads that share its K/V head (``GROUP`` of them; query head ``h``
 reads K/V head ``h // GROUP``) and stacks them into the rows of one tile, ``BLOCK_M`` queries by
@@ -54,8 +64,16 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from . import triton_rotary
-from .attention import AttentionMetadata, gqa_group_size
+from .attention import AttentionMetadata, check_window, gqa_group_size
 from .rotary import check_rotary_args
+
+
+@triton.jit
+def _soft_cap(x, cap):
+    """``cap * tanh(x)``, fp32. tanh as ``1 - 2 / (e^2x + 1)``: Triton's interpreter has no libdevice
+    tanh, and this form saturates to exactly +-cap where e^2x overflows to inf or underflows to 0
+    (the naive ratio of exponentials would give inf / inf = NaN there)."""
+    return cap * (1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0))  # e^2x = 2^(2 log2(e) x)
 
 
 @triton.jit
@@ -73,7 +91,11 @@ def _attention_inner(
     lo,
     hi,
     qk_scale,
+    cap,
+    window,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -82,7 +104,14 @@ def _attention_inner(
     DOT_FP32: tl.constexpr,
 ):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i); MASKED tiles straddle the causal edge.
-    k_base/v_base point at the K/V head in pool slot 0; table_row at the request's block table row."""
+    k_base/v_base point at the K/V head in pool slot 0; table_row at the request's block table row.
+    Only keys in [lo, hi) are loaded, and their table entries: lo need not be a tile multiple.
+
+    Scores are ``dot * qk_scale`` in log2 units, or with SOFTCAP ``cap * tanh(dot * qk_scale)``, the
+    caller passing qk_scale = scale / softcap and cap = softcap * log2(e): Gemma 2's
+    ``softcap * tanh(scale * q.k / softcap)`` in log2 units, with the constants folded on the host.
+    SLIDING (with MASKED): the tiles straddle a window's lower edge too, key j visible to the row at
+    q_pos only if q_pos - window < j <= q_pos."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM  # constant-folds away when HEAD_DIM is a power of two
     for start in range(lo, hi, BLOCK_N):
@@ -103,13 +132,23 @@ def _attention_inner(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [M, N], log2 units
+        if SOFTCAP:  # before the mask, as the reference: masked keys stay -inf
+            s = _soft_cap(s, cap)
         if MASKED:
-            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
-        # Every row sees the range's first key (key 0 for the ragged kernel, the split's first for
-        # the decode kernel), which lies in the first tile processed, so m_new is finite here.
+            visible = offs_n[None, :] <= q_pos[:, None]
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        # Without a window every row sees the range's first key (key 0 for the ragged kernel, the
+        # split's first for the decode kernel), which lies in the first tile processed, so m_new is
+        # finite here. With one, a row whose window starts past this tile has seen no key yet and
+        # m_new is -inf: it subtracts 0 instead of -inf (NaN), and keeps m_i = -inf, acc = l = 0.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new
+        if SLIDING:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -137,6 +176,8 @@ def _attention_kernel(
     stride_ot,
     stride_oh,
     qk_scale,
+    cap,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -147,6 +188,8 @@ def _attention_kernel(
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
     SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # GQA: query heads [g * GROUP, (g + 1) * GROUP) share K/V head g. This program takes HEADS of
@@ -187,22 +230,53 @@ def _attention_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
-    # Keys up to the query block's first query position are visible to every row (every head of
-    # the group alike): those whole BLOCK_N key tiles skip all masking. The rest, up to the last
-    # query's position, get the causal mask.
     first_pos = ctx - n + m_start
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(first_pos + BLOCK_M, ctx)
-    # fmt: off
-    acc, l_i, m_i = _attention_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, 0, full_end,
-        qk_scale, False, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
-    )
-    acc, l_i, m_i = _attention_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, kv_end,
-        qk_scale, True, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
-    )
-    # fmt: on
+    if SLIDING:
+        # The loop starts at the block's first query's window start, unaligned: no key before it
+        # is loaded, nor its table entry (the blocks wholly before it may be freed, their entries
+        # -1). Keys from the last query's window start to the first query's position are visible
+        # to every row: whole tiles there skip the masks; the tiles below them get the window's
+        # lower edge, the tiles above the causal edge (both masks in each, for the rows between).
+        kv_end = tl.minimum(first_pos + BLOCK_M, ctx)  # past the block's last query position
+        kv_lo = tl.maximum(first_pos - window + 1, 0)
+        shared_lo = tl.maximum(kv_end - window, kv_lo)  # the last query's window start
+        mid_lo = tl.minimum(kv_lo + tl.cdiv(shared_lo - kv_lo, BLOCK_N) * BLOCK_N, kv_end)
+        mid_hi = mid_lo + tl.maximum(first_pos + 1 - mid_lo, 0) // BLOCK_N * BLOCK_N
+        # fmt: off
+        acc, l_i, m_i = _attention_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, kv_lo, mid_lo,
+            qk_scale, cap, window, True, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            INPUT_PRECISION, DOT_FP32,
+        )
+        acc, l_i, m_i = _attention_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, mid_lo, mid_hi,
+            qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            INPUT_PRECISION, DOT_FP32,
+        )
+        acc, l_i, m_i = _attention_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, mid_hi, kv_end,
+            qk_scale, cap, window, True, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            INPUT_PRECISION, DOT_FP32,
+        )
+        # fmt: on
+    else:
+        # Keys up to the query block's first query position are visible to every row (every head
+        # of the group alike): those whole BLOCK_N key tiles skip all masking. The rest, up to the
+        # last query's position, get the causal mask.
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+        kv_end = tl.minimum(first_pos + BLOCK_M, ctx)
+        # fmt: off
+        acc, l_i, m_i = _attention_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, 0, full_end,
+            qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            INPUT_PRECISION, DOT_FP32,
+        )
+        acc, l_i, m_i = _attention_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, kv_end,
+            qk_scale, cap, window, True, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+            INPUT_PRECISION, DOT_FP32,
+        )
+        # fmt: on
 
     # A request of context 0 (a padded row of a CUDA graph's batch) saw no key: acc is 0, and so
     # is its output, not 0 / 0.
@@ -293,6 +367,8 @@ def _decode_split_kernel(
     num_splits,
     ml_stride,
     qk_scale,
+    cap,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -306,12 +382,20 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,
     FUSED_WRITE: tl.constexpr,
     ROTARY: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (request r, K/V-head program g, split s) of a decode-only batch, whose token r is
-    request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) into an
-    online softmax for the HEADS query heads of its group, stacked as the rows of one tile (ROWS,
-    at least 16 for tl.dot; rows past HEADS or past the group are masked), and stores the
-    unnormalised acc, m (log2 units) and l. DIRECT (one split): stores the normalised output.
+    request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) (counted
+    from the window's start with SLIDING, below) into an online softmax for the HEADS query heads of
+    its group, stacked as the rows of one tile (ROWS, at least 16 for tl.dot; rows past HEADS or past
+    the group are masked), and stores the unnormalised acc, m (log2 units) and l. DIRECT (one
+    split): stores the normalised output.
+
+    SLIDING: the query sees only the window's keys [max(ctx - window, 0), ctx), and the splits cut
+    that span instead, from its start: the range is still all visible, so no tile needs the
+    window's mask, and no key before the window is read, nor its table entry. SOFTCAP: see
+    `_attention_inner`; the fused new key's score is capped as well.
 
     FUSED_WRITE: this step's K/V (k_new, v_new: token r's row) is not in the pool yet. The split
     holding the context's last position takes that key and value from k_new / v_new instead of
@@ -331,8 +415,14 @@ def _decode_split_kernel(
     # The split's key range, on the device: whole BLOCK_N tiles, so that only the context's last
     # tile needs masking. A split past the context (every split of a context-0 row) gets lo == hi
     # and reads nothing, not even its block table entries.
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    if SLIDING:
+        # The window only moves the range's start; the number of splits (the grid) stays fixed.
+        win_lo = tl.maximum(ctx - window, 0)
+        chunk = tl.cdiv(tl.cdiv(ctx - win_lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = win_lo + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, ctx), lo)
     # The keys read from the pool: all of the range, or with FUSED_WRITE all but the new one.
     pool_hi = tl.maximum(tl.minimum(hi, ctx - 1), lo) if FUSED_WRITE else hi
@@ -380,11 +470,13 @@ def _decode_split_kernel(
     # fmt: off
     acc, l_i, m_i = _attention_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, lo, full_end,
-        qk_scale, False, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
+        qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+        INPUT_PRECISION, DOT_FP32,
     )
     acc, l_i, m_i = _attention_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, pool_hi,
-        qk_scale, True, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, INPUT_PRECISION, DOT_FP32,
+        qk_scale, cap, window, True, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+        INPUT_PRECISION, DOT_FP32,
     )
     # fmt: on
     if FUSED_WRITE:
@@ -396,6 +488,8 @@ def _decode_split_kernel(
         v_new = tl.load(v_new_ptr + req * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_mask, other=0.0)
         if (hi == ctx) & (lo < hi):  # this split holds the new key: one more step of the online softmax
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            if SOFTCAP:
+                s_new = _soft_cap(s_new, cap)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
@@ -561,6 +655,14 @@ def decode_splits(num_requests: int, kv_programs: int, device: torch.device) -> 
     return min(triton.next_power_of_2(wanted), _MAX_DECODE_SPLITS)
 
 
+def _score_args(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap) for the kernels, which score in log2 units (exp2): scale * log2(e) and no cap,
+    or with soft-capping scale / softcap inside the tanh and softcap * log2(e) outside it."""
+    if softcap:
+        return scale / softcap, softcap * math.log2(math.e)
+    return scale * math.log2(math.e), 0.0
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -568,6 +670,8 @@ def _decode_attention(
     out: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int,
+    softcap: float,
     block_n: int | None,
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -608,6 +712,7 @@ def _decode_attention(
         positions = positions.contiguous()
     if cos_sin.stride(-1) != 1:
         cos_sin = cos_sin.contiguous()
+    qk_scale, cap = _score_args(scale, softcap)
     _decode_split_kernel[(num_requests, kv_programs, splits)](
         q,
         k_cache,
@@ -639,7 +744,9 @@ def _decode_attention(
         num_heads,
         splits,
         num_requests * num_heads * splits,  # ml's stride between m and l
-        scale * math.log2(math.e),  # the kernel uses exp2
+        qk_scale,
+        cap,
+        window,
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -653,6 +760,8 @@ def _decode_attention(
         DIRECT=direct,
         FUSED_WRITE=new_kv is not None,
         ROTARY=rotary is not None,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=4 if block_d <= 64 and rows <= 64 else 8,
         num_stages=2,
     )
@@ -679,17 +788,22 @@ def attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``attention_torch`` (GQA included); block sizes are overridable for tests and
-    benchmarks (``block_m`` counts queries: a program's tile holds them for each head of its group).
+    """Same contract as ``attention_torch`` (GQA, sliding window and soft-capping included); block
+    sizes are overridable for tests and benchmarks (``block_m`` counts queries: a program's tile
+    holds them for each head of its group). ``window`` and ``softcap`` are plain numbers (per layer),
+    never read from the device, and size nothing: the grid is the same for any of them.
 
     A decode-only batch (``max_query_len == 1`` and one token per request) takes the split-K
     kernels, with ``num_splits`` key splits per request (default: `decode_splits`; ``block_m`` does
     not apply there); any other batch takes the ragged kernel."""
+    check_window(window, softcap)
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -700,7 +814,7 @@ def attention_triton(
     if num_tokens == 0:
         return out
     if meta.max_query_len == 1 and num_tokens == meta.num_requests:
-        _decode_attention(q, k_cache, v_cache, out, meta, scale, block_n, num_splits)
+        _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, block_n, num_splits)
         return out
     heads, splits = _attention_heads(group)
     default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
@@ -716,6 +830,7 @@ def attention_triton(
     block_d = max(triton.next_power_of_2(head_dim), 16)
     # fp32 inputs would otherwise run the dot products in TF32 on NVIDIA GPUs (~1e-3 error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    qk_scale, cap = _score_args(scale, softcap)
     grid = (num_programs, k_cache.shape[1] * splits)
     _attention_kernel[grid](
         q,
@@ -736,7 +851,9 @@ def attention_triton(
         v_cache.stride(1),
         out.stride(0),
         out.stride(1),
-        scale * math.log2(math.e),  # the kernel uses exp2
+        qk_scale,
+        cap,
+        window,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -748,6 +865,8 @@ def attention_triton(
         GROUP=group,
         HEADS=heads,
         SPLITS=splits,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=4 if block_d <= 64 and block_m * heads <= 64 else 8,
         num_stages=2,
     )
@@ -762,23 +881,29 @@ def write_kv_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """``write_kv_triton`` of this step's k/v, then ``attention_triton``; for a decode-only batch in
     one launch fewer: the split kernel writes the new K/V itself and takes the new key and value
     from k/v rather than from the pool."""
+    check_window(window, softcap)  # before the write: a bad argument leaves the pool as it was
     num_tokens = q.shape[0]
     if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
         write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-        return attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+        return attention_triton(q, k_cache, v_cache, meta, scale, window, softcap, num_splits=num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
     _unit_last_stride(v_cache, "v_cache")
     gqa_group_size(q.shape[1], k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _decode_attention(q, k_cache, v_cache, out, meta, scale, None, num_splits, (k, v, meta.slot_mapping))
+    # fmt: off
+    _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, None, num_splits,
+                      (k, v, meta.slot_mapping))
+    # fmt: on
     return out
 
 
@@ -792,6 +917,8 @@ def rotary_write_kv_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -808,11 +935,13 @@ def rotary_write_kv_attention_triton(
     un-rotated, and only the attention output and the pool carry the rotation."""
     num_tokens = q.shape[0]
     check_rotary_args(q, k, positions, cos_sin)
+    check_window(window, softcap)
     if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
         # The module, not a name imported from it: get_ops may reload triton_rotary (interpreter
         # toggling), and this call must take the reloaded kernel.
         q, k = triton_rotary.rotary_triton(q, k, positions, cos_sin)
-        return write_kv_attention_triton(q, k, v, k_cache, v_cache, meta, scale, num_splits=num_splits)
+        return write_kv_attention_triton(q, k, v, k_cache, v_cache, meta, scale, window, softcap,
+                                         num_splits=num_splits)  # fmt: skip
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -820,8 +949,8 @@ def rotary_write_kv_attention_triton(
     gqa_group_size(q.shape[1], k_cache.shape[1])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # fmt: off
-    _decode_attention(q, k_cache, v_cache, out, meta, scale, None, num_splits, (k, v, meta.slot_mapping),
-                      (positions, cos_sin))
+    _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, None, num_splits,
+                      (k, v, meta.slot_mapping), (positions, cos_sin))
     # fmt: on
     return out
 

@@ -57,6 +57,10 @@ class ModelConfig:
     def num_kv_heads(self) -> int:
         return self.n_head
 
+    @property
+    def kv_window(self) -> int:
+        return 0  # GPT-2 attends to the whole context
+
     def num_parameters(self) -> int:
         per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
         return self.vocab_size * self.n_embd + self.n_positions * self.n_embd + self.n_layer * per_layer + 2 * self.n_embd
@@ -84,6 +88,8 @@ class ModelConfig:
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     # llama3 frequency scaling as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     rope_llama3: tuple[float, float, float, int] | None = None
+    rope_linear: float = 1.0  # rope_type "linear": positions divided by this factor
     qkv_bias: bool = False  # Qwen2 always; Llama and Qwen3 with attention_bias
     o_bias: bool = False  # Llama and Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
@@ -126,9 +133,33 @@ class LlamaConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Sliding-window attention: the layers whose `layer_types` entry is "sliding_attention" attend to
+    # their last `sliding_window` positions only (kernels/attention.py). Empty layer_types: no window.
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if any(t not in (SLIDING, FULL) for t in self.layer_types):
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} are not all {SLIDING!r} or {FULL!r}")
+        if SLIDING in self.layer_types and self.sliding_window < 1:
+            raise ValueError(f"sliding layers need a sliding_window >= 1, got {self.sliding_window}")
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def window(self, layer: int) -> int:
+        """The attention window of a layer (0: it sees the whole context)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else 0
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer attends within, or 0 if some layer sees the whole context: K/V
+        positions before it are needed by no layer, so their blocks may be freed as a request grows."""
+        if self.layer_types and all(t == SLIDING for t in self.layer_types):
+            return self.sliding_window
+        return 0
 
     @property
     def max_context(self) -> int:
@@ -171,22 +202,7 @@ class LlamaConfig:
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         max_pos = raw.get("max_position_embeddings", 2048)
-        window = _sliding_window(raw, arch)
-        if window is not None and window < max_pos:
-            raise ValueError(
-                f"{source}: sliding_window={window} is smaller than max_position_embeddings={max_pos}: "
-                "requests longer than the window would be served wrong; set max_position_embeddings to at most "
-                "the window to serve it"
-            )
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        llama3 = None
-        if rope_type == "llama3":
-            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                      int(rope["original_max_position_embeddings"]))  # fmt: skip
-        elif rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default and llama3 are)")
+        rope = _rope_fields(raw.get("rope_parameters") or raw.get("rope_scaling") or {}, raw, source)
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor={raw['partial_rotary_factor']!r} is not supported")
         attention_bias = bool(raw.get("attention_bias", False))
@@ -202,8 +218,7 @@ class LlamaConfig:
             head_dim=raw.get("head_dim") or hidden // heads,
             max_position_embeddings=max_pos,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_llama3=llama3,
+            **rope,
             qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias,
             o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and attention_bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
@@ -211,6 +226,73 @@ class LlamaConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,  # the engine stops on the first EOS id
             initializer_range=raw.get("initializer_range", 0.02),
             **_moe_fields(raw, arch),
+            **_window_fields(raw, arch),
+        )
+
+
+@dataclass(frozen=True)
+class GemmaConfig(LlamaConfig):
+    """Gemma 2 and Gemma 3 (text): the Llama-style decoder with Gemma's differences (model/gemma.py):
+    embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a GeGLU MLP (tanh
+    GELU), norms before and after both attention and MLP, scores scaled by query_pre_attn_scalar^-0.5,
+    local (sliding-window) and global layers; Gemma 2 soft-caps the attention scores and the final
+    logits, Gemma 3 normalises q and k per head (`qk_norm`) and gives its local layers their own
+    rope base (`rope_local_theta`; the global layers' is rope_theta, with its scaling)."""
+
+    architecture: str = "Gemma2ForCausalLM"
+    query_pre_attn_scalar: float = 256.0
+    attn_logit_softcapping: float = 0.0  # 0: none
+    final_logit_softcapping: float = 0.0
+    rope_local_theta: float = 0.0  # 0: the local layers use rope_theta as the global ones do
+
+    def num_parameters(self) -> int:
+        norms = self.num_hidden_layers * (2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0))
+        return super().num_parameters() + norms
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str) -> GemmaConfig:
+        arch = raw["architectures"][0]
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError(f"{source}: use_bidirectional_attention is not supported (a causal decoder is served)")
+        if raw.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias=true is not supported")
+        rope = raw.get("rope_parameters") or {}
+        local: dict[str, Any] = {}
+        if "full_attention" in rope:  # Gemma 3 as transformers 5 writes it: one entry per layer type
+            local, rope = rope.get("sliding_attention") or {}, rope["full_attention"]
+        elif raw.get("rope_scaling"):
+            rope = raw["rope_scaling"]
+        fields = _rope_fields(rope, raw, source)
+        if arch == "Gemma3ForCausalLM":
+            local_fields = _rope_fields(local, {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}, source)
+            if set(local_fields) != {"rope_theta"}:
+                raise ValueError(f"{source}: scaled rope on the sliding layers is not supported")
+            fields["rope_local_theta"] = local_fields["rope_theta"]
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        soft = {name: float(raw.get(name) or 0.0) for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 8192),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            qk_norm=arch == "Gemma3ForCausalLM",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            initializer_range=raw.get("initializer_range", 0.02),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+            **soft,
+            **fields,
+            **_window_fields(raw, arch),
         )
 
 
@@ -233,17 +315,49 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     return {}
 
 
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """The attention window some layer uses, if any (Mistral: every layer; Qwen2/3: when enabled)."""
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return raw.get("sliding_window")
-    layer_types = raw.get("layer_types") or []
-    if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
-        return raw.get("sliding_window")
-    return None
+def _rope_fields(rope: dict[str, Any], raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta and the frequency scaling of one rope_parameters / rope_scaling entry."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))}
+    if rope_type == "llama3":
+        fields["rope_llama3"] = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                                 int(rope["original_max_position_embeddings"]))  # fmt: skip
+    elif rope_type == "linear":
+        fields["rope_linear"] = float(rope["factor"])
+    elif rope_type != "default":
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear and llama3 are)")
+    return fields
 
 
-AnyModelConfig = ModelConfig | LlamaConfig
+def _window_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Which layers attend within a sliding window, as transformers' model code decides for each
+    family: Mistral and Mixtral window every layer when `sliding_window` is set, and so does
+    Qwen3-MoE with `use_sliding_window`; Qwen2, Qwen3 and Qwen2-MoE with `use_sliding_window` window
+    the layers `layer_types` names (by default those from `max_window_layers` on); Gemma 2 and 3
+    window the layers `layer_types` names (by default every other one, and five of six)."""
+    window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
+    unknown = sorted(set(raw.get("layer_types") or ()) - {SLIDING, FULL})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported ({SLIDING!r} and {FULL!r} are)")
+    if not window or (arch.startswith("Qwen") and not raw.get("use_sliding_window")):
+        return {}
+    layer_types = raw.get("layer_types")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        layer_types = [SLIDING] * layers
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
+        first = raw.get("max_window_layers", layers)
+        layer_types = layer_types or [SLIDING if i >= first else FULL for i in range(layers)]
+    elif arch in GEMMA_ARCHITECTURES:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+        layer_types = layer_types or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    else:
+        return {}  # Llama's model code has no window
+    if SLIDING not in layer_types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
+
+
+AnyModelConfig = ModelConfig | LlamaConfig  # GemmaConfig is a LlamaConfig
 
 
 def model_config_from_hf(path: str | Path) -> AnyModelConfig:
@@ -256,13 +370,16 @@ def model_config_from_hf(path: str | Path) -> AnyModelConfig:
     fp8_block = _fp8_quantization(raw.get("quantization_config"), arch, path)
     if arch == ModelConfig.architecture:
         return ModelConfig.from_hf_dict(raw, str(path))
+    if arch in GEMMA_ARCHITECTURES:
+        return GemmaConfig.from_hf_dict(raw, str(path))
     if arch in LLAMA_ARCHITECTURES:
         config = LlamaConfig.from_hf_dict(raw, str(path))
         if raw.get("quantization_config") and config.num_experts:
             raise ValueError(f"{path}: FP8 mixture-of-experts checkpoints are not served (FP8 is, for dense models)")
         return replace(config, fp8=True, fp8_block=fp8_block) if raw.get("quantization_config") else config
     raise ValueError(
-        f"{path}: architectures {arch!r} is not supported; served: {ModelConfig.architecture}, {', '.join(LLAMA_ARCHITECTURES)}"
+        f"{path}: architectures {arch!r} is not supported; served: "
+        f"{', '.join((ModelConfig.architecture, *LLAMA_ARCHITECTURES, *GEMMA_ARCHITECTURES))}"
     )
 
 
@@ -292,9 +409,9 @@ def model_config_to_json(config: AnyModelConfig) -> str:
 
 def model_config_from_json(text: str) -> AnyModelConfig:
     data = json.loads(text)
-    cls = {"ModelConfig": ModelConfig, "LlamaConfig": LlamaConfig}[data["family"]]
+    cls = {"ModelConfig": ModelConfig, "LlamaConfig": LlamaConfig, "GemmaConfig": GemmaConfig}[data["family"]]
     values = data["fields"]
-    for name in ("rope_llama3", "fp8_block", "mlp_only_layers"):
+    for name in ("rope_llama3", "fp8_block", "mlp_only_layers", "layer_types"):
         if values.get(name) is not None:
             values[name] = tuple(values[name])
     return cls(**values)
@@ -320,10 +437,32 @@ PRESETS: dict[str, AnyModelConfig] = {
                                   head_dim=16, max_position_embeddings=256, initializer_range=0.3, qkv_bias=True,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                                   shared_expert_intermediate_size=48),
+    # A small Mixtral for CPU benchmarks: 8 experts, top 2, ~140M parameters of which ~45M active per token
+    "mixtral-small": LlamaConfig(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=512,
+                                 intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                 head_dim=64, max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=1024),
     "qwen3-moe-tiny": LlamaConfig(architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=64,
                                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, max_position_embeddings=256, initializer_range=0.3, qk_norm=True,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(1,)),
+    # Mistral with a 32-token sliding window on every layer: long requests hold ~3 blocks of 16
+    "mistral-sw-tiny": LlamaConfig(architecture="MistralForCausalLM", vocab_size=512, hidden_size=64,
+                                   intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                   initializer_range=0.3, sliding_window=32, layer_types=(SLIDING, SLIDING)),
+    # Gemma 2 (alternating local/global layers, soft-capping) and Gemma 3 (5 local : 1 global, q/k norm,
+    # a local rope base), with 32-token windows
+    "gemma2-tiny": GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               initializer_range=0.3, tie_word_embeddings=True, query_pre_attn_scalar=16.0,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=32,
+                               layer_types=(SLIDING, FULL) * 2),
+    "gemma3-tiny": GemmaConfig(architecture="Gemma3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=160,
+                               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+                               query_pre_attn_scalar=16.0, qk_norm=True, rope_theta=1000000.0,
+                               rope_local_theta=10000.0, sliding_window=32, layer_types=(SLIDING,) * 5 + (FULL,)),
     # Qwen2.5-0.5B geometry (its config.json): GQA 14/2, biased q/k/v, tied embeddings, 152k vocabulary
     "qwen2.5-0.5b": LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -14,12 +14,13 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_lay
             eos_token_id=None, bos_token_id=None)  # fmt: skip
 
 
-def write_tiny(family: str, path: Path, seed: int, **overrides: Any) -> torch.nn.Module:
+def write_tiny(family: str, path: Path, seed: int, config_class: str | None = None, **overrides: Any) -> torch.nn.Module:
     """transformers' <family>ForCausalLM of the TINY geometry (with `overrides`), its weights drawn
-    after seeding torch with `seed`, saved to `path`; returned in eval mode."""
+    after seeding torch with `seed`, saved to `path`; returned in eval mode. `config_class`: where
+    the config is not <family>Config (Gemma 3's text model: Gemma3TextConfig)."""
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(**(TINY | overrides))
+    config = getattr(transformers, config_class or f"{family}Config")(**(TINY | overrides))
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     model.save_pretrained(path)

@@ -161,6 +161,31 @@ def test_silu_and_mul(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_and_mul_torch_is_gated_tanh_gelu(dtype: torch.dtype) -> None:
+    """Gemma's GeGLU: transformers' gelu_pytorch_tanh of the gate times up, against its formula."""
+    g = torch.Generator().manual_seed(5)
+    gate, up = randn(3, 40, g=g, dtype=dtype) * 4, randn(3, 40, g=g, dtype=dtype)
+    out = TORCH_OPS.gelu_and_mul(torch.cat([gate, up], dim=-1))
+    assert out.dtype == dtype and out.shape == (3, 40)
+    x = gate.double()
+    exact = 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3))) * up.double()
+    assert_close(out, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [50, 1100])
+def test_gelu_and_mul(ops: KernelOps, dtype: torch.dtype, inner: int) -> None:
+    g = torch.Generator().manual_seed(inner + 1)
+    x = randn(3, 2 * inner, g=g) * 4
+    x[0, :4] = torch.tensor([-100.0, -20.0, 20.0, 100.0])  # saturated gates, exp overflow included
+    x = x.to(dtype)
+    out = ops.gelu_and_mul(x)
+    assert_close(out, TORCH_OPS.gelu_and_mul(x.float()), dtype)
+    assert torch.isfinite(out.float()).all()
+    assert not torch.allclose(out.float(), ops.silu_and_mul(x).float(), atol=1e-2)  # not the SiLU it shares a kernel with
+
+
 def test_silu_and_mul_strided_rows(ops: KernelOps) -> None:
     """Rows of a wider tensor (row stride != 2 * inner) are read in place."""
     g = torch.Generator().manual_seed(3)

@@ -7,7 +7,9 @@ The fake model (`TokenEchoExecutor`) keeps a pool of token ids where the real on
 takes each step's deltas into the real persistent input batch (worker/input_batch.py), writes each
 new token to its slot and answers with a function of the context it reads back through the
 request's block table row. Any mistake in slots, block tables, the deltas, prefix sharing, chunk
-positions or preemption then changes the answer, fast enough for many seeds.
+positions or preemption then changes the answer, fast enough for many seeds. With a sliding window
+it reads only the window's positions, so a block the manager frees while the window still covers
+it (and hands to another request) changes the answer too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from engine_helpers import long_prompts, mixed_params
 
 from orca_backend import LLM
-from orca_backend.config import EngineConfig, ModelConfig
+from orca_backend.config import SLIDING, EngineConfig, LlamaConfig, ModelConfig
 from orca_backend.core.block_pool import BlockPool, block_key
 from orca_backend.core.engine_core import EngineCore
 from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVManager
@@ -126,21 +128,24 @@ def test_block_keys_name_the_whole_prefix():
 
 
 # ------------------------------------------------------------------------- the core, on a fake model
-def expected_next(context: list[int]) -> int:
-    return hash(tuple(context)) % VOCAB
+def expected_next(context: list[int], window: int = 0) -> int:
+    return hash(tuple(context[-window:] if window else context)) % VOCAB
 
 
 class TokenEchoExecutor:
     """A model whose K/V is the token id itself, and whose next token is a hash of the context it
     reads back through the block table. `fail_rate` makes batches raise, as a failed forward does."""
 
-    def __init__(self, config: EngineConfig, max_in_flight: int, seed: int, fail_rate: float = 0.0) -> None:
+    def __init__(
+        self, config: EngineConfig, max_in_flight: int, seed: int, fail_rate: float = 0.0, window: int = 0
+    ) -> None:  # fmt: skip
         num_slots = config.kv_capacity_tokens // config.block_size * config.block_size
         self.pool = [-1] * num_slots
         self.max_in_flight = max_in_flight
         self.rng = random.Random(seed)
         self.fail_rate = fail_rate
         self.block_size = config.block_size
+        self.window = window
         self.input_batch = InputBatch(config.max_num_seqs * max_in_flight, num_slots, config.block_size, VOCAB,
                                       torch.device("cpu"))  # fmt: skip
         self._pending: deque[tuple[list[list[int]], list[int], list[bool]]] = deque()
@@ -162,33 +167,40 @@ class TokenEchoExecutor:
             raise RuntimeError("injected forward failure")
         size, tokens = self.block_size, []
         for table, ctx, sample in zip(block_tables, context_lens, sample_flags, strict=True):
-            context = [self.pool[table[j // size] * size + j % size] for j in range(ctx)]
-            tokens.append(expected_next(context) if sample else -1)
+            start = max(ctx - self.window, 0) if self.window else 0  # what the last position sees
+            window = [self.pool[table[j // size] * size + j % size] for j in range(start, ctx)]
+            tokens.append(expected_next(window) if sample else -1)
         return SamplerOutput(tokens)
 
     def shutdown(self) -> None:
         self._pending.clear()
 
 
-def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+def reference_tokens(prompt: list[int], max_tokens: int, window: int = 0) -> list[int]:
     context, out = list(prompt), []
     for _ in range(max_tokens):
-        out.append(expected_next(context))
+        out.append(expected_next(context, window))
         context.append(out[-1])
     return out
 
 
 def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth: int = 1, fail_rate: float = 0.0,
-             abort_rate: float = 0.0, shared_prefix: int = 0) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
+             abort_rate: float = 0.0, shared_prefix: int = 0, window: int = 0,
+             max_tokens: int = 24) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
     rng = random.Random(seed)
-    executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate)
-    core = EngineCore(config, ModelConfig(vocab_size=VOCAB, eos_token_id=None), executor=executor)
+    executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate, window)
+    model = ModelConfig(vocab_size=VOCAB, eos_token_id=None)
+    if window:  # every layer windowed: the paged manager frees what falls out of it
+        model = LlamaConfig(vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1, sliding_window=window,
+                            layer_types=(SLIDING,))  # fmt: skip
+    core = EngineCore(config, model, executor=executor)
     prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
     prompts, got, ended = {}, {}, {}
     pending = []
     for i in range(num_requests):
         prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-        r = EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True), 0.0, 0)
+        params = SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True)
+        r = EngineCoreRequest(f"r{i}", prompt, params, 0.0, 0)
         assert core.kv.fits_ever(Request.from_core_request(r))
         prompts[r.request_id] = (prompt, r.params.max_tokens)
         pending.append(r)
@@ -205,17 +217,19 @@ def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth:
                 ended[out.request_id] = out.finish_reason
         steps += 1
         assert steps < 50_000
-        check_accounting(core)
+        check_accounting(core, window)
     return core, prompts, got, ended
 
 
-def check_accounting(core: EngineCore) -> None:
-    """Every block is held exactly as often as block tables name it; free ones are held by none."""
+def check_accounting(core: EngineCore, window: int = 0) -> None:
+    """Every block is held exactly as often as block tables name it; free ones are held by none. With
+    a window, a running request holds no block wholly before its window, once it has grown past it."""
     pool = core.kv.pool
     holders: dict[int, int] = {}
     for request in core.scheduler.running:
         for block_id in request.block_table:
-            holders[block_id] = holders.get(block_id, 0) + 1
+            if block_id >= 0:  # -1: freed, outside every layer's window
+                holders[block_id] = holders.get(block_id, 0) + 1
     for request in core.scheduler.waiting:
         assert request.block_table == [], "a waiting request holds blocks"
     for block in pool.blocks:
@@ -286,6 +300,62 @@ def test_shared_prefixes_compute_fewer_prompt_tokens():
         computed[caching] = stats.num_prompt_tokens_computed
         assert (stats.prefix_cache_hit_tokens > 0) == caching
     assert computed[True] <= computed[False] - 40 * 6
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_sliding_window_frees_blocks_and_tokens_stay_exact(seed):
+    """Every layer windowed: the paged manager frees the blocks behind the window as requests grow,
+    under chunked prefill, prefix sharing, preemption, two batches in flight, failed batches and
+    aborts; the fake model reads the window alone, through the runner's table, so a block freed too
+    early (and rewritten by its next holder) changes the tokens."""
+    rng = random.Random(seed)
+    window = rng.choice([1, 5, 8, 16])
+    config = EngineConfig(
+        kv_policy=rng.choice(["paged", "paged", "reserve"]), block_size=rng.choice([1, 3, 4]),
+        kv_capacity_tokens=rng.choice([96, 200]), max_num_seqs=rng.choice([2, 4]),
+        max_num_batched_tokens=rng.choice([0, 5, 16]), enable_prefix_caching=rng.random() < 0.6, kv_watermark=0.0,
+    )  # fmt: skip
+    fail_rate, abort_rate = rng.choice([(0.0, 0.0), (0.1, 0.05)])
+    core, prompts, got, ended = run_fake(config, seed, num_requests=16, pipeline_depth=rng.choice([1, 2]),
+                                         fail_rate=fail_rate, abort_rate=abort_rate, shared_prefix=rng.choice([0, 8]),
+                                         window=window, max_tokens=48)  # fmt: skip
+    assert set(ended) == set(prompts)
+    for rid, (prompt, max_tokens) in prompts.items():
+        expected = reference_tokens(prompt, max_tokens, window)
+        assert got.get(rid, []) == expected[: len(got.get(rid, []))], rid
+        if ended[rid] == "length":
+            assert got[rid] == expected, rid
+    assert core.kv.used_blocks == 0
+
+
+@pytest.mark.parametrize("window, block_size", [(8, 4), (6, 4), (16, 16), (5, 1)])
+def test_a_long_generation_holds_a_window_of_blocks(window, block_size):
+    """A request generating 4x its window holds at most ceil(window / block_size) + 1 blocks once its
+    prompt is behind the window, measured from the K/V manager after every step; without the
+    window (reservation, or a model with a full-attention layer) it holds them all."""
+    held = {}
+    for policy, windowed in (("paged", True), ("paged", False), ("reserve", True)):
+        config = EngineConfig(kv_policy=policy, block_size=block_size, kv_capacity_tokens=512, max_num_seqs=2)
+        executor = TokenEchoExecutor(config, 1, 0, window=window)
+        model = LlamaConfig(vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=2, sliding_window=window,
+                            layer_types=(SLIDING, SLIDING if windowed else "full_attention"))  # fmt: skip
+        core = EngineCore(config, model, executor=executor)
+        prompt = [3, 1, 4, 1, 5]
+        core.add_requests([EngineCoreRequest("r", prompt, SamplingParams(max_tokens=4 * window, ignore_eos=True), 0.0, 0)])
+        out, most = [], 0
+        while core.has_work():
+            out += [t for o in core.step() for t in o.new_token_ids]
+            for request in core.scheduler.running:
+                if request.num_computed >= len(prompt) + window:
+                    most = max(most, sum(b >= 0 for b in request.block_table))
+                    assert core.kv.used_blocks == sum(b >= 0 for b in request.block_table)
+        assert out == reference_tokens(prompt, 4 * window, window)
+        held[policy, windowed] = most
+    bound = -(-window // block_size) + 1
+    assert held["paged", True] <= bound
+    total = -(-(len(prompt) + 4 * window) // block_size)
+    # (the last token never gets K/V, and the request leaves the running list with the last step)
+    assert held["paged", False] >= total - 2 and held["reserve", True] == total
 
 
 # ------------------------------------------------------------------------- on the real (tiny) model

@@ -5,11 +5,19 @@
  * (prefills) are skipped: the caller handles them. Semantics equal attention_torch in
  * attention.py: out = softmax(scale * q.K^T) V per head, fp32 throughout.
  *
+ * Sliding window and soft-capping (per layer; 0: none). With window > 0 the query, at position
+ * ctx - 1, sees only keys [start, ctx) with start = max(ctx - window, 0), and the walk begins at
+ * block start / block_size, offset start % block_size: table entries (and K/V) before it are
+ * never read, since the scheduler may have freed those blocks and left -1 in their entries. With
+ * softcap > 0 each score s = scale * q.k becomes softcap * tanhf(s / softcap) before the softmax
+ * (Gemma 2). With both 0 the arithmetic, and its order, is exactly that of the plain kernel.
+ *
  * Paged K/V: the pool is cut into blocks of block_size consecutive slots, and row r of
  * block_tables (block_table_stride int32 per row) lists request r's blocks in context order, so
  * context token j is slot block_tables[r][j / block_size] * block_size + j % block_size. Only the
  * first ceil(ctx / block_size) entries of a row are read (the rest is padding), and of the last
- * block only its first ctx % block_size slots when that is not 0.
+ * block only its first ctx % block_size slots when that is not 0; with a window, neither are the
+ * entries before the window's block nor the slots before its start.
  *
  * GQA: q has q_heads heads and the K/V pool kv_heads heads (q_heads % kv_heads == 0, checked by
  * the caller); query head h reads KV head h / group with group = q_heads / kv_heads. kv_heads ==
@@ -28,7 +36,7 @@
  * Layouts: q rows at q_row_stride floats, heads at q_head_stride; caches are contiguous
  * [slots, kv_heads, head_dim] (slots = num_blocks * block_size); block_tables is [requests,
  * block_table_stride] int32; out is contiguous [tokens, q_heads, head_dim]; scratch is
- * [num_threads, q_heads, max_context].
+ * [num_threads, q_heads, max_context] (a window only shortens the rows used).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,55 +50,66 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-/* One query token (q_heads heads) over ctx tokens of K/V (kv_heads heads each) held in the blocks
- * listed by `blocks`, into out (q_heads * head_dim floats). scores holds q_heads rows of ctx floats.
+/* One query token (q_heads heads) at position ctx - 1 over its visible keys [start, ctx) of K/V
+ * (kv_heads heads each) held in the blocks listed by `blocks`, into out (q_heads * head_dim
+ * floats); start is 0, or the sliding window's first key. scores holds q_heads rows of ctx - start
+ * floats.
  *
- * Both passes walk the context in token order, block by block; a block's tokens are consecutive
+ * Both passes walk the keys in token order, block by block; a block's tokens are consecutive
  * kv_heads * head_dim rows of the pool, so within a block the walk is in memory order. Within a
  * token it goes KV head by KV head; each KV head's head_dim floats are then reused for the `group`
  * consecutive query heads g * group .. g * group + group - 1. Per (query head, token) the
  * arithmetic, and the order in which a head's output sums over tokens, depend neither on group nor
  * on the block layout, so kv_heads == q_heads computes exactly what the multi-head kernel did. */
 static void attend_one(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
-                       const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t q_heads,
-                       int64_t kv_heads, int64_t head_dim, float scale, float *scores) {
+                       const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t start,
+                       int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, float softcap,
+                       float *scores) {
     const int64_t group = q_heads / kv_heads;
     const int64_t kv_row = kv_heads * head_dim; /* floats per token in the K/V pool */
     const int64_t block_floats = block_size * kv_row;
+    const int64_t keys = ctx - start; /* the length of each query head's row of scores */
     for (int64_t i = 0; i < q_heads * head_dim; i++) out[i] = 0.0f;
     /* nothing to attend to: a padded row of a CUDA-graph bucket gets zeros (and s[0] is never read) */
-    if (ctx < 1) return;
+    if (keys < 1) return;
 
-    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+    /* Block b holds keys t0 = b * block_size onwards; the walk starts at start's block, which it
+     * enters at row start - t0 (0 without a window). Key t0 + t's score is entry t0 + t - start of
+     * its head's row. */
+    const int64_t first = start / block_size;
+    for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {
         const float *kb = k_cache + blocks[b] * block_floats; /* int64: the offset can pass 2**31 */
         const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t t = 0; t < len; t++)
+        for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *kt = kb + t * kv_row + g * head_dim; /* read from memory once for the group */
-                for (int64_t h = g * group; h < (g + 1) * group; h++)
-                    scores[h * ctx + t0 + t] = scale * dot(q + h * q_head_stride, kt, head_dim);
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    float s = scale * dot(q + h * q_head_stride, kt, head_dim);
+                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                    scores[h * keys + t0 + t - start] = s;
+                }
             }
     }
 
     for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */
-        float *s = scores + h * ctx, max = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < ctx; t++) max = s[t] > max ? s[t] : max;
-        for (int64_t t = 0; t < ctx; t++) {
+        float *s = scores + h * keys, max = s[0], sum = 0.0f;
+        for (int64_t t = 1; t < keys; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = 0; t < keys; t++) {
             s[t] = expf(s[t] - max);
             sum += s[t];
         }
         const float inv = 1.0f / sum; /* sum >= 1: the max term is expf(0) */
-        for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
+        for (int64_t t = 0; t < keys; t++) s[t] *= inv;
     }
 
-    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+    for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {
         const float *vb = v_cache + blocks[b] * block_floats;
         const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t t = 0; t < len; t++)
+        for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *vt = vb + t * kv_row + g * head_dim; /* read from memory once for the group */
                 for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    const float p = scores[h * ctx + t0 + t];
+                    const float p = scores[h * keys + t0 + t - start];
                     float *o = out + h * head_dim;
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
@@ -100,21 +119,24 @@ static void attend_one(const float *q, int64_t q_head_stride, const float *k_cac
 }
 
 /* The caller guarantees (attention_cpu checks) q_heads % kv_heads == 0, kv_heads >= 1,
- * block_size >= 1 and rows of at least ceil(max_context / block_size) blocks; the block ids
- * themselves are trusted to lie in the pool, as slot_mapping's slots are by write_kv. */
+ * block_size >= 1, window >= 0, softcap >= 0 and rows of at least ceil(max_context / block_size)
+ * blocks; the block ids the walk reads are trusted to lie in the pool, as slot_mapping's slots are
+ * by write_kv. */
 void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, const float *k_cache,
                                const float *v_cache, float *out, const int32_t *query_start,
                                const int32_t *context_lens, const int32_t *block_tables,
                                int64_t block_table_stride, int64_t block_size, int64_t num_requests,
                                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
-                               float scale, float *scratch, int num_threads) {
+                               float scale, int64_t window, float softcap, float *scratch, int num_threads) {
     const int64_t out_row = q_heads * head_dim;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t r = 0; r < num_requests; r++) {
         const int64_t first = query_start[r];
         if (query_start[r + 1] - first != 1) continue;
+        const int64_t ctx = context_lens[r];
+        const int64_t start = window > 0 && ctx > window ? ctx - window : 0; /* the window's first key */
         attend_one(q + first * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
-                   block_size, out + first * out_row, context_lens[r], q_heads, kv_heads, head_dim, scale,
+                   block_size, out + first * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,
                    scratch + (int64_t)omp_get_thread_num() * q_heads * max_context);
     }
 }

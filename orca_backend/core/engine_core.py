@@ -34,7 +34,7 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
-        self.kv = make_kv_manager(config)
+        self.kv = make_kv_manager(config, model_config.kv_window)
         self._inbox: queue.Queue[tuple] = queue.Queue()
         # Structured output: grammars compile on a thread of their own; a finished compile wakes the loop
         # (idle while requests only wait for their grammars) through the inbox. Nothing is built or

@@ -11,6 +11,12 @@ they differ in how much a request holds, and when:
   scheduler preempts (core/scheduler.py). Admission keeps a watermark of blocks free, so requests
   just admitted do not preempt each other at once.
 
+With a sliding window on every layer (Mistral; `LlamaConfig.kv_window`), the paged policy also
+gives back, as a request grows, the blocks that lie wholly before the window of every position it
+has yet to compute: no layer reads them again, so a long generation holds about
+``window / block_size + 1`` blocks. Their table entries become -1 here; the runners keep their
+copies of the old ids, which no windowed kernel reads (kernels/attention.py).
+
 Prefix caching works the same under both: a full, computed block is registered under its key, and
 a request admitted later whose tokens start with registered blocks shares them (reference counts)
 instead of computing them again. The last token is always computed, since its logits are needed.
@@ -102,9 +108,10 @@ class KVCacheManager(ABC):
 
     def free(self, request: Request) -> None:
         """Returns everything the request holds; a no-op for a request holding nothing."""
-        self.pool.release(request.block_table)
+        self.pool.release(request.block_table[request.num_dropped_blocks :])
         request.block_table = []
         request.num_registered_blocks = 0
+        request.num_dropped_blocks = 0
 
     def register_computed(self, request: Request) -> None:
         """After a step landed: the request's blocks that are now full and computed become cached
@@ -115,7 +122,7 @@ class KVCacheManager(ABC):
         if num_full <= request.num_registered_blocks:
             return
         keys = self._block_keys(request, num_full)
-        for index in range(request.num_registered_blocks, num_full):
+        for index in range(max(request.num_registered_blocks, request.num_dropped_blocks), num_full):
             self.pool.cache(request.block_table[index], keys[index])
         request.num_registered_blocks = num_full
 
@@ -152,12 +159,36 @@ class PagedKVManager(KVCacheManager):
     """vLLM: blocks for the tokens the request has now; decoding grows the table a block at a time."""
 
     def __init__(
-        self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False, watermark: float = 0.01
+        self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False, watermark: float = 0.01,
+        sliding_window: int = 0,
     ) -> None:  # fmt: skip
         super().__init__(capacity_tokens, block_size, enable_prefix_caching)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.watermark = watermark
+        self.sliding_window = sliding_window  # every layer's window; 0: some layer sees every position
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        if self.sliding_window:
+            self._drop_outside_window(request)
+        return super().grow(request, num_new_tokens)
+
+    def _drop_outside_window(self, request: Request) -> None:
+        """Releases the leading blocks no layer reads again. Every position the request has yet to
+        compute is at least `num_computed` (a step in flight, or run ahead, too), and a query at p
+        sees positions p - window + 1 .. p, so a block wholly before num_computed - window + 1 is
+        done with. Such a block is full and computed, so it was registered as a cached prefix first
+        (with prefix caching on): it stays cached, evictable, as any released block does."""
+        end = max(request.num_computed - self.sliding_window + 1, 0) // self.block_size
+        start = request.num_dropped_blocks
+        if end <= start:
+            return
+        table = request.block_table
+        self.pool.release(table[start:end])
+        table[start:end] = [-1] * (end - start)
+        request.num_dropped_blocks = end
 
     def _tokens_at_admission(self, request: Request) -> int:
         return request.num_tokens
@@ -166,12 +197,13 @@ class PagedKVManager(KVCacheManager):
         return int(self.watermark * self.num_blocks)
 
 
-def make_kv_manager(config: EngineConfig) -> KVCacheManager:
-    """The K/V manager `config.kv_policy` names, over `config.kv_capacity_tokens` slots."""
+def make_kv_manager(config: EngineConfig, kv_window: int = 0) -> KVCacheManager:
+    """The K/V manager `config.kv_policy` names, over `config.kv_capacity_tokens` slots. `kv_window`:
+    the model's window on every layer (0: none), whose out-of-window blocks the paged policy frees."""
     if config.kv_policy == "reserve":
         return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching)
     if config.kv_policy == "paged":
         return PagedKVManager(
-            config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, config.kv_watermark
+            config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, config.kv_watermark, kv_window
         )
     raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {config.kv_policy!r}")

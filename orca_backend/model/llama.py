@@ -176,8 +176,9 @@ class Llama:
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         device = weights.norm_w.device if weights.norm_w is not None else weights.layers[0].input_norm_w.device
-        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3)
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3, config.rope_linear)
         self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
+        self.windows = [config.window(i) for i in layout.layers(config.num_hidden_layers)]  # this stage's layers
 
     def _experts(self, h: torch.Tensor, layer: LlamaLayerWeights) -> torch.Tensor:
         """A MoE layer on the flat tokens of the whole batch: router logits in float32, softmax over
@@ -218,7 +219,7 @@ class Llama:
             x, residual = vocab_parallel_embed(stage_input.input_ids, w.embed, self.vocab_lo, self.tp), None
         else:
             x, residual = stage_input.hidden.unbind(0)
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+        for layer, window, (k_cache, v_cache) in zip(w.layers, self.windows, kv_caches, strict=True):
             h, residual = ops.add_rmsnorm(x, residual, layer.input_norm_w, eps)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -227,7 +228,7 @@ class Llama:
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             # Rotary, the K/V write and attention: one launch (+ a reduce) for a decode on the Triton set.
             attn = ops.rotary_write_kv_attention(
-                q, k, v, stage_input.positions, self.cos_sin, k_cache, v_cache, meta, self.scale
+                q, k, v, stage_input.positions, self.cos_sin, k_cache, v_cache, meta, self.scale, window
             ).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)

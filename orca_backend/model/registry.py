@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orca_backend.config import LLAMA_ARCHITECTURES, ModelConfig
-from orca_backend.model import gpt2, llama
+from orca_backend.config import GEMMA_ARCHITECTURES, LLAMA_ARCHITECTURES, ModelConfig
+from orca_backend.model import gemma, gpt2, llama
 from orca_backend.model.checkpoint import gpt2_key, random_hf_state_dict
 
 
@@ -25,10 +25,12 @@ class ModelFamily:
 
 GPT2_FAMILY = ModelFamily(gpt2.GPT2Weights, gpt2.GPT2, gpt2_key, random_hf_state_dict)
 LLAMA_FAMILY = ModelFamily(llama.LlamaWeights, llama.Llama, llama.llama_key, llama.random_llama_state_dict)
+GEMMA_FAMILY = ModelFamily(gemma.GemmaWeights, gemma.Gemma, gemma.gemma_key, gemma.random_gemma_state_dict)
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     ModelConfig.architecture: GPT2_FAMILY,
     **{arch: LLAMA_FAMILY for arch in LLAMA_ARCHITECTURES},
+    **{arch: GEMMA_FAMILY for arch in GEMMA_ARCHITECTURES},
 }
 
 

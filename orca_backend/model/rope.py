@@ -8,14 +8,19 @@ import math
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None) -> torch.Tensor:
-    """float32 [head_dim / 2]: theta^(-2i / head_dim), rescaled as `rope_type: llama3` asks.
+def inverse_frequencies(
+    head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None, linear: float = 1.0
+) -> torch.Tensor:
+    """float32 [head_dim / 2]: theta^(-2i / head_dim), rescaled as `rope_type: llama3` or `linear`
+    asks (linear: every frequency divided by the factor, i.e. positions interpolated).
 
     Llama 3.1 keeps high frequencies (wavelength under original_context / high_freq_factor),
     divides low ones (wavelength over original_context / low_freq_factor) by `factor`, and
     interpolates smoothly in between.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if linear != 1.0:
+        inv_freq = inv_freq / linear
     if llama3 is None:
         return inv_freq
     factor, low_freq_factor, high_freq_factor, original_context = llama3
