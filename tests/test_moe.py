@@ -1,7 +1,8 @@
-"""Mixture-of-experts (Mixtral: top-2 of 8 experts in the real model, renormalised): greedy tokens
-equal transformers' on a tiny checkpoint it writes (float32, margins that make exact equality
-sound), tensor parallelism equals one process, and the Triton grouped-GEMM path equals the torch
-reference under the interpreter without reading anything back to the host."""
+"""Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy tokens equal transformers' on tiny
+checkpoints it writes (float32, margins that make exact equality sound) in one batch, under both K/V
+policies, with chunked prefill and prefix caching; tensor and pipeline parallelism equal one
+process; the Triton grouped-GEMM path equals the torch reference under the interpreter without
+reading anything back to the host."""
 
 from __future__ import annotations
 
@@ -18,19 +19,8 @@ from orca_kernels.silu import silu_and_mul_torch
 transformers = pytest.importorskip("transformers")
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 17, 33, 2], [100, 7], [250, 251, 252, 253, 254, 9, 11], [3], [60, 61, 62]]
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mixtral")
-    return path, write_tiny("Mixtral", path, seed=5, **MIXTRAL)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+PROMPTS = [[5, 17, 33, 2], [100, 7], [250, 251, 252, 253, 254, 9, 11], [3], [60, 61, 62],
+           [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
 
 QWEN_MOE = {
@@ -40,38 +30,85 @@ QWEN_MOE = {
     # Qwen3-MoE: q/k norm, the top k renormalised, and layer 1 a dense MLP (mlp_only_layers).
     "Qwen3Moe": {"norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1, "head_dim": 16},
 }
+FAMILIES = ["Mixtral", *QWEN_MOE]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (path, transformers model) of a tiny checkpoint transformers wrote."""
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family.lower())
+        if family == "Mixtral":
+            out[family] = (path, write_tiny("Mixtral", path, seed=5, **MIXTRAL))
+        else:
+            out[family] = (path, write_tiny(family, path, seed=8, moe_intermediate_size=32, num_experts=4,
+                                            num_experts_per_tok=2, **QWEN_MOE[family]))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return {family: [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS] for family, (_, model) in checkpoints.items()}
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def generate(path, **engine) -> list[list[int]]:  # noqa: ANN001
+    llm = LLM(str(path), dtype="float32", max_num_seqs=8, **engine)
+    try:
+        return [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.mark.parametrize("family", list(QWEN_MOE))
-def test_qwen_moe_greedy_equals_transformers(tmp_path, family):
-    model = write_tiny(family, tmp_path, seed=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                       **QWEN_MOE[family])  # fmt: skip
-    ours = model_config_from_hf(tmp_path / "config.json")
+def test_qwen_moe_config(checkpoints, family):
+    ours = model_config_from_hf(checkpoints[family][0] / "config.json")
     assert ours.num_experts == 4 and ours.norm_topk_prob == QWEN_MOE[family]["norm_topk_prob"]
     assert [ours.is_moe_layer(i) for i in range(2)] == [True, family == "Qwen2Moe"]
-    outs = LLM(str(tmp_path), dtype="float32", max_num_seqs=8).generate(PROMPTS, GREEDY)
-    assert [o.output_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def test_mixtral_greedy_equals_transformers(mixtral):
-    path, model = mixtral
-    config = model_config_from_hf(path / "config.json")
+def test_mixtral_config(checkpoints):
+    config = model_config_from_hf(checkpoints["Mixtral"][0] / "config.json")
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
-    outs = LLM(str(path), dtype="float32", max_num_seqs=8).generate(PROMPTS, GREEDY)
-    assert [o.output_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("policy", ["paged", "reserve"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_greedy_equals_transformers_in_one_batch(checkpoints, references, family, policy):
+    """Six requests routed together (several share each expert): each gets transformers' tokens for
+    it alone, under both K/V policies."""
+    assert generate(checkpoints[family][0], kv_policy=policy) == references[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_chunked_prefill_and_prefix_caching_keep_the_tokens(checkpoints, references, family):
+    """Prompts cut into 3-token chunks (a chunk's tokens routed beside other requests' decodes), then
+    the same prompts again over a warm prefix cache."""
+    llm = LLM(str(checkpoints[family][0]), dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=3,
+              enable_prefix_caching=True)  # fmt: skip
+    try:
+        first = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
+        again = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    finally:
+        llm.engine.shutdown()
+    assert first == again == references[family]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe-tiny", "qwen3-moe-tiny"])
-def test_moe_tensor_parallel_equals_one_process(mixtral, model):
-    """Every expert's width split over two ranks (Qwen2-MoE's shared expert too, its gate replicated)."""
-    path = str(mixtral[0]) if model == "mixtral" else model
-    one = [o.output_ids for o in LLM(path, dtype="float32").generate(PROMPTS, GREEDY)]
-    two = LLM(path, dtype="float32", tensor_parallel_size=2)
-    try:
-        assert [o.output_ids for o in two.generate(PROMPTS, GREEDY)] == one
-    finally:
-        two.engine.shutdown()
+@pytest.mark.parametrize(("family", "tp", "pp"), [("Mixtral", 2, 1), ("Qwen2Moe", 2, 1), ("Qwen3Moe", 2, 1),
+                                                  ("Mixtral", 1, 2), ("Qwen3Moe", 1, 2)])  # fmt: skip
+def test_moe_parallel_equals_one_process(checkpoints, references, family, tp, pp):
+    """Every expert's width split over two ranks (Qwen2-MoE's shared expert too, its gate replicated);
+    layers (Qwen3-MoE: a MoE one and a dense one) over two pipeline stages."""
+    path = checkpoints[family][0]
+    assert generate(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) == references[family]
 
 
 def test_moe_reference_equals_each_expert_run_alone():
