@@ -4,6 +4,7 @@
     python benchmarks/offline.py --peer vllm               # + vLLM's CPU build, same checkpoint and requests
     python benchmarks/offline.py --suites modes --num-requests 16 --model gpt2-mini
     python benchmarks/offline.py --model llama-150m --peer vllm --suites throughput   # the Llama preset
+    python benchmarks/offline.py --model mixtral-small --peer vllm --suites throughput  # mixture-of-experts
 
 Suites:
   throughput  output tokens/s of LLM.generate on 64 requests (prompts uniform 16-256, long-tailed
@@ -38,7 +39,7 @@ import torch
 
 import orca_backend
 from orca_backend import LLM, EngineConfig, SamplingParams
-from orca_backend.config import PRESETS, LlamaConfig
+from orca_backend.config import PRESETS, GemmaConfig, LlamaConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_client import machine
 from orca_client.workload import TraceRequest, synthetic_trace
@@ -54,38 +55,57 @@ def greedy(r: TraceRequest) -> SamplingParams:
 
 def timed_generate(llm: LLM, trace: list[TraceRequest], repeat: int) -> dict:
     llm.generate([r.prompt_ids for r in trace[:2]], [greedy(r) for r in trace[:2]])  # warm-up
-    best = float("inf")
+    runs = []
     for _ in range(repeat):
         start = time.perf_counter()
         outs = llm.generate([r.prompt_ids for r in trace], [greedy(r) for r in trace])
-        best = min(best, time.perf_counter() - start)
+        runs.append(time.perf_counter() - start)
     tokens = sum(len(o.output_ids) for o in outs)
     assert tokens == sum(r.max_tokens for r in trace), "a request stopped early"
-    return {"seconds": best, "output_tokens": tokens, "tokens_per_s": tokens / best}
+    return {"seconds": min(runs), "output_tokens": tokens, "tokens_per_s": tokens / min(runs), "runs_s": runs}
 
 
 def write_checkpoint(path: Path, model: str) -> Path:
     """The preset's geometry with random weights, written by transformers itself (so vLLM and this
     engine load the very same checkpoint)."""
     if not (path / "config.json").exists():
-        import transformers
-
-        config = PRESETS[model]
         torch.manual_seed(0)
-        if isinstance(config, LlamaConfig):
-            hf_config = transformers.LlamaConfig(
-                vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-                rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
-            )  # fmt: skip
-            transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
-        else:
-            hf_config = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions,
-                                                n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head)
-            transformers.GPT2LMHeadModel(hf_config).save_pretrained(path)
+        hf_model(PRESETS[model]).save_pretrained(path)
     return path
+
+
+def hf_model(config) -> torch.nn.Module:  # noqa: ANN001
+    """transformers' model class for a preset, of its geometry, randomly initialised."""
+    import transformers
+
+    if not isinstance(config, LlamaConfig):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd, n_layer=config.n_layer,
+            n_head=config.n_head))  # fmt: skip
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
+    )  # fmt: skip
+    arch = config.architecture
+    if arch == "MixtralForCausalLM":
+        fields |= dict(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                       intermediate_size=config.moe_intermediate_size)  # fmt: skip
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        fields |= dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                       moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                       decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers),
+                       shared_expert_intermediate_size=config.shared_expert_intermediate_size)  # fmt: skip
+    if config.layer_types:
+        fields |= dict(sliding_window=config.sliding_window, layer_types=list(config.layer_types))
+    if isinstance(config, GemmaConfig):
+        fields |= dict(query_pre_attn_scalar=config.query_pre_attn_scalar,
+                       attn_logit_softcapping=config.attn_logit_softcapping or None,
+                       final_logit_softcapping=config.final_logit_softcapping or None)  # fmt: skip
+    config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
+    return getattr(transformers, arch)(getattr(transformers, config_class)(**fields))
 
 
 # ----------------------------------------------------------------------------------------- suites
