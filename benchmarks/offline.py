@@ -198,14 +198,14 @@ def suite_roofline(args, model: str) -> dict:
 
 
 def suite_gemm(args, model: str) -> dict:
-    from orca_backend.model import gemm
+    from orca_kernels import cpu_gemm
 
     weights = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).core.executor.runner.model.weights
     layer_matrices = [t for layer in weights.layers for t in vars(layer).values() if t.dim() == 2]
     lm_head = weights.lm_head if hasattr(weights, "lm_head") else weights.wte  # Llama's, or GPT-2's tied one
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in [*layer_matrices, lm_head]}
     kinds = {
-        "native": gemm.native_linear,
+        "native": cpu_gemm.native_linear,
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         # oneDNN on weights reordered once into its blocked layout (this engine's choice before the C kernel)
         "onednn_packed": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], ""),

@@ -26,6 +26,7 @@ import torch
 from . import cpu_gpt2_ops, cpu_llama_ops, native
 from .attention import attention_torch, rotate_and_attend, write_kv_and_attend, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
+from .cpu_gemm import linear_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
 from .moe import moe_torch
@@ -128,7 +129,7 @@ CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
     functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
-    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch), gelu_and_mul_torch,
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch, linear=linear_cpu), gelu_and_mul_torch,
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()

@@ -5,7 +5,9 @@ Every token of the flat batch is routed together: `topk_ids` [T, k] names each t
 stacked (`w13` [E, 2 I, H]: gate rows, then up rows) and its down projection `w2` [E, H, I]. The
 tokens of each expert that any token chose are gathered and multiplied by that expert's weights
 once, so a step reads each active expert's weights once however many tokens chose it; the
-weighted outputs are summed per token in expert order (transformers' order).
+weighted outputs are summed per token in expert order (transformers' order). The expert GEMMs go
+through `linear` (F.linear by default; the CPU kernel set binds cpu_gemm's, whose C kernel reads an
+expert's weights at streaming bandwidth for the few tokens a decode step routes to it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 def moe_torch(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor], linear: Callable = F.linear,
 ) -> torch.Tensor:  # fmt: skip
     """x [T, H] -> [T, H]: sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
     out = torch.zeros_like(x)
@@ -33,6 +35,6 @@ def moe_torch(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // k
-        hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        hidden = linear(silu_and_mul(linear(x[tokens], w13[expert])), w2[expert])
         out.index_add_(0, tokens, hidden * flat_weights[pairs, None])
     return out

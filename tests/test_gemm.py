@@ -1,5 +1,5 @@
-"""orca_backend.model.gemm: the linear-layer matmul the model runs (the C kernel for few tokens on
-CPU float32, oneDNN, then MKL) and kernels/csrc/decode_gemm.c against F.linear."""
+"""The linear-layer matmul the model runs (orca_backend.model.gemm over kernels/cpu_gemm.py: the C
+kernel for few tokens on CPU float32, oneDNN, then MKL) and kernels/csrc/decode_gemm.c against F.linear."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from orca_backend.model import gemm
-from orca_kernels import native
+from orca_kernels import cpu_gemm, native
 
 
 @pytest.fixture
@@ -18,12 +18,12 @@ def choice(monkeypatch):
     """Sets ORCA_CPU_GEMM for one test; the process-wide choice is re-made before and after."""
 
     def set_choice(value: str) -> None:
-        monkeypatch.setenv(gemm.GEMM_ENV, value)
-        gemm.cpu_gemm_choice.cache_clear()
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, value)
+        cpu_gemm.cpu_gemm_choice.cache_clear()
 
     yield set_choice
     monkeypatch.undo()
-    gemm.cpu_gemm_choice.cache_clear()
+    cpu_gemm.cpu_gemm_choice.cache_clear()
 
 
 # Odd sizes on purpose: N not a multiple of the kernel's 4-row blocks, K not a multiple of 8 (the
@@ -36,7 +36,7 @@ def test_native_kernel_equals_f_linear(rows, n, k, with_bias):
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     bias = b if with_bias else None
     expected = F.linear(x.double(), w.double(), bias.double() if bias is not None else None).float()
-    torch.testing.assert_close(gemm.native_linear(x, w, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    torch.testing.assert_close(cpu_gemm.native_linear(x, w, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_native_kernel_reads_strided_rows():
@@ -45,23 +45,23 @@ def test_native_kernel_reads_strided_rows():
     w, buf = torch.randn(40, 24), torch.randn(5, 64)
     x = buf[:, 8:32]
     assert x.stride(0) == 64
-    torch.testing.assert_close(gemm.native_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_gemm.native_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_native_kernel_is_batch_invariant():
     """A token's output is bit-identical whatever else is in the batch and wherever it sits in it."""
     torch.manual_seed(1)
     w, b, x = torch.randn(203, 777), torch.randn(203), torch.randn(32, 777)
-    alone = torch.cat([gemm.native_linear(x[i : i + 1], w, b) for i in range(32)])
+    alone = torch.cat([cpu_gemm.native_linear(x[i : i + 1], w, b) for i in range(32)])
     for rows in (2, 3, 5, 16, 31, 32):  # both tilings: 4 rows x 2 tokens under 4 tokens, 3 x 4 from 4 on
-        assert torch.equal(gemm.native_linear(x[:rows], w, b), alone[:rows])
+        assert torch.equal(cpu_gemm.native_linear(x[:rows], w, b), alone[:rows])
     perm = torch.randperm(32)
-    assert torch.equal(gemm.native_linear(x[perm].contiguous(), w, b), alone[perm])
+    assert torch.equal(cpu_gemm.native_linear(x[perm].contiguous(), w, b), alone[perm])
     # The OpenMP split of the rows does not matter either.
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(gemm.native_linear(x, w, b), alone)
+        assert torch.equal(cpu_gemm.native_linear(x, w, b), alone)
     finally:
         torch.set_num_threads(threads)
 
@@ -81,14 +81,14 @@ def test_every_choice_and_size_equals_f_linear(choice, setting, rows):
 def test_auto_takes_the_c_kernel_up_to_its_threshold(choice, monkeypatch):
     """The path really taken: the C kernel at <= NATIVE_MAX_TOKENS tokens, not beyond."""
     choice("auto")
-    assert gemm.cpu_gemm_choice() == "native"  # this machine has a C compiler
+    assert cpu_gemm.cpu_gemm_choice() == "native"  # this machine has a C compiler
     calls = []
-    real = gemm.native_linear
-    monkeypatch.setattr(gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = cpu_gemm.native_linear
+    monkeypatch.setattr(cpu_gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     w = gemm.pack(torch.randn(8, 8))
-    for rows in (1, gemm.NATIVE_MAX_TOKENS, gemm.NATIVE_MAX_TOKENS + 1):
+    for rows in (1, cpu_gemm.NATIVE_MAX_TOKENS, cpu_gemm.NATIVE_MAX_TOKENS + 1):
         gemm.linear(torch.randn(rows, 8), w)
-    assert calls == [1, gemm.NATIVE_MAX_TOKENS]
+    assert calls == [1, cpu_gemm.NATIVE_MAX_TOKENS]
 
 
 def test_pack_makes_a_strided_shard_contiguous():
@@ -108,7 +108,7 @@ def test_half_precision_uses_f_linear():
 def test_bad_choice_is_an_error(choice):
     choice("fastest")
     with pytest.raises(ValueError, match="ORCA_CPU_GEMM must be one of"):
-        gemm.cpu_gemm_choice()
+        cpu_gemm.cpu_gemm_choice()
 
 
 def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatch, caplog):
@@ -116,17 +116,17 @@ def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatc
         raise native.NativeBuildError("no C compiler found")
 
     monkeypatch.setattr(native, "load", no_compiler)
-    gemm._native_kernel.cache_clear()
+    cpu_gemm._native_kernel.cache_clear()
     try:
         choice("auto")
-        with caplog.at_level(logging.WARNING, logger="orca.model"):
-            fallback = gemm.cpu_gemm_choice()
+        with caplog.at_level(logging.WARNING, logger="orca.kernels"):
+            fallback = cpu_gemm.cpu_gemm_choice()
         assert fallback in ("onednn", "torch")
         assert "C decode GEMM is unavailable (no C compiler found)" in caplog.text
         x, w = torch.randn(2, 8), torch.randn(4, 8)
         torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
         choice("native")
         with pytest.raises(RuntimeError, match="ORCA_CPU_GEMM=native: no C compiler found"):
-            gemm.cpu_gemm_choice()
+            cpu_gemm.cpu_gemm_choice()
     finally:
-        gemm._native_kernel.cache_clear()
+        cpu_gemm._native_kernel.cache_clear()
