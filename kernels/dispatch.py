@@ -29,6 +29,7 @@ from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kern
 from .cpu_gemm import linear_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
+from .lora import lora_torch
 from .moe import moe_torch
 from .rmsnorm import add_rmsnorm_torch
 from .rotary import rotary_torch
@@ -69,6 +70,9 @@ class KernelOps:
     # Gemma's GeGLU: as silu_and_mul with the tanh GELU. On CPU the torch reference (no C kernel:
     # one family uses it, and torch's vectorised GELU is within reach of a C loop).
     gelu_and_mul: Callable
+    # (y, x, a, b, lora_meta): y += each token's adapter delta in place (multi-LoRA, lora.py); on CPU
+    # the reference, which reads each active adapter's weights once per projection
+    lora: Callable
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -123,13 +127,14 @@ TORCH_OPS = KernelOps(
     "torch", add_layernorm_torch, bias_gelu_torch, attention_torch, write_kv_torch,
     add_rmsnorm_torch, silu_and_mul_torch, rotary_torch, _write_kv_attention_torch,
     functools.partial(rotate_and_attend, rotary_torch, _write_kv_attention_torch),
-    functools.partial(moe_torch, silu_and_mul=silu_and_mul_torch), gelu_and_mul_torch,
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_torch), gelu_and_mul_torch, lora_torch,
 )  # fmt: skip
 CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
     functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
     functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch, linear=linear_cpu), gelu_and_mul_torch,
+    lora_torch,
 )  # fmt: skip
 
 _logged: set[tuple[str, str]] = set()
@@ -176,13 +181,15 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_attention,
         triton_gelu,
         triton_layernorm,
+        triton_lora,
         triton_moe,
         triton_rmsnorm,
         triton_rotary,
         triton_silu,
     )
 
-    modules = (triton_attention, triton_gelu, triton_layernorm, triton_moe, triton_rmsnorm, triton_rotary, triton_silu)
+    modules = (triton_attention, triton_gelu, triton_layernorm, triton_lora, triton_moe, triton_rmsnorm, triton_rotary,
+               triton_silu)  # fmt: skip
     for module in modules:
         # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
         # have happened with TRITON_INTERPRET set differently (tests toggle it).
@@ -201,6 +208,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_attention.rotary_write_kv_attention_triton,
         functools.partial(triton_moe.moe_triton, silu_and_mul=triton_silu.silu_and_mul_triton),
         triton_silu.gelu_and_mul_triton,
+        triton_lora.lora_triton,
     )
 
 

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -529,6 +529,19 @@ class EngineConfig:
     # Schedule step N+1 while step N runs (vLLM's name): a request's token from N reaches N+1 on the
     # device, and the host's work of a step overlaps the model's. tp = pp = 1, iteration-level only.
     async_scheduling: bool = False
+    # Multi-LoRA (vLLM's names): requests name an adapter (`lora_name`) of `lora_modules` ({name: PEFT
+    # adapter directory}; served: the model's multi_lora.json); `max_loras` adapters are resident at
+    # once (the others wait, evicted least recently used), each of rank at most `max_lora_rank`;
+    # `max_cpu_loras` keep their weights in host memory (0: as many as max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # Served: re-read multi_lora.json when it changes, adding and removing adapters at run time (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); every adapter must then lie in lora_allowed_dir.
+    allow_runtime_lora_updating: bool = False
+    lora_allowed_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -565,6 +578,20 @@ class EngineConfig:
                                       or int(self.pipeline_parallel_size) != 1):  # fmt: skip
             raise ValueError("async_scheduling runs one process with iteration-level scheduling: it needs "
                              "tensor_parallel_size = pipeline_parallel_size = 1 and scheduling 'iteration'")
+        for name in ("max_loras", "max_lora_rank"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if int(self.max_lora_rank) > 512:
+            raise ValueError(f"max_lora_rank must be at most 512, got {self.max_lora_rank!r}")
+        if int(self.max_cpu_loras) < 0:
+            raise ValueError(f"max_cpu_loras must be >= max_loras, or 0 for max_loras, got {self.max_cpu_loras!r}")
+        if self.max_cpu_loras and int(self.max_cpu_loras) < int(self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError("lora_modules and allow_runtime_lora_updating need enable_lora")
+        if self.allow_runtime_lora_updating and not self.lora_allowed_dir:
+            raise ValueError("allow_runtime_lora_updating needs lora_allowed_dir: adapters added at run time must "
+                             "lie in a directory the deployment chose")  # fmt: skip
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -604,6 +631,9 @@ class EngineConfig:
         for key, value in values.items():
             if key not in known or value == "":
                 continue
+            if key == "lora_modules":
+                raise ValueError("parameter lora_modules is not read: list the adapters in the model version's "
+                                 "multi_lora.json (Triton's vLLM backend's file)")  # fmt: skip
             default = known[key].default
             if isinstance(default, bool):
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no"):

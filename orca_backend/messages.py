@@ -21,6 +21,7 @@ import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
+from orca_backend.lora import LoRARequest
 from orca_backend.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class EngineCoreRequest:
     sampling_seed: int  # params.seed, or drawn by the frontend (worker/sampler.py)
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities are FCFS
     timeout_s: float | None = None  # it ends with FinishReason.TIMEOUT this long after arrival
+    lora: LoRARequest | None = None  # params.lora_name, resolved by the frontend's registry
 
 
 @dataclass(slots=True)
@@ -147,6 +149,13 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model; prefix-cache hits are not
     prefix_cache_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, found cached (and not computed)
+    # Multi-LoRA (enable_lora): the adapters resident slots hold at most, those the running and the
+    # waiting requests use (comma-separated names, as vLLM's lora_requests_info labels carry them),
+    # and the adapters loaded into a slot so far.
+    max_loras: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
+    lora_loads: int = 0
 
     @property
     def kv_free_blocks(self) -> int:

@@ -54,6 +54,10 @@ class SamplingParams:
     # token is sampled from what the constraint allows, and the request ends ("stop") once the grammar is
     # complete and EOS was sampled. A dict in vLLM's StructuredOutputsParams shape is parsed.
     structured_outputs: StructuredOutputSpec | None = None
+    # The LoRA adapter to run with (EngineConfig.enable_lora; one of the deployment's adapters), or None
+    # for the base model. Triton's vLLM backend and its OpenAI frontend send it in sampling_parameters;
+    # vLLM's own API takes it as LLM.generate's lora_request.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
@@ -103,6 +107,8 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives returned per token), "
                f"got {self.logprobs!r}")  # fmt: skip
+        _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""),
+               f"lora_name must be an adapter's name (a non-empty string) or null, got {self.lora_name!r}")
         if isinstance(self.structured_outputs, dict | str):
             self.structured_outputs, _ = parse_structured_output({"structured_outputs": self.structured_outputs})
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputSpec),

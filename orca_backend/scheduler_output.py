@@ -15,7 +15,8 @@ keeps the state of every unfinished request it has been sent, in its persistent 
 - `preempted_ids`: requests that lost their blocks (preemption by recompute): a runner frees their
   rows and keeps their tokens and generator; a preempted request that is scheduled again takes a row
   again;
-- `finished_ids`: requests that ended: a runner forgets them.
+- `finished_ids`: requests that ended: a runner forgets them;
+- `lora_loads`: adapters to put in slots (multi-LoRA), before the step's rows are taken.
 
 The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
 position `num_computed`. Every rank gets the same message, so every rank holds the same rows; a
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orca_backend.lora import LoRARequest
 from orca_backend.messages import TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
 
@@ -46,6 +48,7 @@ class NewRequest:
     # The tokens that end it with "stop" (stop ids, EOS unless ignored): the sampler bans them while it is
     # short of min_tokens.
     stop_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # its adapter (LoRARequest.lora_id), resident when it runs; 0: none
 
 
 @dataclass(slots=True)
@@ -70,6 +73,9 @@ class SchedulerOutput:
     # returned: their input token is the one that step samples, not yet recorded. The runner takes it
     # from that step's sampled ids on the device (always the step submitted just before this one).
     ahead_rows: list[int] = field(default_factory=list)
+    # LoRA: adapters to load before this step, each into a slot (core/lora_slots.py), replacing the
+    # one there; every request of the step whose adapter it is finds it resident.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

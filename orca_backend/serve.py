@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orca_backend.lora import MULTI_LORA_FILE
 from orca_backend.net import free_port
 
 ALL_MODELS = ("orca", "baseline")
@@ -149,6 +151,10 @@ class ServerOptions:
     max_num_seqs: int | None = None  # orca's engine batch (config.pbtxt parameter max_num_seqs)
     max_batch_size: int | None = None  # the baseline's Triton max_batch_size (its dynamic batcher and engine)
     max_queue_delay_us: int | None = None  # baseline's dynamic_batching max_queue_delay_microseconds
+    # LoRA adapters {name: directory}: written as each model version's multi_lora.json (and a model.json
+    # with enable_lora, which Triton's OpenAI frontend reads to route `model: base<sep>adapter`), with
+    # the parameter enable_lora set. Empty: the repository's own files, if any.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     http_port: int = 0  # 0: a free port
     grpc_port: int = 0
@@ -223,6 +229,12 @@ class TritonServer:
                 overrides["max_num_seqs"] = str(self.options.max_num_seqs)
             if self.options.max_queue_delay_us is not None and name == "baseline":
                 top_level["max_queue_delay_microseconds"] = self.options.max_queue_delay_us
+            if self.options.lora_modules:
+                overrides["enable_lora"] = "true"
+                version = target / name / "1"
+                adapters = {n: str(Path(path).resolve()) for n, path in self.options.lora_modules.items()}
+                (version / MULTI_LORA_FILE).write_text(json.dumps(adapters, indent=2))
+                (version / "model.json").write_text(json.dumps({"enable_lora": "true"}))
             config_path.write_text(render_config(config_path.read_text(), overrides, top_level))
         return target
 
@@ -364,12 +376,12 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _parse_key_values(items: list[str]) -> dict[str, str]:
+def _parse_key_values(items: list[str], flag: str = "--param") -> dict[str, str]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"orca-serve: --param expects KEY=VALUE, got {item!r}")
+            raise SystemExit(f"orca-serve: {flag} expects KEY=VALUE, got {item!r}")
         out[key.strip()] = value
     return out
 
@@ -426,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="orca: schedule each step while the last one runs (one process: tp = pp = 1)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="orca: tokens per engine iteration; longer prompts are prefilled in chunks (0: no limit)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="serve these LoRA adapters (PEFT directories; vLLM's flag): requests name one with "
+                        "lora_name in sampling_parameters. Sets enable_lora and writes each model's multi_lora.json")
+    p.add_argument("--max-loras", type=int, help="LoRA adapters resident at once (the others wait, evicted LRU)")
+    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
     p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
     p.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages (layers split), one batch in flight each")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -461,7 +478,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
     params = _parse_key_values(args.param)
     for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size",
-                 "pipeline_parallel_size", "enforce_eager"):  # fmt: skip
+                 "pipeline_parallel_size", "enforce_eager", "max_loras", "max_lora_rank"):  # fmt: skip
         value = getattr(args, flag)
         if value is None:
             continue
@@ -484,6 +501,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         models=models, model_repository=args.model_repository, parameters=params,
         model_parameters=model_parameters,
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
+        lora_modules=_parse_key_values(args.lora_modules, "--lora-modules"),
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg), admin_key=args.admin_key,
     )

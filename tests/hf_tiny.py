@@ -25,3 +25,32 @@ def write_tiny(family: str, path: Path, seed: int, config_class: str | None = No
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     model.save_pretrained(path)
     return model
+
+
+def randomize_norms(model: torch.nn.Module, path: Path, seed: int) -> torch.nn.Module:
+    """Draws every norm weight of `model` anew (0.3 N(0, 1)) and saves it to `path` again: transformers
+    starts Gemma's at 0 (it weighs by 1 + w), where a wrong fold of the 1 could not be seen, and such a
+    tiny Gemma repeats its last token."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model
+
+
+def write_lora(base: torch.nn.Module, path: Path, seed: int, r: int, targets: list[str], **config: Any) -> torch.nn.Module:
+    """A PEFT LoRA adapter of `base` (which is left as it is) with random A and B, drawn after seeding
+    torch with `seed`, saved to `path` in PEFT's format; returns a copy of `base` with the adapter
+    merged by peft itself (the tests' oracle). lora_alpha is 2 r unless `config` says otherwise."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    lora_config = peft.LoraConfig(**({"r": r, "lora_alpha": 2 * r, "target_modules": targets,
+                                      "init_lora_weights": False} | config))  # fmt: skip
+    model = peft.get_peft_model(copy.deepcopy(base), lora_config)
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from hf_tiny import write_tiny
+from hf_tiny import randomize_norms, write_tiny
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import FULL, SLIDING, EngineConfig, GemmaConfig, model_config_from_hf
@@ -56,15 +56,7 @@ PROMPTS = [
 
 def write_family(family: str, path, **overrides):  # noqa: ANN001, ANN202
     model = write_tiny(family, path, seed=11, **(FAMILIES[family] | overrides))
-    if family.startswith("Gemma"):
-        # transformers starts Gemma's norm weights at 0 (it weighs by 1 + w): random ones check the fold.
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(1)
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        model.save_pretrained(path)
-    return model
+    return randomize_norms(model, path, seed=1) if family.startswith("Gemma") else model
 
 
 @pytest.fixture(scope="module")

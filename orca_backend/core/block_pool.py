@@ -6,7 +6,7 @@ may still hold a cached prefix: it keeps its key until it is handed out again, a
 handed out least recently freed first, so cached prefixes are evicted LRU and never while held.
 
 A block's key is (its parent block's hash, its own token ids): the key of a block therefore names
-every token before it, and two requests whose prompts agree up to a block boundary share the keys
+every token before it (and the LoRA adapter the request runs, through the first block's root), and two requests whose prompts agree up to a block boundary share the keys
 of every block up to it. The dictionary compares keys by value, so a hash collision can never match
 different tokens in this block; only a collision of two parents' 64-bit hashes could.
 """
@@ -16,11 +16,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, or 0 for the first; token ids)
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, or the root for the first; token ids)
 
 
-def block_key(parent: BlockKey | None, token_ids: tuple[int, ...]) -> BlockKey:
-    return (0 if parent is None else hash(parent), token_ids)
+def block_key(parent: BlockKey | None, token_ids: tuple[int, ...], root: int = 0) -> BlockKey:
+    """`root` stands for the parent of a request's first block: 0, or its LoRA adapter's
+    (`lora_root`), so that K/V computed with one adapter is never shared with another, nor the base."""
+    return (root if parent is None else hash(parent), token_ids)
+
+
+def lora_root(lora_id: int) -> int:
+    return hash(("lora", lora_id))
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ class EngineCore:
             pipeline_depth=1 if config.async_scheduling else self.executor.max_in_flight,
             max_num_batched_tokens=config.max_num_batched_tokens, priority_aging_s=config.priority_aging_s,
             structured=self.structured, async_scheduling=config.async_scheduling,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
@@ -95,7 +96,17 @@ class EngineCore:
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, object]:
+        """The adapters of the running and the waiting requests (vLLM's lora_requests_info)."""
+        loras = self.scheduler.loras
+        if loras is None:
+            return {}
+        waiting = sorted({r.lora.name for r in self.scheduler.waiting if r.lora is not None})
+        return {"max_loras": loras.max_loras, "running_lora_adapters": ",".join(loras.running_names()),
+                "waiting_lora_adapters": ",".join(waiting), "lora_loads": loras.num_loads}  # fmt: skip
 
     # ------------------------------------------------------------------ core thread
     def has_work(self) -> bool:
@@ -192,7 +203,19 @@ class EngineCore:
             "running": len(s.running), "waiting": len(s.waiting) + s.num_compiling,
             "kv_blocks_used": kv.used_blocks, "kv_blocks_free": kv.num_blocks - kv.used_blocks,
             "preemptions": preemptions, "prefix_cache_hit_tokens": hits,
+            **self._batch_adapters(batch),
         })  # fmt: skip
+
+    @staticmethod
+    def _batch_adapters(batch: ScheduledBatch) -> dict[str, dict[str, int]]:
+        """With LoRA: the tokens the iteration ran per adapter ("" for the base model)."""
+        if not any(r.lora is not None for r in batch.requests):
+            return {}
+        tokens: dict[str, int] = {}
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+            name = request.lora.name if request.lora is not None else ""
+            tokens[name] = tokens.get(name, 0) + num_new
+        return {"lora_tokens": tokens}
 
     def run_forever(self, emit: Callable[[CoreOutputs], None]) -> None:
         """The background loop: iterations while work exists, idle on the inbox otherwise. Every

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from orca_backend.config import EngineConfig, fits_in_pool
-from orca_backend.core.block_pool import BlockKey, BlockPool, block_key
+from orca_backend.core.block_pool import BlockKey, BlockPool, block_key, lora_root
 from orca_backend.core.request import Request
 
 
@@ -143,8 +143,9 @@ class KVCacheManager(ABC):
         keys = request.block_keys
         if len(keys) < num_blocks:
             tokens, size = request.all_token_ids(), self.block_size
+            root = lora_root(request.lora.lora_id) if request.lora is not None else 0
             for index in range(len(keys), num_blocks):
-                keys.append(block_key(keys[-1] if keys else None, tuple(tokens[index * size : (index + 1) * size])))
+                keys.append(block_key(keys[-1] if keys else None, tuple(tokens[index * size : (index + 1) * size]), root))
         return keys
 
 

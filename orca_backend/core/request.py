@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from orca_backend.core.block_pool import BlockKey
+from orca_backend.lora import LoRARequest
 from orca_backend.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class Request:
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities are FCFS
     timeout_s: float | None = None  # it ends with finish_reason "timeout" this long after arrival
     arrival_order: int = 0  # set by the scheduler as it takes requests in: breaks ties of arrival_time
+    lora: LoRARequest | None = None  # its adapter: resident (core/lora_slots.py) while it runs
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -103,4 +105,5 @@ class Request:
 
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest) -> Request:
-        return cls(r.request_id, r.prompt_ids, r.params, r.arrival_time, r.sampling_seed, r.priority, r.timeout_s)
+        return cls(r.request_id, r.prompt_ids, r.params, r.arrival_time, r.sampling_seed, r.priority, r.timeout_s,
+                   lora=r.lora)

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orca_backend.core.kv_cache_manager import KVCacheManager
+from orca_backend.core.lora_slots import LoRASlots
 from orca_backend.core.request import Request, RequestStatus
 from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
@@ -98,7 +99,8 @@ def make_scheduler_output(
             continue
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
-                                  request.params, request.sampling_seed, sorted(request.stop_ids)))  # fmt: skip
+                                  request.params, request.sampling_seed, sorted(request.stop_ids),
+                                  request.lora.lora_id if request.lora is not None else 0))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
             grown_block_ids.append(table[sent:])
@@ -143,9 +145,12 @@ class Scheduler:
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
         pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic, structured: StructuredOutputManager | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool = False, max_loras: int = 0,
     ) -> None:  # fmt: skip
         self.kv = kv
+        # Multi-LoRA (max_loras > 0): the adapters resident in the runners' slots; a request is admitted
+        # only with its adapter resident, and holds it while it runs.
+        self.loras = LoRASlots(max_loras) if max_loras else None
         # Async scheduling: a running request's next decode may be scheduled while its last step is in
         # flight (`_runs_ahead`); the executor then holds two steps at once.
         self.async_scheduling = async_scheduling
@@ -258,6 +263,8 @@ class Scheduler:
     def _scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
         output = make_scheduler_output(batch, next(self._step_ids), (self._recorded_ids, self._recorded_tokens),
                                        self._preempted_ids, self._finished_ids, self.structured, self._tables_changed)  # fmt: skip
+        if self.loras is not None:
+            output.lora_loads = self.loras.take_loads()
         self._recorded_ids, self._recorded_tokens, self._preempted_ids, self._finished_ids = [], [], [], []
         self._tables_changed = []
         return output
@@ -316,21 +323,37 @@ class Scheduler:
         # to a newcomer, and the pool would thrash (vLLM's rule too). In request-level mode a request
         # whose grammar is still compiling does not hold the batch back: it joins the next one.
         if (not self.request_level or idle) and self.num_preemptions == preemptions:
-            while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
-                    and budget > 0:  # fmt: skip
-                request = self.waiting.head(self.clock())
-                assert request is not None
-                if not self.kv.admit(request, others_running=bool(self.running)):
-                    break  # strict FCFS: a later, smaller request does not overtake the head of the queue
-                self._tables_changed.append(request)
-                if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
-                    request.first_scheduled_time = self.clock()
-                    request.num_cached_tokens = request.num_computed
-                self.waiting.remove(request)
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
+            self._admit(batch, budget)
         return batch if batch.requests else None
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admits waiting requests into the batch, first come first served, while they fit. A request
+        whose LoRA adapter cannot be made resident (every slot holds an adapter in use) is passed over
+        and keeps its place, as vLLM does; a request the K/V pool cannot take stops admission (strict
+        FCFS: a later, smaller request does not overtake it)."""
+        passed_over: list[Request] = []
+        while self.waiting and len(self.running) < self.max_running and len(batch.requests) < self.max_num_seqs \
+                and budget > 0:  # fmt: skip
+            request = self.waiting.head(self.clock())
+            assert request is not None
+            if request.lora is not None and self.loras is not None and not self.loras.acquire(request.lora):
+                self.waiting.remove(request)
+                passed_over.append(request)
+                continue
+            if not self.kv.admit(request, others_running=bool(self.running)):
+                if request.lora is not None and self.loras is not None:
+                    self.loras.release(request.lora)
+                break
+            self._tables_changed.append(request)
+            if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
+                request.first_scheduled_time = self.clock()
+                request.num_cached_tokens = request.num_computed
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
+        for request in reversed(passed_over):  # back at the head of its class, in order
+            self.waiting.appendleft(request)
 
     def _grow_all(self, requests: list[Request]) -> bool:
         """Gives each decode (already marked scheduled) its next block, if the pool has one for every
@@ -411,6 +434,8 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.running.remove(request)
+        if request.lora is not None and self.loras is not None:
+            self.loras.release(request.lora)
         self.waiting.appendleft(request)
 
     def update_from_output(
@@ -554,6 +579,8 @@ class Scheduler:
     def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            if request.lora is not None and self.loras is not None:
+                self.loras.release(request.lora)
         elif request.status is RequestStatus.WAITING_FOR_GRAMMAR:
             del self._compiling[request.request_id]
         else:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from orca_backend.config import EngineConfig, check_parallel_layout, fits_in_pool, pool_capacity_tokens
 from orca_backend.engine.core_client import EngineCoreProcess
 from orca_backend.engine.output_processor import Logprob, OutputProcessor, OutputSink, RequestOutput
+from orca_backend.lora import LoRARegistry, LoRARequest
 from orca_backend.messages import (
     CoreOutputs,
     EngineCoreRequest,
@@ -88,6 +89,13 @@ class LLMEngine:
                 f"vocabulary of {self.model_config.vocab_size}"
             )
         self.outputs = OutputProcessor(self.tokenizer, config.max_queued_requests, config.max_queued_prompt_tokens)
+        # Multi-LoRA: the adapters requests may name (orca_backend/lora.py), each checked as it is added.
+        self.loras: LoRARegistry | None = None
+        self._loras_lock = threading.Lock()
+        if config.enable_lora:
+            self.loras = LoRARegistry(self.model_config, config.max_lora_rank, config.lora_allowed_dir)
+            for name, path in config.lora_modules.items():
+                self.loras.add(name, path)
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
         self._next_id = itertools.count()
@@ -159,7 +167,8 @@ class LLMEngine:
             validated.append((rid, self.validate(prompt, p), p, prio, timeout))
         with self._seeds_lock:
             requests = [EngineCoreRequest(rid, prompt_ids, p, now,
-                                          p.seed if p.seed is not None else self._seeds.getrandbits(63), prio, timeout)
+                                          p.seed if p.seed is not None else self._seeds.getrandbits(63), prio, timeout,
+                                          self._lora(p))
                         for rid, prompt_ids, p, prio, timeout in validated]  # fmt: skip
         streams = [RequestStream(r.request_id) for r in requests]
         new_ids = [r.request_id for r in requests]
@@ -191,6 +200,7 @@ class LLMEngine:
             self._check_in_vocabulary(list(params.logit_bias), "logit_bias:")
         self._check_something_can_be_sampled(params)
         self._check_structured_output(params)
+        self._lora(params)
         limit = self.config.max_input_tokens
         if limit and len(ids) > limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than this deployment's max_input_tokens of {limit}")
@@ -208,6 +218,42 @@ class LLMEngine:
                 f"the K/V capacity of {capacity} tokens; raise kv_capacity_tokens"
             )
         return ids
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Registers a PEFT adapter directory under `name` (again: from another directory); requests may
+        name it from now on. ValueError if it is refused (the reason named), or LoRA is off."""
+        with self._loras_lock:
+            return self._registry().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests may no longer name the adapter; those admitted finish with it."""
+        with self._loras_lock:
+            self._registry().remove(name)
+
+    def sync_loras(self, adapters: dict[str, str]) -> list[str]:
+        """Makes the served adapters exactly `adapters` (a re-read multi_lora.json); returns the
+        errors of the adapters refused."""
+        with self._loras_lock:
+            return self._registry().sync(adapters)
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names if self.loras is not None else []
+
+    def _registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora)")
+        return self.loras
+
+    def _lora(self, params: SamplingParams) -> LoRARequest | None:
+        """The adapter a request names, or None; ValueError naming an unknown one."""
+        name = params.lora_name
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"the request names LoRA adapter {name!r}, but LoRA is not enabled on this model (enable_lora)")
+        with self._loras_lock:
+            return self.loras.get(name)
 
     def _check_something_can_be_sampled(self, params: SamplingParams) -> None:
         """Before min_tokens, EOS and the stop ids are banned from sampling (core/stop.py): they

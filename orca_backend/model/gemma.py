@@ -24,6 +24,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
@@ -137,6 +138,7 @@ class Gemma:
         local_table = global_table
         if config.rope_local_theta:  # Gemma 3: the local layers' own base, unscaled
             local_table = cos_sin_table(inverse_frequencies(d, config.rope_local_theta, None), positions, device)
+        self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
         # This stage's layers: (window, rope table) of each; a window marks a local layer.
         self.layer_attention = [
             (config.window(i), local_table if config.window(i) else global_table)
@@ -167,19 +169,27 @@ class Gemma:
             residual = None
         else:
             x, residual = stage_input.hidden.unbind(0)
+        lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
-        for layer, (window, cos_sin), (k_cache, v_cache) in layers:
+        for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
             h, residual = ops.add_rmsnorm(x, residual, layer.input_norm_w, eps)
-            q, k, v = gemm.linear(h, layer.qkv_w).split([hq * d, hkv * d, hkv * d], dim=-1)
+            qkv = gemm.linear(h, layer.qkv_w)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if cfg.qk_norm:
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             attn = ops.rotary_write_kv_attention(
                 q, k, v, stage_input.positions, cos_sin, k_cache, v_cache, meta, self.scale, window, softcap
             ).reshape(t, hq * d)
-            x, _ = ops.add_rmsnorm(row_parallel_linear(attn, layer.o_w, None, self.tp), None, layer.post_attn_norm_w, eps)
+            o = row_parallel_linear(attn, layer.o_w, None, self.tp, lora and lora.adder(i, "o"))
+            x, _ = ops.add_rmsnorm(o, None, layer.post_attn_norm_w, eps)
             h, residual = ops.add_rmsnorm(x, residual, layer.pre_ff_norm_w, eps)
-            mlp = row_parallel_linear(ops.gelu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
+            gate_up = gemm.linear(h, layer.gate_up_w)
+            if lora is not None:
+                lora.add(i, "gate_up", h, gate_up)
+            mlp = row_parallel_linear(ops.gelu_and_mul(gate_up), layer.down_w, None, self.tp, lora and lora.adder(i, "down"))
             x, _ = ops.add_rmsnorm(mlp, None, layer.post_ff_norm_w, eps)
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])

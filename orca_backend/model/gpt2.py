@@ -24,6 +24,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
@@ -122,6 +123,7 @@ class GPT2:
         self.num_kv_heads = self.num_heads  # one K/V head per query head
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
 
     @torch.inference_mode()
     def forward(
@@ -140,15 +142,23 @@ class GPT2:
         else:
             x, residual = stage_input.hidden.unbind(0)
         local_hidden = self.num_heads * cfg.head_dim
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+        lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
-            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b).view(num_tokens, 3, self.num_heads, cfg.head_dim)
-            q, k, v = qkv.unbind(1)
+            qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
+            q, k, v = qkv.view(num_tokens, 3, self.num_heads, cfg.head_dim).unbind(1)
             attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
-            x = row_parallel_linear(attn, layer.attn_out_w, layer.attn_out_b, self.tp)
+            x = row_parallel_linear(attn, layer.attn_out_w, layer.attn_out_b, self.tp, lora and lora.adder(i, "o"))
             h, residual = ops.add_layernorm(x, residual, layer.ln2_w, layer.ln2_b, cfg.layer_norm_epsilon)
-            h = gemm.linear_bias_gelu(h, layer.fc_w, layer.fc_b, ops.bias_gelu)
-            x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp)
+            if lora is not None and "fc" in lora.targeted:  # the adapter's delta goes in before the GELU
+                fc = gemm.linear(h, layer.fc_w)
+                lora.add(i, "fc", h, fc)
+                h = ops.bias_gelu(fc, layer.fc_b)
+            else:
+                h = gemm.linear_bias_gelu(h, layer.fc_w, layer.fc_b, ops.bias_gelu)
+            x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp, lora and lora.adder(i, "down"))
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final LayerNorm and the LM head.

@@ -24,6 +24,7 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.fp8 import Fp8Weight, concat_rows, load_linear
+from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
@@ -179,6 +180,7 @@ class Llama:
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_llama3, config.rope_linear)
         self.cos_sin = cos_sin_table(inv_freq, config.max_position_embeddings, device)
         self.windows = [config.window(i) for i in layout.layers(config.num_hidden_layers)]  # this stage's layers
+        self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
 
     def _experts(self, h: torch.Tensor, layer: LlamaLayerWeights) -> torch.Tensor:
         """A MoE layer on the flat tokens of the whole batch: router logits in float32, softmax over
@@ -219,9 +221,12 @@ class Llama:
             x, residual = vocab_parallel_embed(stage_input.input_ids, w.embed, self.vocab_lo, self.tp), None
         else:
             x, residual = stage_input.hidden.unbind(0)
-        for layer, window, (k_cache, v_cache) in zip(w.layers, self.windows, kv_caches, strict=True):
+        lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
+        for i, (layer, window, (k_cache, v_cache)) in enumerate(zip(w.layers, self.windows, kv_caches, strict=True)):
             h, residual = ops.add_rmsnorm(x, residual, layer.input_norm_w, eps)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if cfg.qk_norm:
@@ -230,12 +235,15 @@ class Llama:
             attn = ops.rotary_write_kv_attention(
                 q, k, v, stage_input.positions, self.cos_sin, k_cache, v_cache, meta, self.scale, window
             ).reshape(t, hq * d)
-            x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp)
+            x = row_parallel_linear(attn, layer.o_w, layer.o_b, self.tp, lora and lora.adder(i, "o"))
             h, residual = ops.add_rmsnorm(x, residual, layer.post_norm_w, eps)
             if layer.router_w is not None:
                 x = self._experts(h, layer)
             else:
-                x = row_parallel_linear(ops.silu_and_mul(gemm.linear(h, layer.gate_up_w)), layer.down_w, None, self.tp)
+                gate_up = gemm.linear(h, layer.gate_up_w)
+                if lora is not None:
+                    lora.add(i, "gate_up", h, gate_up)
+                x = row_parallel_linear(ops.silu_and_mul(gate_up), layer.down_w, None, self.tp, lora and lora.adder(i, "down"))
         if not self.layout.is_last_stage:
             return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
         # Only the last token of each request needs the final norm and the LM head.

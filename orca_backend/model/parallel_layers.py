@@ -3,6 +3,8 @@ lookup and a row-parallel linear layer (each rank holds a slice of the input dim
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from orca_backend.distributed.comm import TensorParallelGroup
@@ -20,9 +22,20 @@ def vocab_parallel_embed(input_ids: torch.Tensor, table: torch.Tensor, vocab_lo:
     return tp.all_reduce(table[local.clamp(0, table.shape[0] - 1)] * mine[:, None])
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup) -> torch.Tensor:
-    """x @ weight.T + bias where x and weight hold this rank's slice of the input dimension."""
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup,
+    lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x @ weight.T + bias where x and weight hold this rank's slice of the input dimension. `lora`
+    (x, y) adds the tokens' adapter deltas to this rank's partial product in place, before the
+    partial sums meet (model/lora.py: the sum of the ranks' deltas is the whole delta)."""
     if tp.size == 1:
-        return gemm.linear(x, weight, bias)
-    out = tp.all_reduce(gemm.linear(x, weight))
+        out = gemm.linear(x, weight, bias)
+        if lora is not None:
+            lora(x, out)
+        return out
+    partial = gemm.linear(x, weight)
+    if lora is not None:
+        lora(x, partial)
+    out = tp.all_reduce(partial)
     return out if bias is None else out + bias  # the bias once, after the partial sums meet

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from orca_kernels.lora import LoRAMetadata
+
 
 @dataclass
 class StageInput:
@@ -14,3 +16,4 @@ class StageInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
+    lora: LoRAMetadata | None = None  # each token's adapter, when some token runs one (model/lora.py)

@@ -4,6 +4,7 @@ its own way of answering (`orca_model.py` streams, `baseline_model.py` answers o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -11,6 +12,8 @@ import triton_python_backend_utils as pb_utils
 
 from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.lora import read_multi_lora_json
+from orca_backend.server.lora_file import MultiLoraFile, multi_lora_path
 from orca_backend.server.metrics import EngineMetrics, MetricsPoller
 from orca_backend.server.protocol import engine_config_from_triton_config
 
@@ -26,18 +29,31 @@ class EngineAdapter:
         self.model_name = args["model_name"]
         self.check_triton_config()
         config = self.engine_config()
+        lora_file = multi_lora_path(args.get("model_repository", ""), args.get("model_version", "1"))
+        if config.enable_lora:  # as Triton's vLLM backend: the adapters are the version's multi_lora.json
+            config = dataclasses.replace(config, lora_modules=read_multi_lora_json(lora_file))
         self.engine = LLMEngine.launch(config)  # the engine core process; returns once the model is loaded
         self.tokenizer = self.engine.tokenizer
+        self.lora_file: MultiLoraFile | None = None
+        if config.allow_runtime_lora_updating:
+            self.lora_file = MultiLoraFile(lora_file, self.engine.sync_loras, pb_utils.Logger.log_warn)
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
-                                     self.engine.model_config.max_context)  # fmt: skip
+                                     self.engine.model_config.max_context, lora=config.enable_lora)  # fmt: skip
         self._poller = MetricsPoller(self.engine, self.metrics).start()
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
             f"scheduling={config.scheduling}, max_num_seqs={config.max_num_seqs}, "
             f"kv_capacity_tokens={config.kv_capacity_tokens}, kv_policy={config.kv_policy}, "
             f"block_size={config.block_size}, enable_prefix_caching={config.enable_prefix_caching}, "
-            f"max_num_batched_tokens={config.max_num_batched_tokens})"
+            f"max_num_batched_tokens={config.max_num_batched_tokens}"
+            + (f", LoRA adapters {self.engine.list_loras()} (max_loras={config.max_loras})" if config.enable_lora else "")
+            + ")"
         )
+
+    def refresh_loras(self) -> None:
+        """With allow_runtime_lora_updating: multi_lora.json re-read if it changed (at most once a second)."""
+        if self.lora_file is not None:
+            self.lora_file.refresh()
 
     def check_triton_config(self) -> None:
         """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter, and reads the

@@ -45,6 +45,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed."),
     "vllm:gpu_cache_usage_perc": ("GAUGE", "KV-cache usage (on any device). 1 means 100 percent usage."),
     "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions."),
+    "orca_lora_loads_total": ("COUNTER", "LoRA adapters loaded into a slot (a resident one evicted, least recently "
+                              "used, when every slot was taken)"),
 }
 _STAT_OF = {
     "orca_requests_waiting": "num_waiting",
@@ -66,6 +68,8 @@ _STAT_OF = {
     "vllm:gpu_cache_usage_perc": "kv_usage",
     "vllm:num_preemptions_total": "num_preemptions",
 }
+_LORA_STATS = {"orca_lora_loads_total": "lora_loads"}  # exported with enable_lora only
+LORA_INFO = "vllm:lora_requests_info"  # vLLM's: the running and waiting adapters as labels, the time as value
 
 
 # The vLLM backend's buckets (they are vLLM's own).
@@ -132,34 +136,45 @@ class FinishedRequest:
     metrics: RequestMetrics | None
     num_input_tokens: int
     num_output_tokens: int
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 class EngineMetrics:
     """The gauges of one model instance, labelled with the model name and version."""
 
-    def __init__(self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048) -> None:
+    def __init__(
+        self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False
+    ) -> None:  # fmt: skip
+        """`lora` (enable_lora): the per-request series carry a `lora_name` label too ("" for the base
+        model), and the adapters' gauges are exported."""
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
+        self._lora = lora
         kinds = pb_utils.MetricFamily
         families = {name: (kind, text) for name, (kind, text) in _FAMILIES.items()}
         families |= {name: ("HISTOGRAM", text) for name, (text, _) in _HISTOGRAMS.items()}
         families |= {name: ("COUNTER", text) for name, text in _REQUEST_COUNTERS.items()}
+        if lora:
+            families[LORA_INFO] = ("GAUGE", "Running stats on lora requests.")
         self._families = {
             name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(kinds, kind))
             for name, (kind, text) in families.items()
         }
+        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {})}
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
-            for name in (*_STAT_OF, "orca_request_metrics_dropped_total", "vllm:prompt_tokens_total",
-                         "vllm:generation_tokens_total")
+            for name in (*self._stats, "orca_request_metrics_dropped_total")
         }
-        token_buckets = one_two_five_buckets(max_context)
-        self._histograms = {
-            name: self._families[name].Metric(labels=self._labels, buckets=buckets or token_buckets)
-            for name, (_, buckets) in _HISTOGRAMS.items()
-        }
-        self._finished: dict[str, _Exported] = {}
-        self._success: dict[str, Any] = {}
+        self._token_buckets = one_two_five_buckets(max_context)
+        # The per-request series, by the labels a request's end adds (its adapter with enable_lora):
+        # histograms, token counters, and the counters by finish reason.
+        self._per_request: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
+        self._finished: dict[tuple[tuple[tuple[str, str], ...], str], _Exported] = {}
+        self._success: dict[tuple[tuple[tuple[str, str], ...], str], Any] = {}
+        base = (("lora_name", ""),) if lora else ()  # the base model's series exist from the start
+        self._per_request[base] = self._request_series({**self._labels, **dict(base)})
+        self._lora_info: dict[tuple[str, str, int], Any] = {}
+        self._lora_info_labels: tuple[str, str, int] | None = None
         # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
         # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
         # (counted in orca_request_metrics_dropped_total) rather than held without bound.
@@ -168,8 +183,24 @@ class EngineMetrics:
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""
-        for name, attr in _STAT_OF.items():
+        for name, attr in self._stats.items():
             self._write(self._metrics[name], float(getattr(stats, attr)))
+        if self._lora:
+            self._export_lora_info(stats)
+
+    def _export_lora_info(self, stats: Any) -> None:
+        """vLLM's lora_requests_info: one series per (running, waiting, max) combination seen, each set
+        to the time it was last current, so the newest series is the one with the greatest value."""
+        labels = (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras)
+        if labels == self._lora_info_labels:
+            return
+        self._lora_info_labels = labels
+        metric = self._lora_info.get(labels)
+        if metric is None:
+            metric = self._lora_info[labels] = self._families[LORA_INFO].Metric(labels={
+                **self._labels, "running_lora_adapters": labels[0], "waiting_lora_adapters": labels[1],
+                "max_lora": str(labels[2])})  # fmt: skip
+        metric.set(time.time())
 
     def zero_gauges(self) -> None:
         """After the engine stopped nothing is running or reserved any more."""
@@ -192,27 +223,38 @@ class EngineMetrics:
         self._write(self._metrics["orca_request_metrics_dropped_total"], float(self.dropped_ends))
 
     def _export(self, finished: FinishedRequest) -> None:
+        extra = (("lora_name", finished.lora_name or ""),) if self._lora else ()
+        labels = {**self._labels, **dict(extra)}
         reason = finished.finish_reason.value if finished.finish_reason is not None else "unknown"
-        exported = self._finished.get(reason)
+        exported = self._finished.get((extra, reason))
         if exported is None:
-            metric = self._families["orca_requests_finished_total"].Metric(labels={**self._labels, "reason": reason})
-            exported = self._finished[reason] = _Exported(metric, counter=True)
+            metric = self._families["orca_requests_finished_total"].Metric(labels={**labels, "reason": reason})
+            exported = self._finished[(extra, reason)] = _Exported(metric, counter=True)
         exported.metric.increment(1.0)
         exported.value += 1.0
         label = _REASON_LABEL.get(finished.finish_reason, reason)
-        success = self._success.get(label)
+        success = self._success.get((extra, label))
         if success is None:
-            success = self._success[label] = self._families["vllm:request_success_total"].Metric(
-                labels={**self._labels, "finished_reason": label})  # fmt: skip
+            success = self._success[(extra, label)] = self._families["vllm:request_success_total"].Metric(
+                labels={**labels, "finished_reason": label})  # fmt: skip
         success.increment(1.0)
+        series = self._per_request.get(extra)
+        if series is None:
+            series = self._per_request[extra] = self._request_series(labels)
         for name, count in (("vllm:prompt_tokens_total", finished.num_input_tokens),
                             ("vllm:generation_tokens_total", finished.num_output_tokens)):  # fmt: skip
             if count:
-                exported = self._metrics[name]
-                exported.metric.increment(float(count))
-                exported.value += count
+                series[name].increment(float(count))
         for name, value in observations(finished).items():
-            self._histograms[name].observe(value)
+            series[name].observe(value)
+
+    def _request_series(self, labels: dict[str, str]) -> dict[str, Any]:
+        """The histograms and token counters of the requests with these labels."""
+        series = {name: self._families[name].Metric(labels=labels, buckets=buckets or self._token_buckets)
+                  for name, (_, buckets) in _HISTOGRAMS.items()}  # fmt: skip
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+            series[name] = self._families[name].Metric(labels=labels)
+        return series
 
     @staticmethod
     def _write(exported: _Exported, value: float) -> None:

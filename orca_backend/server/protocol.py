@@ -259,6 +259,7 @@ class ResponseBuilder:
     outputs: tuple[str, ...] = ALWAYS_SENT
     stream_interval: int = 1
     wants_logprobs: bool = False  # the `logprobs` sampling parameter was set ("null" is sent otherwise)
+    lora_name: str | None = None  # the request's LoRA adapter (for the metrics)
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # generated so far
     cumulative_logprob: float | None = None
@@ -321,7 +322,7 @@ class ResponseBuilder:
 def finished_request(builder: ResponseBuilder) -> FinishedRequest:
     """What a finished request's builder holds for the metrics."""
     return FinishedRequest(builder.finish_reason, builder.request_metrics, builder.num_input_tokens,
-                           builder.num_output_tokens)  # fmt: skip
+                           builder.num_output_tokens, builder.lora_name)  # fmt: skip
 
 
 def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False,
@@ -347,7 +348,7 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
             prefix_text = tokenizer.decode(prefix_ids) if tokenizer is not None else ""
     return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
                            outputs=request.outputs, stream_interval=stream_interval,
-                           wants_logprobs=request.params.logprobs is not None)
+                           wants_logprobs=request.params.logprobs is not None, lora_name=request.params.lora_name)
 
 
 def output_arrays(

@@ -71,6 +71,7 @@ class StepInputs:
     max_query_len: int
     max_context_len: int
     sampling: SamplingBatch
+    lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (-1: none); None when no token has one
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +110,10 @@ class InputBatch:
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.generators: list[torch.Generator | None] = [None] * max_rows
         self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]
+        # Multi-LoRA: each row's adapter slot (-1: none), found when the row is taken in `lora_slot_of`
+        # (lora_id -> slot; the runner's LoRAManager keeps it); the slot stays while the row is held.
+        self.lora_slot = np.full(max_rows, -1, dtype=np.int32)
+        self.lora_slot_of: dict[int, int] = {}
         self.processors = LogitsProcessors(max_rows, vocab_size, device)
         self._flat64 = _HostBuffer(np.int64, device)
         self._flat32 = _HostBuffer(np.int32, device)
@@ -214,6 +219,12 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.generators[row] = state.generator
         self.stop_ids[row] = new.stop_ids
+        if new.lora_id:
+            slot = self.lora_slot_of.get(new.lora_id)
+            if slot is None:
+                raise RuntimeError(f"request {state.request_id} takes a row while its LoRA adapter (id {new.lora_id}) "
+                                   "is in no slot")  # fmt: skip
+            self.lora_slot[row] = slot
         self.processors.add(row, p, tokens[: state.num_prompt_tokens], tokens[state.num_prompt_tokens :])
         state.token_ids = []
         return row
@@ -227,6 +238,7 @@ class InputBatch:
         del self.row_of[state.request_id]
         self.processors.remove(row)
         self.generators[row] = None
+        self.lora_slot[row] = -1
         state.row = -1
         self._free_rows.append(row)
         self._layout += 1
@@ -267,10 +279,15 @@ class InputBatch:
         width = -(-max_context_len // self.block_size)
         block_tables = self._tables.take(count * width).reshape(count, width)
         np.take(self.block_table[:, :width], rows, axis=0, out=block_tables)
+        lora_slots = None
+        if self.lora_slot_of:  # LoRA is on: the batch's tokens' adapters, if any token has one
+            row_slots = self.lora_slot[rows]
+            if row_slots.max() >= 0:
+                lora_slots = row_slots if total == count else np.repeat(row_slots, num_new)
         return StepInputs(
             input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
             max_query_len=max_query_len, max_context_len=max_context_len,
-            sampling=self._sampling(rows, context_lens, step.ahead_rows),
+            sampling=self._sampling(rows, context_lens, step.ahead_rows), lora_slots=lora_slots,
         )  # fmt: skip
 
     def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int]) -> SamplingBatch:

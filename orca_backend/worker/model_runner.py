@@ -28,8 +28,10 @@ from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
+from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
+from orca_kernels.lora import lora_metadata
 
 logger = logging.getLogger("orca.worker")
 
@@ -70,6 +72,11 @@ class ModelRunner:
             config.block_size, model_config.vocab_size, self.device,
         )  # fmt: skip
         self.sampler = Sampler()
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
+            self.input_batch.lora_slot_of = self.lora.slot_of
         self._step: tuple[int, StepInputs] | None = None  # the inputs of the step being run (run_stage, then sample)
         # The last step's request ids and sampled ids on the device: under async scheduling the next
         # step's requests run ahead on them (`SchedulerOutput.ahead_rows`).
@@ -114,6 +121,8 @@ class ModelRunner:
             return f"CUDA graphs need a CUDA device, this runner's is {self.device.type}"
         if self.layout.tp_size > 1 or self.layout.pp_size > 1:
             return "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only"
+        if config.enable_lora:
+            return "enable_lora: the adapters' token mapping is not part of the graphs' static buffers"
         return ""
 
     def static_decode(self, sizes: list[int]) -> DecodeGraphs:
@@ -127,6 +136,10 @@ class ModelRunner:
     def update_states(self, step: SchedulerOutput) -> None:
         """Takes in the step's deltas (scheduler_output.py). Every runner does, as the step arrives, before
         and whatever its forward then does: the core counts them as held once sent."""
+        if step.lora_loads:
+            if self.lora is None:
+                raise RuntimeError("a step loads LoRA adapters into a runner built without enable_lora")
+            self.lora.load(step.lora_loads)
         self.input_batch.apply(step)
 
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
@@ -165,7 +178,13 @@ class ModelRunner:
         input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
         if ahead is not None:
             input_ids.index_copy_(0, *ahead)
-        return self.model.forward(StageInput(input_ids, positions, hidden), attn_meta, self.kv_caches, logits_indices)
+        lora = None
+        if inputs.lora_slots is not None:
+            assert self.lora is not None
+            self.lora.check(inputs.lora_slots)
+            lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
+        stage_input = StageInput(input_ids, positions, hidden, lora)
+        return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
 
     def _ahead_tokens(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """(token positions, ids) of the requests run ahead: each one's input token is the id the
