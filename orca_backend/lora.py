@@ -186,6 +186,39 @@ def read_multi_lora_json(path: str | Path) -> dict[str, str]:
     return {name: str(path.parent / directory) for name, directory in raw.items()}
 
 
+_PEFT_PREFIX = {"GPT2LMHeadModel": "base_model.model.transformer.h"}  # else: base_model.model.model.layers
+
+
+def write_random_adapter(path: str | Path, model_config: Any, rank: int, seed: int, std: float = 0.02) -> None:
+    """A PEFT adapter directory for `model_config` targeting every projection this engine adapts,
+    with seeded normal(0, std) A and B (benchmarks: adapters for presets, which have no checkpoint)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gpt2 = model_config.architecture == "GPT2LMHeadModel"
+    table = _GPT2_MODULES if gpt2 else _LLAMA_MODULES
+    prefix = _PEFT_PREFIX.get(model_config.architecture, "base_model.model.model.layers")
+    projs = projections(model_config)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(model_config.num_layers):
+        allowed = layer_projections(model_config, layer)
+        for module, (name, index) in table.items():
+            if name not in allowed:
+                continue
+            fan_in, fan_out = projs[name].slices[index]
+            key = f"{prefix}.{layer}.{module}.lora_"
+            tensors[key + "A.weight"] = (rng.standard_normal((rank, fan_in)) * std).astype(np.float32)
+            tensors[key + "B.weight"] = (rng.standard_normal((fan_out, rank)) * std).astype(np.float32)
+    save_file(tensors, str(path / ADAPTER_WEIGHTS))
+    modules = sorted({module.rsplit(".", 1)[1] for module in table})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules, "bias": "none",
+              "fan_in_fan_out": gpt2}  # fmt: skip
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+
+
 class LoRARegistry:
     """The adapters requests may name (the frontend's): name -> LoRARequest, each checked when added.
     `allowed_dir`, when set, is the directory every adapter must lie in (symbolic links resolved)."""

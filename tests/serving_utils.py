@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -244,3 +245,29 @@ def http_generate(server: TritonServer, model: str, body: dict[str, Any], stream
         return status, [json.loads(raw)]
     events = [json.loads(line[len("data:"):]) for line in raw.splitlines() if line.startswith("data:")]
     return status, events
+
+
+# ---- Triton's OpenAI-compatible frontend, replayed ------------------------------------------------
+# The frontend (server repo, python/openai, `--backend vllm`) turns each OpenAI request into the tensors
+# below: `_create_vllm_generate_request` in openai_frontend/engine/utils/triton.py, read at server
+# main @ e1db8a60 (unchanged since r26.01). `sampling_parameters` is the request's pydantic dump
+# without None fields and without the keys the frontend handles itself, so the schema's defaults are
+# always there (ints where the schema's default is an int literal), plus max_tokens; with
+# `--lora-separator`, a request for `model: base<sep>adapter` adds `lora_name` (`extra`). It reads usage
+# from num_input_tokens (first response) and the sum of num_output_tokens, and ends a stream at the
+# response flagged final; it never asks for finish_reason.
+def frontend_inputs(prompt: str, *, stream: bool, max_tokens: int, temperature: float, **extra: Any) -> list:
+    sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0,
+                "temperature": temperature, "top_p": 1, "max_tokens": max_tokens, **extra}  # fmt: skip
+    tensors = [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+               ("stream", np.array([stream]), "BOOL"),
+               ("exclude_input_in_output", np.array([True]), "BOOL"),  # echo unset or false
+               ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+               ("return_logprobs", np.array([False]), "BOOL"),
+               ("return_num_input_tokens", np.array([True]), "BOOL"),
+               ("return_num_output_tokens", np.array([True]), "BOOL")]  # fmt: skip
+    inputs = []
+    for name, array, datatype in tensors:
+        inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+        inputs[-1].set_data_from_numpy(array)
+    return inputs

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from orca_backend.sampling_params import SamplingParams
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 transformers = pytest.importorskip("transformers")
 
-from serving_utils import StreamSession, start_server  # noqa: E402 - after the skips
+from serving_utils import StreamSession, frontend_inputs, start_server  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.integration
 
@@ -69,31 +68,7 @@ def test_text_streams_equal_offline_generate_on_both_models(server, checkpoint):
                 assert len(result.deltas) == 1
 
 
-# ---- Triton's OpenAI-compatible frontend, replayed ------------------------------------------------
-# The frontend (server repo, python/openai, `--backend vllm`) turns each OpenAI request into the tensors
-# below: `_create_vllm_generate_request` in openai_frontend/engine/utils/triton.py, read at server
-# main @ e1db8a60 (unchanged since r26.01). `sampling_parameters` is the request's pydantic dump
-# without None fields and without the keys the frontend handles itself, so the schema's defaults are
-# always there (ints where the schema's default is an int literal), plus max_tokens. It reads usage
-# from num_input_tokens (first response) and the sum of num_output_tokens, and ends a stream at the
-# response flagged final; it never asks for finish_reason.
-def frontend_inputs(prompt: str, *, stream: bool, max_tokens: int, temperature: float) -> list:
-    sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0,
-                "temperature": temperature, "top_p": 1, "max_tokens": max_tokens}  # fmt: skip
-    tensors = [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-               ("stream", np.array([stream]), "BOOL"),
-               ("exclude_input_in_output", np.array([True]), "BOOL"),  # echo unset or false
-               ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
-               ("return_logprobs", np.array([False]), "BOOL"),
-               ("return_num_input_tokens", np.array([True]), "BOOL"),
-               ("return_num_output_tokens", np.array([True]), "BOOL")]  # fmt: skip
-    inputs = []
-    for name, array, datatype in tensors:
-        inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
-        inputs[-1].set_data_from_numpy(array)
-    return inputs
-
-
+# ---- Triton's OpenAI-compatible frontend, replayed (serving_utils.frontend_inputs) ----------------
 def usage(result) -> tuple[int, int]:
     """(prompt_tokens, completion_tokens) as the frontend computes them."""
     return result.deltas[0].num_input_tokens, sum(d.num_output_tokens for d in result.deltas)

@@ -192,7 +192,7 @@ class EngineMetrics:
         """vLLM's lora_requests_info: one series per (running, waiting, max) combination seen, each set
         to the time it was last current, so the newest series is the one with the greatest value."""
         labels = (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras)
-        if labels == self._lora_info_labels:
+        if not stats.max_loras or labels == self._lora_info_labels:  # no stats from the engine yet
             return
         self._lora_info_labels = labels
         metric = self._lora_info.get(labels)

@@ -1,0 +1,157 @@
+"""Multi-LoRA through a real tritonserver: `lora_name` in `sampling_parameters` on both models (the
+vLLM backend's contract), adapters listed in each model version's multi_lora.json, an unknown adapter
+failing alone, Triton's OpenAI frontend routing `model: base<sep>adapter` (replayed), the adapters'
+metrics, and multi_lora.json re-read at run time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from hf_tiny import write_lora
+
+from orca_backend.llm import LLM
+from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
+from orca_backend.sampling_params import SamplingParams
+
+pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from serving_utils import StreamSession, frontend_inputs, metric, read_metrics, start_server, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["the kalo mine", "a b c", "mine the naïve one", "one two"]
+NAMES = ["A", None, "B", "A"]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A Qwen2-style checkpoint with its own tokenizer, and adapters A, B (and C, added at run time)."""
+    root = tmp_path_factory.mktemp("lora")
+    tokenizer = train_byte_level_bpe(384, seed=2)
+    base_path = root / "base"
+    config = transformers.Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN), bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.Qwen2ForCausalLM(config).eval()
+    base.save_pretrained(base_path)
+    tokenizer.save(str(base_path / "tokenizer.json"))
+    write_lora(base, root / "A", 1, 8, ["q_proj", "v_proj", "down_proj"])
+    write_lora(base, root / "B", 2, 4, ["o_proj", "gate_proj"])
+    write_lora(base, root / "C", 3, 8, ["k_proj", "up_proj"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(adapters, tmp_path_factory):
+    server = start_server(
+        tmp_path_factory.mktemp("triton-lora"), adapters / "base", lora_modules={"A": str(adapters / "A"),
+        "B": str(adapters / "B")}, parameters={"kv_capacity_tokens": "4096", "max_loras": "2",
+        "allow_runtime_lora_updating": "true", "lora_allowed_dir": str(adapters)},
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(adapters):
+    llm = LLM(str(adapters / "base"), enable_lora=True, max_loras=2,
+              lora_modules={"A": str(adapters / "A"), "B": str(adapters / "B"), "C": str(adapters / "C")})  # fmt: skip
+    try:
+        outs = {}
+        for name in ("A", "B", "C", None):
+            params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, lora_name=name)
+            outs[name] = [o.output_ids for o in llm.generate(PROMPTS, params)]
+        return outs
+    finally:
+        llm.engine.shutdown()
+
+
+def sampling(name: str | None) -> dict:
+    return {"temperature": 0, "ignore_eos": True} | ({"lora_name": name} if name else {})
+
+
+def test_mixed_adapters_stream_the_offline_tokens_on_both_models(server, expected):
+    assert expected["A"] != expected[None] and expected["B"] != expected[None]  # the adapters change the tokens
+    for model in ("orca", "baseline"):  # the baseline's batches mix adapters as the engine does
+        with StreamSession(server.grpc_url) as session:
+            for i, (prompt, name) in enumerate(zip(PROMPTS, NAMES, strict=True)):
+                session.send(model, f"{model}{i}", text=prompt, max_tokens=N, sampling=sampling(name), stream=True)
+            results = session.wait()
+        for i, (result, name) in enumerate(zip(results, NAMES, strict=True)):
+            assert result.error is None, result.error
+            assert result.ids == expected[name][i], (model, name)
+
+
+def test_an_unknown_adapter_fails_alone(server, expected):
+    # each on its own stream: a stream's error callback does not say which request it is for
+    with StreamSession(server.grpc_url) as good_session, StreamSession(server.grpc_url) as bad_session:
+        good = good_session.send("orca", "good", text=PROMPTS[0], max_tokens=N, sampling=sampling("A"), stream=True)
+        bad = bad_session.send("orca", "bad", text=PROMPTS[0], max_tokens=N, sampling=sampling("nope"), stream=True)
+        bad_session.wait()
+        good_session.wait()
+    assert bad.error is not None and "LoRA adapter 'nope' is not served here" in bad.error
+    assert good.error is None and good.ids == expected["A"][0]
+
+
+def test_openai_frontend_routes_base_separator_adapter(server, expected):
+    """`model: orca_B` with --lora-separator _ reaches the model as lora_name "B" in sampling_parameters;
+    the frontend finds the model's adapters in the version's multi_lora.json (with model.json's
+    enable_lora), which the server wrote."""
+    version = server.run_dir / "model_repository" / "orca" / "1"
+    assert json.loads((version / "model.json").read_text()) == {"enable_lora": "true"}
+    assert set(json.loads((version / "multi_lora.json").read_text())) == {"A", "B"}
+    with StreamSession(server.grpc_url) as session:
+        session.send_inputs("orca", frontend_inputs(PROMPTS[2], stream=True, max_tokens=N, temperature=0, lora_name="B"), "oa")
+        (result,) = session.wait()
+    assert result.error is None, result.error
+    # the frontend sends ignore_eos false: the tokens are the offline run's up to an EOS
+    assert result.ids == expected["B"][2][: len(result.ids)] and result.ids
+
+
+def test_adapter_metrics(server):
+    """vLLM's lora_requests_info (max_lora, running and waiting adapters as labels) and the per-request
+    series labelled by adapter."""
+    def counted(lora_name: str) -> bool:  # the metrics thread exports a finished request within a few ticks
+        return metric(server, "vllm:e2e_request_latency_seconds_count", "orca", lora_name=lora_name) > 0
+
+    assert wait_until(lambda: counted("A") and counted("B") and counted(""))  # "": the base model's
+    assert metric(server, "vllm:request_success_total", "orca", lora_name="A", finished_reason="length") > 0
+    info = [dict(labels) for (name, labels), _ in read_metrics(server).items() if name == "vllm:lora_requests_info"
+            and ("model", "orca") in labels]  # fmt: skip
+    assert info and all(i["max_lora"] == "2" for i in info)
+
+
+def test_multi_lora_json_is_reread_at_run_time(server, adapters, expected):
+    """allow_runtime_lora_updating: C added and B removed by editing the file; B's running requests
+    would finish, new ones are refused."""
+    path = server.run_dir / "model_repository" / "orca" / "1" / "multi_lora.json"
+    path.write_text(json.dumps({"A": str(adapters / "A"), "C": str(adapters / "C")}))
+
+    def serves_c() -> bool:
+        with StreamSession(server.grpc_url) as session:
+            result = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("C"), stream=True)
+            session.wait()
+        return result.error is None and result.ids == expected["C"][1]
+
+    assert wait_until(serves_c, timeout_s=30, interval_s=0.5)
+    with StreamSession(server.grpc_url) as session:
+        gone = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("B"), stream=True)
+        session.wait()
+    assert gone.error is not None and "LoRA adapter 'B' is not served here (served: A, C)" in gone.error
+    path.write_text(json.dumps({"A": str(adapters / "A"), "C": "/etc"}))  # outside lora_allowed_dir: refused, logged
+    time.sleep(1.2)
+    with StreamSession(server.grpc_url) as session:
+        outside = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("C"), stream=True)
+        session.wait()
+    assert outside.error is not None and "not served here" in outside.error
