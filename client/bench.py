@@ -10,6 +10,7 @@
     orca-bench --shared-prefix 256 --orca-variants 'cached:kv_policy=paged,enable_prefix_caching=true'
     orca-bench --max-tokens 512 --rates 1,2 --orca-variants 'paged:kv_policy=paged'   # answers stop early
     orca-bench --tune max_num_seqs=8,16,32,64 --slo-ms 40   # ORCA's tuning: best max_num_seqs within 40 ms/token
+    orca-bench --lora 4 --model llama-150m                  # 4 random LoRA adapters mixed vs none (client/lora_stage.py)
 
 Steps: start tritonserver with `orca`, one `orca_<name>` copy per --orca-variants entry (orca with
 other engine parameters), one `baseline` copy per --baseline-batch-sizes and `echo`;
@@ -48,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orca_client import bench_server, machine, protocol, served_path, tune
+from orca_client import bench_server, lora_stage, machine, protocol, served_path, tune
 from orca_client.bench_metrics import RunMetrics, Sustained, ratio, summarize, sustained_throughput
 from orca_client.bench_server import EngineRunStats, ServedModel
 from orca_client.early_stop import with_early_stops
@@ -588,8 +589,12 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         for name in names:
             if name != "echo":
                 per_model.setdefault(name, {})["iteration_log"] = str((logs / f"{name}.jsonl").resolve())
+    lora_modules = {}
+    if args.lora:
+        lora_modules = lora_stage.write_adapters(out, args.model, args.lora, args.lora_rank)
+        params |= {"max_loras": str(args.lora), "max_lora_rank": str(args.lora_rank)}
     options = ServerOptions(models=tuple(names), model_repository=run_dir / "repository",
-                            parameters={} if args.echo else params,
+                            parameters={} if args.echo else params, lora_modules=lora_modules,
                             model_parameters={} if args.echo else per_model,
                             log_file=out / "server.log", run_dir=run_dir / "run")
     (run_dir / "run").mkdir(parents=True, exist_ok=True)
@@ -793,6 +798,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bursts per stream count, served and offline; the best throughput is reported (default 2)")
     sp.add_argument("--served-path-only", action="store_true",
                     help="only warm-up, the fairness burst and the served-path stage (no SLO probe, sweep or echo)")
+    lo = p.add_argument_group("LoRA (only this stage runs: orca serving N random adapters, bursts with them and without)")
+    lo.add_argument("--lora", type=int, default=0, metavar="N", help="serve N random LoRA adapters and compare bursts "
+                    "with request i on adapter i mod N against bursts with none")
+    lo.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (default 16)")
+    lo.add_argument("--lora-streams", type=int, default=32, help="requests per burst (default 32)")
+    lo.add_argument("--lora-prompt", type=int, default=32, help="prompt tokens of each request (default 32)")
+    lo.add_argument("--lora-tokens", type=int, default=64, help="output tokens of each request (default 64)")
+    lo.add_argument("--lora-repeats", type=int, default=3, help="rounds of (none, mixed) (default 3)")
     r = p.add_argument_group("run")
     r.add_argument("--no-stream", action="store_true",
                    help="ask orca for one response per request instead of one per token (the baseline always answers once)")
@@ -822,6 +835,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("orca-bench: --tune-p90 goes with --tune")
     if args.tune:
         _add_tune_variants(args)
+    if args.lora:
+        if args.lora < 1 or args.echo or args.served_path_only or args.orca_variants or args.url:
+            raise SystemExit("orca-bench: --lora N (N >= 1) runs its own stage on a server it starts, alone (no --echo, "
+                             "--served-path-only, --orca-variants, --tune or --url)")
+        args.no_echo, args.baseline_batch_sizes, args.served_path_streams = True, [], []
     if args.served_path_only:
         if args.echo or not args.served_path_streams:
             raise SystemExit("orca-bench: --served-path-only needs orca and non-empty --served-path-streams")
@@ -847,7 +865,9 @@ def main(argv: list[str] | None = None) -> int:
     n_baselines += len(args.orca_variants)  # progress only: variants run wherever a baseline does
     n_rates = len(explicit_rates) if explicit_rates else (1 if args.rates == "native" else len(AUTO_FRACTIONS))
     stage = 0 if args.echo else len(args.served_path_streams) * (args.served_path_repeats + 1)
-    if args.served_path_only:
+    if args.lora:
+        steps = 1 + 2 * args.lora_repeats
+    elif args.served_path_only:
         steps = (1 + n_baselines) + 2 + stage
     else:
         steps = (2 if args.echo else (1 + n_baselines) * (1 + n_rates) + args.unloaded_repeats + 2 + (0 if args.no_echo else 3))
@@ -924,6 +944,9 @@ def _run_all(args: argparse.Namespace, bench: Bench, workload: Workload, explici
         result["notes"].append(f"{', '.join(cached)} cache(s) prompt prefixes and the same trace is replayed at every "
                                "rate: later rates can find earlier rates' prompts in the cache.")
     bench.warm_up(workload)
+    if args.lora:
+        result["lora"] = lora_stage.run_stage(bench)
+        return
     if args.served_path_only:
         bench.fairness(workload)
         result["served_path"] = _served_path(bench)

@@ -88,6 +88,8 @@ def request_inputs(req: TraceRequest, batched: bool, options: LoadOptions, timel
     sampling = {**options.sampling, "max_tokens": req.sent_max_tokens or req.max_tokens}
     if req.stop_token_ids:
         sampling["stop_token_ids"] = list(req.stop_token_ids)
+    if req.lora_name is not None:
+        sampling["lora_name"] = req.lora_name
     ids = req.prompt_ids if req.prompt_text is None else None  # a text prompt is sent as text alone
     # The prompt is never echoed (the baseline's single answer would echo it by default) and only
     # the outputs READ_OUTPUTS names are switched on.

@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from orca_client import lora_stage
+
 JSON_NAME, MARKDOWN_NAME, PLOT_NAME = "bench.json", "summary.md", "curve.png"
 ITERATION_LOGS, ITERATIONS_PLOT = "iteration_logs", "iterations.png"  # --iteration-log
 
@@ -162,6 +164,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append("")
     if result.get("served_path"):
         lines += _served_path_lines(result["served_path"])
+    if result.get("lora"):
+        lines += lora_stage.report_lines(result["lora"])
     overhead = result.get("loadgen_overhead")
     if overhead:
         lines += ["## Load generator overhead (echo model)", "", overhead["summary"], ""]

@@ -34,6 +34,7 @@ class TraceRequest:
     # the request ends at its stop token after `max_tokens` tokens, as an answer ends at EOS.
     sent_max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None  # the LoRA adapter it runs (`orca-bench --lora`; a JSONL trace's "lora_name")
 
     @property
     def prompt_len(self) -> int:
@@ -195,7 +196,8 @@ def check_fits(trace: list[TraceRequest], context_len: int, vocab_size: int, sha
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """JSONL, one request per line: {"arrival": s, "prompt_ids": [...] or "prompt": "text", "max_tokens": n}.
+    """JSONL, one request per line: {"arrival": s, "prompt_ids": [...] or "prompt": "text", "max_tokens": n},
+    optionally "lora_name": the LoRA adapter it runs.
 
     Text prompts are sent as text_input (the model needs a tokenizer); their prompt_len is unknown
     to the client and counts as 0 in context checks.
@@ -214,7 +216,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             ids, text = [int(t) for t in row["prompt_ids"]], None
         else:
             ids, text = [], str(row["prompt"])
-        trace.append(TraceRequest(float(row["arrival"]), ids, int(row["max_tokens"]), text))
+        trace.append(TraceRequest(float(row["arrival"]), ids, int(row["max_tokens"]), text, lora_name=row.get("lora_name")))
     return sorted(trace, key=lambda r: r.arrival)
 
 
@@ -226,5 +228,7 @@ def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
             row["prompt"] = r.prompt_text
         else:
             row["prompt_ids"] = r.prompt_ids
+        if r.lora_name is not None:
+            row["lora_name"] = r.lora_name
         lines.append(json.dumps(row) + "\n")
     Path(path).write_text("".join(lines))

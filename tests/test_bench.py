@@ -898,3 +898,18 @@ def test_reports_name_the_commit_they_ran(tmp_path):
     if head:
         assert machine.code_revision(root).split("+")[0] == head
     assert machine.code_revision(tmp_path) == "unknown"
+
+
+def test_lora_mode_serves_random_adapters_and_compares_mixed_bursts_with_none(tmp_path):
+    """`orca-bench --lora 2`: the adapters orca-bench wrote are served, both bursts of every round
+    complete with every token (errors would mean an adapter was refused), and the report says so."""
+    out = tmp_path / "lora"
+    assert bench.main(["--lora", "2", "--model", "llama-tiny", "--lora-streams", "6", "--lora-tokens", "8",
+                       "--lora-repeats", "2", "--out", str(out), "--quiet"]) == 0  # fmt: skip
+    section = json.loads((out / "bench.json").read_text())["lora"]
+    assert (section["adapters"], section["rank"], len(section["rows"])) == (2, 16, 2)
+    for row in section["rows"]:
+        assert row["none_errors"] == row["mixed_errors"] == 0
+        assert row["none_tokens_per_s"] > 0 and row["mixed_tokens_per_s"] > 0
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == ["adapter0", "adapter1"]
+    assert "## LoRA: adapters mixed against none" in (out / "summary.md").read_text()
