@@ -35,6 +35,26 @@ def test_the_lines_add_up_to_what_the_engine_did(tiny_checkpoint, tmp_path):
     assert all(s["time"] <= t["time"] for s, t in zip(steps, steps[1:], strict=False))
 
 
+def test_lines_count_each_adapters_tokens(tmp_path):
+    """With LoRA, each line says how many tokens each adapter ran ("" for the base model)."""
+    from orca_backend.config import PRESETS
+    from orca_backend.lora import write_random_adapter
+
+    write_random_adapter(tmp_path / "a", PRESETS["llama-tiny"], rank=4, seed=0)
+    path = tmp_path / "orca.jsonl"
+    engine = LLMEngine(EngineConfig(model="llama-tiny", iteration_log=str(path), enable_lora=True,
+                                    lora_modules={"a": str(tmp_path / "a")}))  # fmt: skip
+    prompts, names = [[1, 2, 3], [4, 5], [6]], ["a", None, "a"]
+    engine.add_requests(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, lora_name=n)
+                                  for n in names])  # fmt: skip
+    while engine.has_work():
+        engine.step()
+    engine.shutdown()
+    *steps, _ = [json.loads(line) for line in path.read_text().splitlines()]
+    assert steps[0]["lora_tokens"] == {"a": 4, "": 2}  # the prompts: 3 + 1 with the adapter, 2 without
+    assert sum(s["lora_tokens"]["a"] for s in steps) == 4 + 2 * 3  # and each one's 3 decodes
+
+
 class StuckStream:
     """A file whose writes block until released: a disk far slower than the engine."""
 
