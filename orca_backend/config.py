@@ -7,6 +7,7 @@ Plain data only: importing this module must not import torch (the client and orc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -542,6 +543,11 @@ class EngineConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); every adapter must then lie in lora_allowed_dir.
     allow_runtime_lora_updating: bool = False
     lora_allowed_dir: str = ""
+    # Where tp x pp > 1 ranks run (vLLM's name): "mp", worker processes on this host, or "ray", actors
+    # on the Ray cluster at ray_address (executor/ray_executor.py), placed by a placement group.
+    distributed_executor_backend: str = "mp"
+    ray_address: str = "auto"
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -578,6 +584,14 @@ class EngineConfig:
                                       or int(self.pipeline_parallel_size) != 1):  # fmt: skip
             raise ValueError("async_scheduling runs one process with iteration-level scheduling: it needs "
                              "tensor_parallel_size = pipeline_parallel_size = 1 and scheduling 'iteration'")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
+        if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError("ray_placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got "
+                             f"{self.ray_placement_strategy!r}")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                             "pip install -e .[ray] (the same version on every host)")
         for name in ("max_loras", "max_lora_rank"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

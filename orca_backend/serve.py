@@ -443,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lora_name in sampling_parameters. Sets enable_lora and writes each model's multi_lora.json")
     p.add_argument("--max-loras", type=int, help="LoRA adapters resident at once (the others wait, evicted LRU)")
     p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"),
+                   help="where tp x pp > 1 ranks run: worker processes on this host (mp, the default) or actors on "
+                        "the Ray cluster at --ray-address (ray)")
+    p.add_argument("--ray-address", help="the Ray cluster to join (default auto: the one `ray start` made here)")
     p.add_argument("--tensor-parallel-size", type=int, help="worker processes per pipeline stage (heads split)")
     p.add_argument("--pipeline-parallel-size", type=int, help="pipeline stages (layers split), one batch in flight each")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -478,7 +482,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
     params = _parse_key_values(args.param)
     for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size",
-                 "pipeline_parallel_size", "enforce_eager", "max_loras", "max_lora_rank"):  # fmt: skip
+                 "pipeline_parallel_size", "enforce_eager", "max_loras", "max_lora_rank", "distributed_executor_backend",
+                 "ray_address"):  # fmt: skip
         value = getattr(args, flag)
         if value is None:
             continue

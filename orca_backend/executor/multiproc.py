@@ -89,13 +89,13 @@ def _process_exists(pid: int) -> bool:
 
 
 class WorkerPoolExecutor:
+    """tp x pp worker processes on this host, each with its control pipe. The messaging (`submit`,
+    `collect_oldest`, failures) is every pool's; how the ranks start, how a dead one is described and
+    how they are stopped is this class's (the Ray pool, executor/ray_executor.py, places them
+    elsewhere)."""
+
     def __init__(self, config: EngineConfig, model_config: AnyModelConfig, start_timeout_s: float = 600.0) -> None:
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.world_size = tp * pp
-        self.max_in_flight = pp  # one batch per pipeline stage
-        self._sampler_rank = (pp - 1) * tp  # first tensor-parallel rank of the last stage
-        self._pending: deque[int] = deque()
-        self._closed = False
+        self._init_pool(config)
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         # Removed by shutdown(), by orphaned workers (worker_proc), or by the next pool's sweep.
         for path in remove_stale_store_dirs():
@@ -108,7 +108,6 @@ class WorkerPoolExecutor:
                     "by the user: single node only)", self.store_dir,
                     ", ".join(f"{k}={v}" for k, v in interfaces.items()))  # fmt: skip
         config_json, model_json = json.dumps(asdict(config)), model_config_to_json(model_config)
-        self.conns: list[Connection] = []
         self.processes: list[mp.process.BaseProcess] = []
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -119,15 +118,29 @@ class WorkerPoolExecutor:
             child_end.close()
             self.conns.append(parent_end)
             self.processes.append(proc)
+        self._await_ready(start_timeout_s)
+        logger.info("started %d workers (tp=%d, pp=%d): pids %s", self.world_size, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, self.pids)  # fmt: skip
+
+    def _init_pool(self, config: EngineConfig) -> None:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.world_size = tp * pp
+        self.max_in_flight = pp  # one batch per pipeline stage
+        self._sampler_rank = (pp - 1) * tp  # first tensor-parallel rank of the last stage
+        self._pending: deque[int] = deque()
+        self._closed = False
+        self.conns: list[Connection] = []  # rank i's control channel
+
+    def _await_ready(self, timeout_s: float) -> None:
+        """Waits for every rank's "ready" (its model loaded): a rank that fails stops them all."""
         self.weight_bytes = [0] * self.world_size
         try:
             for _ in range(self.world_size):
-                msg = self._next_message(timeout_s=start_timeout_s)
+                msg = self._next_message(timeout_s=timeout_s)
                 self.weight_bytes[msg["rank"]] = msg["weight_bytes"]
         except WorkerFailure:
             self.shutdown()
             raise
-        logger.info("started %d workers (tp=%d, pp=%d): pids %s", self.world_size, tp, pp, self.pids)
 
     @property
     def pids(self) -> list[int]:
@@ -165,31 +178,44 @@ class WorkerPoolExecutor:
 
     def _next_message(self, timeout_s: float | None = None) -> dict:
         """The next message from any worker; a dead worker or an error report raises WorkerFailure."""
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        sentinels = self._sentinels()
         ready = wait(self.conns + list(sentinels), timeout=timeout_s)
         if not ready:
             self.shutdown()
             raise WorkerFailure(f"no answer from the workers within {timeout_s:.0f} s")
+        closed = None
         for obj in ready:  # messages first: a worker that reported an error has also exited
             if obj in sentinels:
                 continue
             try:
                 msg = json.loads(obj.recv_bytes())
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # its end closed: the rank is gone
+                closed = self.conns.index(obj)
                 continue
             if msg.get("kind") == "error":
                 # A collective fails in every rank when one rank dies (its peers' sockets are reset),
                 # and a survivor's report may arrive first: the death is the cause, so it is named (a
                 # genuine error waits at most a second for a peer that is not dying).
-                peers = [p.sentinel for rank, p in enumerate(self.processes) if rank != msg["rank"]]
-                dead = wait(peers, timeout=1.0)
-                cause = f"{self._death(sentinels[dead[0]])}; then " if dead else ""
+                dead = self._dead_peer(msg["rank"], timeout_s=1.0)
+                cause = f"{self._death(dead)}; then " if dead is not None else ""
                 self.shutdown()
                 raise WorkerFailure(f"{cause}worker {msg['rank']} raised:\n{msg['message']}")
             return msg
-        description = self._death(sentinels[next(o for o in ready if o in sentinels)])
+        dead_ranks = [sentinels[o] for o in ready if o in sentinels]
+        description = self._death(dead_ranks[0] if dead_ranks else closed)
         self.shutdown()
         raise WorkerFailure(description)
+
+    # How this pool's ranks live and die: worker processes of this host.
+    def _sentinels(self) -> dict[object, int]:
+        """What turns readable when a rank's process ends, by rank."""
+        return {p.sentinel: rank for rank, p in enumerate(self.processes)}
+
+    def _dead_peer(self, rank: int, timeout_s: float) -> int | None:
+        """A rank other than `rank` that ended (waiting up to `timeout_s` for one), or None."""
+        peers = {p.sentinel: r for r, p in enumerate(self.processes) if r != rank}
+        dead = wait(list(peers), timeout=timeout_s)
+        return peers[dead[0]] if dead else None
 
     def _death(self, rank: int) -> str:
         """How worker `rank`, whose sentinel is readable, ended."""
@@ -206,13 +232,17 @@ class WorkerPoolExecutor:
         for conn in self.conns:
             with contextlib.suppress(OSError):  # an already dead worker's pipe is closed
                 conn.send_bytes(STOP)
+        self._stop_ranks()
+        for conn in self.conns:
+            conn.close()
+        self._pending.clear()
+
+    def _stop_ranks(self) -> None:
+        """After STOP was sent: the processes join, or are killed; the file store goes."""
         for proc in self.processes:
             proc.join(timeout=5)
         for proc in self.processes:
             if proc.is_alive():  # blocked in a collective with a dead peer
                 proc.kill()
                 proc.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
-        self._pending.clear()
         shutil.rmtree(self.store_dir, ignore_errors=True)

@@ -9,6 +9,8 @@ before the process exits, so the master never waits on a dead worker.
 
 The ranks meet through the master's file store (`init_method` file://<private dir>/store) and
 open their data-plane sockets on the interface `socket_env` names (loopback; executor/multiproc.py).
+On a Ray cluster the same loop runs inside an actor (executor/ray_executor.py): its control channel
+is a TCP connection to the engine core, and the ranks meet at rank 0's node (tcp://).
 """
 
 from __future__ import annotations

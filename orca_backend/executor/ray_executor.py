@@ -1,0 +1,221 @@
+"""The worker pool on a Ray cluster (`distributed_executor_backend="ray"`): the model's tp x pp ranks
+as Ray actors, placed by a placement group over the cluster's nodes, running the same worker code
+as the local pool's processes (worker/worker_proc.py).
+
+Placement: one bundle per rank (a GPU and a CPU on CUDA, a CPU otherwise), PACK by default: Ray fills
+a node before the next, and ranks are numbered stage by stage, so a tensor-parallel group stays
+inside a node where it fits and pipeline stages go to other nodes, as ORCA places them (intra-layer
+parallelism within a node, inter-layer across nodes); `ray_placement_strategy` may say SPREAD,
+STRICT_PACK or STRICT_SPREAD instead.
+
+Control plane: each actor opens a TCP connection back to the engine core (a `multiprocessing`
+listener on the core's node address, its port ephemeral, authenticated with a random key), and the
+same messages as the local pipes flow on it: a `SchedulerOutput` per step out, tokens back. Data
+plane: torch.distributed (NCCL on GPUs, gloo on CPU) rendezvousing at rank 0's node address on a port
+rank 0 found free there. Both addresses are logged. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set
+for the engine, are passed to every actor (they pick the interface the ranks talk on).
+
+Failures as the local pool's: an actor that dies (its process, or its node) closes its connection,
+and the pool raises WorkerFailure naming the rank and its node; shutdown kills every actor and
+removes the placement group, so nothing of this engine is left on the cluster (the actors are named
+orca-<engine>-rank<r> in the namespace "orca", which Ray's listings show).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from multiprocessing.connection import Client, Connection, Listener
+
+from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
+from orca_backend.executor.base import WorkerFailure
+from orca_backend.executor.multiproc import LOOPBACK_SOCKET_ENV, WorkerPoolExecutor
+from orca_backend.worker.worker_proc import worker_main
+
+logger = logging.getLogger("orca.workers")
+
+RAY_NAMESPACE = "orca"
+
+
+def import_ray():  # noqa: ANN201 - the ray module
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                           "pip install -e .[ray] (the same version on every host)") from None  # fmt: skip
+    return ray
+
+
+class RankActor:
+    """One rank on some node of the cluster (made a Ray actor class by `_actor_class`)."""
+
+    def node(self) -> tuple[str, str]:
+        """(node IP, node id) of the node it runs on."""
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def free_port(self) -> int:
+        """A TCP port free on its node (rank 0's hosts the data plane's rendezvous)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, rank: int, config_json: str, model_json: str, init_method: str, control: tuple[str, int],
+            authkey: bytes, socket_env: dict[str, str]) -> None:  # fmt: skip
+        """Connects to the engine core, says which rank it is, and serves steps until told to stop
+        (worker_main)."""
+        conn = Client(control, authkey=authkey)
+        conn.send_bytes(json.dumps({"kind": "hello", "rank": rank}).encode())
+        worker_main(rank, config_json, model_json, init_method, conn, socket_env)
+
+
+def _actor_class(ray, config: EngineConfig):  # noqa: ANN001, ANN202
+    resources = {"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
+    # Two calls at once: `run` holds one for the engine's life.
+    return ray.remote(max_concurrency=2, **resources)(RankActor)
+
+
+class RayExecutor(WorkerPoolExecutor):
+    def __init__(self, config: EngineConfig, model_config: AnyModelConfig, start_timeout_s: float = 600.0) -> None:
+        ray = self._ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._remove_placement_group = remove_placement_group
+        self._init_pool(config)
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            try:
+                ray.init(address=config.ray_address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+            except ConnectionError as e:
+                raise RuntimeError(f"no Ray cluster at ray_address={config.ray_address!r} ({e}); start one with "
+                                   "`ray start --head` (and `ray start --address HEAD:6379` on every other host)") from None  # fmt: skip
+        self.engine_id = uuid.uuid4().hex[:8]
+        self._actors: list = []
+        self._runs: list = []
+        self._placement_group = None
+        self._listener: Listener | None = None
+        self.nodes: list[tuple[str, str]] = []  # each rank's (node IP, node id)
+        try:
+            self._start(config, model_config, placement_group, PlacementGroupSchedulingStrategy, start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._await_ready(start_timeout_s)
+        logger.info("started %d Ray actors (tp=%d, pp=%d) on nodes %s", self.world_size, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, [ip for ip, _ in self.nodes])  # fmt: skip
+
+    def _start(self, config: EngineConfig, model_config: AnyModelConfig, placement_group, strategy,  # noqa: ANN001
+               timeout_s: float) -> None:  # fmt: skip
+        ray = self._ray
+        bundle = {"GPU": 1, "CPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+        self._placement_group = placement_group([bundle] * self.world_size, strategy=config.ray_placement_strategy,
+                                                name=f"orca-{self.engine_id}")  # fmt: skip
+        if not ray.get(self._placement_group.ready(), timeout=timeout_s):
+            raise RuntimeError(f"the Ray cluster could not place {self.world_size} bundles of {bundle} "
+                               f"({config.ray_placement_strategy}) within {timeout_s:.0f} s")  # fmt: skip
+        actor_class = _actor_class(ray, config)
+        env = {key: os.environ[key] for key in LOOPBACK_SOCKET_ENV if os.environ.get(key)}
+        self._actors = [
+            actor_class.options(
+                name=f"orca-{self.engine_id}-rank{rank}", namespace=RAY_NAMESPACE,
+                scheduling_strategy=strategy(self._placement_group, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env} if env else None,
+            ).remote()
+            for rank in range(self.world_size)
+        ]  # fmt: skip
+        self.nodes = ray.get([a.node.remote() for a in self._actors], timeout=timeout_s)
+        master_ip = self.nodes[0][0]
+        init_method = f"tcp://{master_ip}:{ray.get(self._actors[0].free_port.remote(), timeout=timeout_s)}"
+        here = ray.util.get_node_ip_address()
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener((here, 0), authkey=authkey)
+        logger.info("Ray workers: control connections to %s:%d, data plane (%s) rendezvous at %s",
+                    here, self._listener.address[1], "nccl" if config.device.startswith("cuda") else "gloo",
+                    init_method)  # fmt: skip
+        config_json, model_json = json.dumps(asdict(config)), model_config_to_json(model_config)
+        self._runs = [a.run.remote(rank, config_json, model_json, init_method, self._listener.address, authkey, env)
+                      for rank, a in enumerate(self._actors)]  # fmt: skip
+        self.conns = self._accept(timeout_s)
+
+    def _accept(self, timeout_s: float) -> list[Connection]:
+        """Every rank's control connection, in rank order (each says its rank first; they arrive in any
+        order). Accepted on a thread, so that an actor that died before connecting fails the start at
+        once instead of after the timeout."""
+        listener, accepted = self._listener, []
+
+        def accept_all() -> None:
+            with contextlib.suppress(OSError):  # the listener closed: the start gave up
+                for _ in range(self.world_size):
+                    conn = listener.accept()
+                    accepted.append((json.loads(conn.recv_bytes())["rank"], conn))
+
+        thread = threading.Thread(target=accept_all, name="orca-ray-accept", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(timeout=1.0)
+            ended = [rank for rank in range(self.world_size) if self._run_ended(rank)]
+            if ended:
+                raise WorkerFailure("a Ray worker ended before connecting: " + "; ".join(map(self._describe, ended)))
+        if thread.is_alive():
+            raise WorkerFailure(f"the Ray workers did not all connect within {timeout_s:.0f} s")
+        return [conn for _, conn in sorted(accepted, key=lambda pair: pair[0])]
+
+    @property
+    def pids(self) -> list[int]:
+        return []  # the actors' processes live on other nodes
+
+    # How this pool's ranks live and die: Ray actors. Their connections are the only sentinels.
+    def _sentinels(self) -> dict[object, int]:
+        return {}
+
+    def _dead_peer(self, rank: int, timeout_s: float) -> int | None:
+        refs = {ref: r for r, ref in enumerate(self._runs) if r != rank}
+        done, _ = self._ray.wait(list(refs), num_returns=1, timeout=timeout_s)
+        return refs[done[0]] if done else None
+
+    def _run_ended(self, rank: int) -> bool:
+        done, _ = self._ray.wait([self._runs[rank]], timeout=0)
+        return bool(done)
+
+    def _describe(self, rank: int) -> str:
+        ip, node_id = self.nodes[rank] if rank < len(self.nodes) else ("?", "?")
+        where = f"worker {rank} (Ray actor on node {ip}, id {node_id[:12]})"
+        done, _ = self._ray.wait([self._runs[rank]], timeout=5)
+        if not done:
+            return f"{where} closed its connection"
+        try:
+            self._ray.get(done[0])
+        except Exception as e:  # noqa: BLE001 - how it ended is the message
+            return f"{where} died: {str(e).strip().splitlines()[0][:400]}"
+        return f"{where} returned"
+
+    def _death(self, rank: int | None) -> str:
+        return self._describe(rank) if rank is not None else "a Ray worker ended"
+
+    def _stop_ranks(self) -> None:
+        """After STOP: the actors' runs end (briefly waited for), then every actor is killed and the
+        placement group removed, whatever state they were in."""
+        ray = self._ray
+        if self._runs:
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=5)
+        for actor in self._actors:
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(actor, no_restart=True)
+        if self._placement_group is not None:
+            with contextlib.suppress(Exception):  # the cluster may be gone
+                self._remove_placement_group(self._placement_group)
+        if self._listener is not None:
+            self._listener.close()
+        if self._owns_ray:
+            ray.shutdown()
