@@ -399,3 +399,50 @@ def test_grafana_provisions_the_dashboard_on_the_prometheus_data_source(compose)
     # Read-only: anonymous viewers, and no login form to guess a password at.
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert grafana["environment"]["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
+
+
+# The `ray` profile: a Ray head running tritonserver and Ray workers on other hosts.
+def run_service_command(compose: dict, name: str, tmp_path: Path, **env: str) -> dict[str, list[str]]:
+    """Runs a service's shell command with stand-ins for cp, pip, ray and orca-serve, each recording
+    its arguments; returns {program: arguments} of the last call of each."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for program in ("cp", "pip", "ray", "orca-serve"):
+        (bin_dir / program).write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > "{tmp_path}/{program}.args"\n')
+        (bin_dir / program).chmod(0o755)
+    if not (bin_dir / "python3").exists():
+        (bin_dir / "python3").symlink_to(sys.executable)
+    service = compose["services"][name]
+    argv = [interpolate(word, {}) for word in service["command"]]
+    environment = {key: interpolate(str(value), env) for key, value in service["environment"].items() if key != "<<"}
+    run_env = {**os.environ, **environment, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(argv, env=run_env, capture_output=True, check=True, timeout=60)
+    return {p: (tmp_path / f"{p}.args").read_text().split("\0")[:-1] for p in ("pip", "ray", "orca-serve")
+            if (tmp_path / f"{p}.args").exists()}  # fmt: skip
+
+
+def test_ray_profile_is_opt_in_on_host_networking(compose):
+    for name in ("ray-head", "ray-worker"):
+        service = compose["services"][name]
+        assert service["profiles"] == ["ray"] and service["network_mode"] == "host", name
+        assert "ports" not in service  # host networking publishes nothing: Triton binds ORCA_PUBLISH_ADDRESS
+    assert "profiles" not in compose["services"]["triton"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the service's bash command")
+def test_ray_head_starts_the_cluster_and_serves_orca_over_it(compose, tmp_path):
+    calls = run_service_command(compose, "ray-head", tmp_path, ORCA_TP="2", ORCA_PP="2", ORCA_MODEL="/models/m")
+    assert calls["pip"][-1] == "/tmp/orca[ray]"
+    assert calls["ray"][:3] == ["start", "--head", "--port"] and "6379" in calls["ray"]
+    options = options_from_args(build_parser().parse_args(calls["orca-serve"]))
+    assert options.models == ("orca",) and options.host == "127.0.0.1"
+    p = options.parameters
+    assert (p["distributed_executor_backend"], p["ray_address"]) == ("ray", "auto")
+    assert (p["tensor_parallel_size"], p["pipeline_parallel_size"], p["model"]) == ("2", "2", "/models/m")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the service's bash command")
+def test_ray_worker_joins_the_heads_cluster(compose, tmp_path):
+    calls = run_service_command(compose, "ray-worker", tmp_path, ORCA_RAY_HEAD="10.0.0.5:6379")
+    assert calls["ray"] == ["start", "--address", "10.0.0.5:6379", "--block", "--disable-usage-stats"]
+    assert calls["pip"][-1] == "/tmp/orca[ray]"
