@@ -21,15 +21,18 @@ pytestmark = pytest.mark.ray
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+# One CPU each, so every rank gets a node of its own; a small object store (nothing big travels
+# through it), so four nodes fit beside each other on a small machine.
+NODE = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
 
 
 @pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args=NODE)
     for _ in range(3):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(**NODE)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     try:
@@ -86,7 +89,7 @@ def test_a_removed_node_fails_every_request_naming_the_rank_and_node(cluster):
         assert not llm.engine.healthy
     finally:
         llm.engine.shutdown()
-        cluster.add_node(num_cpus=1)  # the next test's four nodes
+        cluster.add_node(**NODE)  # the next test's four nodes
         cluster.wait_for_nodes()
     assert orca_leftovers() == ([], [])
 
@@ -139,5 +142,5 @@ def test_served_ranks_on_the_cluster_then_a_node_removed_under_load(cluster, ref
         assert wait_until(lambda: orca_leftovers() == ([], []), timeout_s=60)
     finally:
         server.stop()
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(**NODE)
         cluster.wait_for_nodes()
