@@ -42,6 +42,7 @@ PYTHON ?= python3
 GPU_OUT ?= gpu_results
 GPU_CHECK_ARGS ?=
 GPU_TESTS = tests/test_kernels.py tests/test_kernels_llama.py tests/test_triton_decode_attention.py tests/test_fp8.py \
+	tests/test_lora_kernels.py tests/test_triton_window_attention.py \
 	tests/test_cuda.py
 gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .

@@ -283,3 +283,25 @@ def test_windowed_families_on_cuda_equal_transformers(tmp_path, family: str) -> 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, block_size=4)
     assert [o.output_ids for o in gpu.generate(WINDOW_PROMPTS, params)] == [hf_greedy(model, p) for p in WINDOW_PROMPTS]
+
+
+def test_mixed_lora_adapters_on_cuda_equal_peft_merged(tmp_path) -> None:
+    """Two PEFT adapters and none in one batch on the GPU (the Triton shrink/expand kernels, decode
+    steps eager: LoRA engines capture no graphs): float32 tokens equal transformers + peft merged."""
+    pytest.importorskip("peft")
+    from hf_tiny import write_lora
+
+    base = write_tiny("Llama", tmp_path / "base", seed=3)
+    merged = {None: base, "A": write_lora(base, tmp_path / "A", 1, 8, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+              "B": write_lora(base, tmp_path / "B", 2, 16, ["k_proj", "gate_proj", "up_proj"])}  # fmt: skip
+    prompts, names = [[5, 17, 33, 2], [100, 7], [250, 251, 252, 253, 9], [3]], ["A", None, "B", "A"]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, lora_name=n) for n in names]
+    gpu = LLM(str(tmp_path / "base"), device="cuda", dtype="float32", max_num_seqs=8, enable_lora=True, max_loras=2,
+              lora_modules={"A": str(tmp_path / "A"), "B": str(tmp_path / "B")})  # fmt: skip
+    assert gpu.engine.core.executor.runner.model.ops.name == "triton"
+    want = []
+    for prompt, name in zip(prompts, names, strict=True):
+        with torch.no_grad():
+            out = merged[name].generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        want.append(out[0, len(prompt):].tolist())
+    assert [o.output_ids for o in gpu.generate(prompts, params)] == want
