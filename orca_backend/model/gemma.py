@@ -24,6 +24,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.llama import decoder_num_bytes, load_vocab
 from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
@@ -60,10 +61,7 @@ class GemmaWeights:
     norm_w: torch.Tensor | None  # last stage, (1 + w)
 
     def num_bytes(self) -> int:
-        tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
-        for layer in self.layers:
-            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
-        return sum(t.nbytes for t in tensors.values())
+        return decoder_num_bytes(self)
 
     @classmethod
     def load(
@@ -103,14 +101,7 @@ class GemmaWeights:
                     down_w=gemm.pack(get(m + "down_proj.weight", 1, i_lo, i_hi)),
                 )
             )
-        v_lo, v_hi = layout.vocab_shard(config.vocab_size)
-        tied = config.tie_word_embeddings or "lm_head.weight" not in src
-        embed = None
-        if layout.is_first_stage or (layout.is_last_stage and tied):
-            embed = get("model.embed_tokens.weight", 0, v_lo, v_hi)
-        lm_head = None
-        if layout.is_last_stage:
-            lm_head = embed if tied else get("lm_head.weight", 0, v_lo, v_hi)
+        embed, lm_head = load_vocab(src, config, layout, get)
         return cls(layers, embed, lm_head, norm("model.norm.weight") if layout.is_last_stage else None)
 
 

@@ -14,6 +14,7 @@ the embedding and LM head; pipeline parallelism gives each stage its layers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +69,7 @@ class LlamaWeights:
     norm_w: torch.Tensor | None  # last stage
 
     def num_bytes(self) -> int:
-        tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
-        for layer in self.layers:
-            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
-        return sum(t.nbytes for t in tensors.values())
+        return decoder_num_bytes(self)
 
     @classmethod
     def load(
@@ -119,15 +117,33 @@ class LlamaWeights:
                     **moe,
                 )
             )
-        v_lo, v_hi = layout.vocab_shard(config.vocab_size)
-        tied = config.tie_word_embeddings or "lm_head.weight" not in src
-        embed = None
-        if layout.is_first_stage or (layout.is_last_stage and tied):
-            embed = get("model.embed_tokens.weight", 0, v_lo, v_hi)
-        lm_head = None
-        if layout.is_last_stage:
-            lm_head = embed if tied else get("lm_head.weight", 0, v_lo, v_hi)
+        embed, lm_head = load_vocab(src, config, layout, get)
         return cls(layers, embed, lm_head, get("model.norm.weight") if layout.is_last_stage else None)
+
+
+def load_vocab(
+    src: WeightSource, config: LlamaConfig, layout: ParallelLayout, get: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(embedding, LM head) of this rank's vocabulary shard, each None where its stage needs none; a
+    tied LM head (or a checkpoint without one) is the embedding itself. `get(name, dim, lo, hi)`
+    reads a tensor in the model's dtype and device."""
+    v_lo, v_hi = layout.vocab_shard(config.vocab_size)
+    tied = config.tie_word_embeddings or "lm_head.weight" not in src
+    embed = None
+    if layout.is_first_stage or (layout.is_last_stage and tied):
+        embed = get("model.embed_tokens.weight", 0, v_lo, v_hi)
+    lm_head = None
+    if layout.is_last_stage:
+        lm_head = embed if tied else get("lm_head.weight", 0, v_lo, v_hi)
+    return embed, lm_head
+
+
+def decoder_num_bytes(weights: LlamaWeights) -> int:
+    """The bytes of every tensor a decoder's weights hold, each once (a tied LM head is the embedding)."""
+    tensors = {id(t): t for t in (weights.embed, weights.lm_head, weights.norm_w) if t is not None}
+    for layer in weights.layers:
+        tensors.update({id(t): t for t in vars(layer).values() if t is not None})
+    return sum(t.nbytes for t in tensors.values())
 
 
 def _load_experts(get, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
