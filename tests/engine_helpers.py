@@ -1,6 +1,7 @@
 """Helpers the engine's test files share: GREEDY (four greedy tokens), `drain` (step an in-process
-engine until it has no work), and seeded workloads: short random prompts, long prompts with an
-optional shared prefix, and sampling parameters mixing greedy and seeded random sampling."""
+engine until it has no work), `chunked_then_cached` (the same prompts twice through chunked prefill
+and the prefix cache), and seeded workloads: short random prompts, long prompts with an optional
+shared prefix, and sampling parameters mixing greedy and seeded random sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import torch
 
-from orca_backend import SamplingParams
+from orca_backend import LLM, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -17,6 +18,21 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def drain(engine: LLMEngine) -> None:
     while engine.has_work():
         engine.step()
+
+
+def chunked_then_cached(model: str, prompts: list[list[int]], params: SamplingParams, chunk: int,
+                        **engine: object) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts' tokens prefilled in `chunk`-token pieces (float32, blocks of 4, prefix caching on),
+    then again over the warm prefix cache, which must have served some of them."""
+    llm = LLM(model, dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=chunk,
+              enable_prefix_caching=True, **engine)  # fmt: skip
+    try:
+        first = [o.output_ids for o in llm.generate(prompts, params)]
+        again = [o.output_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.stats().prefix_cache_hit_tokens > 0
+    finally:
+        llm.engine.shutdown()
+    return first, again
 
 
 def random_prompts(n: int, vocab: int, seed: int, max_len: int = 24) -> list[list[int]]:

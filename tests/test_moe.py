@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import chunked_then_cached
 from hf_tiny import write_tiny
 from triton_testing import DEVICE, NEEDS_FRESH_PROCESS, no_host_reads, run_in_fresh_process, use_import_mode
 
@@ -90,14 +91,7 @@ def test_moe_greedy_equals_transformers_in_one_batch(checkpoints, references, fa
 def test_moe_chunked_prefill_and_prefix_caching_keep_the_tokens(checkpoints, references, family):
     """Prompts cut into 3-token chunks (a chunk's tokens routed beside other requests' decodes), then
     the same prompts again over a warm prefix cache."""
-    llm = LLM(str(checkpoints[family][0]), dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=3,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        first = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
-        again = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
-        assert llm.engine.stats().prefix_cache_hit_tokens > 0
-    finally:
-        llm.engine.shutdown()
+    first, again = chunked_then_cached(str(checkpoints[family][0]), PROMPTS, GREEDY, chunk=3)
     assert first == again == references[family]
 
 

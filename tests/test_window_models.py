@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import chunked_then_cached
 from hf_tiny import randomize_norms, write_tiny
 
 from orca_backend import LLM, SamplingParams
@@ -131,15 +132,7 @@ def test_the_window_changes_the_tokens(tmp_path, checkpoints, references, family
 def test_chunked_prefill_and_prefix_caching_keep_the_tokens(checkpoints, references, family):
     """Prompts cut into 5-token chunks over earlier K/V, then the same prompts again over a warm prefix
     cache (paged): chunks and cached blocks start inside and outside the window."""
-    path, _ = checkpoints[family]
-    llm = LLM(str(path), dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=5,
-              enable_prefix_caching=True)  # fmt: skip
-    try:
-        first = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
-        again = [o.output_ids for o in llm.generate(PROMPTS, GREEDY)]
-        assert llm.engine.stats().prefix_cache_hit_tokens > 0
-    finally:
-        llm.engine.shutdown()
+    first, again = chunked_then_cached(str(checkpoints[family][0]), PROMPTS, GREEDY, chunk=5)
     assert first == again == references[family]
 
 
