@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import shutil
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -49,6 +50,11 @@ def worker_main(rank: int, config_json: str, model_config_json: str, init_method
     master = os.getppid()
     try:
         _serve(rank, EngineConfig(**json.loads(config_json)), model_config_from_json(model_config_json), init_method, conn)
+    except (EOFError, ConnectionError):  # the master's end closed without a STOP: it died
+        # The kernel closes a dying process's descriptors before it reparents its children: wait for
+        # the reparenting, or a killed master's store would outlive it.
+        _remove_store_if_orphaned(master, init_method, wait_s=5.0)
+        os._exit(1)
     except Exception:  # noqa: BLE001 - the master must hear why this rank is gone
         try:
             send_message(conn, kind="error", rank=rank, message=traceback.format_exc())
@@ -107,7 +113,13 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
     dist.destroy_process_group()
 
 
-def _remove_store_if_orphaned(master: int, init_method: str) -> None:
-    """A killed master cannot remove its file store's private directory: its orphaned workers do."""
-    if os.getppid() != master and init_method.startswith("file://"):
+def _remove_store_if_orphaned(master: int, init_method: str, wait_s: float = 0.0) -> None:
+    """A killed master cannot remove its file store's private directory: its orphaned workers do
+    (waiting up to `wait_s` to be reparented, where the master is known to be dying)."""
+    if not init_method.startswith("file://"):
+        return
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == master and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if os.getppid() != master:
         shutil.rmtree(os.path.dirname(init_method[len("file://"):]), ignore_errors=True)
