@@ -120,8 +120,11 @@ def test_served_ranks_on_the_cluster_then_a_node_removed_under_load(cluster, ref
                              sampling={"temperature": 0, "ignore_eos": True}, stream=True)  # fmt: skip
             results = session.wait()
         assert [r.ids for r in results] == references["llama-tiny"] and all(r.error is None for r in results)
-        (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("rank1")]
-        ip, node_id = ray.get(ray.get_actor(name, namespace="orca").node.remote())
+        # A rank on a node other than the head's (this process's node, which cannot be removed).
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("orca-"))
+        nodes = [ray.get(ray.get_actor(name, namespace="orca").node.remote()) for name in names]
+        rank = next(r for r, (_, node_id) in enumerate(nodes) if node_id != cluster.head_node.node_id)
+        ip, node_id = nodes[rank]
         # One stream each: a stream's error callback does not say which of its requests it is for.
         sessions = [StreamSession(server.grpc_url) for _ in PROMPTS]
         try:
@@ -136,7 +139,7 @@ def test_served_ranks_on_the_cluster_then_a_node_removed_under_load(cluster, ref
             for session in sessions:
                 session.close()
         for result in long:
-            assert result.error is not None and f"worker 1 (Ray actor on node {ip}" in result.error, result.error
+            assert result.error is not None and f"worker {rank} (Ray actor on node {ip}" in result.error, result.error
             assert result.error.startswith("the ORCA engine is unavailable")
         assert wait_until(lambda: server.model_ready_status("orca") != 200, timeout_s=60)
         assert wait_until(lambda: orca_leftovers() == ([], []), timeout_s=60)
