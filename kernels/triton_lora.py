@@ -22,6 +22,15 @@ from .lora import LoRAMetadata
 
 
 @triton.jit
+def _slot_tokens(sorted_ptr, starts_ptr, count, pid_m, slot, BLOCK_M: tl.constexpr):
+    """The token indices of block `pid_m` of the slot's `count` tokens (int64), and which are real."""
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs < count
+    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs, mask=valid, other=0).to(tl.int64)
+    return tokens, valid
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, sorted_ptr, starts_ptr, counts_ptr,
     K, R, stride_xm, stride_as, stride_ar, stride_sm,
@@ -32,9 +41,7 @@ def _shrink_kernel(
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = offs < count
-    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs, mask=valid, other=0).to(tl.int64)
+    tokens, valid = _slot_tokens(sorted_ptr, starts_ptr, count, pid_m, slot, BLOCK_M)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     a_base = a_ptr + slot.to(tl.int64) * stride_as
@@ -62,9 +69,7 @@ def _expand_kernel(
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = offs < count
-    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs, mask=valid, other=0).to(tl.int64)
+    tokens, valid = _slot_tokens(sorted_ptr, starts_ptr, count, pid_m, slot, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
