@@ -341,8 +341,7 @@ class Scheduler:
                 passed_over.append(request)
                 continue
             if not self.kv.admit(request, others_running=bool(self.running)):
-                if request.lora is not None and self.loras is not None:
-                    self.loras.release(request.lora)
+                self._release_adapter(request)
                 break
             self._tables_changed.append(request)
             if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
@@ -354,6 +353,11 @@ class Scheduler:
             budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
         for request in reversed(passed_over):  # back at the head of its class, in order
             self.waiting.appendleft(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        """The request no longer runs (or was not admitted after all): its adapter loses a holder."""
+        if request.lora is not None and self.loras is not None:
+            self.loras.release(request.lora)
 
     def _grow_all(self, requests: list[Request]) -> bool:
         """Gives each decode (already marked scheduled) its next block, if the pool has one for every
@@ -434,8 +438,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.running.remove(request)
-        if request.lora is not None and self.loras is not None:
-            self.loras.release(request.lora)
+        self._release_adapter(request)
         self.waiting.appendleft(request)
 
     def update_from_output(
@@ -579,8 +582,7 @@ class Scheduler:
     def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            if request.lora is not None and self.loras is not None:
-                self.loras.release(request.lora)
+            self._release_adapter(request)
         elif request.status is RequestStatus.WAITING_FOR_GRAMMAR:
             del self._compiling[request.request_id]
         else:

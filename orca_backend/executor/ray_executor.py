@@ -87,10 +87,6 @@ def _actor_class(ray, config: EngineConfig):  # noqa: ANN001, ANN202
 class RayExecutor(WorkerPoolExecutor):
     def __init__(self, config: EngineConfig, model_config: AnyModelConfig, start_timeout_s: float = 600.0) -> None:
         ray = self._ray = import_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self._remove_placement_group = remove_placement_group
         self._init_pool(config)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -106,7 +102,7 @@ class RayExecutor(WorkerPoolExecutor):
         self._listener: Listener | None = None
         self.nodes: list[tuple[str, str]] = []  # each rank's (node IP, node id)
         try:
-            self._start(config, model_config, placement_group, PlacementGroupSchedulingStrategy, start_timeout_s)
+            self._start(config, model_config, start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -114,9 +110,11 @@ class RayExecutor(WorkerPoolExecutor):
         logger.info("started %d Ray actors (tp=%d, pp=%d) on nodes %s", self.world_size, config.tensor_parallel_size,
                     config.pipeline_parallel_size, [ip for ip, _ in self.nodes])  # fmt: skip
 
-    def _start(self, config: EngineConfig, model_config: AnyModelConfig, placement_group, strategy,  # noqa: ANN001
-               timeout_s: float) -> None:  # fmt: skip
+    def _start(self, config: EngineConfig, model_config: AnyModelConfig, timeout_s: float) -> None:
         ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         bundle = {"GPU": 1, "CPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
         self._placement_group = placement_group([bundle] * self.world_size, strategy=config.ray_placement_strategy,
                                                 name=f"orca-{self.engine_id}")  # fmt: skip
@@ -128,7 +126,8 @@ class RayExecutor(WorkerPoolExecutor):
         self._actors = [
             actor_class.options(
                 name=f"orca-{self.engine_id}-rank{rank}", namespace=RAY_NAMESPACE,
-                scheduling_strategy=strategy(self._placement_group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement_group,
+                                                                     placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env} if env else None,
             ).remote()
             for rank in range(self.world_size)
@@ -166,7 +165,7 @@ class RayExecutor(WorkerPoolExecutor):
             thread.join(timeout=1.0)
             ended = [rank for rank in range(self.world_size) if self._run_ended(rank)]
             if ended:
-                raise WorkerFailure("a Ray worker ended before connecting: " + "; ".join(map(self._describe, ended)))
+                raise WorkerFailure("a Ray worker ended before connecting: " + "; ".join(map(self._death, ended)))
         if thread.is_alive():
             raise WorkerFailure(f"the Ray workers did not all connect within {timeout_s:.0f} s")
         return [conn for _, conn in sorted(accepted, key=lambda pair: pair[0])]
@@ -188,8 +187,9 @@ class RayExecutor(WorkerPoolExecutor):
         done, _ = self._ray.wait([self._runs[rank]], timeout=0)
         return bool(done)
 
-    def _describe(self, rank: int) -> str:
-        ip, node_id = self.nodes[rank] if rank < len(self.nodes) else ("?", "?")
+    def _death(self, rank: int) -> str:
+        """How rank `rank`'s actor ended (asked of Ray, waiting a few seconds for it to know), and where."""
+        ip, node_id = self.nodes[rank]
         where = f"worker {rank} (Ray actor on node {ip}, id {node_id[:12]})"
         done, _ = self._ray.wait([self._runs[rank]], timeout=5)
         if not done:
@@ -199,9 +199,6 @@ class RayExecutor(WorkerPoolExecutor):
         except Exception as e:  # noqa: BLE001 - how it ended is the message
             return f"{where} died: {str(e).strip().splitlines()[0][:400]}"
         return f"{where} returned"
-
-    def _death(self, rank: int | None) -> str:
-        return self._describe(rank) if rank is not None else "a Ray worker ended"
 
     def _stop_ranks(self) -> None:
         """After STOP: the actors' runs end (briefly waited for), then every actor is killed and the
@@ -213,8 +210,10 @@ class RayExecutor(WorkerPoolExecutor):
             with contextlib.suppress(Exception):  # already gone with its node
                 ray.kill(actor, no_restart=True)
         if self._placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
             with contextlib.suppress(Exception):  # the cluster may be gone
-                self._remove_placement_group(self._placement_group)
+                remove_placement_group(self._placement_group)
         if self._listener is not None:
             self._listener.close()
         if self._owns_ray:

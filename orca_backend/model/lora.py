@@ -18,6 +18,7 @@ all-reduce carries the adapter too, and no rank gathers the shrunk activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,7 +171,7 @@ class LoRAStep:
             stack = self.stack.layers[layer][name]
             self.ops.lora(y, x, stack.a, stack.b, self.meta)
 
-    def adder(self, layer: int, name: str):  # noqa: ANN201 - Callable[[Tensor, Tensor], None] | None
+    def adder(self, layer: int, name: str) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
         """`add` bound to one projection, for row_parallel_linear; None if no token's adapter targets it."""
         if name not in self.targeted:
             return None
