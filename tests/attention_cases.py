@@ -60,6 +60,54 @@ def make_meta(
     )
 
 
+def decode_meta(device: str | torch.device, contexts: list[int], block_size: int, seed: int = 0) -> AttentionMetadata:
+    """A decode-only batch (one query each) over `contexts`, laid out as `make_meta` lays them out."""
+    return make_meta(device, [(1, ctx) for ctx in contexts], block_size=block_size, seed=seed)
+
+
+def with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[AttentionMetadata, list[int]]:
+    """The live decode batch with a padded row (context 0, slot -1, a table row naming the pool's
+    unused, NaN-filled last block) inserted after each live row listed in pad_after, as a CUDA
+    graph's batch-size bucket pads a smaller batch. Returns the metadata and the live rows' places."""
+    device = live.context_lens.device
+    pad_block = int(live.block_tables.max())
+    width = live.block_tables.shape[1]
+    ctx, tables, slots, places = [], [], [], []
+    for i in range(live.num_requests):
+        places.append(len(ctx))
+        ctx.append(int(live.context_lens[i]))
+        tables.append(live.block_tables[i].tolist())
+        slots.append(int(live.slot_mapping[i]))
+        for _ in range(pad_after.count(i)):
+            ctx.append(0)
+            tables.append([pad_block] * width)
+            slots.append(-1)
+    rows = len(ctx)
+    meta = AttentionMetadata(
+        query_start=torch.arange(rows + 1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_size=live.block_size,
+        max_query_len=1,
+        max_context_len=max(ctx),
+        num_requests=rows,
+    )
+    return meta, places
+
+
+def rope_table(device: str | torch.device, head_dim: int, max_positions: int) -> torch.Tensor:
+    """The models' fp32 table (orca_backend.model.rope): cos(p * f) in the first half, sin in the second."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+
+
+def pools_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Two K/V pools bit for bit, NaN where NaN (the slots no write may touch)."""
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
+
+
 def pool_slots(meta: AttentionMetadata) -> int:
     """Slots of a pool holding every block the metadata names, padding included."""
     return (int(meta.block_tables.max()) + 1) * meta.block_size

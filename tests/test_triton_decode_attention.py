@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import make_meta, pool_slots
+from attention_cases import decode_meta, make_meta, pool_slots, pools_equal, rope_table, with_padded_rows
 from triton_testing import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -54,8 +54,6 @@ def _module():
     return triton_attention
 
 
-def _decode_meta(contexts: list[int], block_size: int, seed: int = 0) -> AttentionMetadata:
-    return make_meta(DEVICE, [(1, ctx) for ctx in contexts], block_size=block_size, seed=seed)
 
 
 def _nan_outside_contexts(meta: AttentionMetadata, *caches: torch.Tensor) -> None:
@@ -107,18 +105,18 @@ def _check(
 def test_decode_attention_num_splits(ops: KernelOps, num_splits: int | None) -> None:
     """1: the split kernel normalises and writes out itself (no scratch, no reduce); 3: a split
     count that is not a power of two (the reduce masks its padded splits); None: the default."""
-    _check(ops, _decode_meta(CONTEXTS, block_size=5), "group4", torch.float32, seed=7, num_splits=num_splits)
+    _check(ops, decode_meta(DEVICE, CONTEXTS, block_size=5), "group4", torch.float32, seed=7, num_splits=num_splits)
 
 
 # group4 at block size 5 is the num_splits test's.
 @pytest.mark.parametrize(("layout", "block_size"), [("mha", 16), ("mha", 5), ("group4", 16), ("mqa", 5)])
 def test_decode_attention_layouts(ops: KernelOps, layout: str, block_size: int) -> None:
-    _check(ops, _decode_meta(CONTEXTS, block_size, seed=block_size), layout, torch.float32, seed=block_size)
+    _check(ops, decode_meta(DEVICE, CONTEXTS, block_size, seed=block_size), layout, torch.float32, seed=block_size)
 
 
 @pytest.mark.parametrize(("layout", "block_size"), [("mha", 16), ("mqa", 5)])
 def test_decode_attention_bf16(ops: KernelOps, layout: str, block_size: int) -> None:
-    _check(ops, _decode_meta(CONTEXTS, block_size, seed=3), layout, torch.bfloat16, seed=3, head_dim=32)
+    _check(ops, decode_meta(DEVICE, CONTEXTS, block_size, seed=3), layout, torch.bfloat16, seed=3, head_dim=32)
 
 
 @pytest.mark.parametrize(("q_heads", "kv_heads", "max_heads"), [(6, 2, 64), (6, 1, 2)])
@@ -129,40 +127,12 @@ def test_decode_attention_padded_and_split_groups(
     split over 3 programs per K/V head (each its own partials); head_dim 24 masks the tile's columns."""
     monkeypatch.setattr(_module(), "_MAX_HEADS", max_heads)
     monkeypatch.setitem(LAYOUTS, "custom", (q_heads, kv_heads))
-    _check(ops, _decode_meta(CONTEXTS, block_size=5), "custom", torch.float32, seed=q_heads, head_dim=24)
+    _check(ops, decode_meta(DEVICE, CONTEXTS, block_size=5), "custom", torch.float32, seed=q_heads, head_dim=24)
 
 
 # --- CUDA-graph padding: context 0 and slot -1 --------------------------------------------------
 
 
-def _with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[AttentionMetadata, list[int]]:
-    """The live decode batch with a padded row (context 0, slot -1, a table row naming the pool's
-    unused, NaN-filled last block) inserted after each live row listed in pad_after, as a CUDA
-    graph's batch-size bucket pads a smaller batch. Returns the metadata and the live rows' places."""
-    pad_block = int(live.block_tables.max())
-    width = live.block_tables.shape[1]
-    ctx, tables, slots, places = [], [], [], []
-    for i in range(live.num_requests):
-        places.append(len(ctx))
-        ctx.append(int(live.context_lens[i]))
-        tables.append(live.block_tables[i].tolist())
-        slots.append(int(live.slot_mapping[i]))
-        for _ in range(pad_after.count(i)):
-            ctx.append(0)
-            tables.append([pad_block] * width)
-            slots.append(-1)
-    rows = len(ctx)
-    meta = AttentionMetadata(
-        query_start=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        block_size=live.block_size,
-        max_query_len=1,
-        max_context_len=max(ctx),
-        num_requests=rows,
-    )
-    return meta, places
 
 
 @pytest.mark.parametrize(
@@ -171,8 +141,8 @@ def _with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[At
 def test_decode_padded_rows_are_zero(ops: KernelOps, dtype: torch.dtype, num_splits: int | None) -> None:
     """Padded rows (context 0) come out exactly zero even with a NaN query and read no K/V (their
     table row names NaN slots); the live rows equal the reference on the live rows alone."""
-    live = _decode_meta([37, 2, 16], block_size=5)
-    meta, places = _with_padded_rows(live, pad_after=[0, 2, 2])
+    live = decode_meta(DEVICE, [37, 2, 16], block_size=5)
+    meta, places = with_padded_rows(live, pad_after=[0, 2, 2])
     q_live, k_cache, v_cache = _inputs(live, 8, 2, dtype, seed=5)
     q = torch.full((meta.num_requests, 8, HEAD_DIM), float("nan"), dtype=dtype, device=DEVICE)
     q[places] = q_live
@@ -193,8 +163,8 @@ def test_fused_write_equals_write_then_attention(ops: KernelOps, layout: str, dt
     the same pool. The new tokens' slots hold NaN before the call, so reading one fails the test;
     padded rows (context 0, slot -1) give zeros and write nothing."""
     q_heads, kv_heads = LAYOUTS[layout]
-    live = _decode_meta(CONTEXTS, block_size=5, seed=4)
-    meta, places = _with_padded_rows(live, pad_after=[1, 4])
+    live = decode_meta(DEVICE, CONTEXTS, block_size=5, seed=4)
+    meta, places = with_padded_rows(live, pad_after=[1, 4])
     q_live, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=9)
     g = torch.Generator().manual_seed(10)
     q = torch.zeros((meta.num_requests, q_heads, HEAD_DIM), dtype=dtype, device=DEVICE)
@@ -224,7 +194,7 @@ def test_fused_write_is_one_launch_fewer(ops: KernelOps, monkeypatch: pytest.Mon
     for name in ("_decode_split_kernel", "_decode_reduce_kernel", "_write_kv_kernel", "_attention_kernel"):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, _Launches(kernel, name, launched))
-    for meta, expected in ((_decode_meta([3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
+    for meta, expected in ((decode_meta(DEVICE, [3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
                            (make_meta(DEVICE, [(3, 3), (1, 6)], block_size=5), ["_write_kv_kernel", "_attention_kernel"])):  # fmt: skip
         launched.clear()
         tokens, g = meta.slot_mapping.numel(), torch.Generator().manual_seed(0)
@@ -248,15 +218,8 @@ class _Launches:
 # --- rotary fused in too (the Llama family's rotary_write_kv_attention) --------------------------
 
 
-def _cos_sin(head_dim: int, max_positions: int) -> torch.Tensor:
-    """The models' fp32 table (orca_backend.model.rope): cos(p * f) in the first half, sin in the second."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
 
 
-def _pools_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize(
@@ -277,8 +240,8 @@ def test_fused_rotary_equals_rotary_then_write_then_attention(
     The new tokens' slots hold NaN before the call (reading one fails); padded rows (context 0,
     slot -1, NaN q/k/v) give zeros and write nothing; q, k and v are left untouched."""
     q_heads, kv_heads = LAYOUTS[layout]
-    live = _decode_meta(CONTEXTS, block_size=5, seed=4)
-    meta, places = _with_padded_rows(live, pad_after=[1, 4])
+    live = decode_meta(DEVICE, CONTEXTS, block_size=5, seed=4)
+    meta, places = with_padded_rows(live, pad_after=[1, 4])
     _, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=11)
     k_cache[live.slot_mapping], v_cache[live.slot_mapping] = float("nan"), float("nan")
     # q, k and v: views of one fused qkv projection, as the models make them.
@@ -288,7 +251,7 @@ def test_fused_rotary_equals_rotary_then_write_then_attention(
     q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=1)
     # A decode's position is its context length - 1; a padded row's is 0 (as the CUDA-graph runner pads).
     positions = (meta.context_lens.long() - 1).clamp(min=0)
-    cos_sin = _cos_sin(HEAD_DIM, max(CONTEXTS) + 8)
+    cos_sin = rope_table(DEVICE, HEAD_DIM, max(CONTEXTS) + 8)
     scale = HEAD_DIM**-0.5
     qkv_before = qkv.clone()
 
@@ -307,15 +270,15 @@ def test_fused_rotary_equals_rotary_then_write_then_attention(
     padded = [i for i in range(meta.num_requests) if i not in places]
     assert torch.equal(out[padded], torch.zeros_like(out[padded]))
     assert torch.equal(out, unfused)
-    _pools_equal(k_cache, k_unfused)
-    _pools_equal(v_cache, v_unfused)
+    pools_equal(k_cache, k_unfused)
+    pools_equal(v_cache, v_unfused)
     if dtype == torch.float32 and DEVICE == "cpu":
-        _pools_equal(k_cache, k_ref)
+        pools_equal(k_cache, k_ref)
     else:
         atol, rtol = TOL[dtype]
         torch.testing.assert_close(k_cache, k_ref, atol=atol, rtol=rtol, equal_nan=True)
-    _pools_equal(v_cache, v_ref)
-    _pools_equal(qkv, qkv_before)
+    pools_equal(v_cache, v_ref)
+    pools_equal(qkv, qkv_before)
 
 
 def test_torch_composition_is_rotary_then_write_then_attention() -> None:
@@ -324,7 +287,7 @@ def test_torch_composition_is_rotary_then_write_then_attention() -> None:
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(3, meta.slot_mapping.numel(), 2, HEAD_DIM, generator=g).unbind(0)
     caches = torch.randn(2, pool_slots(meta), 2, HEAD_DIM, generator=g)
-    positions, cos_sin = torch.tensor([0, 1, 2, 5]), _cos_sin(HEAD_DIM, 8).cpu()
+    positions, cos_sin = torch.tensor([0, 1, 2, 5]), rope_table(DEVICE, HEAD_DIM, 8).cpu()
     expected_caches = caches.clone()
     q_rot, k_rot = rotary_torch(q, k, positions, cos_sin)
     write_kv_torch(k_rot, v, *expected_caches, meta.slot_mapping)
@@ -345,8 +308,8 @@ def test_fused_rotary_is_one_launch(ops: KernelOps, monkeypatch: pytest.MonkeyPa
     for owner, name in ((module, "_decode_split_kernel"), (module, "_decode_reduce_kernel"),
                         (module, "_write_kv_kernel"), (module, "_attention_kernel"), (triton_rotary, "_rotary_kernel")):  # fmt: skip
         monkeypatch.setattr(owner, name, _Launches(getattr(owner, name), name, launched))
-    cos_sin = _cos_sin(HEAD_DIM, 16)
-    for meta, expected in ((_decode_meta([3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
+    cos_sin = rope_table(DEVICE, HEAD_DIM, 16)
+    for meta, expected in ((decode_meta(DEVICE, [3, 9], block_size=5), ["_decode_split_kernel", "_decode_reduce_kernel"]),
                            (make_meta(DEVICE, [(3, 3), (1, 6)], block_size=5),
                             ["_rotary_kernel", "_write_kv_kernel", "_attention_kernel"])):  # fmt: skip
         launched.clear()
@@ -431,7 +394,7 @@ def test_decode_batches_take_the_split_kernels(ops: KernelOps, monkeypatch: pyte
         monkeypatch.setattr(module, name, recorders[name])
     g = torch.Generator().manual_seed(4)
 
-    decode = _decode_meta([3, 20], block_size=16)
+    decode = decode_meta(DEVICE, [3, 20], block_size=16)
     q, k_cache, v_cache = _inputs(decode, 4, 2, torch.float32, seed=4)
     ops.attention(q, k_cache, v_cache, decode, 0.25, num_splits=2)
     assert recorders["_decode_split_kernel"].grids == [(2, 2, 2)]  # (requests, K/V heads, splits)
@@ -464,7 +427,7 @@ def test_decode_grid_is_fixed_per_batch_size(ops: KernelOps, monkeypatch: pytest
         return t
 
     for contexts in ([1, 2, 3], [40, 17, 64]):
-        meta = _decode_meta(contexts, block_size=16)
+        meta = decode_meta(DEVICE, contexts, block_size=16)
         q, k_cache, v_cache = _inputs(meta, 4, 2, torch.float32, seed=len(shapes))
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", recording_empty)
@@ -503,10 +466,10 @@ def test_decode_launch_reads_nothing_back_to_the_host(
     read of a tensor (.tolist(), .item(), .cpu(), int(t), bool(t), ...: each a sync on a GPU) fails
     here. The batch has padded rows, as a CUDA graph's bucket has. The same launch with the rotary
     and the K/V write fused in reads each position and cos/sin row on the device too."""
-    meta, places = _with_padded_rows(_decode_meta([37, 2, 16], block_size=5), pad_after=[1])
+    meta, places = with_padded_rows(decode_meta(DEVICE, [37, 2, 16], block_size=5), pad_after=[1])
     q, k_cache, v_cache = _inputs(meta, 8, 2, torch.float32, seed=13)
     k, v = randn(2, meta.num_requests, 2, HEAD_DIM, g=torch.Generator().manual_seed(14)).unbind(0)
-    positions, cos_sin = (meta.context_lens.long() - 1).clamp(min=0), _cos_sin(HEAD_DIM, 40)
+    positions, cos_sin = (meta.context_lens.long() - 1).clamp(min=0), rope_table(DEVICE, HEAD_DIM, 40)
     # Before the guard: the reference reads host values by design, and a warm-up keeps
     # compilation out of the guarded call.
     expected = TORCH_OPS.attention(q, k_cache, v_cache, meta, 0.25)

@@ -16,7 +16,17 @@ import warnings
 
 import pytest
 import torch
-from attention_cases import BATCHES, BLOCK_SIZES, GQA_HEADS, make_meta, pool_slots
+from attention_cases import (
+    BATCHES,
+    BLOCK_SIZES,
+    GQA_HEADS,
+    decode_meta,
+    make_meta,
+    pool_slots,
+    pools_equal,
+    rope_table,
+    with_padded_rows,
+)
 from triton_testing import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -111,38 +121,8 @@ def _reference(q, k_cache, v_cache, meta, window: int, softcap: float) -> torch.
     return attention_torch(q.float(), k_cache.float(), v_cache.float(), meta, SCALE, window, softcap)
 
 
-def _decode_meta(contexts: list[int], block_size: int, seed: int = 0) -> AttentionMetadata:
-    return make_meta(DEVICE, [(1, ctx) for ctx in contexts], block_size=block_size, seed=seed)
 
 
-def _with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[AttentionMetadata, list[int]]:
-    """The live decode batch with a padded row (context 0, slot -1, a table row naming the pool's
-    unused, NaN-filled last block) inserted after each live row listed in pad_after, as a CUDA
-    graph's batch-size bucket pads a smaller batch. Returns the metadata and the live rows' places."""
-    pad_block = int(live.block_tables.max())
-    width = live.block_tables.shape[1]
-    ctx, tables, slots, places = [], [], [], []
-    for i in range(live.num_requests):
-        places.append(len(ctx))
-        ctx.append(int(live.context_lens[i]))
-        tables.append(live.block_tables[i].tolist())
-        slots.append(int(live.slot_mapping[i]))
-        for _ in range(pad_after.count(i)):
-            ctx.append(0)
-            tables.append([pad_block] * width)
-            slots.append(-1)
-    rows = len(ctx)
-    meta = AttentionMetadata(
-        query_start=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        block_size=live.block_size,
-        max_query_len=1,
-        max_context_len=max(ctx),
-        num_requests=rows,
-    )
-    return meta, places
 
 
 def _padded_q(q_live: torch.Tensor, meta: AttentionMetadata, places: list[int]) -> torch.Tensor:
@@ -157,15 +137,8 @@ def _assert_padded_rows_zero(out: torch.Tensor, places: list[int]) -> None:
     assert padded and torch.equal(out[padded], torch.zeros_like(out[padded]))
 
 
-def _cos_sin(head_dim: int, max_positions: int) -> torch.Tensor:
-    """The models' fp32 table (orca_backend.model.rope): cos(p * f) in the first half, sin in the second."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
 
 
-def _pools_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
 
 
 def test_cases_are_sensitive() -> None:
@@ -262,8 +235,8 @@ def test_decode_splits(ops: KernelOps, num_splits: int) -> None:
     """The split kernel cuts the window's span, not the context, into its splits: 1 (normalised in
     the kernel), 3 (not a power of two), and windows shorter and longer than a split or the
     context. Padded rows (context 0, NaN query) give zeros."""
-    live = _decode_meta(CONTEXTS, block_size=5, seed=num_splits)
-    meta, places = _with_padded_rows(live, pad_after=[0, 4])
+    live = decode_meta(DEVICE, CONTEXTS, block_size=5, seed=num_splits)
+    meta, places = with_padded_rows(live, pad_after=[0, 4])
     q_live, k_cache, v_cache = _inputs(live, 8, 2, seed=num_splits)
     q = _padded_q(q_live, meta, places)
     for window, softcap in [(1, 0.0), (5, CAP), (16, 0.0), (20, CAP), (64, 0.0)]:
@@ -281,8 +254,8 @@ def test_fused_write(ops: KernelOps, layout: str, dtype: torch.dtype, num_splits
     new key, whose score is capped too, from k/v) against write_kv_torch + attention_torch: the same
     output and pool. The new tokens' slots hold NaN before the call; padded rows give zeros."""
     q_heads, kv_heads = GQA_HEADS[layout]
-    live = _decode_meta(CONTEXTS, block_size=5, seed=6)
-    meta, places = _with_padded_rows(live, pad_after=[1, 4])
+    live = decode_meta(DEVICE, CONTEXTS, block_size=5, seed=6)
+    meta, places = with_padded_rows(live, pad_after=[1, 4])
     q_live, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=6)
     q = _padded_q(q_live, meta, places)
     g = torch.Generator().manual_seed(7)
@@ -302,8 +275,8 @@ def test_fused_write(ops: KernelOps, layout: str, dtype: torch.dtype, num_splits
 
         assert_close(out[places], expected, dtype)
         _assert_padded_rows_zero(out, places)
-        _pools_equal(k_out, k_ref)
-        _pools_equal(v_out, v_ref)
+        pools_equal(k_out, k_ref)
+        pools_equal(v_out, v_ref)
 
 
 @pytest.mark.parametrize(
@@ -315,8 +288,8 @@ def test_fused_rotary(ops: KernelOps, layout: str, dtype: torch.dtype, num_split
     in one split launch) against rotary_torch + write_kv_torch + attention_torch, and bit for bit
     the unfused Triton path's output and pool (rotary_triton, then write_kv_attention_triton)."""
     q_heads, kv_heads = GQA_HEADS[layout]
-    live = _decode_meta(CONTEXTS, block_size=5, seed=8)
-    meta, places = _with_padded_rows(live, pad_after=[0, 2])
+    live = decode_meta(DEVICE, CONTEXTS, block_size=5, seed=8)
+    meta, places = with_padded_rows(live, pad_after=[0, 2])
     _, k_cache, v_cache = _inputs(live, q_heads, kv_heads, dtype, seed=8)
     k_cache[live.slot_mapping], v_cache[live.slot_mapping] = float("nan"), float("nan")
     g = torch.Generator().manual_seed(9)
@@ -331,7 +304,7 @@ def test_fused_rotary(ops: KernelOps, layout: str, dtype: torch.dtype, num_split
         # past bf16's tolerance. The fp32 cases and test_fused_write cover the cap in earnest.
         qkv[:, : q_heads + kv_heads] *= AMPLITUDE
     positions = (meta.context_lens.long() - 1).clamp(min=0)
-    cos_sin = _cos_sin(HEAD_DIM, max(CONTEXTS) + 8)
+    cos_sin = rope_table(DEVICE, HEAD_DIM, max(CONTEXTS) + 8)
     for window, softcap in [(4, CAP), (20, 0.0), (64, CAP)]:
         q_rot, k_rot = rotary_torch(q[places], k[places], positions[places], cos_sin)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -350,9 +323,9 @@ def test_fused_rotary(ops: KernelOps, layout: str, dtype: torch.dtype, num_split
         assert_close(out[places], expected, dtype)
         _assert_padded_rows_zero(out, places)
         assert torch.equal(out, unfused)
-        _pools_equal(k_out, k_unfused)
-        _pools_equal(v_out, v_unfused)
-        _pools_equal(v_out, v_ref)
+        pools_equal(k_out, k_unfused)
+        pools_equal(v_out, v_unfused)
+        pools_equal(v_out, v_ref)
 
 
 # --- freed blocks: table entries before every window are never read ----------------------------
@@ -426,8 +399,8 @@ def test_freed_blocks_are_never_read(ops: KernelOps, case: str, entry: str) -> N
         out, k_out, v_out = _run_path(ops, path, q, k_cache, v_cache, freed, window, softcap)
 
         assert_close(out, expected, torch.float32)
-        _pools_equal(k_out, k_cache)  # the fused paths rewrite the new tokens' own values
-        _pools_equal(v_out, v_cache)
+        pools_equal(k_out, k_cache)  # the fused paths rewrite the new tokens' own values
+        pools_equal(v_out, v_cache)
     with warnings.catch_warnings():  # the interpreter's numpy warns of the NaN it computes with
         warnings.simplefilter("ignore", RuntimeWarning)
         unwindowed, _, _ = _run_path(ops, path, q, k_cache, v_cache, freed, 0, 0.0)
@@ -438,7 +411,7 @@ def test_freed_blocks_are_never_read(ops: KernelOps, case: str, entry: str) -> N
 
 
 def test_invalid_window_or_softcap_raises(ops: KernelOps) -> None:
-    meta = _decode_meta([3, 9], block_size=5)
+    meta = decode_meta(DEVICE, [3, 9], block_size=5)
     q, k_cache, v_cache = _inputs(meta)
     before = k_cache.clone()
     for window, softcap in [(-1, 0.0), (0, -1.0)]:
@@ -446,7 +419,7 @@ def test_invalid_window_or_softcap_raises(ops: KernelOps) -> None:
             ops.attention(q, k_cache, v_cache, meta, SCALE, window, softcap)
         with pytest.raises(ValueError, match="window and softcap"):
             ops.write_kv_attention(q, q[:, :2], q[:, :2], k_cache, v_cache, meta, SCALE, window, softcap)
-    _pools_equal(k_cache, before)
+    pools_equal(k_cache, before)
 
 
 class _GridRecorder:
@@ -478,7 +451,7 @@ def test_decode_grid_ignores_window(ops: KernelOps, monkeypatch: pytest.MonkeyPa
 
     runs = [([1, 2, 3], 0, 0.0), ([40, 17, 64], 4, CAP), ([40, 17, 64], 64, 0.0), ([5, 33, 2], 16, CAP)]
     for contexts, window, softcap in runs:
-        meta = _decode_meta(contexts, block_size=16)
+        meta = decode_meta(DEVICE, contexts, block_size=16)
         q, k_cache, v_cache = _inputs(meta, seed=len(split.grids))
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", recording_empty)
@@ -497,10 +470,10 @@ def test_windowed_launches_read_nothing_back_to_the_host(
     (with padded rows, as a CUDA graph's bucket has)."""
     ragged = make_meta(DEVICE, BATCHES["chunked"], block_size=5)
     q_ragged, k_ragged, v_ragged = _inputs(ragged, seed=11)
-    decode, places = _with_padded_rows(_decode_meta([37, 2, 16], block_size=5), pad_after=[1])
+    decode, places = with_padded_rows(decode_meta(DEVICE, [37, 2, 16], block_size=5), pad_after=[1])
     q, k_cache, v_cache = _inputs(decode, seed=12)
     k, v = randn(2, decode.num_requests, 2, HEAD_DIM, g=torch.Generator().manual_seed(13)).unbind(0)
-    positions, cos_sin = (decode.context_lens.long() - 1).clamp(min=0), _cos_sin(HEAD_DIM, 40)
+    positions, cos_sin = (decode.context_lens.long() - 1).clamp(min=0), rope_table(DEVICE, HEAD_DIM, 40)
     # Before the guard: the reference reads host values by design, and a warm-up keeps
     # compilation out of the guarded call.
     expected = _reference(q_ragged, k_ragged, v_ragged, ragged, 13, CAP)
