@@ -114,11 +114,14 @@ def pool_slots(meta: AttentionMetadata) -> int:
 
 
 def dense_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
     """Attention written out from its definition in float64, independently of `attention_torch`: each
-    context token's slot computed from the host block tables, GQA as K/V head h // group, the causal
-    rule as the count of visible keys, an explicit softmax. Slow, test-only; returns float64 on CPU."""
+    context token's slot computed from the host block tables, GQA as K/V head h // group, every
+    query's visible keys as an explicit mask over positions (j <= p, and j > p - window with a
+    window), softcap as softcap * tanh(s / softcap), an explicit softmax. Slow, test-only; returns
+    float64 on CPU."""
     q, k_cache, v_cache = q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu()
     q_heads, kv_heads = q.shape[1], k_cache.shape[1]
     kv_head = torch.arange(q_heads) // (q_heads // kv_heads)
@@ -128,11 +131,17 @@ def dense_attention(
         slots = [table[j // size] * size + j % size for j in range(ctx)]
         k, v = k_cache[slots][:, kv_head], v_cache[slots][:, kv_head]  # [ctx, q_heads, head_dim]
         n = qs[i + 1] - qs[i]
-        for t in range(n):
-            visible = ctx - n + t + 1
-            scores = torch.einsum("khd,hd->hk", k[:visible], q[qs[i] + t]) * scale
-            p = (scores - scores.max(dim=1, keepdim=True).values).exp()
-            out[qs[i] + t] = torch.einsum("hk,khd->hd", p / p.sum(dim=1, keepdim=True), v[:visible])
+        p = torch.arange(ctx - n, ctx)[:, None]  # each query's position
+        j = torch.arange(ctx)[None, :]
+        visible = j <= p
+        if window:
+            visible &= j > p - window
+        scores = torch.einsum("nhd,khd->hnk", q[qs[i] : qs[i + 1]], k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        e = (scores - scores.max(dim=2, keepdim=True).values).exp()
+        out[qs[i] : qs[i + 1]] = torch.einsum("hnk,khd->nhd", e / e.sum(dim=2, keepdim=True), v)
     return out
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_cases import BATCHES, BLOCK_SIZES, make_meta, pool_slots
+from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
 
 from orca_kernels.attention import AttentionMetadata, attention_torch, first_visible_key
 from orca_kernels.cpu_attention import attention_cpu
@@ -36,36 +36,6 @@ def _q_gain(softcap: float) -> float:
     return 4.0 if softcap else 1.0  # scores ~ N(0, 16): many beyond the cap of 5
 
 
-def dense_window_attention(
-    q, k_cache, v_cache, meta, scale: float, window: int, softcap: float
-) -> torch.Tensor:
-    """Attention from its definition in float64, independently of `attention_torch`: each request's
-    context copied out contiguously through the host block table, GQA as K/V head h // group, every
-    query's visible keys as an explicit mask over positions (j <= p, and j > p - window with a
-    window), softcap as softcap * tanh(s / softcap), an explicit softmax. Returns float64."""
-    q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
-    q_heads, kv_heads = q.shape[1], k_cache.shape[1]
-    kv_head = torch.arange(q_heads) // (q_heads // kv_heads)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    size, (qs, context_lens) = meta.block_size, meta.host_lens()
-    for i, (ctx, table) in enumerate(zip(context_lens, meta.block_tables.tolist(), strict=True)):
-        slots = [table[j // size] * size + j % size for j in range(ctx)]
-        k, v = k_cache[slots][:, kv_head], v_cache[slots][:, kv_head]  # [ctx, q_heads, head_dim]
-        n = qs[i + 1] - qs[i]
-        p = torch.arange(ctx - n, ctx)[:, None]  # each query's position
-        j = torch.arange(ctx)[None, :]
-        visible = j <= p
-        if window:
-            visible &= j > p - window
-        scores = torch.einsum("nhd,khd->hnk", q[qs[i] : qs[i + 1]], k) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        e = (scores - scores.max(dim=2, keepdim=True).values).exp()
-        out[qs[i] : qs[i + 1]] = torch.einsum("hnk,khd->nhd", e / e.sum(dim=2, keepdim=True), v)
-    return out
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -78,7 +48,7 @@ def test_reference_matches_dense_attention(batch: str, block_size: int, softcap:
     q, k_cache, v_cache = _inputs(meta, q_heads, kv_heads, seed=block_size + q_heads, q_gain=_q_gain(softcap))
     for window in WINDOWS:
         out = attention_torch(q, k_cache, v_cache, meta, SCALE, window, softcap)
-        expected = dense_window_attention(q, k_cache, v_cache, meta, SCALE, window, softcap)
+        expected = dense_attention(q, k_cache, v_cache, meta, SCALE, window, softcap)
         torch.testing.assert_close(
             out.double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m, w=window: f"window {w}: {m}"
         )
@@ -90,10 +60,10 @@ def test_the_oracle_sees_the_window_and_the_cap() -> None:
     meta = make_meta("cpu", BATCHES["chunked"], block_size=5)
     q, k_cache, v_cache = _inputs(meta, 8, 2, seed=1, q_gain=4.0)
     own = v_cache[meta.slot_mapping].repeat_interleave(4, dim=1).double()  # each query's own V row
-    assert torch.equal(dense_window_attention(q, k_cache, v_cache, meta, SCALE, 1, 5.0), own)
+    assert torch.equal(dense_attention(q, k_cache, v_cache, meta, SCALE, 1, 5.0), own)
     assert torch.equal(attention_torch(q, k_cache, v_cache, meta, SCALE, 1, 5.0), own.float())
-    capped = dense_window_attention(q, k_cache, v_cache, meta, SCALE, 0, 5.0)
-    assert (capped - dense_window_attention(q, k_cache, v_cache, meta, SCALE, 0, 0.0)).abs().max() > 0.1
+    capped = dense_attention(q, k_cache, v_cache, meta, SCALE, 0, 5.0)
+    assert (capped - dense_attention(q, k_cache, v_cache, meta, SCALE, 0, 0.0)).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
