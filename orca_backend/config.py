@@ -493,7 +493,8 @@ class EngineConfig:
     max_queued_requests: int = 0
     max_queued_prompt_tokens: int = 0
     # Watchdog (served engines): with requests outstanding and no iteration finished for this long,
-    # the engine core process is killed and every request ends with an error; 0 turns it off.
+    # the engine core process is killed and every request ends with an error; 0 turns it off. A Ray
+    # worker pool (offline too) fails when a step's tokens take this long (executor/ray_executor.py).
     iteration_timeout_s: float = 60.0
     # Failure budget: this many failed iterations in a row end the engine (a sticky device error
     # fails every batch); 0 never does.

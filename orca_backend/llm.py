@@ -1,7 +1,13 @@
-"""The offline API: `LLM(...).generate(prompts, params)` runs the engine in the caller's thread."""
+"""The offline API: `LLM(...).generate(prompts, params)` runs the engine in the caller's thread.
+
+An LLM owns its engine, and with tp x pp > 1 its worker processes or Ray actors: `shutdown()`, the
+end of a `with LLM(...) as llm:` block, the LLM being garbage collected, or the interpreter exiting,
+whichever comes first, stops them.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +58,19 @@ class LLM:
         )  # fmt: skip
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        # Holds the engine, never the LLM (which it would keep alive): runs once, on shutdown(), when the
+        # LLM is collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stops the engine and its workers; later generate() calls raise. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None

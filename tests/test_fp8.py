@@ -1,12 +1,16 @@
 """FP8 checkpoints (quant_method "fp8", e4m3) of the Llama family: block-scaled (`weight_scale_inv`,
 as Qwen3-FP8 and DeepSeek ship) and per-tensor (`weight_scale`). On CPU the engine dequantizes them
 at load; its greedy tokens equal transformers' own dequantizing load of the same files (float32,
-tiny checkpoints whose margins make exact equality sound), with tensor parallelism too. The Triton
+tiny checkpoints whose margins make exact equality sound), with tensor parallelism too; the oracle's
+own dequantization is written apart from the engine's. A config that declares FP8 over float
+weights is refused at load, projections left in float are served and logged. The Triton
 dequantizing GEMM that CUDA runs is tested against its torch reference under the interpreter."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -39,6 +43,18 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
     return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_apart(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 weight an FP8 weight stands for, written apart from the engine's dequantize_fp8 so
+    that a bug there cannot hide in the oracle: each entry times the scale of its block (indexed per
+    entry), or times the tensor's one scale when `block` is None."""
+    values = weight.to(torch.float32)
+    if block is None:
+        return values * scale.to(torch.float32).reshape(())
+    rows = torch.arange(weight.shape[0]) // block[0]
+    cols = torch.arange(weight.shape[1]) // block[1]
+    return values * scale.to(torch.float32)[rows[:, None], cols[None, :]]
 
 
 def write_fp8(float_dir: Path, out: Path, block: tuple[int, int] | None) -> Path:
@@ -76,27 +92,34 @@ def reference_tokens(fp8_dir: Path, family: str, block: tuple[int, int] | None) 
     """transformers' greedy tokens: its own dequantizing FP8 load (block-scaled); per-tensor, which
     its FP8 loader does not read, from the same weights dequantized into a float checkpoint."""
     model_class = getattr(transformers, f"{family}ForCausalLM")
-    if block is not None:
-        pytest.importorskip("accelerate")
-        config = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=block)
-        model = model_class.from_pretrained(fp8_dir, quantization_config=config, dtype=torch.float32).eval()
-    else:
-        dense_dir = fp8_dir.parent / (fp8_dir.name + "-dequantized")
-        shutil.copytree(fp8_dir, dense_dir)
-        tensors = load_file(str(fp8_dir / "model.safetensors"))
-        dense = {}
-        for key, value in tensors.items():
-            if key.endswith(("weight_scale", "input_scale")):
-                continue
-            if value.dtype == torch.float8_e4m3fn:
-                scale = tensors[key + "_scale"].reshape(1, 1)
-                value = dequantize_fp8(value, scale.expand(value.shape[0], 1), (1, value.shape[1]), torch.float32)
-            dense[key] = value
-        save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
-        config = json.loads((dense_dir / "config.json").read_text())
-        del config["quantization_config"]
-        (dense_dir / "config.json").write_text(json.dumps(config))
-        model = model_class.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    if block is None:
+        return hf_greedy(model_class.from_pretrained(dequantized_copy(fp8_dir, None), dtype=torch.float32).eval())
+    pytest.importorskip("accelerate")
+    config = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=block)
+    return hf_greedy(model_class.from_pretrained(fp8_dir, quantization_config=config, dtype=torch.float32).eval())
+
+
+def dequantized_copy(fp8_dir: Path, block: tuple[int, int] | None) -> Path:
+    """A float checkpoint of the weights `fp8_dir` stands for (dequantize_apart), beside it."""
+    dense_dir = fp8_dir.parent / (fp8_dir.name + "-dequantized")
+    shutil.copytree(fp8_dir, dense_dir)
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    scale_suffix = "_scale" if block is None else "_scale_inv"
+    dense = {}
+    for key, value in tensors.items():
+        if key.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+            continue
+        if value.dtype == torch.float8_e4m3fn:
+            value = dequantize_apart(value, tensors[key + scale_suffix], block)
+        dense[key] = value
+    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dense_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (dense_dir / "config.json").write_text(json.dumps(config))
+    return dense_dir
+
+
+def hf_greedy(model: torch.nn.Module) -> list[list[int]]:
     tokens = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -118,6 +141,20 @@ def test_fp8_checkpoint_greedy_equals_transformers(float_checkpoints, tmp_path, 
     # Not the float checkpoint's tokens: the FP8 rounding is really in the weights served.
     floats = LLM(str(float_checkpoints[family]), dtype="float32").generate(PROMPTS, GREEDY)
     assert [o.output_ids for o in floats] != expected
+
+
+@pytest.mark.parametrize(("shape", "block"), [((48, 64), (16, 16)), ((40, 72), (32, 16)), ((33, 50), None)])
+def test_dequantize_fp8_equals_an_independent_dequantization(shape, block):
+    """The engine's dequantization (CPU loads, and the Triton GEMM's reference) against dequantize_apart:
+    blocks the shape does not divide, and one scale per tensor as the (1, in) block the engine reads."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+    q, scale = quantize(weight, block)
+    expected = dequantize_apart(q, scale, block)
+    if block is None:
+        scale, block = scale.reshape(1, 1).expand(shape[0], 1), (1, shape[1])
+    torch.testing.assert_close(dequantize_fp8(q, scale, block, torch.float32), expected, rtol=0, atol=0)
+    # and it is the weight quantized: e4m3 rounds within 2^-4 relatively, or 2^-9 scales below its normals
+    torch.testing.assert_close(expected, weight, rtol=2**-4, atol=float(scale.max()) * 2**-9)
 
 
 @pytest.mark.slow
@@ -143,6 +180,59 @@ def test_other_quantizations_and_fp8_gpt2_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="FP8 format 'e5m2' is not supported"):
         model_config_from_hf(tmp_path / "config.json")
+
+
+def declare_fp8(float_dir: Path, out: Path, keep: dict[str, torch.Tensor] | None = None) -> Path:
+    """`float_dir` with an FP8 quantization_config but float weights: those of `float_dir`, or `keep`."""
+    shutil.copytree(float_dir, out)
+    if keep is not None:
+        save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_an_fp8_config_over_float_weights_is_refused_at_load(float_checkpoints, tmp_path):
+    """No FP8 weight at all: it would be served in float to a user who believes it FP8."""
+    plain = declare_fp8(float_checkpoints["Llama"], tmp_path / "plain")
+    with pytest.raises(ValueError, match=re.escape(f"{plain}: config.json's quantization_config declares an FP8 "
+                                                   "checkpoint (quant_method 'fp8'), but it holds no FP8 (F8_E4M3) "
+                                                   "weight (no weight_scale or weight_scale_inv)")):  # fmt: skip
+        LLM(str(plain), dtype="float32")
+    # Scales beside float weights (FP8 values cast up without them applied, or applied already): refused too.
+    tensors = load_file(str(float_checkpoints["Llama"] / "model.safetensors"))
+    scaled = {**tensors, "model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(4, 6)}
+    with pytest.raises(ValueError, match="holds no FP8 \\(F8_E4M3\\) weight \\(only 1 scale tensors beside float"):
+        LLM(str(declare_fp8(float_checkpoints["Llama"], tmp_path / "scaled", scaled)), dtype="float32")
+
+
+def test_fp8_weights_other_than_projections_are_refused(float_checkpoints, tmp_path):
+    """An FP8 embedding or LM head would be read without its scale."""
+    fp8_dir = write_fp8(float_checkpoints["Llama"], tmp_path / "fp8", (16, 16))
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"] = quantize(tensors["lm_head.weight"], (16, 16))
+    save_file(tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="FP8 tensors lm_head.weight are not decoder projections"):
+        LLM(str(fp8_dir), dtype="float32")
+
+
+def test_projections_left_in_float_are_served_and_logged(float_checkpoints, tmp_path, caplog):
+    """A quantizer may leave some projections in float: they are served in float, and named."""
+    fp8_dir = write_fp8(float_checkpoints["Llama"], tmp_path / "fp8", (16, 16))
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    floats = load_file(str(float_checkpoints["Llama"] / "model.safetensors"))
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        tensors[name] = floats[name]
+        del tensors[name + "_scale_inv"]
+    save_file(tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="orca.model"):
+        outs = LLM(str(fp8_dir), dtype="float32").generate(PROMPTS, GREEDY)
+    assert f"{fp8_dir}: 2 decoder projections are not FP8 and are served in float (12 are FP8): " \
+           "model.layers.0.mlp.down_proj.weight, model.layers.1.self_attn.o_proj.weight" in caplog.text
+    expected = hf_greedy(transformers.LlamaForCausalLM.from_pretrained(dequantized_copy(fp8_dir, (16, 16)),
+                                                                       dtype=torch.float32).eval())  # fmt: skip
+    assert [o.output_ids for o in outs] == expected
 
 
 # --- the Triton dequantizing GEMM ------------------------------------------------------------------

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +27,7 @@ from safetensors.torch import save_file
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import ModelConfig, model_config_from_hf
-from orca_backend.lora import LoRARegistry, read_multi_lora_json
+from orca_backend.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRARegistry, read_multi_lora_json
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -223,7 +225,7 @@ def test_unknown_or_disabled_adapters_are_refused_by_name(families):
     path, adapters, _ = families["Llama"]
     llm = make_llm(path, adapters)
     try:
-        with pytest.raises(ValueError, match="LoRA adapter 'nope' is not served here \\(served: A, B\\)"):
+        with pytest.raises(ValueError, match="LoRA adapter 'nope' is not served by this model"):
             llm.generate([[1, 2]], params("nope"))
         assert run(llm, [[1, 2]], ["A"])  # the engine goes on
     finally:
@@ -313,3 +315,178 @@ def test_registry_paths_multi_lora_json_and_sync(families, tmp_path):
     assert registry.get("A").lora_id != first_a.lora_id
     with pytest.raises(ValueError, match="does not exist"):
         read_multi_lora_json(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------ adapters that go bad, and hostile files
+def copy_adapter(source: str, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_an_adapter_that_cannot_load_fails_alone_and_never_spends_the_failure_budget(families, references, tmp_path):
+    """Its weights truncated after registration: more requests than the failure budget name it one
+    after another on an idle engine; each ends with the reason (no server path), and the engine goes
+    on serving the other adapters exactly."""
+    path, adapters, _ = families["Llama"]
+    broken = copy_adapter(adapters["B"], tmp_path / "broken")
+    llm = make_llm(path, {**adapters, "broken": str(broken)}, max_consecutive_failed_iterations=3)
+    weights = broken / ADAPTER_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-8])
+    try:
+        for _ in range(5):
+            with pytest.raises(RuntimeError, match="LoRA adapter 'broken' could not be loaded: its weights changed "
+                                                   "since it was registered") as failed:  # fmt: skip
+                llm.generate([PROMPTS[0]], params("broken"))
+            assert str(tmp_path) not in str(failed.value)
+        assert llm.engine.healthy
+        assert run(llm, PROMPTS[:2], ["A", None]) == expected(references, "Llama", ["A", None])
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_adapter_that_cannot_load_under_tensor_parallelism(families, references, tmp_path):
+    """Both ranks fail to load it and agree: its requests end with the reason, the batch's others are
+    exact, and so are later requests (every rank zeroed the same slot)."""
+    path, adapters, _ = families["Llama"]
+    broken = copy_adapter(adapters["B"], tmp_path / "broken")
+    llm = make_llm(path, {**adapters, "broken": str(broken)}, tensor_parallel_size=2)
+    (broken / ADAPTER_WEIGHTS).unlink()
+    events: dict[str, list] = {}
+    try:
+        streams = llm.engine.add_requests(PROMPTS[:3], [params("A"), params("broken"), params(None)],
+                                          on_output=lambda o: events.setdefault(o.request_id, []).append(o))  # fmt: skip
+        while any(not (events.get(s.request_id) and events[s.request_id][-1].finished) for s in streams):
+            llm.engine.step()
+        last = [events[s.request_id][-1] for s in streams]
+        assert [o.finish_reason for o in last] == ["length", "error", "length"]
+        assert "LoRA adapter 'broken' could not be loaded" in last[1].error
+        tokens = [[t for o in events[s.request_id] for t in o.new_token_ids] for s in streams]
+        assert [tokens[0], tokens[2]] == [references["Llama"][(0, "A")], references["Llama"][(2, None)]]
+        assert run(llm, PROMPTS[3:5], ["B", "A"]) == [references["Llama"][(3, "B")], references["Llama"][(4, "A")]]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_adapter_files_linked_out_of_lora_allowed_dir_are_refused(families, tmp_path):
+    path, adapters, _ = families["Llama"]
+    model_config = model_config_from_hf(path / "config.json")
+    jail = tmp_path / "jail"
+    copy_adapter(adapters["A"], jail / "real")
+    registry = LoRARegistry(model_config, 16, allowed_dir=str(jail))
+    for linked, outside in ((ADAPTER_CONFIG, ADAPTER_WEIGHTS), (ADAPTER_WEIGHTS, ADAPTER_CONFIG)):
+        directory = jail / f"links-{linked}"
+        directory.mkdir()
+        (directory / linked).symlink_to(Path(adapters["A"]) / linked)  # out of the jail
+        shutil.copy(Path(adapters["A"]) / outside, directory / outside)
+        with pytest.raises(ValueError, match=f"{linked} lies outside lora_allowed_dir"):
+            registry.add("linked", str(directory))
+    inside = jail / "inside"  # links that stay in the jail are followed
+    inside.mkdir()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        (inside / name).symlink_to(jail / "real" / name)
+    assert registry.add("inside", str(inside)).weights_file == str(jail / "real" / ADAPTER_WEIGHTS)
+
+
+def test_an_adapter_directory_swapped_for_a_link_after_registration_is_not_served(families, references, tmp_path):
+    """The directory of a registered adapter becomes a link to another adapter outside lora_allowed_dir:
+    its requests fail (what would load is not what was checked), the watcher sees the change, and
+    registering it again refuses it."""
+    path, adapters, _ = families["Llama"]
+    jail = tmp_path / "jail"
+    served = copy_adapter(adapters["A"], jail / "A")
+    llm = make_llm(path, {"A": str(served)}, lora_allowed_dir=str(jail))
+    served.rename(jail / "A-old")
+    served.symlink_to(adapters["B"])
+    try:
+        with pytest.raises(RuntimeError, match="LoRA adapter 'A' could not be loaded: its weights changed"):
+            llm.generate([PROMPTS[0]], params("A"))
+        assert llm.engine.changed_loras() == ["A"]
+        errors = llm.engine.sync_loras({"A": str(served)})
+        assert len(errors) == 1 and "lies outside lora_allowed_dir" in errors[0]
+        assert llm.engine.list_loras() == [] and llm.engine.healthy
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_adapter_rewritten_in_place_is_read_again_with_a_new_id(families, references, tmp_path):
+    path, adapters, _ = families["Llama"]
+    live = copy_adapter(adapters["A"], tmp_path / "live")
+    llm = make_llm(path, {"A": str(live)})
+    try:
+        assert run(llm, [PROMPTS[0]], ["A"]) == [references["Llama"][(0, "A")]]
+        first = llm.engine.loras.get("A")
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):  # the same files (inodes), rewritten
+            (live / name).write_bytes((Path(adapters["B"]) / name).read_bytes())
+        assert llm.engine.changed_loras() == ["A"]
+        llm.engine.add_lora("A", str(live))  # what multi_lora.json's watcher does for a changed adapter
+        assert llm.engine.loras.get("A").lora_id != first.lora_id and llm.engine.changed_loras() == []
+        assert run(llm, [PROMPTS[0]], ["A"]) == [references["Llama"][(0, "B")]]
+        llm.engine.add_lora("A", str(live))  # nothing changed: the same adapter
+        assert llm.engine.loras.get("A").lora_id != first.lora_id
+    finally:
+        llm.engine.shutdown()
+
+
+def _weights_with(path: Path, change) -> None:  # noqa: ANN001
+    """Rewrites an adapter's safetensors file through `change(header: dict, body: bytearray) -> bytes`."""
+    data = (path / ADAPTER_WEIGHTS).read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    (path / ADAPTER_WEIGHTS).write_bytes(change(json.loads(data[8 : 8 + size]), bytearray(data[8 + size :])))
+
+
+def _pack(header: object, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def _nan_first_value(header: dict, body: bytearray) -> bytes:
+    key = next(k for k in header if k != "__metadata__")
+    begin = header[key]["data_offsets"][0]
+    body[begin : begin + 4] = struct.pack("<f", float("nan"))
+    return _pack(header, bytes(body))
+
+
+def _as_int64(header: dict, body: bytearray) -> bytes:
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["dtype"] = "I64"
+    return _pack(header, bytes(body))
+
+
+# name -> (what is done to a copy of a good adapter, what its refusal says)
+MALFORMED = {
+    "config-list": (lambda d: (d / ADAPTER_CONFIG).write_text("[1, 2]"), "must hold a JSON object"),
+    "alpha-null": ({"lora_alpha": None}, "lora_alpha must be a finite number"),
+    "alpha-nan": ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number"),
+    "alpha-huge": ({"lora_alpha": 1e300}, "lora_alpha must be a finite number"),
+    "rank-bool": ({"r": True}, "r must be a positive integer"),
+    "header-list": (lambda d: (d / ADAPTER_WEIGHTS).write_bytes(_pack([1, 2])), "header must be a JSON object"),
+    "header-huge": (lambda d: (d / ADAPTER_WEIGHTS).write_bytes(struct.pack("<Q", 100 * 2**20) + b"{}"),
+                    "declares a header of 104857600 bytes"),
+    "truncated": (lambda d: _weights_with(d, lambda h, b: _pack(h, bytes(b[:-4]))), "truncated"),
+    "trailing": (lambda d: _weights_with(d, lambda h, b: _pack(h, bytes(b) + b"junk")), "after its last tensor"),
+    "nan-weights": (lambda d: _weights_with(d, _nan_first_value), "holds NaN or infinite values"),
+    "int-weights": (lambda d: _weights_with(d, _as_int64), "malformed entry"),
+    "weights-fifo": (lambda d: ((d / ADAPTER_WEIGHTS).unlink(), os.mkfifo(d / ADAPTER_WEIGHTS)), "not a regular file"),
+}  # fmt: skip
+
+
+def test_a_re_read_refuses_each_malformed_adapter_alone(families, tmp_path):
+    """A multi_lora.json re-read with good adapters around malformed ones: each bad one is refused with
+    its reason, the good ones are served, nothing raises."""
+    path, adapters, _ = families["Llama"]
+    registry = LoRARegistry(model_config_from_hf(path / "config.json"), max_lora_rank=16)
+    listed = {"A": adapters["A"]}
+    for name, (damage, _) in MALFORMED.items():
+        directory = copy_adapter(adapters["A"], tmp_path / name)
+        if isinstance(damage, dict):
+            config = json.loads((directory / ADAPTER_CONFIG).read_text()) | damage
+            (directory / ADAPTER_CONFIG).write_text(json.dumps(config))
+        else:
+            damage(directory)
+        listed[name] = str(directory)
+    listed["B"] = adapters["B"]
+    errors = registry.sync(listed)
+    assert registry.names == ["A", "B"]
+    assert len(errors) == len(MALFORMED)
+    for name, (_, message) in MALFORMED.items():
+        assert any(f"{tmp_path / name}:" in e and message in e for e in errors), (name, errors)

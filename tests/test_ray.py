@@ -1,15 +1,25 @@
 """Tensor and pipeline ranks on a Ray cluster (`distributed_executor_backend="ray"`): a cluster of four
-simulated one-CPU nodes on this machine (`ray.cluster_utils.Cluster`, started once for the module),
-so every rank lands on a node of its own. Tokens equal one process for GPT-2 and a Llama-family
-preset, offline and served; a node removed under load ends every stream with an error naming the rank
-and its node, the model unloads, and nothing of this project is left on the cluster.
+simulated one-CPU nodes on this machine's loopback (tests/ray_cluster.py, started once for the
+module), so every rank lands on a node of its own. Tokens equal one process for GPT-2 and a
+Llama-family preset, offline and served; an engine joins the loopback cluster itself and every
+connection stays on loopback; a node removed under load ends every stream with an error naming the
+rank and its node, the model unloads, and nothing of this project is left on the cluster; a hung
+rank fails the step within iteration_timeout_s; a dropped LLM frees its actors and placement group.
 
 Run alone: `pytest -m ray`.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import weakref
 
 import pytest
 
@@ -17,37 +27,19 @@ from orca_backend import LLM, EngineConfig, SamplingParams
 
 ray = pytest.importorskip("ray")
 
+from ray_cluster import NODE, loopback_cluster, orca_leftovers, tcp_sockets  # noqa: E402 - needs ray
+from serving_utils import wait_until  # noqa: E402
+
 pytestmark = pytest.mark.ray
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# One CPU each, so every rank gets a node of its own; a small object store (nothing big travels
-# through it), so four nodes fit beside each other on a small machine.
-NODE = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args=NODE)
-    for _ in range(3):
-        cluster.add_node(**NODE)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
+    with loopback_cluster(4) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def orca_leftovers() -> tuple[list[str], list[str]]:
-    """This project's actors still alive and placement groups not removed, as Ray lists them."""
-    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("orca-")]
-    groups = [g["name"] for g in ray.util.placement_group_table().values()
-              if g["name"].startswith("orca-") and g["state"] != "REMOVED"]  # fmt: skip
-    return actors, groups
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +139,85 @@ def test_served_ranks_on_the_cluster_then_a_node_removed_under_load(cluster, ref
         server.stop()
         cluster.add_node(**NODE)
         cluster.wait_for_nodes()
+
+
+# The engine in a process of its own, which joins the cluster itself (ray_address): it prints its tokens
+# and its ranks' pids, then waits for a line on stdin while the test looks at every socket.
+JOINING_ENGINE = """
+import json, sys
+from orca_backend import LLM, SamplingParams
+llm = LLM("gpt2-tiny", tensor_parallel_size=2, distributed_executor_backend="ray", ray_address=sys.argv[1])
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+print(json.dumps({"tokens": [o.output_ids for o in outs], "ranks": llm.engine.core.executor.rank_pids}), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(300)  # the failure bound where the engine cannot join (it used to wait forever)
+def test_an_engine_joins_a_loopback_cluster_and_every_connection_stays_on_loopback(cluster, references, tmp_path):
+    """An engine process joins the cluster at 127.0.0.1 (Ray would swap it for the interface address,
+    where nothing listens), and while it serves, every TCP socket of the cluster's processes, the
+    engine's and its ranks' is on loopback: connections at both ends, listeners too (the data plane's
+    store listens on 127.0.0.1, where torch's own would listen on every interface). Left to the
+    interpreter's exit, the engine then ends its actors without a traceback."""
+    stderr = tmp_path / "stderr"
+    engine = subprocess.Popen([sys.executable, "-c", JOINING_ENGINE, cluster.address, json.dumps(PROMPTS)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True)  # fmt: skip
+    try:
+        report = json.loads(engine.stdout.readline())
+        assert report["tokens"] == references["gpt2-tiny"]
+        sockets = tcp_sockets(os.getpid())  # this process's tree: the cluster's nodes, the engine and its actors
+        ours = {engine.pid, *report["ranks"]}
+        assert {s.pid for s in sockets} >= ours
+        assert [s for s in sockets if not s.on_loopback] == []
+        engine.stdin.write("done\n")
+        engine.stdin.flush()
+        assert engine.wait(timeout=120) == 0
+    finally:
+        engine.kill()
+        engine.wait()
+    assert "Traceback" not in stderr.read_text(), stderr.read_text()
+    assert wait_until(lambda: orca_leftovers() == ([], []), timeout_s=60)
+
+
+@pytest.mark.timeout(300)  # the failure bound where nothing bounds the step (it used to wait forever)
+def test_a_hung_rank_fails_the_step_within_iteration_timeout(cluster):
+    """A rank that stops answering without its connection closing (SIGSTOP: what a partitioned node
+    looks like from here, no reset) fails the pool within iteration_timeout_s; the control
+    connections carry TCP keepalive for a node that vanished outright."""
+    from orca_backend.net import KEEPALIVE_IDLE_S
+
+    llm = LLM("gpt2-tiny", tensor_parallel_size=2, distributed_executor_backend="ray", iteration_timeout_s=5)
+    executor = llm.engine.core.executor
+    for conn in executor.conns:
+        with socket_of(conn) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+    hung = executor.rank_pids[1]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match=r"no answer from the workers within 5 s \(iteration_timeout_s"):
+            llm.generate(PROMPTS, GREEDY)
+        assert not llm.engine.healthy
+    finally:
+        os.kill(hung, signal.SIGCONT)
+        llm.shutdown()
+    assert wait_until(lambda: orca_leftovers() == ([], []), timeout_s=60)
+
+
+def test_dropped_llms_free_their_actors_and_placement_groups(cluster):
+    """Three engines in a row, each dropped with `del`: nothing keeps an LLM alive, and its finalizer
+    kills its actors and removes its placement group (a second engine used to wait for the CPUs the
+    first one's actors held)."""
+    for _ in range(3):
+        llm = LLM("gpt2-tiny", tensor_parallel_size=2, distributed_executor_backend="ray")
+        assert [len(found) for found in orca_leftovers()] == [2, 1]
+        collected = weakref.ref(llm)
+        del llm
+        assert collected() is None  # freed by its reference count: no cycle holds it
+        gc.collect()
+        assert wait_until(lambda: orca_leftovers() == ([], []), timeout_s=60)
+
+
+def socket_of(conn):  # noqa: ANN001, ANN201 - a Connection; a socket sharing its descriptor
+    return socket.socket(fileno=os.dup(conn.fileno()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import json
-import pickle
 import re
 import string
 import subprocess
@@ -27,7 +26,7 @@ from orca_backend.core.structured_output import (
     grammar_for,
 )
 from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
-from orca_backend.scheduler_output import SchedulerOutput
+from orca_backend.scheduler_output import SchedulerOutput, decode_step, encode_step
 from orca_backend.structured_spec import StructuredOutputSpec, parse_structured_output
 from orca_backend.tokenizer import Tokenizer
 from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
@@ -249,7 +248,7 @@ def test_apply_bitmask_on_cpu_dtypes(setup, dtype):
 
 def test_the_workers_mask_equals_xgrammars_kernel_through_the_wire(setup):
     """worker/bitmask.py is plain torch: it must mask exactly as xgrammar's own kernel does, from the rows
-    as SchedulerOutput carries them, in process and pickled to a worker."""
+    as SchedulerOutput carries them, in process and encoded for a worker."""
     tokenizer, compiler, eos = setup
     matchers = StructuredOutputMatchers(compiler)
     for name in CASES:
@@ -264,7 +263,7 @@ def test_the_workers_mask_equals_xgrammars_kernel_through_the_wire(setup):
     xgr.apply_token_bitmask_inplace(expected, full, vocab_size=compiler.vocab_size, indices=rows)
     raw = bitmask.numpy().tobytes()
     step = SchedulerOutput(0, [], [], [], bitmask_rows=rows, bitmask=raw)
-    for wire in (raw, pickle.loads(pickle.dumps(step)).bitmask):
+    for wire in (raw, decode_step(encode_step(step)).bitmask):
         logits = before.clone()
         apply_bitmask(logits, decode_bitmask(wire, len(rows)), rows)
         assert torch.equal(logits, expected)

@@ -146,6 +146,38 @@ def test_duplicate_request_id_is_rejected(tiny_checkpoint):
         engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="same")
 
 
+def test_the_id_of_a_request_a_stop_string_ended_stays_in_use_until_the_core_lets_go(tiny_checkpoint):
+    """A stop string ends a request in the frontend while the core still holds it (its abort is
+    queued): a new request under that id is refused until the core's own end of the old one arrives,
+    and then runs exactly as alone; it never receives the old request's events."""
+    from orca_backend.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0])))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone: list = []
+    engine.add_request([5, 6, 7], greedy, request_id="alone", on_output=alone.append)
+    while not alone or not alone[-1].finished:
+        engine.step()
+    text = "".join(o.new_text for o in alone)
+    assert text, "the tiny model's first token has text"
+    first: list = []
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[text[:1]]),
+                       request_id="same", on_output=first.append)  # fmt: skip
+    while not first or not first[-1].finished:
+        engine.step()
+    assert first[-1].finish_reason == "stop"
+    with pytest.raises(ValueError, match="already in use"):  # the core has not taken in its abort yet
+        engine.add_request([5, 6, 7], greedy, request_id="same")
+    while engine.has_work():
+        engine.step()
+    second: list = []
+    engine.add_request([5, 6, 7], greedy, request_id="same", on_output=second.append)
+    while not second or not second[-1].finished:
+        engine.step()
+    assert [t for o in second for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
+    assert second[-1].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

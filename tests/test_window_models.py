@@ -7,13 +7,15 @@ rope scaling on the global layers and its own base on the local ones). Prompts a
 well past the 8-token window, so a window applied wrongly, or not at all, changes the tokens: a
 control checks that it does. Both K/V policies, chunked prefill, prefix caching, tensor and pipeline
 parallelism, and a K/V manager that frees the blocks behind the window (Mistral: every layer
-windowed) while tokens stay transformers'.
+windowed) while tokens stay transformers', and under K/V pressure (the mistral-sw-tiny preset: blocks
+freed, reused and preempted) stay those of an ample pool.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -165,6 +167,26 @@ def test_a_long_mistral_generation_holds_a_window_of_blocks(checkpoints):
         core.shutdown()
     assert most <= -(-WINDOW // 4) + 1
     assert tokens == hf_greedy(model, prompt, n)
+
+
+def test_mistral_preset_under_kv_pressure_keeps_its_tokens():
+    """14 requests of mistral-sw-tiny (32-token window, blocks of 16) through a 200-token pool that
+    must free the blocks behind the window and preempt: every request's tokens equal those of an
+    ample reserved pool, which frees nothing. A block freed while the window still covers its last
+    positions is handed to another request, which overwrites them."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 40))] for _ in range(14)]
+    params = [SamplingParams(max_tokens=rng.randint(40, 80), temperature=0.0, ignore_eos=True) for _ in prompts]
+    outputs, preemptions = {}, {}
+    for policy, capacity in (("reserve", 16384), ("paged", 200)):
+        llm = LLM("mistral-sw-tiny", dtype="float32", max_num_seqs=16, kv_policy=policy, kv_capacity_tokens=capacity)
+        try:
+            outputs[policy] = [o.output_ids for o in llm.generate(prompts, params)]
+            preemptions[policy] = llm.engine.stats().num_preemptions
+        finally:
+            llm.engine.shutdown()
+    assert preemptions["paged"] > 0  # the pool was short, as meant
+    assert outputs["paged"] == outputs["reserve"]
 
 
 TRITON_SCRIPT = """

@@ -167,6 +167,8 @@ class EngineCore:
                 outputs += self._die(f"{self._failed_in_a_row} iterations in a row failed; the last: {exc}")
             return outputs
         self._failed_in_a_row = 0
+        if sampled.lora_failures:  # never a failed iteration: the adapter's requests end, the rest go on
+            outputs += self.scheduler.fail_adapters(sampled.lora_failures)
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
@@ -257,7 +259,7 @@ class EngineCore:
             kind = item[0]
             if kind == "add":
                 for request in item[1]:
-                    self.scheduler.add(request)
+                    outputs += self.scheduler.add(request)
             elif kind == "abort":
                 outputs += self.scheduler.finish(item[1], item[2])
             elif kind == "stop":

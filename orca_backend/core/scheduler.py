@@ -173,6 +173,8 @@ class Scheduler:
         self._deadline_seq = itertools.count()
         # Halves of failed batches, each to be re-run alone (see fail_batch); head first.
         self._suspects: deque[list[Request]] = deque()
+        # LoRA adapters that failed to load in the runners, {lora_id: why}: their requests are refused.
+        self._failed_loras: dict[int, str] = {}
         self.clock = clock
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (prefix hits are not)
@@ -197,7 +199,9 @@ class Scheduler:
         """Requests waiting for their structured-output grammar to compile."""
         return len(self._compiling)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> CoreOutputs:
+        """Queues a request (or, first, its grammar's compile). One whose LoRA adapter failed to load
+        ends at once with that reason."""
         request.arrival_order = next(self._arrival_order)
         request.stop_ids = stop_token_set(request, self.eos_token_id)
         if request.structured:
@@ -210,6 +214,27 @@ class Scheduler:
         self._requests[request.request_id] = request
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
+        failed = self._failed_loras.get(request.lora.lora_id) if request.lora is not None else None
+        if failed is not None:
+            return self.finish(request.request_id, FinishReason.ERROR, failed)
+        return CoreOutputs()
+
+    def fail_adapters(self, failures: dict[int, str]) -> CoreOutputs:
+        """LoRA adapters that could not be loaded ({lora_id: why}): every request of each ends with
+        the reason, waiting or running (a batch in flight with their rows lands as for any ended
+        request), its slot is freed, and later requests naming it end at once (`add`). A registration
+        with changed files is a new id, so a fixed adapter serves again."""
+        self._failed_loras |= failures
+        ended = [r for r in [*self.running, *self.waiting, *self._compiling.values()]
+                 if r.lora is not None and r.lora.lora_id in failures]  # fmt: skip
+        outputs = []
+        for request in ended:
+            self._end(request, FinishReason.ERROR)
+            outputs.append(self._output(request, failures[request.lora.lora_id]))
+        if self.loras is not None:
+            for lora in {r.lora.lora_id: r.lora for r in ended}.values():
+                self.loras.forget(lora)
+        return self._release(CoreOutputs(others=outputs))
 
     def take_compiled(self) -> CoreOutputs:
         """Queues the requests whose grammar has compiled, each at its place by arrival; ends those whose

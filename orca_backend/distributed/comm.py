@@ -28,3 +28,13 @@ class TensorParallelGroup:
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat(parts, dim=1)[:, :vocab]
+
+
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over every rank of the world (every rank calls it at the same point of the
+    same step: a collective of the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flags
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]

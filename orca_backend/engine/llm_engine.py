@@ -237,6 +237,11 @@ class LLMEngine:
         with self._loras_lock:
             return self._registry().sync(adapters)
 
+    def changed_loras(self) -> list[str]:
+        """The adapters whose files changed since they were read (multi_lora.json's watcher re-applies them)."""
+        with self._loras_lock:
+            return self._registry().changed()
+
     def list_loras(self) -> list[str]:
         return self.loras.names if self.loras is not None else []
 
@@ -252,8 +257,9 @@ class LLMEngine:
             return None
         if self.loras is None:
             raise ValueError(f"the request names LoRA adapter {name!r}, but LoRA is not enabled on this model (enable_lora)")
-        with self._loras_lock:
-            return self.loras.get(name)
+        # No lock: a registration reads whole adapters (seconds for a large one) under it, and one dict
+        # read sees either the adapter before or after a change, never a half-made one.
+        return self.loras.get(name)
 
     def _check_something_can_be_sampled(self, params: SamplingParams) -> None:
         """Before min_tokens, EOS and the stop ids are banned from sampling (core/stop.py): they

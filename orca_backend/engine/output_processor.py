@@ -88,6 +88,10 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, max_queued_requests: int = 0, max_queued_prompt_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        # Ended here (a stop string, a failed event) while the core still holds them: their ids stay in
+        # use until the core's own final output for them arrives, so a new request cannot take the id
+        # of one the core and the runners still hold.
+        self._retiring: set[str] = set()
         self._lock = threading.Lock()  # guards id registration against the thread that processes
         # Admission control: requests registered that have had no event yet (waiting, or in their
         # first iteration), with their prompt tokens. 0 means no limit.
@@ -108,7 +112,7 @@ class OutputProcessor:
         EngineOverloadedError if the queue is not empty and taking them would pass a queue limit
         (into an empty queue anything goes, so no request is refused for its size alone)."""
         with self._lock:
-            clash = sorted({rid for rid in request_ids if rid in self._states})
+            clash = sorted({rid for rid in request_ids if rid in self._states or rid in self._retiring})
             if clash or len(set(request_ids)) != len(request_ids):
                 raise ValueError(f"request id already in use: {clash or request_ids}")
             self._check_queue(len(request_ids), sum(len(p) for p in prompts))
@@ -189,6 +193,12 @@ class OutputProcessor:
                     self._hand_out(state, out, now, to_abort)
                 except Exception as exc:  # noqa: BLE001 - that request alone ends
                     self._fail_one(out.request_id, state, exc, now, to_abort, running=not out.finished)
+            elif out.finished and self._retiring:  # the core let go of one ended here: its id is free
+                with self._lock:
+                    self._retiring.discard(out.request_id)
+        if to_abort:
+            with self._lock:
+                self._retiring.update(to_abort)
         return to_abort
 
     def _fail_one(self, request_id: str, state: _RequestState, exc: Exception, now: float, to_abort: list[str],

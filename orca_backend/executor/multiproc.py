@@ -1,5 +1,6 @@
 """The engine master's side of distributed execution: starts tp x pp worker processes and talks
-to them over the control channel (one pipe each: the scheduler's steps out, tokens, logprobs and errors back).
+to them over the control channel (one pipe each: the scheduler's steps out, msgpack-encoded
+(scheduler_output.encode_step); tokens, logprobs and errors back, as JSON).
 
 A worker that raises or dies turns into `WorkerFailure` within one poll interval; every other
 worker is then stopped too, so no process is left behind and nothing waits forever.
@@ -16,7 +17,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
 from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.processes import exit_description
-from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
+from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput, encode_step
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -130,6 +130,10 @@ class WorkerPoolExecutor:
         self._pending: deque[int] = deque()
         self._closed = False
         self.conns: list[Connection] = []  # rank i's control channel
+        self.rank_pids = [0] * self.world_size  # each rank's process id, on its own host (its "ready" says it)
+        # How long collect_oldest waits for a step's tokens (None: as long as it takes): a local worker
+        # that dies is seen by its sentinel; a hung one is the served watchdog's (core_client.py).
+        self._step_timeout_s: float | None = None
 
     def _await_ready(self, timeout_s: float) -> None:
         """Waits for every rank's "ready" (its model loaded): a rank that fails stops them all."""
@@ -138,6 +142,7 @@ class WorkerPoolExecutor:
             for _ in range(self.world_size):
                 msg = self._next_message(timeout_s=timeout_s)
                 self.weight_bytes[msg["rank"]] = msg["weight_bytes"]
+                self.rank_pids[msg["rank"]] = msg["pid"]
         except WorkerFailure:
             self.shutdown()
             raise
@@ -151,10 +156,9 @@ class WorkerPoolExecutor:
         return len(self._pending)
 
     def submit(self, step: SchedulerOutput) -> None:
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode_step(step)
         # Structured output's bitmask rows (a few KB per constrained row) matter to the sampling rank alone.
-        others = pickle.dumps(replace(step, bitmask_rows=[], bitmask=b""), protocol=pickle.HIGHEST_PROTOCOL) \
-            if step.bitmask_rows else data  # fmt: skip
+        others = encode_step(replace(step, bitmask_rows=[], bitmask=b"")) if step.bitmask_rows else data
         try:
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(data if rank == self._sampler_rank else others)
@@ -165,7 +169,7 @@ class WorkerPoolExecutor:
 
     def collect_oldest(self) -> SamplerOutput:
         expected = self._pending.popleft()
-        msg = self._next_message()
+        msg = self._next_message(self._step_timeout_s, bound="iteration_timeout_s: a rank or its node is hung or cut off")
         if msg.get("kind") == "batch_failed" and msg["batch_id"] == expected:
             raise BatchFailed(f"sampling failed in a worker:\n{msg['message']}")
         if msg.get("kind") != "tokens" or msg["batch_id"] != expected:
@@ -174,15 +178,17 @@ class WorkerPoolExecutor:
         logprobs = msg.get("logprobs")
         if logprobs is not None:  # JSON made each row's (ids, logprobs, ranks) a list
             logprobs = [tuple(row) if row is not None else None for row in logprobs]
-        return SamplerOutput(msg["tokens"], logprobs)
+        failures = {int(lora_id): why for lora_id, why in msg.get("lora_failures", {}).items()}  # JSON keys are strings
+        return SamplerOutput(msg["tokens"], logprobs, failures)
 
-    def _next_message(self, timeout_s: float | None = None) -> dict:
-        """The next message from any worker; a dead worker or an error report raises WorkerFailure."""
+    def _next_message(self, timeout_s: float | None = None, bound: str = "the start timeout") -> dict:
+        """The next message from any worker; a dead worker, an error report or no message within
+        `timeout_s` (`bound` says what set it) raises WorkerFailure."""
         sentinels = self._sentinels()
         ready = wait(self.conns + list(sentinels), timeout=timeout_s)
         if not ready:
             self.shutdown()
-            raise WorkerFailure(f"no answer from the workers within {timeout_s:.0f} s")
+            raise WorkerFailure(f"no answer from the workers within {timeout_s:g} s ({bound})")
         closed = None
         for obj in ready:  # messages first: a worker that reported an error has also exited
             if obj in sentinels:

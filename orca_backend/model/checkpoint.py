@@ -8,6 +8,7 @@ Conv1D `[in, out]` orientation, tied LM head left out), so `transformers` can lo
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from orca_backend.config import ModelConfig
 
 EOS_TOKEN = "<|endoftext|>"
+logger = logging.getLogger("orca.model")
 
 
 def random_hf_state_dict(config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -98,6 +100,8 @@ class WeightSource:
                 name = rename(key)
                 if name is not None:
                     entries[name] = entry
+        if fp8:
+            _check_fp8_projections(model_dir, entries)
         return cls(entries)
 
     def __contains__(self, name: str) -> bool:
@@ -140,6 +144,37 @@ def _fp8_tensor(key: str, dtype: str) -> bool:
     return (dtype == "F8_E4M3" and key.endswith(".weight")) or (
         key.endswith((".weight_scale", ".weight_scale_inv")) and dtype in FLOAT_DTYPES
     )
+
+
+def _check_fp8_projections(model_dir: Path, entries: dict[str, Any]) -> None:
+    """A config that declares FP8 over a checkpoint holding no FP8 weight would be served in float,
+    unquantized, to a user who believes it FP8: refused, saying what is missing. So is an FP8 tensor
+    other than a decoder projection (an embedding, the LM head), which would be read without its
+    scale. A checkpoint with some projections left in float (a quantizer's `modules_to_not_convert`)
+    is served as it is, the float ones named in the log."""
+    fp8 = [name for name, entry in entries.items() if entry.get_dtype() == "F8_E4M3"]
+    if not fp8:
+        scales = sum(name.endswith((".weight_scale", ".weight_scale_inv")) for name in entries)
+        found = f"only {scales} scale tensors beside float weights" if scales else "no weight_scale or weight_scale_inv"
+        raise ValueError(f"{model_dir}: config.json's quantization_config declares an FP8 checkpoint (quant_method "
+                         f"'fp8'), but it holds no FP8 (F8_E4M3) weight ({found}): it would be served unquantized, "
+                         "in float; quantize its weights, or drop quantization_config to serve it as float")  # fmt: skip
+    unread = [name for name in fp8 if not _is_projection(name, entries[name])]
+    if unread:
+        raise ValueError(f"{model_dir}: FP8 tensors {', '.join(unread)} are not decoder projections, the only FP8 "
+                         "weights this engine reads with their scales")  # fmt: skip
+    floats = sorted(name for name, entry in entries.items()
+                    if _is_projection(name, entry) and entry.get_dtype() != "F8_E4M3")  # fmt: skip
+    if floats:
+        listed = ", ".join(floats[:8]) + (f" and {len(floats) - 8} more" if len(floats) > 8 else "")
+        logger.warning("%s: %d decoder projections are not FP8 and are served in float (%d are FP8): %s", model_dir,
+                       len(floats), len(fp8), listed)  # fmt: skip
+
+
+def _is_projection(name: str, entry: Any) -> bool:
+    """A decoder layer's linear weight: its 2-D weights (its norms are 1-D; FP8 is served for dense
+    Llama-family models only, whose layers hold no other matrix)."""
+    return name.startswith("model.layers.") and name.endswith(".weight") and len(entry.get_shape()) == 2
 
 
 def _refuse_quantized(model_dir: Path, key: str, dtype: str) -> None:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 from orca_backend.distributed.layout import ParallelLayout
-from orca_backend.lora import AdapterSpec, LoRARequest, Projection, layer_projections, projections
+from orca_backend.lora import LoRARequest, Projection, layer_projections, projections
 from orca_kernels import KernelOps
 from orca_kernels.lora import LoRAMetadata
 
@@ -71,35 +71,36 @@ AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def read_adapter_weights(
-    lora: LoRARequest, spec: AdapterSpec, model_config: object, layout: ParallelLayout, max_rank: int,
-    dtype: torch.dtype,
+    lora: LoRARequest, data: bytes, modules: dict[tuple[int, str, int], tuple[str, str]], model_config: object,
+    layout: ParallelLayout, max_rank: int, dtype: torch.dtype,
 ) -> AdapterWeights:  # fmt: skip
-    """An adapter's tensors for this rank's layers and shards, on the host, padded to a slot's shape
-    (`spec` from orca_backend.lora.read_adapter, which checked every key and shape)."""
+    """An adapter's tensors for this rank's layers and shards, on the host, padded to a slot's shape,
+    from its weights file's bytes and module table (orca_backend.lora.read_registered_weights, which
+    checked every key, shape and value)."""
     projs = projections(model_config)
     layers = layout.layers(model_config.num_layers)
     out: AdapterWeights = {}
-    with safe_open(f"{lora.path}/adapter_model.safetensors", framework="pt") as f:
-        for (layer, name, index), (key_a, key_b) in spec.modules.items():
-            if layer not in layers:
-                continue
-            projection = projs[name]
-            fan_in, outs = _local_widths(model_config, layout, projection)
-            local = (layer - layers.start, name)
-            if local not in out:
-                out[local] = (torch.zeros(len(projection.slices) * max_rank, fan_in),
-                              torch.zeros(sum(outs), len(projection.slices) * max_rank))  # fmt: skip
-            a_slot, b_slot = out[local]
-            a, b = f.get_tensor(key_a).float(), f.get_tensor(key_b).float() * spec.scaling
-            if projection.row_parallel:
-                lo, hi = _input_range(model_config, layout, name)
-                a = a[:, lo:hi]
-            else:
-                b = torch.cat([b[lo:hi] for lo, hi in _output_ranges(model_config, layout, name, index)])
-            rows = slice(index * max_rank, index * max_rank + spec.rank)
-            first = sum(outs[:index])
-            a_slot[rows] = a
-            b_slot[first : first + outs[index], rows] = b
+    tensors = load_safetensors(data)
+    for (layer, name, index), (key_a, key_b) in modules.items():
+        if layer not in layers:
+            continue
+        projection = projs[name]
+        fan_in, outs = _local_widths(model_config, layout, projection)
+        local = (layer - layers.start, name)
+        if local not in out:
+            out[local] = (torch.zeros(len(projection.slices) * max_rank, fan_in),
+                          torch.zeros(sum(outs), len(projection.slices) * max_rank))  # fmt: skip
+        a_slot, b_slot = out[local]
+        a, b = tensors[key_a].float(), tensors[key_b].float() * lora.scaling
+        if projection.row_parallel:
+            lo, hi = _input_range(model_config, layout, name)
+            a = a[:, lo:hi]
+        else:
+            b = torch.cat([b[lo:hi] for lo, hi in _output_ranges(model_config, layout, name, index)])
+        rows = slice(index * max_rank, index * max_rank + lora.rank)
+        first = sum(outs[:index])
+        a_slot[rows] = a
+        b_slot[first : first + outs[index], rows] = b
     return {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in out.items()}
 
 

@@ -36,7 +36,8 @@ class EngineAdapter:
         self.tokenizer = self.engine.tokenizer
         self.lora_file: MultiLoraFile | None = None
         if config.allow_runtime_lora_updating:
-            self.lora_file = MultiLoraFile(lora_file, self.engine.sync_loras, pb_utils.Logger.log_warn)
+            self.lora_file = MultiLoraFile(lora_file, self.engine.sync_loras, self.engine.changed_loras,
+                                           pb_utils.Logger.log_warn).start()  # fmt: skip
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
                                      self.engine.model_config.max_context, lora=config.enable_lora)  # fmt: skip
         self._poller = MetricsPoller(self.engine, self.metrics).start()
@@ -49,11 +50,6 @@ class EngineAdapter:
             + (f", LoRA adapters {self.engine.list_loras()} (max_loras={config.max_loras})" if config.enable_lora else "")
             + ")"
         )
-
-    def refresh_loras(self) -> None:
-        """With allow_runtime_lora_updating: multi_lora.json re-read if it changed (at most once a second)."""
-        if self.lora_file is not None:
-            self.lora_file.refresh()
 
     def check_triton_config(self) -> None:
         """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter, and reads the
@@ -74,6 +70,8 @@ class EngineAdapter:
         return f"the engine loop stopped ({self.engine.dead_reason or 'unknown reason'}); {next_step}"
 
     def finalize(self) -> None:
+        if self.lora_file is not None:
+            self.lora_file.stop()
         self._poller.stop()
         self.engine.shutdown()
 

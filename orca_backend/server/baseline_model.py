@@ -51,7 +51,6 @@ class BaselineModel(EngineAdapter):
         super().initialize(args)
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        self.refresh_loras()
         responses: list[Any] = [None] * len(requests)
         parsed: dict[int, ParsedRequest] = {}
         builders: dict[int, ResponseBuilder] = {}

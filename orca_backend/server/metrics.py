@@ -70,6 +70,7 @@ _STAT_OF = {
 }
 _LORA_STATS = {"orca_lora_loads_total": "lora_loads"}  # exported with enable_lora only
 LORA_INFO = "vllm:lora_requests_info"  # vLLM's: the running and waiting adapters as labels, the time as value
+LORA_INFO_HELP = "Running stats on lora requests."
 
 
 # The vLLM backend's buckets (they are vLLM's own).
@@ -154,8 +155,6 @@ class EngineMetrics:
         families = {name: (kind, text) for name, (kind, text) in _FAMILIES.items()}
         families |= {name: ("HISTOGRAM", text) for name, (text, _) in _HISTOGRAMS.items()}
         families |= {name: ("COUNTER", text) for name, text in _REQUEST_COUNTERS.items()}
-        if lora:
-            families[LORA_INFO] = ("GAUGE", "Running stats on lora requests.")
         self._families = {
             name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(kinds, kind))
             for name, (kind, text) in families.items()
@@ -173,7 +172,8 @@ class EngineMetrics:
         self._success: dict[tuple[tuple[tuple[str, str], ...], str], Any] = {}
         base = (("lora_name", ""),) if lora else ()  # the base model's series exist from the start
         self._per_request[base] = self._request_series({**self._labels, **dict(base)})
-        self._lora_info: dict[tuple[str, str, int], Any] = {}
+        # vLLM's lora_requests_info: its own family, made anew with each change (_export_lora_info).
+        self._lora_info: tuple[Any, Any] | None = None  # (family, its one metric)
         self._lora_info_labels: tuple[str, str, int] | None = None
         # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
         # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
@@ -189,18 +189,22 @@ class EngineMetrics:
             self._export_lora_info(stats)
 
     def _export_lora_info(self, stats: Any) -> None:
-        """vLLM's lora_requests_info: one series per (running, waiting, max) combination seen, each set
-        to the time it was last current, so the newest series is the one with the greatest value."""
+        """vLLM's lora_requests_info: one series, labelled with the current (running, waiting, max) and
+        set to the time it became current. A series per combination ever seen would grow /metrics
+        without bound, but the Python backend removes a Metric only with its MetricFamily (the family
+        holds every Metric it made: python_backend's src/metric_family.cc): so each change makes a new
+        family with the new series, then drops the old family, and its series with it. Triton merges
+        families of one name (as `orca` and `baseline` share theirs), so the name never lacks a series."""
         labels = (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_loras)
         if not stats.max_loras or labels == self._lora_info_labels:  # no stats from the engine yet
             return
         self._lora_info_labels = labels
-        metric = self._lora_info.get(labels)
-        if metric is None:
-            metric = self._lora_info[labels] = self._families[LORA_INFO].Metric(labels={
-                **self._labels, "running_lora_adapters": labels[0], "waiting_lora_adapters": labels[1],
-                "max_lora": str(labels[2])})  # fmt: skip
+        family = self._pb_utils.MetricFamily(name=LORA_INFO, description=LORA_INFO_HELP,
+                                             kind=self._pb_utils.MetricFamily.GAUGE)  # fmt: skip
+        metric = family.Metric(labels={**self._labels, "running_lora_adapters": labels[0],
+                                       "waiting_lora_adapters": labels[1], "max_lora": str(labels[2])})  # fmt: skip
         metric.set(time.time())
+        self._lora_info = (family, metric)  # the old family goes, and its series
 
     def zero_gauges(self) -> None:
         """After the engine stopped nothing is running or reserved any more."""

@@ -89,7 +89,6 @@ class OrcaModel(EngineAdapter):
 
     # ---- Triton's thread -------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
-        self.refresh_loras()
         for request in requests:
             sender = request.get_response_sender()
             try:

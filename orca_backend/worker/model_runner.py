@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from orca_backend.config import AnyModelConfig, EngineConfig
-from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.comm import TensorParallelGroup, any_rank
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.lora import LoRARequest
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
@@ -28,7 +29,7 @@ from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
-from orca_backend.worker.lora_manager import LoRAManager
+from orca_backend.worker.lora_manager import LoRAManager, load_failure
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
 from orca_kernels.lora import lora_metadata
@@ -73,6 +74,7 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = Sampler()
         self.lora: LoRAManager | None = None
+        self._lora_failures: dict[int, str] = {}  # adapters that failed to load, until the next sampled tokens
         if config.enable_lora:
             self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
@@ -139,8 +141,21 @@ class ModelRunner:
         if step.lora_loads:
             if self.lora is None:
                 raise RuntimeError("a step loads LoRA adapters into a runner built without enable_lora")
-            self.lora.load(step.lora_loads)
+            self._load_adapters(step.lora_loads)
         self.input_batch.apply(step)
+
+    def _load_adapters(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Loads the step's adapters. The ranks agree on which failed (a file may differ between hosts),
+        so all of them zero the same slots; the failures go out with the next sampled tokens."""
+        assert self.lora is not None
+        failed = self.lora.load(loads)
+        if self.layout.world_size > 1:
+            anywhere = any_rank([lora.lora_id in failed for _, lora in loads], self.device)
+            elsewhere = {lora.lora_id for (_, lora), bad in zip(loads, anywhere, strict=True) if bad} - set(failed)
+            self.lora.unload(elsewhere)
+            failed |= {lora.lora_id: load_failure(lora.name, RuntimeError("on another rank"))
+                       for _, lora in loads if lora.lora_id in elsewhere}  # fmt: skip
+        self._lora_failures |= failed
 
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
         """The whole model in this process, on a step whose deltas it has taken in: forward and sample."""
@@ -181,7 +196,6 @@ class ModelRunner:
         lora = None
         if inputs.lora_slots is not None:
             assert self.lora is not None
-            self.lora.check(inputs.lora_slots)
             lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
         stage_input = StageInput(input_ids, positions, hidden, lora)
         return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
@@ -209,6 +223,8 @@ class ModelRunner:
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
         sampled = self.sampler.launch(logits, inputs.sampling)
+        if self._lora_failures:
+            sampled.lora_failures, self._lora_failures = self._lora_failures, {}
         self._last_sampled = (step.scheduled_ids, sampled.tokens)
         return sampled
 

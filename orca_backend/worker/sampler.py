@@ -15,7 +15,7 @@ then greedy's argmax, or temperature, top-k, top-p and a draw.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,14 +33,15 @@ class SampledTokens:
     logprobs: list[TokenLogprobs | None] | None
     host: torch.Tensor | None = None  # CUDA: the pinned buffer the ids are copied into
     copied: torch.cuda.Event | None = None
+    lora_failures: dict[int, str] = field(default_factory=dict)  # passed on (SamplerOutput.lora_failures)
 
     def result(self) -> SamplerOutput:
         """The ids as a list, once their copy has landed (a wait for the step on a GPU)."""
         if self.host is None:
-            return SamplerOutput(self.tokens.tolist(), self.logprobs)
+            return SamplerOutput(self.tokens.tolist(), self.logprobs, self.lora_failures)
         assert self.copied is not None
         self.copied.synchronize()
-        return SamplerOutput(self.host.tolist(), self.logprobs)
+        return SamplerOutput(self.host.tolist(), self.logprobs, self.lora_failures)
 
 
 class Sampler:
