@@ -54,3 +54,13 @@ def write_lora(base: torch.nn.Module, path: Path, seed: int, r: int, targets: li
     model = peft.get_peft_model(copy.deepcopy(base), lora_config)
     model.save_pretrained(path)
     return model.merge_and_unload().eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of one prompt: exactly `n` tokens, EOS or not (the oracle of
+    the engine's greedy tokens with ignore_eos)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()

@@ -30,6 +30,7 @@ from core_hooks import pid_alive
 
 from orca_backend.config import ModelConfig
 from orca_backend.llm import LLM
+from orca_backend.lora import ADAPTER_WEIGHTS, write_random_adapter
 from orca_backend.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
 from orca_client.protocol import STATUS_OUTPUTS, build_inputs
 from orca_client.served_path import parse_stat, process_tree
@@ -569,3 +570,135 @@ def test_a_faulted_tp2_worker_ends_every_stream_unloads_the_model_and_leaves_no_
     server.stop()
     assert wait_until(lambda: not survivors(snapshot, session_id), timeout_s=30), survivors(snapshot, session_id)
     assert {stub, core, *workers} <= {p.pid for p in snapshot}
+
+
+# ---- 4. a LoRA adapter whose weights changed after registration, under load ------------------------------
+# Its requests end with the load's error (the first ones when its load fails, the later ones as they
+# arrive); it never spends the failure budget (set low here: three such iterations used to end the engine).
+BAD_LORA_REQUESTS = 100  # and as many healthy ones (the base model and adapters A and B), interleaved
+HEALTHY_STREAMS = 8  # the healthy requests share these; each bad one has a stream of its own (its error names no request)
+FAILURE_BUDGET = 3  # max_consecutive_failed_iterations of its server
+BAD_LORA_ERROR = "LoRA adapter 'bad' could not be loaded: its weights changed since it was registered"
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tmp_path_factory):
+    """Random PEFT adapters A, B and "bad" for MODEL (std 0.2: they change the greedy tokens)."""
+    root = tmp_path_factory.mktemp("chaos-lora")
+    for name, rank, seed in (("A", 8, 1), ("B", 4, 2), ("bad", 8, 3)):
+        write_random_adapter(root / name, MODEL, rank=rank, seed=seed, std=0.2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_reference(checkpoint, lora_adapters):
+    """As `reference`, with adapters A and B registered (a spec names one in its sampling JSON)."""
+    llm = LLM(str(checkpoint), enable_lora=True, max_loras=2,
+              lora_modules={name: str(lora_adapters / name) for name in ("A", "B")})  # fmt: skip
+    cache: dict[Spec, Any] = {}
+
+    def generate(specs: list[Spec]) -> list[Any]:
+        todo = list(dict.fromkeys(s for s in specs if s not in cache))
+        if todo:
+            params = [SamplingParams.from_dict({"max_tokens": s.max_tokens, **s.sampling}) for s in todo]
+            cache.update(zip(todo, llm.generate([list(s.prompt) for s in todo], params), strict=True))
+        return [cache[s] for s in specs]
+
+    try:
+        yield generate
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture
+def lora_server(checkpoint, lora_adapters, tmp_path):
+    """A fresh server per test (the test breaks one of its adapters)."""
+    server = start_server(tmp_path / "triton", checkpoint, models=("orca",),
+                          lora_modules={name: str(lora_adapters / name) for name in ("A", "B", "bad")},
+                          parameters={"kv_capacity_tokens": "4096", "max_loras": "2",
+                                      "max_consecutive_failed_iterations": str(FAILURE_BUDGET)})  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+        _print_log(server)
+
+
+def lora_spec(prompt: tuple[int, ...], lora_name: str | None) -> Spec:
+    return Spec(prompt, 8, json.dumps({**GREEDY, **({"lora_name": lora_name} if lora_name else {})}, sort_keys=True))
+
+
+def test_a_bad_adapter_under_load_fails_its_requests_alone(lora_server, lora_adapters, lora_reference):
+    server = lora_server
+    rng = random.Random(39)
+    prompts = [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))) for _ in range(2 * BAD_LORA_REQUESTS)]
+    healthy = [lora_spec(p, rng.choice([None, "A", "B"])) for p in prompts[:BAD_LORA_REQUESTS]]
+    bad = [lora_spec(p, "bad") for p in prompts[BAD_LORA_REQUESTS:]]
+    expected = lora_reference(healthy)  # before the bad adapter breaks (the oracle does not register it)
+    base = lora_reference([lora_spec(s.prompt, None) for s in healthy])
+    for name in ("A", "B"):  # each adapter changes some request's tokens: serving the base model for it fails
+        assert any(e.output_ids != b.output_ids for s, e, b in zip(healthy, expected, base, strict=True)
+                   if s.sampling.get("lora_name") == name), name  # fmt: skip
+    core_before = engine_processes(server.process.pid)
+    start_ticks = _start_ticks(core_before[1])
+    # Registered, never loaded yet (nothing named it): its weights file is now half of what was checked.
+    weights = lora_adapters / "bad" / ADAPTER_WEIGHTS
+    os.truncate(weights, weights.stat().st_size // 2)
+    plan = [("healthy", i) for i in range(len(healthy))] + [("bad", i) for i in range(len(bad))]
+    rng.shuffle(plan)
+    finished_before = finished_total(server)
+
+    shared: list[StreamSession] = []
+    own: list[StreamSession] = []
+    results: dict[tuple[str, int], StreamResult] = {}
+    started = time.monotonic()
+    try:
+        shared += [StreamSession(server.grpc_url) for _ in range(HEALTHY_STREAMS)]
+        own += [StreamSession(server.grpc_url) for _ in bad]
+        sessions = iter(own)
+        for n, (kind, i) in enumerate(plan):  # all streams open first, then the requests go out at once
+            if kind == "healthy":
+                results[(kind, i)] = healthy[i].send(shared[n % HEALTHY_STREAMS], f"healthy{i}")
+            else:
+                results[(kind, i)] = bad[i].send(next(sessions), f"bad{i}")
+        deadline = time.monotonic() + LOAD_WAIT_S
+        for (kind, i), result in results.items():
+            assert result.done.wait(max(0.0, deadline - time.monotonic())), \
+                f"{kind}{i} unfinished after {LOAD_WAIT_S} s ({len(result.ids)} tokens)"
+    finally:
+        close_all(shared + own)
+    elapsed = time.monotonic() - started
+
+    stray = [e for s in shared + own for e in s.stray_errors]
+    assert not stray, stray
+    problems = []
+    for (kind, i), result in results.items():
+        if kind == "bad":
+            if result.error is None or BAD_LORA_ERROR not in result.error or result.deltas:
+                problems.append(f"bad{i}: error {result.error!r} after {len(result.ids)} tokens")
+            elif str(lora_adapters) in result.error or str(server.run_dir) in result.error:
+                problems.append(f"bad{i}: the error names a server path: {result.error!r}")
+        elif (result.error, result.ids, result.finish_reason) != (None, expected[i].output_ids, expected[i].finish_reason):
+            problems.append(f"healthy{i} {healthy[i]}: error {result.error!r}, finish {result.finish_reason!r} "
+                            f"ids {result.ids} != {expected[i].output_ids} ({expected[i].finish_reason!r})")
+    assert not problems, "\n".join(problems[:20])
+    print(f"bad adapter: {len(healthy)} healthy and {len(bad)} bad requests ended in {elapsed:.1f} s")
+    # Every request was accepted and ended inside the engine; the engine never died or restarted.
+    assert wait_until(lambda: finished_total(server) - finished_before == len(healthy) + len(bad), timeout_s=SETTLE_S), \
+        (finished_total(server) - finished_before, len(healthy) + len(bad))
+    assert engine_processes(server.process.pid) == core_before and _start_ticks(core_before[1]) == start_ticks
+    assert "iterations in a row failed" not in server.log_tail(200_000)
+    assert_settled_and_serving(server, lora_reference)
+    # More bad requests in a row than the failure budget, each alone in its batch (had they been failed
+    # iterations, the third would end the engine), then adapter A still serves exactly.
+    for n in range(2 * FAILURE_BUDGET):
+        with StreamSession(server.grpc_url) as session:
+            refused = lora_spec((9, 8, 7, 6), "bad").send(session, f"after-bad{n}")
+            session.wait(timeout_s=60)
+        assert refused.error is not None and BAD_LORA_ERROR in refused.error and not refused.deltas, refused.error
+    spec = lora_spec((9, 8, 7, 6), "A")
+    with StreamSession(server.grpc_url) as session:
+        served = spec.send(session, "after-A")
+        session.wait(timeout_s=60)
+    assert served.error is None and served.ids == lora_reference([spec])[0].output_ids
+    assert model_ready(server) and engine_processes(server.process.pid) == core_before

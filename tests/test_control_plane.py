@@ -35,17 +35,12 @@ from serving_utils import wait_until
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.executor.base import WorkerFailure
-from orca_backend.executor.ray_executor import ControlServer, connect_control
+from orca_backend.executor.control_plane import ControlServer, connect_control
 from orca_backend.lora import LoRARequest
 from orca_backend.net import KEEPALIVE_IDLE_S
-from orca_backend.scheduler_output import (
-    NewRequest,
-    SchedulerOutput,
-    WireFormatError,
-    decode_step,
-    encode_step,
-)
+from orca_backend.scheduler_output import NewRequest, SchedulerOutput, decode_step, encode_step
 from orca_backend.structured_spec import StructuredOutputSpec
+from orca_backend.wire import WireFormatError
 
 KEY = b"k" * 32
 BOUND_S = 60.0  # failure bounds only: every wait below ends as soon as what it waits for happens

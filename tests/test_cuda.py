@@ -276,13 +276,13 @@ def test_mixtral_on_cuda_equals_the_cpu(tmp_path) -> None:
 def test_windowed_families_on_cuda_equal_transformers(tmp_path, family: str) -> None:
     """Sliding windows (blocks freed behind Mistral's), Gemma 2's soft-capping and Gemma 3's two rope
     tables on the GPU: the Triton kernels, decode steps graphed, give transformers' float32 tokens."""
+    from test_window_models import GREEDY, write_family
     from test_window_models import PROMPTS as WINDOW_PROMPTS
-    from test_window_models import hf_greedy, write_family
 
     model = write_family(family, tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, block_size=4)
-    assert [o.output_ids for o in gpu.generate(WINDOW_PROMPTS, params)] == [hf_greedy(model, p) for p in WINDOW_PROMPTS]
+    assert [o.output_ids for o in gpu.generate(WINDOW_PROMPTS, params)] == [hf_greedy(model, p, GREEDY.max_tokens) for p in WINDOW_PROMPTS]
 
 
 def test_mixed_lora_adapters_on_cuda_equal_peft_merged(tmp_path) -> None:

@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "orca_backend.tokenizer": 1,
     "orca_backend.net": 1,
     "orca_backend.lora": 1,
+    "orca_backend.wire": 1,
     "orca_kernels": 0,
 }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import randomize_norms, write_lora, write_tiny
+from hf_tiny import hf_greedy, randomize_norms, write_lora, write_tiny
 from safetensors.torch import save_file
 
 from orca_backend import LLM, SamplingParams
@@ -77,14 +77,6 @@ def families(tmp_path_factory):
     return out
 
 
-def hf_greedy(model, prompt: list[int], n: int = N) -> list[int]:  # noqa: ANN001
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
 def params(name: str | None, n: int = N) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, lora_name=name)
 
@@ -102,7 +94,7 @@ def run(llm: LLM, prompts: list[list[int]], names: list[str | None]) -> list[lis
 @pytest.fixture(scope="module")
 def references(families):
     """family -> [(prompt, adapter) -> tokens] for every prompt under every adapter."""
-    return {family: {(i, name): hf_greedy(models[name], prompt) for i, prompt in enumerate(PROMPTS) for name in models}
+    return {family: {(i, name): hf_greedy(models[name], prompt, N) for i, prompt in enumerate(PROMPTS) for name in models}
             for family, (_, _, models) in families.items()}  # fmt: skip
 
 
@@ -132,7 +124,7 @@ def test_three_adapters_through_two_slots_stay_exact(families, references, tmp_p
     c_model = write_lora(models[None], tmp_path / "C", 9, 8, ["v_proj", "up_proj"])
     llm = make_llm(path, {**adapters, "C": str(tmp_path / "C")}, max_num_seqs=3)
     names = ["A", "C", "B", "C", "A", "B"]
-    want = [hf_greedy(c_model, p) if n == "C" else references["Llama"][(i, n)] for i, (p, n) in enumerate(zip(PROMPTS, names, strict=True))]
+    want = [hf_greedy(c_model, p, N) if n == "C" else references["Llama"][(i, n)] for i, (p, n) in enumerate(zip(PROMPTS, names, strict=True))]
     try:
         assert run(llm, PROMPTS, names) == want
         assert llm.engine.stats().lora_loads >= 4  # three adapters through two slots: one was evicted and reloaded

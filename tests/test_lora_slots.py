@@ -6,8 +6,7 @@ adapter's weights while another adapter waits for its slot."""
 from __future__ import annotations
 
 import pytest
-from hf_tiny import write_lora, write_tiny
-from test_lora import hf_greedy
+from hf_tiny import hf_greedy, write_lora, write_tiny
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.core.lora_slots import LoRASlots

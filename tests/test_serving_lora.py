@@ -126,14 +126,20 @@ def test_adapter_metrics(server):
 
     assert wait_until(lambda: counted("A") and counted("B") and counted(""))  # "": the base model's
     assert metric(server, "vllm:request_success_total", "orca", lora_name="A", finished_reason="length") > 0
-    info = [dict(labels) for (name, labels), _ in read_metrics(server).items() if name == "vllm:lora_requests_info"
-            and ("model", "orca") in labels]  # fmt: skip
-    assert info and all(i["max_lora"] == "2" for i in info)
+
+    def info() -> list[dict[str, str]]:
+        return [dict(labels) for (name, labels), _ in read_metrics(server).items()
+                if name == "vllm:lora_requests_info" and ("model", "orca") in labels]  # fmt: skip
+
+    # Only the current series ("now": nothing running or waiting once the requests ended), not one per
+    # combination seen while they ran.
+    assert wait_until(lambda: [(i["running_lora_adapters"], i["waiting_lora_adapters"]) for i in info()] == [("", "")])
+    assert [i["max_lora"] for i in info()] == ["2"]
 
 
 def test_multi_lora_json_is_reread_at_run_time(server, adapters, expected):
     """allow_runtime_lora_updating: C added and B removed by editing the file; B's running requests
-    would finish, new ones are refused."""
+    would finish, new ones are refused. An adapter rewritten in place is read again."""
     path = server.run_dir / "model_repository" / "orca" / "1" / "multi_lora.json"
     path.write_text(json.dumps({"A": str(adapters / "A"), "C": str(adapters / "C")}))
 
@@ -157,3 +163,16 @@ def test_multi_lora_json_is_reread_at_run_time(server, adapters, expected):
         return outside.error is not None and "LoRA adapter 'C' is not served by this model" in outside.error
 
     assert wait_until(c_refused, timeout_s=30, interval_s=0.5)
+
+    # A's files rewritten in place with C's: the watcher sees them change, reads A again (a new adapter,
+    # loaded afresh, not the old weights from the host cache or the slot) and A's requests get C's tokens.
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (adapters / "A" / name).write_bytes((adapters / "C" / name).read_bytes())
+
+    def a_serves_c_weights() -> bool:
+        with StreamSession(server.grpc_url) as session:
+            result = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("A"), stream=True)
+            session.wait()
+        return result.error is None and result.ids == expected["C"][1]
+
+    assert wait_until(a_serves_c_weights, timeout_s=30, interval_s=0.5)

@@ -20,9 +20,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from engine_helpers import chunked_then_cached
-from hf_tiny import randomize_norms, write_tiny
+from hf_tiny import hf_greedy, randomize_norms, write_tiny
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import FULL, SLIDING, EngineConfig, GemmaConfig, model_config_from_hf
@@ -71,15 +70,9 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def hf_greedy(model, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:  # noqa: ANN001
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def references(checkpoints):
-    return {family: [hf_greedy(model, p) for p in PROMPTS] for family, (_, model) in checkpoints.items()}
+    return {family: [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS] for family, (_, model) in checkpoints.items()}
 
 
 def generate(path, prompts=PROMPTS, **engine) -> list[list[int]]:  # noqa: ANN001
