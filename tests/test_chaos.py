@@ -1,6 +1,6 @@
 """The chaos suite (issue #17): `orca` on a real tritonserver over gRPC (CPU) under a storm of
-well-formed, cancelled and poison requests, under overload, and with a tensor-parallel worker
-killed or stopped under load.
+well-formed, cancelled and poison requests, under overload, with a tensor-parallel worker killed or
+stopped under load, and with a LoRA adapter whose weights changed after it was registered.
 
 Every well-formed request that runs to its end must carry exactly the tokens the offline engine
 (`orca_backend.LLM`, same checkpoint) produces for it: greedy and fixed-seed sampling do not
@@ -583,11 +583,18 @@ BAD_LORA_ERROR = "LoRA adapter 'bad' could not be loaded: its weights changed si
 
 @pytest.fixture(scope="module")
 def lora_adapters(tmp_path_factory):
-    """Random PEFT adapters A, B and "bad" for MODEL (std 0.2: they change the greedy tokens)."""
+    """Random PEFT adapters A and B for MODEL (std 0.2: they change the greedy tokens); never modified."""
     root = tmp_path_factory.mktemp("chaos-lora")
-    for name, rank, seed in (("A", 8, 1), ("B", 4, 2), ("bad", 8, 3)):
+    for name, rank, seed in (("A", 8, 1), ("B", 4, 2)):
         write_random_adapter(root / name, MODEL, rank=rank, seed=seed, std=0.2)
     return root
+
+
+@pytest.fixture
+def bad_adapter(tmp_path):
+    """A third adapter, the test's own to break."""
+    write_random_adapter(tmp_path / "bad", MODEL, rank=8, seed=3, std=0.2)
+    return tmp_path / "bad"
 
 
 @pytest.fixture(scope="module")
@@ -611,10 +618,11 @@ def lora_reference(checkpoint, lora_adapters):
 
 
 @pytest.fixture
-def lora_server(checkpoint, lora_adapters, tmp_path):
-    """A fresh server per test (the test breaks one of its adapters)."""
+def lora_server(checkpoint, lora_adapters, bad_adapter, tmp_path):
+    """A fresh server per test serving A, B and "bad" (the test breaks "bad")."""
     server = start_server(tmp_path / "triton", checkpoint, models=("orca",),
-                          lora_modules={name: str(lora_adapters / name) for name in ("A", "B", "bad")},
+                          lora_modules={"A": str(lora_adapters / "A"), "B": str(lora_adapters / "B"),
+                                        "bad": str(bad_adapter)},
                           parameters={"kv_capacity_tokens": "4096", "max_loras": "2",
                                       "max_consecutive_failed_iterations": str(FAILURE_BUDGET)})  # fmt: skip
     try:
@@ -628,7 +636,7 @@ def lora_spec(prompt: tuple[int, ...], lora_name: str | None) -> Spec:
     return Spec(prompt, 8, json.dumps({**GREEDY, **({"lora_name": lora_name} if lora_name else {})}, sort_keys=True))
 
 
-def test_a_bad_adapter_under_load_fails_its_requests_alone(lora_server, lora_adapters, lora_reference):
+def test_a_bad_adapter_under_load_fails_its_requests_alone(lora_server, bad_adapter, lora_reference):
     server = lora_server
     rng = random.Random(39)
     prompts = [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))) for _ in range(2 * BAD_LORA_REQUESTS)]
@@ -642,7 +650,7 @@ def test_a_bad_adapter_under_load_fails_its_requests_alone(lora_server, lora_ada
     core_before = engine_processes(server.process.pid)
     start_ticks = _start_ticks(core_before[1])
     # Registered, never loaded yet (nothing named it): its weights file is now half of what was checked.
-    weights = lora_adapters / "bad" / ADAPTER_WEIGHTS
+    weights = bad_adapter / ADAPTER_WEIGHTS
     os.truncate(weights, weights.stat().st_size // 2)
     plan = [("healthy", i) for i in range(len(healthy))] + [("bad", i) for i in range(len(bad))]
     rng.shuffle(plan)
@@ -676,9 +684,10 @@ def test_a_bad_adapter_under_load_fails_its_requests_alone(lora_server, lora_ada
         if kind == "bad":
             if result.error is None or BAD_LORA_ERROR not in result.error or result.deltas:
                 problems.append(f"bad{i}: error {result.error!r} after {len(result.ids)} tokens")
-            elif str(lora_adapters) in result.error or str(server.run_dir) in result.error:
+            elif str(bad_adapter.parent) in result.error or str(server.run_dir) in result.error:
                 problems.append(f"bad{i}: the error names a server path: {result.error!r}")
-        elif (result.error, result.ids, result.finish_reason) != (None, expected[i].output_ids, expected[i].finish_reason):
+        elif (result.error, result.ids, result.text, result.finish_reason) != \
+                (None, expected[i].output_ids, expected[i].text, expected[i].finish_reason):
             problems.append(f"healthy{i} {healthy[i]}: error {result.error!r}, finish {result.finish_reason!r} "
                             f"ids {result.ids} != {expected[i].output_ids} ({expected[i].finish_reason!r})")
     assert not problems, "\n".join(problems[:20])

@@ -71,6 +71,25 @@ def test_running_names_drop_an_adapter_once_its_last_holder_leaves():
     assert slots.running_names() == []  # resident and idle: not running
 
 
+def test_a_forgotten_adapter_frees_its_slot_and_loads_again_only_under_a_new_id():
+    """An adapter that failed to load (Scheduler.fail_adapters): its slot is free at once (not merely
+    idle), the other resident adapters stay, and a resident adapter is never evicted for it."""
+    slots = LoRASlots(2)
+    assert slots.acquire(A) and slots.acquire(B)
+    slots.take_loads()
+    slots.release(B)
+    slots.forget(B)
+    assert slots.running_names() == ["A"]
+    assert slots.acquire(C)  # B's slot, free again
+    assert slots.take_loads() == [(1, C)]
+    fixed_b = LoRARequest("B", 9, "/adapters/B")  # registered again with new files: a new id
+    slots.release(C)
+    assert slots.acquire(fixed_b)
+    assert slots.take_loads() == [(1, fixed_b)]
+    with pytest.raises(AssertionError, match="holds"):
+        slots.forget(A)  # a running request holds it
+
+
 N_LONG, N_SHORT = 10, 2
 
 
