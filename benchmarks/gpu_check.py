@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from orca_backend import LLM, EngineConfig, ModelConfig, SamplingParams
+from orca_backend import LLM, EngineConfig, SamplingParams
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.worker.cuda_graphs import capture_sizes
 from orca_client import machine
 from orca_client.workload import TraceRequest, synthetic_trace
@@ -167,7 +168,7 @@ def print_host_profile(rows: list[dict[str, Any]], limit: int = 8) -> None:
 
 
 # -------------------------------------------------------------------------------------- the engine
-def model_config(args: argparse.Namespace) -> ModelConfig:
+def model_config(args: argparse.Namespace) -> GPT2Config:
     return EngineConfig(model=args.model).model_config()
 
 
@@ -281,7 +282,7 @@ def interpreter_unavailable() -> str | None:
     return None
 
 
-def decode_bytes(cfg: ModelConfig, elt: int, context: float) -> tuple[int, float]:
+def decode_bytes(cfg: GPT2Config, elt: int, context: float) -> tuple[int, float]:
     """(weight bytes, K/V bytes) one decode step must read at batch 1: every weight once (the tied
     embedding as the LM head; one row of the position table), and K and V of every layer's context."""
     weights = (cfg.num_parameters() - cfg.n_positions * cfg.n_embd + cfg.n_embd) * elt
@@ -336,7 +337,7 @@ def section_decode(
     return result
 
 
-def prefill_flops(cfg: ModelConfig, num_prompts: int, prompt_len: int) -> float:
+def prefill_flops(cfg: GPT2Config, num_prompts: int, prompt_len: int) -> float:
     """FLOPs of one prefill step: the linear layers for every token (24 e^2 a layer: qkv 6, attention
     out 2, MLP 8 + 8), causal attention (QK^T and PV, 4 e per visible query-key pair a layer) and the
     LM head for each prompt's last token only (the engine computes no other logits)."""
@@ -916,7 +917,7 @@ def replay(llm: LLM, trace: list[TraceRequest], time_limit_s: float) -> tuple[Ru
     return run, norm, e2e
 
 
-def point_trace(args: argparse.Namespace, rate: float, cfg: ModelConfig) -> list[TraceRequest]:
+def point_trace(args: argparse.Namespace, rate: float, cfg: GPT2Config) -> list[TraceRequest]:
     n = min(args.ab_max_requests, max(args.ab_min_requests, math.ceil(rate * args.ab_seconds)))
     # Same seed at every rate: the same requests in the same order, arrival gaps scaled by 1 / rate.
     return synthetic_trace(
@@ -925,7 +926,7 @@ def point_trace(args: argparse.Namespace, rate: float, cfg: ModelConfig) -> list
 
 
 def run_point(
-    args: argparse.Namespace, llm: LLM, mode: str, max_batch: int, rate: float, cfg: ModelConfig
+    args: argparse.Namespace, llm: LLM, mode: str, max_batch: int, rate: float, cfg: GPT2Config
 ) -> Point:
     """--ab-reps replays of the same trace (the same requests at the same arrival times). An
     overloaded point (its first run left requests unfinished at the time limit) is not repeated: it
@@ -949,7 +950,7 @@ def run_point(
     return point
 
 
-def warm_up(llm: LLM, args: argparse.Namespace, cfg: ModelConfig) -> None:
+def warm_up(llm: LLM, args: argparse.Namespace, cfg: GPT2Config) -> None:
     """Compiles the kernels' shape variants (prefill and decode tiles, mixed batches) before timing."""
     trace = synthetic_trace(
         min(args.max_seqs, 24), args.prompt_dist, "uniform:1:24", cfg.vocab_size, seed=args.seed + 1
@@ -958,7 +959,7 @@ def warm_up(llm: LLM, args: argparse.Namespace, cfg: ModelConfig) -> None:
     llm.generate([trace[0].prompt_ids], offline.greedy(trace[0]))
 
 
-def unloaded_latency(args: argparse.Namespace, llm: LLM, cfg: ModelConfig) -> dict[str, Any]:
+def unloaded_latency(args: argparse.Namespace, llm: LLM, cfg: GPT2Config) -> dict[str, Any]:
     """The trace's first requests one at a time, each alone in the engine: the per-token latency of an
     idle server for this workload's mix of prompt and output lengths. They are the same requests the
     lowest-rate points replay (--ab-min-requests), so that comparison is like for like: with long-tailed
@@ -990,7 +991,7 @@ def unloaded_latency(args: argparse.Namespace, llm: LLM, cfg: ModelConfig) -> di
 
 def sweep(
     args: argparse.Namespace, llm: LLM, mode: str, max_batch: int, base_rate: float, slos_ms: list[float],
-    cfg: ModelConfig, deadline: float, tail_s: float,
+    cfg: GPT2Config, deadline: float, tail_s: float,
 ) -> list[Point]:  # fmt: skip
     """Rates from base_rate up by 4x until the loosest SLO is missed, down by 2x while the tightest one
     is missed at the lowest rate, then geometric bisection of the headline SLO's crossing (--ab-refine

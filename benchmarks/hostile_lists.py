@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from orca_backend import EngineConfig, SamplingParams
-from orca_backend.config import ModelConfig
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.model.checkpoint import write_random_checkpoint
 from orca_backend.sampling_params import MAX_STOP_TOKEN_IDS
 from orca_client import machine
@@ -49,8 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"machine: {machine.summary()}")
     model_dir = Path(tempfile.mkdtemp(prefix="orca-hostile-"))
-    write_random_checkpoint(model_dir, ModelConfig(vocab_size=VOCAB, n_positions=512, n_embd=64, n_layer=2, n_head=4,
-                                                   initializer_range=0.3), seed=0, tokenizer=False)  # fmt: skip
+    write_random_checkpoint(model_dir, GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=64, n_layer=2, n_head=4,
+                                                  initializer_range=0.3), seed=0, tokenizer=False)  # fmt: skip
     ratios = []
     for round_ in range(args.rounds):
         plain, hostile = median_step_ms(model_dir, False, args.steps), median_step_ms(model_dir, True, args.steps)

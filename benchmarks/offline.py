@@ -43,8 +43,10 @@ import torch
 
 import orca_backend
 from orca_backend import LLM, EngineConfig, SamplingParams
-from orca_backend.config import PRESETS, GemmaConfig, LlamaConfig
+from orca_backend.config import PRESETS
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.families.gemma import GemmaConfig
+from orca_backend.families.llama import LlamaConfig, hf_moe_fields
 from orca_client import machine
 from orca_client.workload import TraceRequest, synthetic_trace
 
@@ -93,23 +95,15 @@ def hf_model(config) -> torch.nn.Module:  # noqa: ANN001
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
     )  # fmt: skip
-    arch = config.architecture
-    if arch == "MixtralForCausalLM":
-        fields |= dict(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-                       intermediate_size=config.moe_intermediate_size)  # fmt: skip
-    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        fields |= dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-                       moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-                       decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers),
-                       shared_expert_intermediate_size=config.shared_expert_intermediate_size)  # fmt: skip
+    fields |= hf_moe_fields(config)
     if config.layer_types:
         fields |= dict(sliding_window=config.sliding_window, layer_types=list(config.layer_types))
     if isinstance(config, GemmaConfig):
         fields |= dict(query_pre_attn_scalar=config.query_pre_attn_scalar,
                        attn_logit_softcapping=config.attn_logit_softcapping or None,
                        final_logit_softcapping=config.final_logit_softcapping or None)  # fmt: skip
-    config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
-    return getattr(transformers, arch)(getattr(transformers, config_class)(**fields))
+    model_class = getattr(transformers, config.architecture)
+    return model_class(model_class.config_class(**fields))
 
 
 # ----------------------------------------------------------------------------------------- suites

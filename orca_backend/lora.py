@@ -18,10 +18,10 @@ resolved: the check is made on the opened file itself (/proc/self/fd), so a link
 directory that points out of it is refused, and so is a directory swapped for a link later (its
 files then no longer match the recorded digest).
 
-Each family's PEFT module names map onto its projections; a fused projection stacks its slices
-(GPT-2's ``c_attn`` is one slice of PEFT's own fused module; the Llama family's ``q_proj``,
-``k_proj``, ``v_proj`` are three slices of ``qkv``, ``gate_proj`` and ``up_proj`` two of
-``gate_up``). The MLP of a mixture-of-experts layer takes no adapter (its experts have no dense
+Each family's PEFT module names map onto its projections (its `LoRATargets`, in
+orca_backend/families/); a fused projection stacks its slices (GPT-2's ``c_attn`` is one slice of
+PEFT's own fused module; the Llama family's ``q_proj``, ``k_proj``, ``v_proj`` are three slices of
+``qkv``, ``gate_proj`` and ``up_proj`` two of ``gate_up``). The MLP of a mixture-of-experts layer takes no adapter (its experts have no dense
 projection to add to): such adapters are refused.
 """
 
@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from orca_backend.families import FAMILIES, family_of
+from orca_backend.families.base import Projection
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,15 +66,6 @@ class LoRARequest:
 
 
 @dataclass(frozen=True)
-class Projection:
-    """One LoRA-able projection of a layer: its slices' (input, output) widths, unsharded."""
-
-    name: str
-    slices: tuple[tuple[int, int], ...]
-    row_parallel: bool  # its input is split over tensor-parallel ranks (o, down); else its output is
-
-
-@dataclass(frozen=True)
 class AdapterSpec:
     """An adapter as read and checked at registration."""
 
@@ -83,12 +77,10 @@ class AdapterSpec:
     digest: str = ""  # the SHA-256 of its bytes
 
 
-# PEFT module names (relative to a layer) -> (projection, slice), and where layers live, per family.
-_GPT2_MODULES = {"attn.c_attn": ("qkv", 0), "attn.c_proj": ("o", 0), "mlp.c_fc": ("fc", 0), "mlp.c_proj": ("down", 0)}
-_LLAMA_MODULES = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
-                  "self_attn.o_proj": ("o", 0), "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1),
-                  "mlp.down_proj": ("down", 0)}  # fmt: skip
-_KEY = re.compile(r"^base_model\.model\.(?:transformer\.h|model\.layers)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+# A PEFT adapter's weight key: (layer, module, A or B), under any family's prefix for its layers (the
+# module is then looked up in the model's own family's table).
+_PEFT_PREFIXES = "|".join(sorted({re.escape(family.lora.peft_prefix) for family in FAMILIES}))
+_KEY = re.compile(rf"^(?:{_PEFT_PREFIXES})\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 # adapter_config.json fields that change what an adapter computes and are not implemented here.
 _REFUSED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "rank_pattern", "alpha_pattern", "layer_replication",
                    "use_qalora", "alora_invocation_tokens", "target_parameters", "trainable_token_indices")  # fmt: skip
@@ -96,15 +88,8 @@ _REFUSED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "rank_pattern", "
 
 def projections(model_config: Any) -> dict[str, Projection]:
     """The LoRA-able projections of the family's layers (every layer has the same ones, except a
-    mixture-of-experts layer's MLP: `lora_layer_projections`)."""
-    if model_config.architecture == "GPT2LMHeadModel":
-        e, inner = model_config.n_embd, model_config.n_inner
-        return {"qkv": Projection("qkv", ((e, 3 * e),), False), "o": Projection("o", ((e, e),), True),
-                "fc": Projection("fc", ((e, inner),), False), "down": Projection("down", ((inner, e),), True)}  # fmt: skip
-    h, d, i = model_config.hidden_size, model_config.head_dim, model_config.intermediate_size
-    q, kv = model_config.num_attention_heads * d, model_config.num_key_value_heads * d
-    return {"qkv": Projection("qkv", ((h, q), (h, kv), (h, kv)), False), "o": Projection("o", ((q, h),), True),
-            "gate_up": Projection("gate_up", ((h, i), (h, i)), False), "down": Projection("down", ((i, h),), True)}  # fmt: skip
+    mixture-of-experts layer's MLP: `layer_projections`)."""
+    return family_of(model_config).lora.projections(model_config)
 
 
 def layer_projections(model_config: Any, layer: int) -> list[str]:
@@ -225,7 +210,7 @@ def _max_weights_bytes(model_config: Any, rank: int) -> int:
 
 
 def _max_header_bytes(model_config: Any) -> int:
-    table = _GPT2_MODULES if model_config.architecture == "GPT2LMHeadModel" else _LLAMA_MODULES
+    table = family_of(model_config).lora.peft_modules
     return _HEADER_BYTES_BASE + _HEADER_BYTES_PER_TENSOR * 2 * len(table) * model_config.num_layers
 
 
@@ -282,7 +267,7 @@ def _ints(value: object, length: int | None = None) -> bool:
 
 
 def _module_keys(shapes: dict[str, list[int]], model_config: Any, rank: int) -> dict[tuple[int, str, int], tuple[str, str]]:
-    table = _GPT2_MODULES if model_config.architecture == "GPT2LMHeadModel" else _LLAMA_MODULES
+    table = family_of(model_config).lora.peft_modules
     projs = projections(model_config)
     found: dict[tuple[int, str, int], dict[str, str]] = {}
     for key, shape in shapes.items():
@@ -337,9 +322,6 @@ def read_multi_lora_json(path: str | Path) -> dict[str, str]:
     return {name: str(path.parent / directory) for name, directory in raw.items()}
 
 
-_PEFT_PREFIX = {"GPT2LMHeadModel": "base_model.model.transformer.h"}  # else: base_model.model.model.layers
-
-
 def write_random_adapter(path: str | Path, model_config: Any, rank: int, seed: int, std: float = 0.02) -> None:
     """A PEFT adapter directory for `model_config` targeting every projection this engine adapts,
     with seeded normal(0, std) A and B (benchmarks: adapters for presets, which have no checkpoint)."""
@@ -348,9 +330,8 @@ def write_random_adapter(path: str | Path, model_config: Any, rank: int, seed: i
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    gpt2 = model_config.architecture == "GPT2LMHeadModel"
-    table = _GPT2_MODULES if gpt2 else _LLAMA_MODULES
-    prefix = _PEFT_PREFIX.get(model_config.architecture, "base_model.model.model.layers")
+    targets = family_of(model_config).lora
+    table, prefix = targets.peft_modules, targets.peft_prefix
     projs = projections(model_config)
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -366,7 +347,7 @@ def write_random_adapter(path: str | Path, model_config: Any, rank: int, seed: i
     save_file(tensors, str(path / ADAPTER_WEIGHTS))
     modules = sorted({module.rsplit(".", 1)[1] for module in table})
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules, "bias": "none",
-              "fan_in_fan_out": gpt2}  # fmt: skip
+              "fan_in_fan_out": targets.fan_in_fan_out}  # fmt: skip
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from core_hooks import pid_alive
 
-from orca_backend.config import ModelConfig
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.llm import LLM
 from orca_backend.lora import ADAPTER_WEIGHTS, write_random_adapter
 from orca_backend.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.integration
 
 # Equal to tests/test_serving_parallel.py's model (make_checkpoint writes it once per session); four
 # heads and an even vocabulary so that tensor_parallel_size=2 splits both.
-MODEL = ModelConfig(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+MODEL = GPT2Config(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 VOCAB, CONTEXT = MODEL.vocab_size, MODEL.n_positions
 GREEDY = {"temperature": 0}
 

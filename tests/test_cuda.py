@@ -16,7 +16,8 @@ import pytest
 import torch
 from hf_tiny import write_tiny
 
-from orca_backend import LLM, ModelConfig, SamplingParams
+from orca_backend import LLM, SamplingParams
+from orca_backend.families.gpt2 import GPT2Config
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)"
@@ -26,10 +27,10 @@ transformers = pytest.importorskip("transformers")
 
 GEOMETRIES = [
     # head_dim 16; 24 (not a power of two: masked head-dim lanes); 128 (the widest tile); 4 layers, 10 heads
-    ModelConfig(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3),
-    ModelConfig(vocab_size=300, n_positions=128, n_embd=120, n_layer=2, n_head=5, initializer_range=0.3),
-    ModelConfig(vocab_size=512, n_positions=128, n_embd=256, n_layer=2, n_head=2, initializer_range=0.3),
-    ModelConfig(vocab_size=400, n_positions=128, n_embd=160, n_layer=4, n_head=10, initializer_range=0.3),
+    GPT2Config(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3),
+    GPT2Config(vocab_size=300, n_positions=128, n_embd=120, n_layer=2, n_head=5, initializer_range=0.3),
+    GPT2Config(vocab_size=512, n_positions=128, n_embd=256, n_layer=2, n_head=2, initializer_range=0.3),
+    GPT2Config(vocab_size=400, n_positions=128, n_embd=160, n_layer=4, n_head=10, initializer_range=0.3),
 ]
 # 1-token and short prompts, and prompts past 16 and 64 tokens: the attention kernel's 16- and 64-row
 # query tiles, several key blocks per request, and a decode context up to 77 + 24 = 101 tokens.
@@ -88,7 +89,7 @@ def reference_gaps(model: torch.nn.Module, prompt: list[int], output: list[int])
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
-def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: ModelConfig, kernels: str) -> None:
+def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: GPT2Config, kernels: str) -> None:
     path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
     llm = LLM(str(path), device="cuda", dtype="float32", kernels=kernels, max_num_seqs=16)
     prompts = prompts_for(config.vocab_size, seed=1)
@@ -100,7 +101,7 @@ def test_fp32_greedy_tokens_equal_transformers(make_checkpoint, geometry: ModelC
 
 
 @pytest.mark.parametrize("geometry", BF16_GEOMETRIES, ids=lambda g: f"h{g.n_embd}-l{g.n_layer}-nh{g.n_head}")
-def test_bf16_tokens_are_near_top_under_fp32_reference(make_checkpoint, geometry: ModelConfig) -> None:
+def test_bf16_tokens_are_near_top_under_fp32_reference(make_checkpoint, geometry: GPT2Config) -> None:
     path, config = make_checkpoint(geometry, seed=7, tokenizer=False)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", kernels="triton", max_num_seqs=16)
     prompts = prompts_for(config.vocab_size, seed=2)

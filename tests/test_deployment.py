@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from core_hooks import pid_alive
 
-from orca_backend import EngineConfig, ModelConfig, SamplingParams
+from orca_backend import EngineConfig, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.executor.multiproc import (
     STORE_DIR_PREFIX,
@@ -26,12 +26,13 @@ from orca_backend.executor.multiproc import (
     remove_stale_store_dirs,
     worker_socket_env,
 )
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.net import free_port
 from orca_backend.serve import EXIT_MODEL_FAILED
 from orca_client.served_path import process_tree
 
 # Four heads and an even vocabulary so that tp=2 splits both.
-MODEL = ModelConfig(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+MODEL = GPT2Config(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 TCP_LISTEN = "0A"  # st column of /proc/net/tcp
 
 

@@ -6,18 +6,19 @@ import pytest
 import torch
 from kv_modes import KV_MODES
 
-from orca_backend import LLM, ModelConfig, SamplingParams
+from orca_backend import LLM, SamplingParams
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch, make_scheduler_output
+from orca_backend.families.gpt2 import GPT2Config
 
 transformers = pytest.importorskip("transformers")
 
 GEOMETRIES = [
     # (hidden, layers, heads): head counts that are not powers of two, hidden sizes not multiples of 64
-    ModelConfig(vocab_size=320, n_positions=96, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3),
-    ModelConfig(vocab_size=400, n_positions=128, n_embd=96, n_layer=3, n_head=3, initializer_range=0.3),
-    ModelConfig(vocab_size=300, n_positions=64, n_embd=120, n_layer=2, n_head=5, initializer_range=0.3),
-    ModelConfig(vocab_size=512, n_positions=128, n_embd=160, n_layer=4, n_head=10, initializer_range=0.3),
+    GPT2Config(vocab_size=320, n_positions=96, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3),
+    GPT2Config(vocab_size=400, n_positions=128, n_embd=96, n_layer=3, n_head=3, initializer_range=0.3),
+    GPT2Config(vocab_size=300, n_positions=64, n_embd=120, n_layer=2, n_head=5, initializer_range=0.3),
+    GPT2Config(vocab_size=512, n_positions=128, n_embd=160, n_layer=4, n_head=10, initializer_range=0.3),
 ]
 
 

@@ -11,9 +11,10 @@ import os
 import subprocess
 import sys
 
-from orca_backend import LLM, ModelConfig, SamplingParams
+from orca_backend import LLM, SamplingParams
+from orca_backend.families.gpt2 import GPT2Config
 
-GEOMETRY = ModelConfig(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2, initializer_range=0.3)
+GEOMETRY = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2, initializer_range=0.3)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [100, 50, 25]]
 
 SCRIPT = """

@@ -22,11 +22,13 @@ import torch
 from engine_helpers import long_prompts, mixed_params
 
 from orca_backend import LLM
-from orca_backend.config import SLIDING, EngineConfig, LlamaConfig, ModelConfig
+from orca_backend.config import EngineConfig
 from orca_backend.core.block_pool import BlockPool, block_key
 from orca_backend.core.engine_core import EngineCore
 from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVManager
 from orca_backend.core.request import Request
+from orca_backend.families.gpt2 import GPT2Config
+from orca_backend.families.llama import SLIDING, LlamaConfig
 from orca_backend.messages import EngineCoreRequest
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
@@ -189,7 +191,7 @@ def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth:
              max_tokens: int = 24) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
     rng = random.Random(seed)
     executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate, window)
-    model = ModelConfig(vocab_size=VOCAB, eos_token_id=None)
+    model = GPT2Config(vocab_size=VOCAB, eos_token_id=None)
     if window:  # every layer windowed: the paged manager frees what falls out of it
         model = LlamaConfig(vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1, sliding_window=window,
                             layer_types=(SLIDING,))  # fmt: skip

@@ -17,8 +17,9 @@ import torch
 from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
-from orca_backend.config import LlamaConfig, model_config_from_hf
+from orca_backend.config import model_config_from_hf
 from orca_backend.distributed.layout import ParallelLayout
+from orca_backend.families.llama import LlamaConfig
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.llama import LlamaWeights, llama_key
 

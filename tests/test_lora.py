@@ -26,7 +26,8 @@ from hf_tiny import hf_greedy, randomize_norms, write_lora, write_tiny
 from safetensors.torch import save_file
 
 from orca_backend import LLM, SamplingParams
-from orca_backend.config import ModelConfig, model_config_from_hf
+from orca_backend.config import model_config_from_hf
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRARegistry, read_multi_lora_json
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +54,7 @@ def write_base(family: str, path):  # noqa: ANN001, ANN201
     if family == "GPT2":
         from orca_backend.model.checkpoint import write_random_checkpoint
 
-        config = ModelConfig(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+        config = GPT2Config(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
         write_random_checkpoint(path, config, seed=4, tokenizer=False)
         return transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     if family == "Gemma2":
@@ -199,7 +200,7 @@ def test_triton_kernels_through_the_engine(families, references):
 
 def test_structured_output_with_an_adapter(make_checkpoint, tmp_path):
     """A constrained request runs its adapter and keeps to its grammar."""
-    config = ModelConfig(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+    config = GPT2Config(vocab_size=384, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
     path, _ = make_checkpoint(config, seed=5, tokenizer=True)
     base = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     write_lora(base, tmp_path / "A", 3, 8, ["c_attn"], fan_in_fan_out=True)

@@ -11,12 +11,13 @@ import torch
 from core_hooks import pid_alive
 from kv_modes import KV_MODES
 
-from orca_backend import LLM, EngineConfig, ModelConfig, SamplingParams
+from orca_backend import LLM, EngineConfig, SamplingParams
 from orca_backend.engine.llm_engine import EngineDeadError, LLMEngine
+from orca_backend.families.gpt2 import GPT2Config
 
 # Heads and MLP width split over tp=2, layers over pp=2; the vocabulary (not a multiple of 2 x 64)
 # exercises the padded vocab-parallel gather.
-GEOMETRY = ModelConfig(vocab_size=301, n_positions=128, n_embd=96, n_layer=4, n_head=6, initializer_range=0.3)
+GEOMETRY = GPT2Config(vocab_size=301, n_positions=128, n_embd=96, n_layer=4, n_head=6, initializer_range=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +149,11 @@ def test_worker_exception_is_reported_not_hung(checkpoint):
 @pytest.mark.parametrize(
     ("geometry", "tp", "pp", "message"),
     [
-        (ModelConfig(vocab_size=384, n_positions=64, n_embd=112, n_layer=2, n_head=7), 2, 1,
+        (GPT2Config(vocab_size=384, n_positions=64, n_embd=112, n_layer=2, n_head=7), 2, 1,
          "tensor_parallel_size 2 does not divide n_head 7"),
-        (ModelConfig(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 3, 1,
+        (GPT2Config(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 3, 1,
          "tensor_parallel_size 3 does not divide n_head 4"),
-        (ModelConfig(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 1, 3,
+        (GPT2Config(vocab_size=384, n_positions=64, n_embd=64, n_layer=2, n_head=4), 1, 3,
          "pipeline_parallel_size 3 exceeds the model's 2 layers"),
     ],
 )

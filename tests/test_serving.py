@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orca_backend.config import ModelConfig
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 from orca_client.protocol import PERF_METRICS, PERF_OUTPUTS, STATUS_OUTPUTS
@@ -41,7 +41,7 @@ from serving_utils import (  # noqa: E402 - after the skip above
 
 pytestmark = pytest.mark.integration
 
-SERVER_MODEL = ModelConfig(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+SERVER_MODEL = GPT2Config(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 BASELINE_BATCH = 8
 GREEDY = {"temperature": 0}
 ROOT = Path(__file__).resolve().parents[1]

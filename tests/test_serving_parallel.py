@@ -9,7 +9,7 @@ import signal
 import pytest
 from core_hooks import pid_alive
 
-from orca_backend.config import ModelConfig
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 from orca_client.served_path import process_tree
@@ -21,7 +21,7 @@ from serving_utils import StreamSession, engine_processes, metric, start_server,
 pytestmark = pytest.mark.integration
 
 # Four heads and an even vocabulary so that tp=2 splits both.
-MODEL = ModelConfig(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+MODEL = GPT2Config(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 
 
 @pytest.fixture(scope="module")

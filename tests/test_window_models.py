@@ -24,8 +24,10 @@ from engine_helpers import chunked_then_cached
 from hf_tiny import hf_greedy, randomize_norms, write_tiny
 
 from orca_backend import LLM, SamplingParams
-from orca_backend.config import FULL, SLIDING, EngineConfig, GemmaConfig, model_config_from_hf
+from orca_backend.config import EngineConfig, model_config_from_hf
 from orca_backend.core.engine_core import EngineCore
+from orca_backend.families.gemma import GemmaConfig
+from orca_backend.families.llama import FULL, SLIDING
 from orca_backend.messages import EngineCoreRequest
 
 transformers = pytest.importorskip("transformers")

@@ -16,13 +16,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from orca_backend.config import AnyModelConfig, EngineConfig
+from orca_backend.config import EngineConfig
 from orca_backend.core.iteration_log import IterationLog
 from orca_backend.core.kv_cache_manager import make_kv_manager
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.executor import Executor, WorkerFailure, make_executor
+from orca_backend.families import AnyModelConfig
 from orca_backend.messages import CoreOutputs, EngineCoreRequest, EngineDeadError, EngineStats, FinishReason
 
 logger = logging.getLogger("orca.engine")

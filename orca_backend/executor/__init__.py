@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from orca_backend.config import AnyModelConfig, EngineConfig
+from orca_backend.config import EngineConfig
 from orca_backend.executor.base import BatchFailed, Executor, WorkerFailure
+from orca_backend.families import AnyModelConfig
 
 __all__ = ["BatchFailed", "Executor", "WorkerFailure", "make_executor"]
 

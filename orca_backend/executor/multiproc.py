@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 
-from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
+from orca_backend.config import EngineConfig
 from orca_backend.executor.base import BatchFailed, WorkerFailure
+from orca_backend.families import AnyModelConfig, model_config_to_json
 from orca_backend.processes import exit_description
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput, encode_step
 from orca_backend.worker.worker_proc import STOP, worker_main

@@ -42,9 +42,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from orca_backend.config import AnyModelConfig, EngineConfig, model_config_to_json
+from orca_backend.config import EngineConfig
 from orca_backend.executor.control_plane import ControlServer, connect_control
 from orca_backend.executor.multiproc import LOOPBACK_SOCKET_ENV, WorkerPoolExecutor, worker_socket_env
+from orca_backend.families import AnyModelConfig, model_config_to_json
 from orca_backend.net import is_loopback, listen
 from orca_backend.worker.worker_proc import worker_main
 

@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from orca_backend.config import ModelConfig
+from orca_backend.families.gpt2 import GPT2Config
 
 EOS_TOKEN = "<|endoftext|>"
 logger = logging.getLogger("orca.model")
 
 
-def random_hf_state_dict(config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_hf_state_dict(config: GPT2Config, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded random weights under HF GPT-2 names.
 
     Biases and LayerNorm parameters are random too (HF initialises them to 0/1), so a forward pass
@@ -193,10 +193,10 @@ def gpt2_key(key: str) -> str | None:
     return key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
 
 
-def hf_config_dict(config: ModelConfig) -> dict:
+def hf_config_dict(config: GPT2Config) -> dict:
     return {
         "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
+        "architectures": [config.architecture],
         "activation_function": "gelu_new",
         "n_inner": None,
         "n_ctx": config.n_positions,
@@ -210,7 +210,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
     }
 
 
-def write_random_checkpoint(path: str | Path, config: ModelConfig, seed: int = 0, tokenizer: bool = True) -> ModelConfig:
+def write_random_checkpoint(path: str | Path, config: GPT2Config, seed: int = 0, tokenizer: bool = True) -> GPT2Config:
     """Writes config.json + model.safetensors (+ tokenizer.json) to `path`; returns the config written.
 
     With `tokenizer`, a byte-level BPE is trained on a seeded synthetic corpus with the model's

@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) written for selective batching, as llama.py is for the Llama family.
 
-The layer is Llama's with Gemma's differences (config.GemmaConfig): the embedding is scaled by
+The layer is Llama's with Gemma's differences (families.gemma.GemmaConfig): the embedding is scaled by
 sqrt(hidden); every RMSNorm weighs by (1 + w), folded into the stored weight at load; each of
 attention and the MLP has a norm before and after it (four per layer), the MLP is GeGLU (tanh GELU
 of the gate times up); scores are scaled by query_pre_attn_scalar^-0.5 and, on Gemma 2, soft-capped,
@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_backend.config import GemmaConfig, check_parallel_layout
+from orca_backend.config import check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.families.gemma import GemmaConfig
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.llama import decoder_num_bytes, load_vocab
 from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
+from orca_backend.model.registry import ModelCode
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
@@ -221,3 +223,6 @@ def random_gemma_state_dict(config: GemmaConfig, seed: int, dtype: torch.dtype =
         if config.qk_norm:
             sd |= {a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d)}
     return sd
+
+
+MODEL_CODE = ModelCode(GemmaWeights, Gemma, gemma_key, random_gemma_state_dict)

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_backend.config import ModelConfig, check_parallel_layout
+from orca_backend.config import check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.model import gemm
-from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.checkpoint import WeightSource, gpt2_key, random_hf_state_dict
 from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
+from orca_backend.model.registry import ModelCode
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
 
@@ -63,7 +65,7 @@ class GPT2Weights:
 
     @classmethod
     def load(
-        cls, src: WeightSource, config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
+        cls, src: WeightSource, config: GPT2Config, layout: ParallelLayout, dtype: torch.dtype, device: torch.device
     ) -> GPT2Weights:
         e = config.n_embd
         check_parallel_layout(config, layout.tp_size, layout.pp_size)
@@ -111,7 +113,7 @@ class GPT2Weights:
 
 class GPT2:
     def __init__(
-        self, config: ModelConfig, weights: GPT2Weights, ops: KernelOps,
+        self, config: GPT2Config, weights: GPT2Weights, ops: KernelOps,
         layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
         self.config = config
@@ -165,3 +167,6 @@ class GPT2:
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
         return self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
+
+
+MODEL_CODE = ModelCode(GPT2Weights, GPT2, gpt2_key, random_hf_state_dict)

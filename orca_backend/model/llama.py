@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_backend.config import LlamaConfig, check_parallel_layout
+from orca_backend.config import check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.families.llama import LlamaConfig, expert_names
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.fp8 import Fp8Weight, concat_rows, load_linear
 from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
+from orca_backend.model.registry import ModelCode
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_backend.model.stage_input import StageInput
 from orca_kernels import AttentionMetadata, KernelOps
@@ -148,13 +150,11 @@ def decoder_num_bytes(weights: LlamaWeights) -> int:
 
 def _load_experts(get, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """A MoE layer's weights: the router, kept in float32 (routing decides by small margins), and each
-    expert's gate and up rows and down columns of this rank's slice of the expert width. Mixtral names
-    them block_sparse_moe.experts.E.w1 / w3 / w2, the Qwen MoE families mlp.experts.E.gate_proj /
-    up_proj / down_proj; Qwen2-MoE adds mlp.shared_expert (a dense SwiGLU) and its gate."""
-    if config.architecture == "MixtralForCausalLM":
-        prefix, names = layer + "block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        prefix, names = layer + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    expert's gate and up rows and down columns of this rank's slice of the expert width, under the
+    architecture's names (families.llama.expert_names); Qwen2-MoE adds mlp.shared_expert (a dense
+    SwiGLU) and its gate."""
+    module, names = expert_names(config)
+    prefix = f"{layer}{module}."
     lo, hi = layout.shard(config.moe_intermediate_size)
 
     def expert(e: int, name: str, dim: int) -> torch.Tensor:
@@ -303,9 +303,8 @@ def random_llama_state_dict(config: LlamaConfig, seed: int, dtype: torch.dtype =
         if config.is_moe_layer(i):  # experts instead of the dense MLP, under the family's names
             for key in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
                 del sd[m + key]
-            mixtral = config.architecture == "MixtralForCausalLM"
-            e = f"model.layers.{i}.block_sparse_moe." if mixtral else m
-            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            module, (gate, up, down) = expert_names(config)
+            e = f"model.layers.{i}.{module}."
             width = config.moe_intermediate_size
             sd[e + "gate.weight"] = normal(config.num_experts, h)
             for x in range(config.num_experts):
@@ -317,3 +316,6 @@ def random_llama_state_dict(config: LlamaConfig, seed: int, dtype: torch.dtype =
                        normal(shared, h), e + "shared_expert.down_proj.weight": normal(h, shared),
                        e + "shared_expert_gate.weight": normal(1, h)}  # fmt: skip
     return sd
+
+
+MODEL_CODE = ModelCode(LlamaWeights, Llama, llama_key, random_llama_state_dict)

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from orca_backend.config import PRESETS, AnyModelConfig, EngineConfig
+from orca_backend.config import PRESETS, EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.families import AnyModelConfig
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.device import torch_dtype
-from orca_backend.model.registry import family_of
+from orca_backend.model.registry import model_code
 from orca_kernels import get_ops
 
 logger = logging.getLogger("orca.model")
@@ -23,7 +24,7 @@ def load_model(
     config: EngineConfig, model_config: AnyModelConfig, device: torch.device,
     layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
 ) -> Any:  # fmt: skip
-    family = family_of(model_config.architecture)
+    family = model_code(model_config)
     if config.model in PRESETS:
         logger.info("model: preset %s with random weights (seed %d)", config.model, config.seed)
         source = WeightSource.from_state_dict(family.random_state_dict(model_config, config.seed))

@@ -25,35 +25,22 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from orca_backend.distributed.layout import ParallelLayout
-from orca_backend.lora import LoRARequest, Projection, layer_projections, projections
+from orca_backend.families import family_of
+from orca_backend.families.base import Projection
+from orca_backend.lora import LoRARequest, layer_projections, projections
 from orca_kernels import KernelOps
 from orca_kernels.lora import LoRAMetadata
 
 
 def _output_ranges(model_config: object, layout: ParallelLayout, name: str, index: int) -> list[tuple[int, int]]:
-    """The rows of a column-parallel slice's output this rank holds, as its base weight's shard."""
-    if model_config.architecture == "GPT2LMHeadModel":
-        if name == "qkv":  # c_attn's [q | k | v]: this rank's heads of each
-            e = model_config.n_embd
-            lo, hi = layout.shard(e)
-            return [(part * e + lo, part * e + hi) for part in range(3)]
-        return [layout.shard(model_config.n_inner)]  # fc
-    d = model_config.head_dim
-    if name == "qkv":
-        heads = model_config.num_attention_heads if index == 0 else model_config.num_key_value_heads
-        lo, hi = layout.shard(heads)
-        return [(lo * d, hi * d)]
-    return [layout.shard(model_config.intermediate_size)]  # gate_up
+    """The rows of a column-parallel slice's output this rank holds, as its base weight's shard (the
+    family knows how its fused projections are laid out)."""
+    return family_of(model_config).lora.output_rows(model_config, layout.shard, name, index)
 
 
 def _input_range(model_config: object, layout: ParallelLayout, name: str) -> tuple[int, int]:
     """The columns of a row-parallel projection's input this rank holds."""
-    if model_config.architecture == "GPT2LMHeadModel":
-        return layout.shard(model_config.n_embd if name == "o" else model_config.n_inner)
-    if name == "o":
-        lo, hi = layout.shard(model_config.num_attention_heads)
-        return lo * model_config.head_dim, hi * model_config.head_dim
-    return layout.shard(model_config.intermediate_size)
+    return family_of(model_config).lora.input_columns(model_config, layout.shard, name)
 
 
 def _local_widths(model_config: object, layout: ParallelLayout, projection: Projection) -> tuple[int, list[int]]:

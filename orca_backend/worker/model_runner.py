@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from orca_backend.config import AnyModelConfig, EngineConfig
+from orca_backend.config import EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup, any_rank
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
+from orca_backend.families import AnyModelConfig
 from orca_backend.lora import LoRARequest
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model

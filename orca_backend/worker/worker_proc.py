@@ -29,9 +29,10 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from orca_backend.config import AnyModelConfig, EngineConfig, model_config_from_json
+from orca_backend.config import EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import ParallelLayout
+from orca_backend.families import AnyModelConfig, model_config_from_json
 from orca_backend.model.device import torch_dtype
 from orca_backend.scheduler_output import decode_step
 from orca_backend.worker.model_runner import ModelRunner
