@@ -5,11 +5,15 @@ engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop) 
 worker -> model -> distributed -> shared plain modules (config, the model families, messages, the
 scheduler output, sampling params, structured-output spec, tokenizer, net, LoRA adapters' registry)
 and the kernels. A module may import its own layer or any layer below it, never one above.
+
+Only the model families (orca_backend/families/) name a checkpoint architecture; every other module
+asks them.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +160,30 @@ def test_the_families_import_only_each_other():
     for path in sorted((PACKAGE / "families").rglob("*.py")):
         outside = [t for _, t in imported_modules(path) if not t.startswith("orca_backend.families")]
         assert outside == [], f"{path.relative_to(ROOT)} imports {outside}"
+
+
+# A checkpoint architecture as config.json's `architectures` names it, quoted.
+ARCHITECTURE_STRING = re.compile(r"[\"'][A-Za-z0-9]+(?:ForCausalLM|LMHeadModel|ForConditionalGeneration)[\"']")
+SOURCE_FOLDERS = ("orca_backend", "kernels", "client", "benchmarks")  # tests/ may name architectures
+
+
+def naming_architectures(paths: list[Path]) -> list[Path]:
+    """The files among `paths` that contain an architecture string."""
+    return [path for path in paths if ARCHITECTURE_STRING.search(path.read_text())]
+
+
+def test_only_the_families_name_an_architecture():
+    """Adding a family (docs/architecture.md, "Adding a family") touches its families/ module, its
+    model code and the registry line: no switch on an architecture string elsewhere."""
+    paths = sorted(path for folder in SOURCE_FOLDERS for path in (ROOT / folder).rglob("*.py"))
+    found = [path.relative_to(ROOT).as_posix() for path in naming_architectures(paths)]
+    assert [path for path in found if not path.startswith("orca_backend/families/")] == []
+    assert {"orca_backend/families/gpt2.py", "orca_backend/families/llama.py", "orca_backend/families/gemma.py"} <= set(found)
+
+
+def test_a_planted_architecture_string_is_caught(tmp_path):
+    """The check itself: a module switching on an architecture must be reported, and one that does not, not."""
+    planted, clean = tmp_path / "planted.py", tmp_path / "clean.py"
+    planted.write_text("def tied(config):\n    return config.architecture == 'Gemma2ForCausalLM'\n")
+    clean.write_text("def tied(config):\n    return family_of(config).name == 'gemma'\n")
+    assert naming_architectures([planted, clean]) == [planted]
