@@ -154,6 +154,14 @@ print(len(loaded))
     assert int(result.stdout) <= 25
 
 
+def test_model_config_is_gpt2s_config_under_its_public_name():
+    """`orca_backend.ModelConfig`, the public API's name, is families.gpt2.GPT2Config itself."""
+    import orca_backend
+    from orca_backend.families.gpt2 import GPT2Config
+
+    assert orca_backend.ModelConfig is GPT2Config
+
+
 def test_the_families_import_only_each_other():
     """config.py, lora.py and the model code read the families; the families read nothing of the
     engine (no cycle with config.py, and no torch)."""

@@ -24,7 +24,7 @@ class EngineAdapter:
     scheduling: str  # "iteration" | "request"
 
     def initialize(self, args: dict[str, str]) -> None:
-        # Triton's config.pbtxt as JSON; not to be confused with the engine's ModelConfig (geometry).
+        # Triton's config.pbtxt as JSON; not to be confused with the engine's model config (geometry, families/).
         self.triton_config: dict[str, Any] = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         self.check_triton_config()
