@@ -197,9 +197,8 @@ class LlamaConfig:
         )
 
 
-
 def _moe_fields(raw: dict[str, Any], spec: Architecture) -> dict[str, Any]:
-    """The mixture-of-experts switches under each family's names (none for a dense model)."""
+    """The mixture-of-experts switches under each architecture's names (none for a dense model)."""
     if spec.moe == "mixtral":
         return {"num_experts": int(raw["num_local_experts"]), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
                 "moe_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True}  # fmt: skip

@@ -24,12 +24,12 @@ def load_model(
     config: EngineConfig, model_config: AnyModelConfig, device: torch.device,
     layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
 ) -> Any:  # fmt: skip
-    family = model_code(model_config)
+    code = model_code(model_config)
     if config.model in PRESETS:
         logger.info("model: preset %s with random weights (seed %d)", config.model, config.seed)
-        source = WeightSource.from_state_dict(family.random_state_dict(model_config, config.seed))
+        source = WeightSource.from_state_dict(code.random_state_dict(model_config, config.seed))
     else:
         logger.info("model: checkpoint %s (%s)", config.model, model_config.architecture)
-        source = WeightSource.from_dir(config.model, family.checkpoint_key, fp8=getattr(model_config, "fp8", False))
-    weights = family.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
-    return family.model(model_config, weights, get_ops(device, config.kernels), layout, tp)
+        source = WeightSource.from_dir(config.model, code.checkpoint_key, fp8=getattr(model_config, "fp8", False))
+    weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
+    return code.model(model_config, weights, get_ops(device, config.kernels), layout, tp)
