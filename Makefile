@@ -71,7 +71,7 @@ GPU_SERVED_OUT ?= gpu_results/served
 GPU_SERVED_ARGS ?= --model gpt2-medium --dtype bfloat16
 gpu-served:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e . $(WHEELS)/*.whl
-	$(PYTHON) client/bench.py --device cuda --out $(GPU_SERVED_OUT) $(GPU_SERVED_ARGS)
+	$(PYTHON) -m orca_client.bench --device cuda --out $(GPU_SERVED_OUT) $(GPU_SERVED_ARGS)
 
 # The same script on CPU, as CI runs it (tests/test_gpu_check.py): every section end to end with
 # --quick's small settings (gpt2-tiny, float32, the kernels in Triton's interpreter, a short A/B);

@@ -64,7 +64,8 @@ SECTIONS = ("ceilings", "kernels", "decode", "prefill", "graphs", "ab")
 
 
 def load_sibling(name: str) -> ModuleType:
-    """A script beside this one, by path: `kernels` would clash with the repository's kernels/ package."""
+    """A script beside this one, by path: the name `kernels` would clash with the repository's kernels/
+    folder (and with the PyPI package of that name)."""
     spec = importlib.util.spec_from_file_location(f"orca_bench_{name}", BENCH_DIR / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

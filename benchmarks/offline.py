@@ -20,7 +20,7 @@ Suites:
   lora        output tokens/s with --lora N random adapters of rank --lora-rank mixed (request i runs
               adapter i mod N) against the base model without LoRA and with LoRA on but unused, on the
               same requests, --repeat alternating rounds (README target: mixed >= 0.8x the base model).
-  gemm        the three CPU GEMMs of kernels/cpu_gemm.py (the C decode kernel, oneDNN, MKL)
+  gemm        the three CPU GEMMs of kernels/orca_kernels/cpu_gemm.py (the C decode kernel, oneDNN, MKL)
               over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
               measurements behind its thresholds (docs/cpu-gemm.md).
 """

@@ -22,14 +22,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "client"))
+sys.path.insert(0, str(ROOT / "client"))  # orca_client from this tree, installed or not
 
 
 def baseline_tree(revision: str, into: Path) -> dict[str, str]:
     """Extracts `revision` into `into` and returns the environment that makes its packages the ones
-    imported (its orca_backend, and its kernels as orca_kernels)."""
+    imported (its orca_backend, and its orca_kernels: kernels/orca_kernels/, or kernels/ itself in
+    revisions from before the package folders were named as they import)."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    if (into / "kernels" / "orca_kernels").is_dir():
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(into / "kernels"), str(into)])}
     packages = into / "_packages"
     packages.mkdir()
     (packages / "orca_kernels").symlink_to(into / "kernels")

@@ -1,5 +1,6 @@
-"""The linear-layer matmul the model runs (orca_backend.model.gemm over kernels/cpu_gemm.py: the C
-kernel for few tokens on CPU float32, oneDNN, then MKL) and kernels/csrc/decode_gemm.c against F.linear."""
+"""The linear-layer matmul the model runs (orca_backend.model.gemm over
+kernels/orca_kernels/cpu_gemm.py: the C kernel for few tokens on CPU float32, oneDNN, then MKL) and
+kernels/orca_kernels/csrc/decode_gemm.c against F.linear."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ asks them.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -22,6 +23,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "orca_backend"
+# Each Python package's folder, named as it imports; kernels/ and client/ are the product's
+# top-level folders around theirs (docs/architecture.md, "Layers").
+PACKAGE_FOLDERS = {
+    "orca_backend": PACKAGE,
+    "orca_kernels": ROOT / "kernels" / "orca_kernels",
+    "orca_client": ROOT / "client" / "orca_client",
+}
 
 # Rank of every orca_backend module or subpackage: higher ranks sit above lower ones.
 LAYERS: dict[str, int] = {
@@ -102,9 +110,26 @@ def test_no_module_imports_a_layer_above_it():
     assert upward_imports(sorted(PACKAGE.rglob("*.py"))) == []
 
 
+def test_every_package_sits_in_a_folder_named_as_it_imports():
+    """`import orca_kernels.attention` is kernels/orca_kernels/attention.py: the top-level folders
+    kernels/ and client/ hold their package and no Python module of their own."""
+    for name, folder in PACKAGE_FOLDERS.items():
+        assert folder.name == name and (folder / "__init__.py").is_file(), folder
+    for top in ("kernels", "client"):
+        assert sorted(p.name for p in (ROOT / top).glob("*.py")) == [], top
+        assert sorted(p.parent.name for p in (ROOT / top).glob("*/__init__.py")) == [f"orca_{top}"]
+
+
+def test_the_installed_packages_are_this_trees_folders():
+    """An editable install (pip install -e .) maps each import name onto its folder here."""
+    origins = [Path(importlib.util.find_spec(name).origin).resolve() for name in PACKAGE_FOLDERS]
+    if not all(origin.is_relative_to(ROOT) for origin in origins):
+        pytest.skip("the packages are installed from elsewhere (not an editable install of this tree)")
+    assert origins == [(folder / "__init__.py").resolve() for folder in PACKAGE_FOLDERS.values()]
+
+
 def test_kernels_import_nothing_of_the_engine():
-    kernels = ROOT / "kernels"
-    for path in kernels.rglob("*.py"):
+    for path in PACKAGE_FOLDERS["orca_kernels"].rglob("*.py"):
         assert not [t for _, t in imported_modules(path) if t.startswith("orca_backend")], path
 
 

@@ -1,4 +1,4 @@
-"""`orca-bench --tune` (client/tune.py): ORCA's tuning step. The choice on given curves, the
+"""`orca-bench --tune` (client/orca_client/tune.py): ORCA's tuning step. The choice on given curves, the
 arguments, and the whole command on a tiny model served by a real tritonserver."""
 
 from __future__ import annotations

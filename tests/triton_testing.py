@@ -2,7 +2,7 @@
 interpreter, and the helpers every kernel test file shares.
 
 How Triton picks the interpreter: ``@triton.jit`` reads TRITON_INTERPRET when it decorates a
-function, not at launch. Our kernels are decorated when a ``kernels/triton_*.py`` module is
+function, not at launch. Our kernels are decorated when a ``kernels/orca_kernels/triton_*.py`` module is
 imported, and ``get_ops`` re-imports one built in the other mode, so per-test monkeypatching covers
 them. But ``triton.language`` decorates its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``) when
 ``triton`` is first imported, so the variable must also be set *before the first import of triton*

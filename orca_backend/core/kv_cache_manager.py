@@ -15,7 +15,7 @@ With a sliding window on every layer (Mistral; `LlamaConfig.kv_window`), the pag
 gives back, as a request grows, the blocks that lie wholly before the window of every position it
 has yet to compute: no layer reads them again, so a long generation holds about
 ``window / block_size + 1`` blocks. Their table entries become -1 here; the runners keep their
-copies of the old ids, which no windowed kernel reads (kernels/attention.py).
+copies of the old ids, which no windowed kernel reads (kernels/orca_kernels/attention.py).
 
 Prefix caching works the same under both: a full, computed block is registered under its key, and
 a request admitted later whose tokens start with registered blocks shares them (reference counts)

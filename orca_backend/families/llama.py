@@ -100,7 +100,8 @@ class LlamaConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # Sliding-window attention: the layers whose `layer_types` entry is "sliding_attention" attend to
-    # their last `sliding_window` positions only (kernels/attention.py). Empty layer_types: no window.
+    # their last `sliding_window` positions only (kernels/orca_kernels/attention.py). Empty
+    # layer_types: no window.
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
 

@@ -1,6 +1,6 @@
 """FP8 checkpoints (quant_method "fp8", e4m3): reading their linear weights with their scales.
 
-Two layouts are read (kernels/fp8.py says what a weight and its scales stand for):
+Two layouts are read (kernels/orca_kernels/fp8.py says what a weight and its scales stand for):
 - block-scaled, as Qwen3-FP8 and DeepSeek ship (`weight_block_size` in the config): each `*.weight`
   is FP8 beside a float32 `*.weight_scale_inv` of one scale per block;
 - per-tensor (no `weight_block_size`): one `*.weight_scale` per weight, read as the block (1, in).

@@ -1,7 +1,7 @@
 """The matrix multiply of every linear layer (weights `[out, in]`, torch.nn.Linear's layout).
 
-On CPU in float32 the weights stay plain and contiguous, and kernels/cpu_gemm.py picks the multiply
-by the number of tokens (a C kernel for decodes, oneDNN, then MKL; `ORCA_CPU_GEMM` overrides it).
+On CPU in float32 the weights stay plain and contiguous, and kernels/orca_kernels/cpu_gemm.py picks
+the multiply by the number of tokens (a C kernel for decodes, oneDNN, then MKL; `ORCA_CPU_GEMM` overrides it).
 CUDA and half precision use F.linear; FP8 weights (CUDA only) a Triton dequantizing GEMM.
 """
 

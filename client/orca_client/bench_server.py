@@ -24,7 +24,7 @@ from typing import Any
 
 from orca_client import protocol
 
-ECHO_REPOSITORY = Path(__file__).resolve().parents[1] / "benchmarks" / "echo_repository"
+ECHO_REPOSITORY = Path(__file__).resolve().parents[2] / "benchmarks" / "echo_repository"
 VARIANT_PREFIX = "orca_"  # an --orca-variants NAME is served as model orca_NAME
 # Kinds served by the iteration-level engine: both stream, take unbatched requests and export the
 # engine's metrics. Only plain "orca" is the reference (SLO probe, capacity, fairness, served path).

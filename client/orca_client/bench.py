@@ -10,7 +10,7 @@
     orca-bench --shared-prefix 256 --orca-variants 'cached:kv_policy=paged,enable_prefix_caching=true'
     orca-bench --max-tokens 512 --rates 1,2 --orca-variants 'paged:kv_policy=paged'   # answers stop early
     orca-bench --tune max_num_seqs=8,16,32,64 --slo-ms 40   # ORCA's tuning: best max_num_seqs within 40 ms/token
-    orca-bench --lora 4 --model llama-150m                  # 4 random LoRA adapters mixed vs none (client/lora_stage.py)
+    orca-bench --lora 4 --model llama-150m                  # 4 random LoRA adapters mixed vs none (lora_stage.py)
 
 Steps: start tritonserver with `orca`, one `orca_<name>` copy per --orca-variants entry (orca with
 other engine parameters), one `baseline` copy per --baseline-batch-sizes and `echo`;
@@ -18,7 +18,7 @@ warm every model up; measure the unloaded per-token latency (one typical request
 and set the SLO to --slo-factor times it; run a burst of equal-length requests on orca and on the
 baseline (the fairness check, which also estimates orca's capacity for the auto rate grid); the
 served-path stage (bursts of --served-path-streams requests on orca against the same requests on
-the offline engine, with the CPU per token of each server process: client/served_path.py); sweep
+the offline engine, with the CPU per token of each server process: served_path.py); sweep
 the request rates (each rate: orca, its variants, then every baseline, same requests and arrival
 pattern; orca-kind runs also record the engine's peak running requests, preemptions, prompt tokens
 computed and prefix-cache hits from the metrics endpoint); run the
@@ -227,7 +227,7 @@ def make_workload(args: argparse.Namespace, geometry: Geometry, max_requests: in
 
 
 def with_early_stop_workload(args: argparse.Namespace, workload: Workload, geometry: Geometry) -> Workload:
-    """--max-tokens: the workload's requests end at stop tokens (client/early_stop.py)."""
+    """--max-tokens: the workload's requests end at stop tokens (early_stop.py)."""
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     sys.stderr.write(f"computing the stop tokens of {len(workload.base)} requests offline ({model}) ...\n")
     try:

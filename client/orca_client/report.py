@@ -270,7 +270,7 @@ def _vs(best: float, orca: float, interp: float, orca_interp: float) -> str:
 
 
 def _served_path_lines(section: dict[str, Any]) -> list[str]:
-    """The served-path stage (client/served_path.py): served vs offline throughput, CPU per token."""
+    """The served-path stage (served_path.py): served vs offline throughput, CPU per token."""
     lines = [
         "## Served path: orca through Triton vs the offline engine",
         "",
@@ -311,7 +311,7 @@ def _served_path_lines(section: dict[str, Any]) -> list[str]:
 
 
 def tune_lines(tune: dict[str, Any]) -> list[str]:
-    """The summary's section for `orca-bench --tune` (client/tune.py)."""
+    """The summary's section for `orca-bench --tune` (tune.py)."""
     which = " and ".join(tune["percentiles"])
     lines = ["## Tuning", "",
              f"`{tune['key']}`: the highest throughput whose {which} normalized latency is within "

@@ -1,7 +1,7 @@
 /* exp for the element-wise kernels (llama_ops.c, gpt2_ops.c), computed as torch's vectorised CPU
  * kernels compute it. Each including file compiles its own static copy; both include it after
  * turning floating-point contraction off, so it rounds as written (its fused multiply-adds are
- * explicit fmaf calls). kernels/native.py rebuilds a kernel when this header changes. */
+ * explicit fmaf calls). kernels/orca_kernels/native.py rebuilds a kernel when this header changes. */
 #ifndef ORCA_EXPF_SLEEF_H
 #define ORCA_EXPF_SLEEF_H
 

@@ -69,7 +69,7 @@ def summary(machine: dict[str, str] | None = None) -> str:
 def code_revision(tree: Path | None = None) -> str:
     """The commit of the checkout at `tree` (default: the one this package sits in), "+dirty" with
     uncommitted changes to tracked files; "unknown" outside a git checkout (an installed copy)."""
-    tree = tree or Path(__file__).resolve().parents[1]
+    tree = tree or Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         try:

@@ -1,5 +1,5 @@
-"""Builds and loads the project's small C kernels for CPU (kernels/csrc) with the system C compiler,
-and the conventions every kernel is called with.
+"""Builds and loads the project's small C kernels for CPU (kernels/orca_kernels/csrc) with the system C
+compiler, and the conventions every kernel is called with.
 
 A kernel is compiled once per machine into a cache directory (``$ORCA_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/orca``, else ``~/.cache/orca``), keyed by its source, the compiler and the CPU's

@@ -12,7 +12,7 @@ The weights of every slot are stacked: ``a`` [slots, R, in] and ``b`` [slots, ou
 rank. An adapter of a smaller rank is zero-padded, and a fused projection (q/k/v, gate/up) stacks the
 slices' ranks with B block-diagonal; the zeros add exact zeros, so padding changes no result. The
 adapter's scaling (alpha / r) is folded into B when the slot is loaded (orca_backend/model/lora.py).
-kernels/triton_lora.py is the GPU's grouped shrink and expand over the same metadata.
+kernels/orca_kernels/triton_lora.py is the GPU's grouped shrink and expand over the same metadata.
 """
 
 from __future__ import annotations
