@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orca_backend.config import EngineConfig
+    from orca_backend.entrypoints.llm import LLM, CompletionOutput
     from orca_backend.families.gpt2 import GPT2Config as ModelConfig
-    from orca_backend.llm import LLM, CompletionOutput
     from orca_backend.sampling_params import SamplingParams
 
 # public name -> (module, its name there)
 _PUBLIC = {
-    "LLM": ("orca_backend.llm", "LLM"),
-    "CompletionOutput": ("orca_backend.llm", "CompletionOutput"),
+    "LLM": ("orca_backend.entrypoints.llm", "LLM"),
+    "CompletionOutput": ("orca_backend.entrypoints.llm", "CompletionOutput"),
     "EngineConfig": ("orca_backend.config", "EngineConfig"),
     "ModelConfig": ("orca_backend.families.gpt2", "GPT2Config"),
     "SamplingParams": ("orca_backend.sampling_params", "SamplingParams"),

@@ -1,4 +1,5 @@
-"""Helpers for tests (and scripts) that talk to a real tritonserver started by orca_backend.serve."""
+"""Helpers for tests (and scripts) that talk to a real tritonserver started by
+orca_backend.entrypoints.serve."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from orca_backend.serve import ServerOptions, TritonServer
+from orca_backend.entrypoints.serve import ServerOptions, TritonServer
 from orca_client.protocol import (
     STATUS_OUTPUTS,
     Delta,

@@ -415,7 +415,7 @@ def test_variants_are_orca_kind_with_their_own_label():
 
 def _served_config(path):
     """What Triton would report for a rendered config.pbtxt: its batch size and string parameters."""
-    from orca_backend.serve import _PARAM_RE
+    from orca_backend.entrypoints.serve import _PARAM_RE
 
     text = path.read_text()
     batch = int(re.search(r"(?m)^max_batch_size:\s*(\d+)", text).group(1))
@@ -442,7 +442,7 @@ def test_build_repository_writes_variant_copies(tmp_path):
 
 def test_serving_gives_variants_every_orca_wide_override(tmp_path, monkeypatch):
     """serving() with a stand-in server: the rendered repository is what tritonserver would load."""
-    import orca_backend.serve as serve
+    import orca_backend.entrypoints.serve as serve
 
     rendered, real_server = {}, serve.TritonServer
 

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from core_hooks import pid_alive
 
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.families.gpt2 import GPT2Config
-from orca_backend.llm import LLM
 from orca_backend.lora import ADAPTER_WEIGHTS, write_random_adapter
 from orca_backend.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
 from orca_client.protocol import STATUS_OUTPUTS, build_inputs

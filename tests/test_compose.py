@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orca_backend.serve import build_parser, options_from_args
+from orca_backend.entrypoints.serve import build_parser, options_from_args
 
 yaml = pytest.importorskip("yaml")
 

@@ -20,6 +20,7 @@ from core_hooks import pid_alive
 
 from orca_backend import EngineConfig, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.entrypoints.serve import EXIT_MODEL_FAILED
 from orca_backend.executor.multiproc import (
     STORE_DIR_PREFIX,
     make_store_dir,
@@ -28,7 +29,6 @@ from orca_backend.executor.multiproc import (
 )
 from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.net import free_port
-from orca_backend.serve import EXIT_MODEL_FAILED
 from orca_client.served_path import process_tree
 
 # Four heads and an even vocabulary so that tp=2 splits both.
@@ -186,7 +186,8 @@ def test_exit_on_model_failure_exits_with_its_code_and_leaves_nothing_running(ch
     key = "test-admin-key"
     log = tmp_path / "orca-serve.log"
     command = [
-        sys.executable, "-m", "orca_backend.serve", "--models", "orca", "--model", str(checkpoint), "--device", "cpu",
+        sys.executable, "-m", "orca_backend.entrypoints.serve", "--models", "orca", "--model", str(checkpoint),
+        "--device", "cpu",
         "--kv-capacity-tokens", "4096", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--exit-on-model-failure",
         f"--triton-arg=--http-restricted-api=model-repository:admin-key={key}",

@@ -9,7 +9,7 @@ import threading
 from orca_backend import EngineConfig, SamplingParams
 from orca_backend.core.iteration_log import IterationLog
 from orca_backend.engine.llm_engine import LLMEngine
-from orca_backend.serve import build_parser, options_from_args
+from orca_backend.entrypoints.serve import build_parser, options_from_args
 
 
 def test_the_lines_add_up_to_what_the_engine_did(tiny_checkpoint, tmp_path):

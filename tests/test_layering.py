@@ -1,10 +1,10 @@
 """The package's layers import only downward, and the light modules stay light.
 
-Layers, top to bottom (docs/architecture.md): server adapters, the offline LLM and orca-serve ->
-engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop) -> executor ->
-worker -> model -> distributed -> shared plain modules (config, the model families, messages, the
-scheduler output, sampling params, structured-output spec, tokenizer, net, LoRA adapters' registry)
-and the kernels. A module may import its own layer or any layer below it, never one above.
+Layers, top to bottom (docs/architecture.md): server adapters and the entry points (the offline
+LLM, orca-serve) -> engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop)
+-> executor -> worker -> model -> distributed -> shared plain modules (config, the model families,
+messages, the scheduler output, sampling params, structured-output spec, tokenizer, net, LoRA
+adapters' registry) and the kernels. A module may import its own layer or any layer below it, never one above.
 
 Only the model families (orca_backend/families/) name a checkpoint architecture; every other module
 asks them.
@@ -34,8 +34,7 @@ PACKAGE_FOLDERS = {
 # Rank of every orca_backend module or subpackage: higher ranks sit above lower ones.
 LAYERS: dict[str, int] = {
     "orca_backend.server": 8,
-    "orca_backend.llm": 8,
-    "orca_backend.serve": 8,
+    "orca_backend.entrypoints": 8,  # the offline LLM (llm.py) and orca-serve (serve.py)
     "orca_backend": 8,  # the package's lazy public names
     "orca_backend.engine": 7,
     "orca_backend.core": 6,
@@ -149,7 +148,8 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 @pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.families", "orca_backend.messages",
                                     "orca_backend.sampling_params", "orca_backend.lora",
                                     "orca_backend.structured_spec",
-                                    "orca_backend.serve", "orca_backend.net", "orca_backend.engine.llm_engine",
+                                    "orca_backend.entrypoints", "orca_backend.entrypoints.serve",
+                                    "orca_backend.net", "orca_backend.engine.llm_engine",
                                     "orca_backend.server.protocol", "orca_backend.server.metrics"])
 def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'orca' in m)"

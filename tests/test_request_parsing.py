@@ -12,7 +12,7 @@ import pytest
 
 from orca_backend.config import EngineConfig
 from orca_backend.engine.output_processor import RequestOutput
-from orca_backend.serve import ServerOptions, TritonServer, render_config
+from orca_backend.entrypoints.serve import ServerOptions, TritonServer, render_config
 from orca_backend.server.protocol import (
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -332,6 +332,6 @@ def test_rendered_repository_holds_only_the_chosen_models(tmp_path):
 
 
 def server_binary_stub():
-    from orca_backend.serve import TritonBinary
+    from orca_backend.entrypoints.serve import TritonBinary
 
     return TritonBinary(Path("/bin/true"))

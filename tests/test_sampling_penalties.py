@@ -16,7 +16,7 @@ import torch
 from kv_modes import KV_MODES
 
 from orca_backend import LLM, SamplingParams
-from orca_backend.llm import CompletionOutput
+from orca_backend.entrypoints.llm import CompletionOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
 
 transformers = pytest.importorskip("transformers")

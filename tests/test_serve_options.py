@@ -8,7 +8,7 @@ import re
 import pytest
 
 from orca_backend.config import EngineConfig
-from orca_backend.serve import build_parser, options_from_args, render_config
+from orca_backend.entrypoints.serve import build_parser, options_from_args, render_config
 
 
 def test_kv_flags_reach_orca_only():
@@ -23,7 +23,7 @@ def test_kv_flags_reach_orca_only():
 
 
 def test_checked_in_orca_config_parses_and_a_rendered_override_takes():
-    from orca_backend.serve import default_model_repository
+    from orca_backend.entrypoints.serve import default_model_repository
 
     text = (default_model_repository() / "orca" / "config.pbtxt").read_text()
     rendered = render_config(text, {"kv_policy": "paged", "enable_prefix_caching": "true"}, {})
@@ -39,7 +39,7 @@ def test_checked_in_orca_config_parses_and_a_rendered_override_takes():
 def test_triton_args_pass_through_to_the_command_line(tmp_path):
     from pathlib import Path
 
-    from orca_backend.serve import TritonBinary, TritonServer
+    from orca_backend.entrypoints.serve import TritonBinary, TritonServer
 
     restricted = "--http-restricted-api=model-repository:admin-key=k"
     args = build_parser().parse_args([f"--triton-arg={restricted}", "--triton-arg=--log-info=false"])
@@ -57,7 +57,7 @@ def test_the_model_repository_api_is_closed_unless_a_key_is_given(tmp_path, monk
     one nobody is told, over HTTP and gRPC alike (test_serving.py checks a live server refuses)."""
     from pathlib import Path
 
-    from orca_backend.serve import ServerOptions, TritonBinary, TritonServer
+    from orca_backend.entrypoints.serve import ServerOptions, TritonBinary, TritonServer
 
     binary = TritonBinary(Path("/opt/tritonserver/bin/tritonserver"))
 
@@ -79,7 +79,7 @@ def test_the_model_repository_api_is_closed_unless_a_key_is_given(tmp_path, monk
 def test_model_failure_monitor_confirms_a_failure_on_a_second_poll(tmp_path):
     """A model counts as failed when its readiness answers non-200 twice in a row; no answer at all
     (a busy or stopping server) is no verdict."""
-    from orca_backend.serve import ModelFailureMonitor, ServerOptions, TritonServer
+    from orca_backend.entrypoints.serve import ModelFailureMonitor, ServerOptions, TritonServer
 
     server = TritonServer(ServerOptions(run_dir=tmp_path))
     statuses = {"/v2/models/orca/ready": 200, "/v2/models/baseline/ready": 200}
@@ -98,7 +98,7 @@ def test_model_failure_monitor_confirms_a_failure_on_a_second_poll(tmp_path):
 
 
 def test_exit_on_model_failure_is_off_by_default_and_documents_its_code():
-    from orca_backend.serve import EXIT_MODEL_FAILED
+    from orca_backend.entrypoints.serve import EXIT_MODEL_FAILED
 
     parser = build_parser()
     assert parser.parse_args([]).exit_on_model_failure is False

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.families.gpt2 import GPT2Config
-from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 from orca_client.protocol import PERF_METRICS, PERF_OUTPUTS, STATUS_OUTPUTS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orca_backend.llm import LLM
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from orca_backend.llm import LLM
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
 from orca_backend.sampling_params import SamplingParams
 

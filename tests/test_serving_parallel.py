@@ -9,8 +9,8 @@ import signal
 import pytest
 from core_hooks import pid_alive
 
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.families.gpt2 import GPT2Config
-from orca_backend.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 from orca_client.served_path import process_tree
 

@@ -22,7 +22,7 @@ import pytest
 from core_hooks import CrashSwitch, StepGate, pid_alive
 
 from orca_backend.engine.llm_engine import LLMEngine
-from orca_backend.llm import LLM
+from orca_backend.entrypoints.llm import LLM
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.server.protocol import OUTPUT_NAMES
 

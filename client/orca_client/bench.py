@@ -550,7 +550,7 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
         yield Endpoint(args.url, args.metrics_url, models)
         return
 
-    from orca_backend.serve import ServerOptions, TritonServer
+    from orca_backend.entrypoints.serve import ServerOptions, TritonServer
 
     sizes = [] if args.echo else args.baseline_batch_sizes
     run_dir = Path(tempfile.mkdtemp(prefix="orca-bench-"))
@@ -641,7 +641,7 @@ def _orca_parameter_keys() -> set[str] | None:
     from dataclasses import fields
 
     from orca_backend.config import EngineConfig
-    from orca_backend.serve import default_model_repository
+    from orca_backend.entrypoints.serve import default_model_repository
 
     try:
         text = (default_model_repository() / "orca" / "config.pbtxt").read_text()

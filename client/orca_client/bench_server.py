@@ -76,7 +76,7 @@ def build_repository(target: Path, baseline_batch_sizes: list[int], echo: bool =
     A variant is orca's directory with the `name:` line and the variant's own parameters rewritten;
     settings that apply to every orca-kind model are passed to the server as per-model overrides.
     """
-    from orca_backend.serve import default_model_repository, render_config
+    from orca_backend.entrypoints.serve import default_model_repository, render_config
 
     source = Path(source or default_model_repository())
     if target.exists():

@@ -170,7 +170,7 @@ def offline_main(payload: Mapping[str, Any]) -> dict[str, Any]:
     """In the subprocess: LLM.generate on the burst's prompts, best of `repeats` after a warm-up;
     wall time and the CPU of this process and its children (the engine may start workers)."""
     from orca_backend.config import EngineConfig
-    from orca_backend.llm import LLM
+    from orca_backend.entrypoints.llm import LLM
     from orca_backend.sampling_params import SamplingParams
 
     # The served model's engine settings, less its iteration log: that file is the served engine's.

@@ -40,7 +40,7 @@ MODEL_POLL_INTERVAL_S = 1.0
 
 def default_model_repository() -> Path:
     """The repository checked in next to this package (editable install), else ./model_repository."""
-    beside_package = Path(__file__).resolve().parents[1] / "model_repository"
+    beside_package = Path(__file__).resolve().parents[2] / "model_repository"
     return beside_package if beside_package.is_dir() else Path.cwd() / "model_repository"
 
 
