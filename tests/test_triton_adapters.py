@@ -529,3 +529,32 @@ def test_orca_a_schema_that_does_not_compile_is_invalid_arg_while_another_reques
         model.finalize()
     for request in (warm, good, bad):
         assert_one_final(request.sender)
+
+
+@pytest.mark.parametrize("kind", ["orca", "baseline"])
+def test_a_text_prompt_is_tokenized_once_and_echoed_as_sent(pb_utils, tiny_checkpoint, monkeypatch, kind):
+    """The server tokenizes a text prompt once (LLMEngine.prompt_ids): the echo and the engine use
+    those ids, on both models (it was twice with the echo, three times on the baseline)."""
+    from orca_backend.tokenizer import Tokenizer
+
+    calls: list[str] = []
+    encode = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text: calls.append(text) or encode(self, text))
+    parameters = {"model": {"string_value": str(tiny_checkpoint[0])}, "kv_capacity_tokens": {"string_value": "2048"}}
+    config = {"model_transaction_policy": {"decoupled": True}} if kind == "orca" else {"max_batch_size": 2}
+    model = load(kind, parameters=parameters, **config)
+    text = "hello world"
+    tensors = {"text_input": np.array([text.encode()], dtype=np.object_), "max_tokens": np.array([4], dtype=np.int32),
+               "exclude_input_in_output": np.array([False])}  # fmt: skip
+    if kind == "baseline":
+        tensors = {k: v[np.newaxis] for k, v in tensors.items()}
+    request = FakeRequest('{"temperature": 0}', **tensors)
+    try:
+        calls.clear()  # the model's own start-up may tokenize (the chat template, the vocabulary check)
+        responses = model.execute([request])
+        final = finish(request).sent[-1][0] if kind == "orca" else responses[0]
+        assert final.error is None
+        assert calls == [text]
+        assert final.output("text_output").reshape(-1)[0].decode().startswith(text)  # the prompt echoed as sent
+    finally:
+        model.finalize()

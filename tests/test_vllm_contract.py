@@ -72,7 +72,7 @@ def test_each_optional_output_is_sent_only_when_its_return_input_is_true(name, v
     parsed = parse(**({} if value is None else {name: value}))
     expected = ALWAYS_SENT + ((RETURN_INPUTS[name],) if value else ())
     assert parsed.outputs == expected
-    builder = response_builder(parsed, CharTokenizer(), stream=True)
+    builder = response_builder(parsed, list(PROMPT), CharTokenizer(), stream=True)
     builder.add(event([65], 1, finished=True, reason="length"))
     assert set(builder.flush()) == set(expected)
 
@@ -89,7 +89,7 @@ def test_return_inputs_must_be_bools():
 ])
 def test_prompt_echo_follows_the_vllm_backend(stream, exclude, echoed):
     parsed = parse(stream=stream, exclude=exclude, **ALL_RETURNS)
-    builder = response_builder(parsed, CharTokenizer(), stream=stream)
+    builder = response_builder(parsed, list(PROMPT), CharTokenizer(), stream=stream)
     builder.add(event([65], 1))
     builder.add(event([66], 2, finished=True, reason="length"))
     arrays = builder.flush()
@@ -102,12 +102,12 @@ def test_prompt_echo_follows_the_vllm_backend(stream, exclude, echoed):
 def test_a_stream_refuses_exclude_input_in_output_false_with_the_vllm_message():
     assert STREAMING_ECHO_REFUSED == "When streaming, `exclude_input_in_output` = False is not allowed."
     with pytest.raises(ValueError, match=re.escape(STREAMING_ECHO_REFUSED)):
-        response_builder(parse(stream=True, exclude=False), CharTokenizer(), stream=True)
+        response_builder(parse(stream=True, exclude=False), list(PROMPT), CharTokenizer(), stream=True)
 
 
 def test_the_baseline_answers_once_so_a_stream_flag_does_not_refuse_the_echo():
     # The baseline builds every answer with stream=False, whatever the request's `stream` says.
-    builder = response_builder(parse(stream=True, exclude=False), CharTokenizer(), stream=False)
+    builder = response_builder(parse(stream=True, exclude=False), list(PROMPT), CharTokenizer(), stream=False)
     assert builder.prefix_ids == PROMPT
 
 
@@ -115,14 +115,14 @@ def test_the_baseline_answers_once_so_a_stream_flag_does_not_refuse_the_echo():
 def test_the_default_echo_follows_the_clients_stream_flag_on_both_models(stream):
     """exclude_input_in_output unset: orca (streaming as asked) and the baseline (answering once)
     echo the prompt alike, only when the client did not ask for a stream."""
-    orca = response_builder(parse(stream=stream), CharTokenizer(), stream=stream)
-    baseline = response_builder(parse(stream=stream), CharTokenizer(), stream=False, batched=True)
+    orca = response_builder(parse(stream=stream), list(PROMPT), CharTokenizer(), stream=stream)
+    baseline = response_builder(parse(stream=stream), list(PROMPT), CharTokenizer(), stream=False, batched=True)
     assert orca.prefix_ids == baseline.prefix_ids == ([] if stream else PROMPT)
 
 
 # ---- finish reasons, counts, logprobs --------------------------------------------------------
 def test_a_stream_says_none_until_the_last_response_and_its_counts_sum_to_the_total():
-    builder = response_builder(parse(stream=True, **ALL_RETURNS), CharTokenizer(), stream=True)
+    builder = response_builder(parse(stream=True, **ALL_RETURNS), list(PROMPT), CharTokenizer(), stream=True)
     reasons, counts, inputs = [], [], []
     for tokens, total, finished in [([65], 1, False), ([66, 67], 3, False), ([68], 4, True)]:
         builder.add(event(tokens, total, finished=finished, reason="stop" if finished else None))
@@ -136,10 +136,10 @@ def test_a_stream_says_none_until_the_last_response_and_its_counts_sum_to_the_to
 
 
 def test_a_cancelled_answer_says_abort_and_a_cancelled_stream_ends_in_a_cancelled_error():
-    once = response_builder(parse(return_finish_reason=True), CharTokenizer(), stream=False)
+    once = response_builder(parse(return_finish_reason=True), list(PROMPT), CharTokenizer(), stream=False)
     once.add(event([65], 1, finished=True, reason="cancelled"))
     assert once.error is None and once.flush()["finish_reason"][0] == b"abort"
-    streamed = response_builder(parse(stream=True), CharTokenizer(), stream=True)
+    streamed = response_builder(parse(stream=True), list(PROMPT), CharTokenizer(), stream=True)
     streamed.add(event([65], 1, finished=True, reason="cancelled"))
     assert streamed.error == "Request was cancelled"
     code, message = error_code(request_failure(streamed.error, True, streamed.finish_reason))
@@ -148,7 +148,7 @@ def test_a_cancelled_answer_says_abort_and_a_cancelled_stream_ends_in_a_cancelle
 
 def test_logprobs_json_is_one_dict_per_token_keyed_by_id_strings():
     parsed = parse(stream=True, sampling={"logprobs": 1}, **ALL_RETURNS)
-    builder = response_builder(parsed, CharTokenizer(), stream=True)
+    builder = response_builder(parsed, list(PROMPT), CharTokenizer(), stream=True)
     first = {65: Logprob(-0.5, 1, "A"), 70: Logprob(-1.5, 2, "F")}
     second = {66: Logprob(-2.0, 3, "B"), 71: Logprob(-0.25, 1, "G")}
     builder.add(event([65], 1, logprobs=[first], cumulative=-0.5))
@@ -166,7 +166,7 @@ def test_logprobs_json_is_one_dict_per_token_keyed_by_id_strings():
 
 
 def test_logprobs_say_null_unless_the_logprobs_parameter_was_set():
-    builder = response_builder(parse(return_logprobs=True, return_cumulative_logprob=True), CharTokenizer(),
+    builder = response_builder(parse(return_logprobs=True, return_cumulative_logprob=True), list(PROMPT), CharTokenizer(),
                                stream=False)  # fmt: skip
     builder.add(event([65], 1, finished=True, reason="length"))
     arrays = builder.flush()
@@ -175,7 +175,7 @@ def test_logprobs_say_null_unless_the_logprobs_parameter_was_set():
 
 
 def test_output_dtypes_are_the_vllm_backends():
-    builder = response_builder(parse(**ALL_RETURNS), CharTokenizer(), stream=False)
+    builder = response_builder(parse(**ALL_RETURNS), list(PROMPT), CharTokenizer(), stream=False)
     builder.add(event([65], 1, finished=True, reason="length"))
     dtypes = {name: array.dtype for name, array in builder.flush().items()}
     assert dtypes == {"text_output": np.object_, "output_ids": np.int32, "finish_reason": np.object_,

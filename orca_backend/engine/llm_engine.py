@@ -194,7 +194,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self._check_stop_strings(params.stop)
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids:")
         if params.logit_bias:
             self._check_in_vocabulary(list(params.logit_bias), "logit_bias:")
@@ -308,7 +308,10 @@ class LLMEngine:
             raise ValueError(f"a stop string of {longest} characters, longer than this deployment's "
                              f"max_stop_length of {length}")  # fmt: skip
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as token ids: a text tokenized (the one place it is), ids checked against the
+        vocabulary; ValueError for an empty prompt or a text without a tokenizer. A frontend that
+        needs the ids itself (the served adapters echo the prompt) calls it once and passes the ids on."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer, and this model has none: send token ids instead")

@@ -53,29 +53,32 @@ class BaselineModel(EngineAdapter):
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         parsed: dict[int, ParsedRequest] = {}
+        prompts: dict[int, list[int]] = {}  # each request's prompt ids, tokenized once
         builders: dict[int, ResponseBuilder] = {}
         for index, request in enumerate(requests):
             try:
                 parsed[index] = read_request(request, self.engine.config, batched=True)
+                prompts[index] = self.engine.prompt_ids(parsed[index].prompt)
                 # One answer per request: `stream` cannot apply, so it holds everything.
-                builders[index] = response_builder(parsed[index], self.tokenizer, stream=False, batched=True)
+                builders[index] = response_builder(parsed[index], prompts[index], self.tokenizer, stream=False,
+                                                   batched=True)  # fmt: skip
             except Exception as exc:  # this request alone fails; the rest of the batch runs
                 responses[index] = error_response(exc)
                 parsed.pop(index, None)
         if parsed:
-            self._run_batch(requests, parsed, builders, responses)
+            self._run_batch(requests, parsed, prompts, builders, responses)
         return responses
 
-    def _run_batch(self, requests: list[Any], parsed: dict[int, ParsedRequest],
+    def _run_batch(self, requests: list[Any], parsed: dict[int, ParsedRequest], prompts: dict[int, list[int]],
                    builders: dict[int, ResponseBuilder], responses: list[Any]) -> None:
         self._batch_ids += 1
         ids = {index: f"batch{self._batch_ids}-{index}" for index in parsed}
         index_of = {request_id: index for index, request_id in ids.items()}
-        admitted = self._admit(parsed, responses)
+        admitted = self._admit(parsed, prompts, responses)
         events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         if admitted:
             try:
-                self.engine.add_requests([parsed[i].prompt for i in admitted], [parsed[i].params for i in admitted],
+                self.engine.add_requests([prompts[i] for i in admitted], [parsed[i].params for i in admitted],
                                          request_ids=[ids[i] for i in admitted], on_output=events.put,
                                          priority=[parsed[i].priority for i in admitted],
                                          timeout_s=[parsed[i].timeout_s for i in admitted])  # fmt: skip
@@ -113,7 +116,7 @@ class BaselineModel(EngineAdapter):
                 except Exception as exc:  # this request alone fails; the batch's others are answered
                     responses[index] = error_response(exc)
 
-    def _admit(self, parsed: dict[int, ParsedRequest], responses: list[Any]) -> list[int]:
+    def _admit(self, parsed: dict[int, ParsedRequest], prompts: dict[int, list[int]], responses: list[Any]) -> list[int]:
         """The requests the engine accepts; the others get their validation error."""
         if not self.engine.healthy:
             for index in parsed:
@@ -123,7 +126,7 @@ class BaselineModel(EngineAdapter):
         for index, request in parsed.items():
             try:
                 # add_requests() is all-or-none and does not say which request was bad: check each first.
-                self.engine.validate(request.prompt, request.params)
+                self.engine.validate(prompts[index], request.params)
                 admitted.append(index)
             except ValueError as exc:
                 responses[index] = error_response(exc)

@@ -101,14 +101,16 @@ class OrcaModel(EngineAdapter):
         if self._dead_reason is not None:
             raise EngineUnavailable(self._dead_reason)
         parsed = read_request(request, self.engine.config)
-        builder = response_builder(parsed, self.tokenizer, stream=parsed.stream, stream_interval=self.stream_interval)
+        prompt_ids = self.engine.prompt_ids(parsed.prompt)  # the prompt's one tokenizing
+        builder = response_builder(parsed, prompt_ids, self.tokenizer, stream=parsed.stream,
+                                   stream_interval=self.stream_interval)  # fmt: skip
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
         pending = _Pending(request_id, request, sender, builder)
         # Registered before the engine sees it: its first event may come before add_request returns.
         with self._lock:
             self._pending[request_id] = pending
         try:
-            self.engine.add_request(parsed.prompt, parsed.params, request_id=request_id, on_output=self._events.put,
+            self.engine.add_request(prompt_ids, parsed.params, request_id=request_id, on_output=self._events.put,
                                     priority=parsed.priority, timeout_s=parsed.timeout_s)  # fmt: skip
         except Exception:
             with self._lock:

@@ -325,9 +325,10 @@ def finished_request(builder: ResponseBuilder) -> FinishedRequest:
                            builder.num_output_tokens, builder.lora_name)  # fmt: skip
 
 
-def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, batched: bool = False,
-                     stream_interval: int = 1) -> ResponseBuilder:
-    """The builder for one parsed request, `stream` saying whether it is answered as a stream.
+def response_builder(request: ParsedRequest, prompt_ids: list[int], tokenizer: Any, *, stream: bool,
+                     batched: bool = False, stream_interval: int = 1) -> ResponseBuilder:
+    """The builder for one parsed request, `stream` saying whether it is answered as a stream;
+    `prompt_ids` are its prompt's ids (LLMEngine.prompt_ids: a text prompt is tokenized once, there).
 
     The prompt is echoed when `exclude_input_in_output` is false, or unset and the client did not
     ask for a stream (its `stream` flag, whether or not the model streams: the baseline answers once
@@ -339,13 +340,11 @@ def response_builder(request: ParsedRequest, tokenizer: Any, *, stream: bool, ba
     prefix_ids: list[int] = []
     prefix_text = ""
     if request.exclude_input is False or (request.exclude_input is None and not request.stream):
+        prefix_ids = prompt_ids
         if isinstance(request.prompt, str):
-            if tokenizer is None:
-                raise ValueError("text_input needs a tokenizer, and this model has none: send input_ids instead")
-            prefix_ids, prefix_text = list(tokenizer.encode(request.prompt)), request.prompt
-        else:
-            prefix_ids = list(request.prompt)
-            prefix_text = tokenizer.decode(prefix_ids) if tokenizer is not None else ""
+            prefix_text = request.prompt
+        elif tokenizer is not None:
+            prefix_text = tokenizer.decode(prefix_ids)
     return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
                            outputs=request.outputs, stream_interval=stream_interval,
                            wants_logprobs=request.params.logprobs is not None, lora_name=request.params.lora_name)
