@@ -25,10 +25,9 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource, gpt2_key, random_hf_state_dict
-from orca_backend.model.lora import LoRAStack
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.registry import ModelCode
-from orca_backend.model.stage_input import StageInput
+from orca_backend.model.stage_input import StageInput, StageModel, stage_output
 from orca_kernels import AttentionMetadata, KernelOps
 
 
@@ -111,21 +110,13 @@ class GPT2Weights:
         return weights
 
 
-class GPT2:
+class GPT2(StageModel):
     def __init__(
         self, config: GPT2Config, weights: GPT2Weights, ops: KernelOps,
         layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
-        self.config = config
-        self.weights = weights
-        self.ops = ops
-        self.layout = layout
-        self.tp = tp or TensorParallelGroup()
-        self.num_heads = config.n_head // layout.tp_size
-        self.num_kv_heads = self.num_heads  # one K/V head per query head
-        self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
+        super().__init__(config, weights, ops, layout, tp, config.n_head, config.n_head)  # one K/V head per query head
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
 
     @torch.inference_mode()
     def forward(
@@ -162,7 +153,7 @@ class GPT2:
                 h = gemm.linear_bias_gelu(h, layer.fc_w, layer.fc_b, ops.bias_gelu)
             x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp, lora and lora.adder(i, "down"))
         if not self.layout.is_last_stage:
-            return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
+            return stage_output(x, residual)
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)

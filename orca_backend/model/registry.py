@@ -17,8 +17,8 @@ from orca_backend.families import AnyModelConfig, family_of
 
 @dataclass(frozen=True)
 class ModelCode:
-    weights: Any  # a class with .load(source, config, layout, dtype, device)
-    model: Any  # a class built from (config, weights, ops, layout, tp) with .forward(...)
+    weights: Any  # a class with .load(source, config, layout, dtype, device): model/decoder.py's DecoderWeights, or GPT-2's
+    model: Any  # a StageModel (model/stage_input.py) built from (config, weights, ops, layout, tp), with .forward(...)
     checkpoint_key: Callable[[str], str | None]  # stored tensor name -> the name the weights ask for
     random_state_dict: Callable[..., dict]  # (config, seed) -> HF-named random tensors, for presets
 

@@ -1,12 +1,19 @@
-"""What enters a pipeline stage, for every model family."""
+"""What enters and leaves a pipeline stage, and what every family's model holds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import ParallelLayout
+from orca_kernels import KernelOps
 from orca_kernels.lora import LoRAMetadata
+
+if TYPE_CHECKING:
+    from orca_backend.model.lora import LoRAStack
 
 
 @dataclass
@@ -17,3 +24,29 @@ class StageInput:
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
     lora: LoRAMetadata | None = None  # each token's adapter, when some token runs one (model/lora.py)
+
+
+def stage_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """What a stage before the last passes on: [2, T, hidden], the block output and the residual
+    stream (zeros when the stage had no layer to start it)."""
+    return torch.stack([x, residual if residual is not None else torch.zeros_like(x)])
+
+
+class StageModel:
+    """What every family's model holds, as model/registry.py builds it from (config, weights, ops,
+    layout, tp): this rank's share of the heads and of the vocabulary, and the LoRA slots. The
+    family's `forward(stage_input, meta, kv_caches, logits_indices)` runs its stage."""
+
+    def __init__(
+        self, config: Any, weights: Any, ops: KernelOps, layout: ParallelLayout, tp: TensorParallelGroup | None,
+        num_heads: int, num_kv_heads: int,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        self.layout = layout
+        self.tp = tp or TensorParallelGroup()
+        self.num_heads = num_heads // layout.tp_size  # this rank's
+        self.num_kv_heads = num_kv_heads // layout.tp_size  # the K/V pool's heads (model_runner.py)
+        self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
+        self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
