@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint bench bench-offline gpu-check gpu-check-tests gpu-check-bench gpu-served gpu-check-cpu clean
+.PHONY: setup test test-fast lint bench bench-offline gpu-check gpu-check-tests gpu-check-bench gpu-served gpu-check-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The unit and oracle tests alone: no tritonserver, no Ray cluster (`make test` runs everything).
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not integration and not ray" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
