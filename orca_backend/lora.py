@@ -214,10 +214,10 @@ def _max_header_bytes(model_config: Any) -> int:
     return _HEADER_BYTES_BASE + _HEADER_BYTES_PER_TENSOR * 2 * len(table) * model_config.num_layers
 
 
-def check_weights(data: bytes, model_config: Any, rank: int) -> dict[tuple[int, str, int], tuple[str, str]]:
-    """Checks a whole adapter_model.safetensors: its header (a bounded JSON object), each tensor's key
-    and shape against the model, its dtype, data offsets that tile the file exactly, and every value
-    finite. Returns the module table (see AdapterSpec.modules)."""
+def _weights_header(data: bytes, model_config: Any, rank: int) -> tuple[dict[str, Any], int, dict[tuple[int, str, int], tuple[str, str]]]:
+    """(the tensors' header entries, the header's size, the module table) of an adapter_model.safetensors:
+    a bounded JSON object whose every entry has a float dtype, a shape and data offsets, each tensor's
+    key and shape checked against the model."""
     if len(data) < 8:
         raise AdapterFileError(f"{ADAPTER_WEIGHTS} is not a safetensors file (only {len(data)} bytes)")
     (size,) = struct.unpack_from("<Q", data)
@@ -239,7 +239,13 @@ def check_weights(data: bytes, model_config: Any, rank: int) -> dict[tuple[int, 
                 and _ints(info.get("data_offsets"), length=2)):  # fmt: skip
             raise AdapterFileError(f"{ADAPTER_WEIGHTS}: tensor {key!r} has a malformed entry (dtype "
                                    f"{', '.join(_DTYPES)}, shape and data_offsets are expected)")  # fmt: skip
-    modules = _module_keys({key: info["shape"] for key, info in header.items()}, model_config, rank)
+    return header, size, _module_keys({key: info["shape"] for key, info in header.items()}, model_config, rank)
+
+
+def check_weights(data: bytes, model_config: Any, rank: int) -> dict[tuple[int, str, int], tuple[str, str]]:
+    """Checks a whole adapter_model.safetensors: its header (`_weights_header`), data offsets that
+    tile the file exactly, and every value finite. Returns the module table (see AdapterSpec.modules)."""
+    header, size, modules = _weights_header(data, model_config, rank)
     body = memoryview(data)[8 + size :]
     end = 0
     for key, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
@@ -303,7 +309,7 @@ def read_registered_weights(lora: LoRARequest, model_config: Any) -> tuple[bytes
     data, _ = _read_file(Path(lora.weights_file), _max_weights_bytes(model_config, lora.rank), None)
     if hashlib.sha256(data).hexdigest() != lora.digest:
         raise AdapterFileError("its weights changed since it was registered (register it again to serve the new ones)")
-    return data, check_weights(data, model_config, lora.rank)
+    return data, _weights_header(data, model_config, lora.rank)[2]  # its values were checked at registration
 
 
 def read_multi_lora_json(path: str | Path) -> dict[str, str]:
