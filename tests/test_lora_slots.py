@@ -78,7 +78,7 @@ def test_a_forgotten_adapter_frees_its_slot_and_loads_again_only_under_a_new_id(
     assert slots.acquire(A) and slots.acquire(B)
     slots.take_loads()
     slots.release(B)
-    slots.forget(B)
+    slots.forget(B.lora_id)
     assert slots.running_names() == ["A"]
     assert slots.acquire(C)  # B's slot, free again
     assert slots.take_loads() == [(1, C)]
@@ -87,7 +87,7 @@ def test_a_forgotten_adapter_frees_its_slot_and_loads_again_only_under_a_new_id(
     assert slots.acquire(fixed_b)
     assert slots.take_loads() == [(1, fixed_b)]
     with pytest.raises(AssertionError, match="holds"):
-        slots.forget(A)  # a running request holds it
+        slots.forget(A.lora_id)  # a running request holds it
 
 
 N_LONG, N_SHORT = 10, 2

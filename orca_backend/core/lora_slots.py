@@ -68,12 +68,12 @@ class LoRASlots:
         """The adapters running requests use."""
         return sorted(self._adapter_in[self._slot_of[lora_id]].name for lora_id in self._holders)
 
-    def forget(self, lora: LoRARequest) -> None:
-        """An adapter that failed to load, held by nobody now (its requests ended): its slot is free
-        again, and it is never made resident under this id."""
-        assert lora.lora_id not in self._holders, "forget() of an adapter a running request holds"
-        self._idle.pop(lora.lora_id, None)
-        slot = self._slot_of.pop(lora.lora_id, None)
+    def forget(self, lora_id: int) -> None:
+        """An adapter that failed to load, held by nobody now (its requests ended): its slot, if it
+        still has one, is free again."""
+        assert lora_id not in self._holders, "forget() of an adapter a running request holds"
+        self._idle.pop(lora_id, None)
+        slot = self._slot_of.pop(lora_id, None)
         if slot is not None:
             del self._adapter_in[slot]
             self._free.append(slot)

@@ -232,8 +232,8 @@ class Scheduler:
             self._end(request, FinishReason.ERROR)
             outputs.append(self._output(request, failures[request.lora.lora_id]))
         if self.loras is not None:
-            for lora in {r.lora.lora_id: r.lora for r in ended}.values():
-                self.loras.forget(lora)
+            for lora_id in failures:
+                self.loras.forget(lora_id)
         return self._release(CoreOutputs(others=outputs))
 
     def take_compiled(self) -> CoreOutputs:

@@ -30,7 +30,7 @@ from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import allocate_kv_pool
-from orca_backend.worker.lora_manager import LoRAManager, load_failure
+from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
 from orca_kernels.lora import lora_metadata
@@ -154,8 +154,8 @@ class ModelRunner:
             anywhere = any_rank([lora.lora_id in failed for _, lora in loads], self.device)
             elsewhere = {lora.lora_id for (_, lora), bad in zip(loads, anywhere, strict=True) if bad} - set(failed)
             self.lora.unload(elsewhere)
-            failed |= {lora.lora_id: load_failure(lora.name, RuntimeError("on another rank"))
-                       for _, lora in loads if lora.lora_id in elsewhere}  # fmt: skip
+            failed |= {lora.lora_id: f"LoRA adapter {lora.name!r} could not be loaded on another model worker "
+                                     "(its log has the details)" for _, lora in loads if lora.lora_id in elsewhere}  # fmt: skip
         self._lora_failures |= failed
 
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
