@@ -143,36 +143,27 @@ def test_multi_lora_json_is_reread_at_run_time(server, adapters, expected):
     path = server.run_dir / "model_repository" / "orca" / "1" / "multi_lora.json"
     path.write_text(json.dumps({"A": str(adapters / "A"), "C": str(adapters / "C")}))
 
-    def serves_c() -> bool:
+    def send(name: str):  # noqa: ANN202 - the stream's result
         with StreamSession(server.grpc_url) as session:
-            result = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("C"), stream=True)
+            result = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling(name), stream=True)
             session.wait()
-        return result.error is None and result.ids == expected["C"][1]
+        return result
 
-    assert wait_until(serves_c, timeout_s=30, interval_s=0.5)
-    with StreamSession(server.grpc_url) as session:
-        gone = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("B"), stream=True)
-        session.wait()
-    assert gone.error is not None and "LoRA adapter 'B' is not served by this model" in gone.error
+    def serves(name: str, weights: str) -> bool:  # the watcher thread re-reads the file within about a second
+        result = send(name)
+        return result.error is None and result.ids == expected[weights][1]
+
+    def refused(name: str) -> bool:
+        result = send(name)
+        return result.error is not None and f"LoRA adapter {name!r} is not served by this model" in result.error
+
+    assert wait_until(lambda: serves("C", "C"), timeout_s=30, interval_s=0.5)
+    assert refused("B")
     path.write_text(json.dumps({"A": str(adapters / "A"), "C": "/etc"}))  # outside lora_allowed_dir: refused, logged
-
-    def c_refused() -> bool:  # the watcher thread re-reads the file within about a second
-        with StreamSession(server.grpc_url) as session:
-            outside = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("C"), stream=True)
-            session.wait()
-        return outside.error is not None and "LoRA adapter 'C' is not served by this model" in outside.error
-
-    assert wait_until(c_refused, timeout_s=30, interval_s=0.5)
+    assert wait_until(lambda: refused("C"), timeout_s=30, interval_s=0.5)
 
     # A's files rewritten in place with C's: the watcher sees them change, reads A again (a new adapter,
     # loaded afresh, not the old weights from the host cache or the slot) and A's requests get C's tokens.
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         (adapters / "A" / name).write_bytes((adapters / "C" / name).read_bytes())
-
-    def a_serves_c_weights() -> bool:
-        with StreamSession(server.grpc_url) as session:
-            result = session.send("orca", text=PROMPTS[1], max_tokens=N, sampling=sampling("A"), stream=True)
-            session.wait()
-        return result.error is None and result.ids == expected["C"][1]
-
-    assert wait_until(a_serves_c_weights, timeout_s=30, interval_s=0.5)
+    assert wait_until(lambda: serves("A", "C"), timeout_s=30, interval_s=0.5)
