@@ -46,9 +46,9 @@ bench-offline: setup
 PYTHON ?= python3
 GPU_OUT ?= gpu_results
 GPU_CHECK_ARGS ?=
-GPU_TESTS = tests/test_kernels.py tests/test_kernels_llama.py tests/test_triton_decode_attention.py tests/test_fp8.py \
-	tests/test_lora_kernels.py tests/test_triton_window_attention.py \
-	tests/test_cuda.py
+GPU_TESTS = tests/kernels/test_kernels.py tests/kernels/test_kernels_llama.py tests/kernels/test_triton_decode_attention.py tests/model/test_fp8.py \
+	tests/kernels/test_lora_kernels.py tests/kernels/test_triton_window_attention.py \
+	tests/model/test_cuda.py
 gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	rc=0; \
@@ -78,7 +78,7 @@ gpu-served:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e . $(WHEELS)/*.whl
 	$(PYTHON) -m orca_client.bench --device cuda --out $(GPU_SERVED_OUT) $(GPU_SERVED_ARGS)
 
-# The same script on CPU, as CI runs it (tests/test_gpu_check.py): every section end to end with
+# The same script on CPU, as CI runs it (tests/benchmarks/test_gpu_check.py): every section end to end with
 # --quick's small settings (gpt2-tiny, float32, the kernels in Triton's interpreter, a short A/B);
 # about 10 s. It proves the code paths, not a GPU's figures. Report in GPU_CPU_OUT.
 GPU_CPU_OUT ?= build/gpu_check_cpu

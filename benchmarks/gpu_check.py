@@ -7,7 +7,7 @@ gpu_check.json (every raw figure) and summary.md to --out, after every section.
     python benchmarks/gpu_check.py --device cpu --quick --out DIR        # plumbing check on a CPU (CI)
 
 --quick gives every knob not set explicitly a small value (gpt2-tiny, float32 on CPU, a short A/B):
-every section runs end to end in well under a minute on a small CPU (tests/test_gpu_check.py, `make
+every section runs end to end in well under a minute on a small CPU (tests/benchmarks/test_gpu_check.py, `make
 gpu-check-cpu`). On CPU its figures prove the code paths, not a GPU's: the ceilings are host memory
 and CPU matmul, the kernels run in Triton's interpreter (correctness against torch, no timings), no
 CUDA graph is captured (the static-buffer decode path runs eagerly instead) and the device profile is
@@ -1366,7 +1366,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 # Each knob's default for the full run on a GPU, and (QUICK) for --quick: every section end to end in
-# well under a minute on a small CPU, as CI runs it (tests/test_gpu_check.py). Flags given on the
+# well under a minute on a small CPU, as CI runs it (tests/benchmarks/test_gpu_check.py). Flags given on the
 # command line win over both.
 DEFAULTS: dict[str, Any] = {
     "model": "gpt2-medium", "dtype": "bfloat16", "max_seqs": 64, "copy_mib": 2048, "matmul_n": 8192,

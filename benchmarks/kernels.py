@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from orca_client import machine
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# (atol, rtol) against the fp32 reference: a couple of ulps of the dtype (tests/test_kernels.py).
+# (atol, rtol) against the fp32 reference: a couple of ulps of the dtype (tests/kernels/test_kernels.py).
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3), torch.float32: (1e-4, 1e-4)}
 
 

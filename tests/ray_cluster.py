@@ -1,5 +1,5 @@
-"""A simulated Ray cluster on this machine's loopback for the Ray tests (tests/test_ray.py,
-tests/test_control_plane.py), what ORCA leaves on it, and the TCP sockets a process tree holds.
+"""A simulated Ray cluster on this machine's loopback for the Ray tests (tests/executor/test_ray.py,
+tests/executor/test_control_plane.py), what ORCA leaves on it, and the TCP sockets a process tree holds.
 
 Every node is pinned to 127.0.0.1 (`node_ip_address`), so the cluster's traffic, the control plane's
 and the data plane's stay on loopback; Ray's usage reporting (which would reach the Internet) is

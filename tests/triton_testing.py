@@ -81,6 +81,13 @@ def run_in_fresh_process(test_file: str) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
+def test_in_fresh_process(request: pytest.FixtureRequest) -> None:
+    """Imported by each kernel test file (pytest collects it there): where this process cannot run
+    Triton, that file runs again in a new one."""
+    run_in_fresh_process(str(request.path))
+
+
 def randn(*shape: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
 

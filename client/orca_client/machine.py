@@ -38,7 +38,7 @@ def cpu_vectors() -> str:
 def torch_cpu_capability() -> str:
     """torch.backends.cpu.get_cpu_capability() (ATEN_CPU_CAPABILITY overrides it), or why not.
 
-    The client never imports torch itself (tests/test_client_imports.py): where this process has
+    The client never imports torch itself (tests/client/test_client_imports.py): where this process has
     not, a child of the same Python answers, as a server started from it would see it."""
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -19,7 +19,7 @@ the grammar masks and sampling run outside the graph, as they do eagerly.
 
 On a CPU there is nothing to capture, but the same object runs the same static-buffer forward
 eagerly (`capture=False`): that is how CI checks, without a GPU, that two batches of one bucket make
-identical launches and give the eager path's tokens (tests/test_cuda_graphs.py).
+identical launches and give the eager path's tokens (tests/worker/test_cuda_graphs.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 limits (EngineConfig): prompts and stop strings past max_input_tokens, max_stop_sequences and
 max_stop_length, priorities outside [-max_priority, max_priority] and bad timeouts, bad limit
 settings, and a full waiting queue (max_queued_requests, max_queued_prompt_tokens: refused at once
-with a retry-later error, open again as requests start). Bad input itself is tests/test_validation.py's.
+with a retry-later error, open again as requests start). Bad input itself is tests/engine/test_validation.py's.
 """
 
 from __future__ import annotations

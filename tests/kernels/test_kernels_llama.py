@@ -3,7 +3,7 @@ against its torch reference, and each torch reference against an independent for
 Face's for RMSNorm and rotary, ``F.silu(gate) * up``, and GQA as multi-head attention over
 repeated K/V).
 
-Triton runs as in tests/test_kernels.py, on the GPU when there is one, else through the
+Triton runs as in tests/kernels/test_kernels.py, on the GPU when there is one, else through the
 interpreter, with the same tolerances (tests/triton_testing.py).
 """
 
@@ -15,27 +15,15 @@ import torch.nn.functional as F
 from attention_cases import BATCHES, BLOCK_SIZES, GQA_HEADS, dense_attention, expand_kv, make_meta, pool_slots
 from triton_testing import (
     DEVICE,
-    NEEDS_FRESH_PROCESS,
     assert_close,
     randn,
-    run_in_fresh_process,
-    triton_ops,
+    test_in_fresh_process,  # noqa: F401 (collected here: reruns this file where this process can't)
 )
 
 from orca_kernels import KernelOps
 from orca_kernels.dispatch import CPU_OPS, TORCH_OPS
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def ops(monkeypatch: pytest.MonkeyPatch) -> KernelOps:
-    return triton_ops(monkeypatch)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
-def test_in_fresh_process() -> None:
-    run_in_fresh_process(__file__)
 
 
 # --- add + RMSNorm -----------------------------------------------------------------------------
@@ -426,10 +414,10 @@ def test_bundles_carry_the_llama_ops(ops: KernelOps) -> None:
     assert TORCH_OPS.add_rmsnorm is add_rmsnorm_torch
     assert TORCH_OPS.silu_and_mul is silu_and_mul_torch
     assert TORCH_OPS.rotary is rotary_torch
-    # CPU_OPS: the C kernels for float32, these references otherwise (tests/test_cpu_llama_ops.py)
+    # CPU_OPS: the C kernels for float32, these references otherwise (tests/kernels/test_cpu_llama_ops.py)
     names = [f.__name__ for f in (CPU_OPS.add_rmsnorm, CPU_OPS.silu_and_mul, CPU_OPS.rotary)]
     assert names == ["add_rmsnorm_cpu_or_torch", "silu_and_mul_cpu_or_torch", "rotary_cpu_or_torch"]
-    names = [f.__name__ for f in (CPU_OPS.add_layernorm, CPU_OPS.bias_gelu)]  # tests/test_cpu_gpt2_ops.py
+    names = [f.__name__ for f in (CPU_OPS.add_layernorm, CPU_OPS.bias_gelu)]  # tests/kernels/test_cpu_gpt2_ops.py
     assert names == ["add_layernorm_cpu_or_torch", "bias_gelu_cpu_or_torch"]
     names = [f.__name__ for f in (ops.add_rmsnorm, ops.silu_and_mul, ops.rotary)]
     assert names == ["add_rmsnorm_triton", "silu_and_mul_triton", "rotary_triton"]

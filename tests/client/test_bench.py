@@ -892,7 +892,7 @@ def test_reports_name_the_commit_they_ran(tmp_path):
     """Every raw result names its code: the checkout's commit (+dirty), or "unknown" outside one."""
     from orca_client import machine
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=False).stdout.strip()  # fmt: skip
     if head:

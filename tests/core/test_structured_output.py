@@ -1,6 +1,6 @@
 """Structured output, piece by piece: parsing a request's constraint (structured_spec.py), compiling it
 with xgrammar against this project's tokenizers (core/structured_output.py), and masking logits so that
-sampling follows it (worker/bitmask.py). tests/test_structured_engine.py runs it through the engine.
+sampling follows it (worker/bitmask.py). tests/engine/test_structured_engine.py runs it through the engine.
 
 The sampling tests draw random logits from a seeded generator and sample with temperature over the
 masked logits until the grammar has ended on EOS; the decoded text must then validate. The same logits

@@ -2,7 +2,7 @@
 joining a batch mid-decode and under request-level scheduling (batch invariance); and what bounds a
 batch: max_num_seqs, and the K/V pool under ORCA's reservation (no overcommit) and the paged policy
 (more requests at once, preempted without changing a token). The scheduler's other decisions are
-tests/test_scheduler.py's."""
+tests/core/test_scheduler.py's."""
 
 from __future__ import annotations
 

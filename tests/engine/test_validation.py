@@ -1,6 +1,6 @@
 """Bad input raises a clear ValueError and leaves the engine serving everyone else: sampling
 parameters, prompts, engine and K/V settings, requests that could never fit. (What a deployment's
-limits and a full queue refuse is tests/test_engine_limits.py's.)"""
+limits and a full queue refuse is tests/engine/test_engine_limits.py's.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The offline LLM's lifecycle (orca_backend/entrypoints/llm.py): its engine and worker processes end
 with shutdown(), a `with` block, the LLM being dropped, or the interpreter exiting. The Ray
-backend's counterpart (actors and placement groups) is in tests/test_ray.py."""
+backend's counterpart (actors and placement groups) is in tests/executor/test_ray.py."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.integration
 SERVER_MODEL = GPT2Config(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 BASELINE_BATCH = 8
 GREEDY = {"temperature": 0}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

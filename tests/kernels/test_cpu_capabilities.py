@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE = torch.backends.cpu.get_cpu_capability()
 # The kernels' own tests and the greedy-token and logits oracles against transformers on tiny
 # checkpoints (GPT-2 and the Llama family), about 10 s a capability.
 SUITE = [
-    "tests/test_cpu_llama_ops.py",
-    "tests/test_cpu_gpt2_ops.py",
-    "tests/test_cpu_attention.py",
-    "tests/test_exactness.py",
-    "tests/test_llama.py::test_greedy_tokens_equal_transformers_in_a_mixed_batch",
-    "tests/test_llama.py::test_last_token_logits_match_transformers",
+    "tests/kernels/test_cpu_llama_ops.py",
+    "tests/kernels/test_cpu_gpt2_ops.py",
+    "tests/kernels/test_cpu_attention.py",
+    "tests/model/test_exactness.py",
+    "tests/model/test_llama.py::test_greedy_tokens_equal_transformers_in_a_mixed_batch",
+    "tests/model/test_llama.py::test_last_token_logits_match_transformers",
 ]
 
 

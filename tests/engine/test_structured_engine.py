@@ -2,7 +2,7 @@
 checkpoint with a byte-level BPE tokenizer: the parsed constraint compiles in the engine core, its
 bitmask rows travel with the batch, the sampling worker masks the rows' logits, and the core advances
 each matcher with the token that landed. (Where a request whose grammar compiled takes its place in
-the scheduler's queue is tests/test_scheduler.py's.)
+the scheduler's queue is tests/core/test_scheduler.py's.)
 
 A random model left alone writes byte soup, so a constrained output that parses is the mask's doing; each
 validity test also checks that the same requests unconstrained do not parse. The JSON case uses compact

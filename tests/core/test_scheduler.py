@@ -5,7 +5,7 @@ token budget, preemption (lowest priority first, by recompute with every token k
 aborts (`expire`, a cancel taken in before the next iteration), and a failed batch narrowed down to
 the request that fails (`fail_batch`). Time is the scheduler's injected clock wherever the outcome
 depends on it, so no test races the machine. What bounds a batch's size (max_num_seqs, the K/V pool)
-is tests/test_batching.py's; the K/V manager's own accounting is tests/test_kv_cache.py's.
+is tests/engine/test_batching.py's; the K/V manager's own accounting is tests/core/test_kv_cache.py's.
 """
 
 from __future__ import annotations

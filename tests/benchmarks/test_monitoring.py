@@ -13,7 +13,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _PrometheusStandIn(http.server.BaseHTTPRequestHandler):

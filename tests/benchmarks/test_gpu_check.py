@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ("ceilings", "kernels", "decode", "prefill", "graphs", "ab")
 # The graphs section's targets that name no model (the others name GPT-2-medium or Qwen2.5-0.5B).

@@ -25,7 +25,7 @@ from orca_backend.server.protocol import (
     response_builder,
 )
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 PROMPT = [5, 6, 7]
 
 

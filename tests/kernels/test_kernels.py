@@ -14,34 +14,16 @@ from triton_testing import (
     DEVICE,
     INTERPRET_ENV,
     INTERPRETED,
-    NEEDS_FRESH_PROCESS,
     assert_close,
     no_host_reads,
     randn,
-    run_in_fresh_process,
-    triton_ops,
-    use_import_mode,
+    test_in_fresh_process,  # noqa: F401 (collected here: reruns this file where this process can't)
 )
 
 from orca_kernels import KernelOps, dispatch, get_ops
 from orca_kernels.dispatch import TORCH_OPS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def triton_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    use_import_mode(monkeypatch)
-
-
-@pytest.fixture
-def ops(monkeypatch: pytest.MonkeyPatch) -> KernelOps:
-    return triton_ops(monkeypatch)
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
-def test_in_fresh_process() -> None:
-    run_in_fresh_process(__file__)
 
 
 # --- add + LayerNorm ---------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from tritonclient.utils import triton_to_np_dtype  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.integration
 
-# Equal to tests/test_serving_parallel.py's model (make_checkpoint writes it once per session); four
+# Equal to tests/server/test_serving_parallel.py's model (make_checkpoint writes it once per session); four
 # heads and an even vocabulary so that tensor_parallel_size=2 splits both.
 MODEL = GPT2Config(vocab_size=384, n_positions=256, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 VOCAB, CONTEXT = MODEL.vocab_size, MODEL.n_positions

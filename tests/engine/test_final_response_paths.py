@@ -1,8 +1,8 @@
 """Every request gets exactly one final event on every path, proved by injecting the fault of each:
 a request whose event cannot be made (its text, its sink) inside a step's outputs, an output thread
 that dies, and a shutdown with streams still open. (The failed forward's paths are
-tests/test_scheduler.py's: poison requests, sticky failures, a batch-mate aborted mid-flight; the
-hang's is tests/test_reliability.py's.)"""
+tests/core/test_scheduler.py's: poison requests, sticky failures, a batch-mate aborted mid-flight; the
+hang's is tests/executor/test_reliability.py's.)"""
 
 from __future__ import annotations
 

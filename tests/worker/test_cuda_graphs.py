@@ -60,7 +60,7 @@ def test_triton_cases_in_fresh_process() -> None:
 def _kernels(kernels: str, monkeypatch: pytest.MonkeyPatch) -> str:
     if kernels == "triton":
         use_import_mode(monkeypatch)  # skips when this process cannot run Triton (the fresh-process test does)
-        if not INTERPRETED:  # a CUDA machine: its captured graphs are tests/test_cuda.py's
+        if not INTERPRETED:  # a CUDA machine: its captured graphs are tests/model/test_cuda.py's
             pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
     return kernels
 

@@ -23,7 +23,7 @@ from orca_backend.server.protocol import (
     parse_inputs,
 )
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def text(value: str) -> np.ndarray:
