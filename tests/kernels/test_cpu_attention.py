@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
+from torch_threads import torch_threads
 
 from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
 from orca_kernels.attention import attention_torch, write_kv_torch
@@ -67,12 +68,8 @@ def test_many_decodes_any_thread_count(threads: int, block_size: int) -> None:
     requests = [(1, rng.randint(1, 700)) for _ in range(40)] + [(9, 30)]
     meta = make_meta("cpu", requests, block_size=block_size, seed=threads)
     q, k_cache, v_cache = _inputs(meta, 4, 64, seed=threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(out, attention_torch(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5)
 
 
@@ -128,12 +125,8 @@ def test_gqa_any_thread_count(threads: int) -> None:
             q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, head_dim, seed=threads + q_heads)
             expected = _gqa_reference(q, k_cache, v_cache, meta, head_dim**-0.5)
             cases.append(((q_heads, kv_heads, head_dim), q, k_cache, v_cache, expected))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         outs = [attention_cpu(q, k, v, meta, case[2] ** -0.5) for case, q, k, v, _ in cases]
-    finally:
-        torch.set_num_threads(before)
     for (case, *_, expected), out in zip(cases, outs, strict=True):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m, c=case: f"{c}: {m}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from orca_kernels import cpu_gpt2_ops, dispatch, get_ops
 from orca_kernels.cpu_gpt2_ops import add_layernorm_cpu, add_layernorm_order, bias_gelu_cpu
@@ -17,15 +18,6 @@ GELU_TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 def _randn(*shape: int, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale + shift
-
-
-def _with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- add + LayerNorm ---------------------------------------------------------------------------
@@ -92,7 +84,8 @@ def test_add_layernorm_many_tokens_any_thread_count(threads: int) -> None:
     """Enough rows that they are spread over the OpenMP threads."""
     x, residual = _randn(200, 768, seed=threads, shift=0.5), _randn(200, 768, seed=9)
     weight, bias = _randn(768, seed=10), _randn(768, seed=11)
-    out, summed = _with_threads(threads, lambda: add_layernorm_cpu(x, residual, weight, bias, 1e-5))
+    with torch_threads(threads):
+        out, summed = add_layernorm_cpu(x, residual, weight, bias, 1e-5)
     ref_out, ref_summed = add_layernorm_torch(x, residual, weight, bias, 1e-5)
     torch.testing.assert_close(out, ref_out, **TOL)
     assert torch.equal(summed, ref_summed)
@@ -134,9 +127,9 @@ def test_bias_gelu_whole_range_strided_and_extremes() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bias_gelu_many_tokens_any_thread_count(threads: int) -> None:
     x, bias = _randn(100, 3072, seed=threads, scale=4.0), _randn(3072, seed=3)
-    torch.testing.assert_close(
-        _with_threads(threads, lambda: bias_gelu_cpu(x, bias)), bias_gelu_torch(x, bias), **GELU_TOL
-    )
+    with torch_threads(threads):
+        out = bias_gelu_cpu(x, bias)
+    torch.testing.assert_close(out, bias_gelu_torch(x, bias), **GELU_TOL)
 
 
 # --- float32 only, and dispatch ----------------------------------------------------------------

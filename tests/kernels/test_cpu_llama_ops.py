@@ -9,6 +9,7 @@ import platform
 import numpy as np
 import pytest
 import torch
+from torch_threads import torch_threads
 
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies
 from orca_kernels import cpu_llama_ops, dispatch, get_ops
@@ -35,15 +36,6 @@ VECTORISED = X86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def _with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- add + RMSNorm -----------------------------------------------------------------------------
@@ -88,7 +80,8 @@ def test_add_rmsnorm_strided_and_per_head() -> None:
 def test_add_rmsnorm_many_tokens_any_thread_count(threads: int) -> None:
     """Enough rows that they are spread over the OpenMP threads."""
     x, residual, weight = _randn(200, 768, seed=threads), _randn(200, 768, seed=9), _randn(768, seed=10)
-    out, summed = _with_threads(threads, lambda: add_rmsnorm_cpu(x, residual, weight, 1e-6))
+    with torch_threads(threads):
+        out, summed = add_rmsnorm_cpu(x, residual, weight, 1e-6)
     ref_out, ref_summed = add_rmsnorm_torch(x, residual, weight, 1e-6)
     torch.testing.assert_close(out, ref_out, **TOL)
     assert torch.equal(summed, ref_summed)
@@ -203,7 +196,8 @@ def test_rotary_prefill_any_thread_count(threads: int) -> None:
     _, q, k = _qkv_views(120, 12, 4, 64, seed=threads)
     positions = torch.arange(120, dtype=torch.int32)  # int32 positions are taken too
     table = _table(64)
-    got = _with_threads(threads, lambda: rotary_cpu(q, k, positions, table))
+    with torch_threads(threads):
+        got = rotary_cpu(q, k, positions, table)
     for g, r in zip(got, rotary_torch(q, k, positions.long(), table), strict=True):
         torch.testing.assert_close(g, r, **TOL)
 
@@ -264,9 +258,9 @@ def test_silu_and_mul_strided_leading_dims_and_extremes() -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_silu_and_mul_many_tokens_any_thread_count(threads: int) -> None:
     x = _randn(100, 2 * 2048, seed=threads, scale=4.0)
-    torch.testing.assert_close(
-        _with_threads(threads, lambda: silu_and_mul_cpu(x)), silu_and_mul_torch(x), **TOL
-    )
+    with torch_threads(threads):
+        out = silu_and_mul_cpu(x)
+    torch.testing.assert_close(out, silu_and_mul_torch(x), **TOL)
 
 
 # --- float32 only, and dispatch ----------------------------------------------------------------

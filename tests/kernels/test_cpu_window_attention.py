@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
+from torch_threads import torch_threads
 
 from orca_kernels.attention import AttentionMetadata, attention_torch, first_visible_key
 from orca_kernels.cpu_attention import attention_cpu
@@ -94,12 +95,8 @@ def test_long_decodes_any_thread_count(threads: int, block_size: int) -> None:
     meta = make_meta("cpu", UNEVEN, block_size=block_size, seed=threads)
     q, k_cache, v_cache = _inputs(meta, 8, 2, seed=threads, q_gain=4.0)
     cases = [(window, softcap) for window in (1, 13, 100, 1000) for softcap in SOFTCAPS]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         outs = [attention_cpu(q, k_cache, v_cache, meta, SCALE, w, c) for w, c in cases]
-    finally:
-        torch.set_num_threads(before)
     for (window, softcap), out in zip(cases, outs, strict=True):
         expected = attention_torch(q, k_cache, v_cache, meta, SCALE, window, softcap)
         torch.testing.assert_close(

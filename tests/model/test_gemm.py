@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_threads import torch_threads
 
 from orca_backend.model import gemm
 from orca_kernels import cpu_gemm, native
@@ -53,18 +54,15 @@ def test_native_kernel_is_batch_invariant():
     """A token's output is bit-identical whatever else is in the batch and wherever it sits in it."""
     torch.manual_seed(1)
     w, b, x = torch.randn(203, 777), torch.randn(203), torch.randn(32, 777)
-    alone = torch.cat([cpu_gemm.native_linear(x[i : i + 1], w, b) for i in range(32)])
+    with torch_threads(2):
+        alone = torch.cat([cpu_gemm.native_linear(x[i : i + 1], w, b) for i in range(32)])
     for rows in (2, 3, 5, 16, 31, 32):  # both tilings: 4 rows x 2 tokens under 4 tokens, 3 x 4 from 4 on
         assert torch.equal(cpu_gemm.native_linear(x[:rows], w, b), alone[:rows])
     perm = torch.randperm(32)
     assert torch.equal(cpu_gemm.native_linear(x[perm].contiguous(), w, b), alone[perm])
     # The OpenMP split of the rows does not matter either.
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         assert torch.equal(cpu_gemm.native_linear(x, w, b), alone)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("setting", ["auto", "native", "onednn", "torch"])
