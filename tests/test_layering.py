@@ -173,7 +173,7 @@ print(len(loaded))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     # 30 before the messages moved out of core/ (issue #27); 18 before the LoRA registry and its
-    # multi_lora.json reader (orca_backend/lora.py, server/lora_file.py); 20 before the model
+    # multi_lora.json reader (orca_backend/lora.py, then server/lora_file.py); 20 before the model
     # families left config.py for a package of their own (orca_backend/families/: five torch-free
     # modules, issue #40)
     assert int(result.stdout) <= 25
