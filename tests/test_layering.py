@@ -3,8 +3,9 @@
 Layers, top to bottom (docs/architecture.md): server adapters and the entry points (the offline
 LLM, orca-serve) -> engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop)
 -> executor -> worker -> model -> distributed -> shared plain modules (config, the model families,
-messages, the scheduler output, sampling params, structured-output spec, tokenizer, net, LoRA
-adapters' registry) and the kernels. A module may import its own layer or any layer below it, never one above.
+messages, the scheduler output, sampling params with the structured-output spec, tokenizer, net,
+LoRA adapters' registry) and the kernels. A module may import its own layer or any layer below it,
+never one above.
 
 Only the model families (orca_backend/families/) name a checkpoint architecture; every other module
 asks them.
@@ -48,7 +49,6 @@ LAYERS: dict[str, int] = {
     "orca_backend.scheduler_output": 1,
     "orca_backend.processes": 1,
     "orca_backend.sampling_params": 1,
-    "orca_backend.structured_spec": 1,
     "orca_backend.tokenizer": 1,
     "orca_backend.net": 1,
     "orca_backend.lora": 1,
@@ -147,7 +147,6 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 # with it, live in the engine core process only.
 @pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.families", "orca_backend.messages",
                                     "orca_backend.sampling_params", "orca_backend.lora",
-                                    "orca_backend.structured_spec",
                                     "orca_backend.entrypoints", "orca_backend.entrypoints.serve",
                                     "orca_backend.net", "orca_backend.engine.llm_engine",
                                     "orca_backend.server.protocol", "orca_backend.server.metrics"])
