@@ -186,6 +186,33 @@ def test_model_config_is_gpt2s_config_under_its_public_name():
     assert orca_backend.ModelConfig is GPT2Config
 
 
+def test_the_families_load_on_demand():
+    """The registry imports a family's module the first time it is looked up (families/__init__.py):
+    the config and the preset names import none, a served model its own (Gemma's builds on Llama's)."""
+    code = """
+import sys
+from orca_backend.config import PRESETS, EngineConfig
+def loaded():
+    return sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("orca_backend.families."))
+assert "gemma2-tiny" in PRESETS and "gpt2-tiny" in PRESETS and loaded() == [], loaded()
+EngineConfig(model="gpt2-tiny").model_config()
+assert loaded() == ["gpt2"], loaded()
+EngineConfig(model="gemma2-tiny").model_config()
+assert loaded() == ["gemma", "gpt2", "llama"], loaded()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_family_declares_what_its_registry_line_says():
+    """Each REGISTRY line names its module's architectures and presets (a family checks as it loads)."""
+    from orca_backend.families import PRESETS, REGISTRY, all_families
+
+    assert [family.name for family in all_families()] == list(REGISTRY)
+    assert all(type(config) is family.config_class for family in all_families()
+               for config in family.presets.values())  # fmt: skip
+    assert list(PRESETS) == [name for family in all_families() for name in family.presets]
+
+
 def test_the_families_import_only_each_other():
     """config.py, lora.py and the model code read the families; the families read nothing of the
     engine (no cycle with config.py, and no torch)."""
