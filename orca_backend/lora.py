@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from orca_backend.families import FAMILIES, family_of
-from orca_backend.families.base import Projection
+from orca_backend.families import Projection, family_of
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -77,10 +76,6 @@ class AdapterSpec:
     digest: str = ""  # the SHA-256 of its bytes
 
 
-# A PEFT adapter's weight key: (layer, module, A or B), under any family's prefix for its layers (the
-# module is then looked up in the model's own family's table).
-_PEFT_PREFIXES = "|".join(sorted({re.escape(family.lora.peft_prefix) for family in FAMILIES}))
-_KEY = re.compile(rf"^(?:{_PEFT_PREFIXES})\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 # adapter_config.json fields that change what an adapter computes and are not implemented here.
 _REFUSED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "rank_pattern", "alpha_pattern", "layer_replication",
                    "use_qalora", "alora_invocation_tokens", "target_parameters", "trainable_token_indices")  # fmt: skip
@@ -273,11 +268,14 @@ def _ints(value: object, length: int | None = None) -> bool:
 
 
 def _module_keys(shapes: dict[str, list[int]], model_config: Any, rank: int) -> dict[tuple[int, str, int], tuple[str, str]]:
-    table = family_of(model_config).lora.peft_modules
+    targets = family_of(model_config).lora
+    table = targets.peft_modules
+    # A PEFT adapter's weight key: (layer, module, A or B), under the family's prefix for its layers.
+    key_pattern = re.compile(rf"^{re.escape(targets.peft_prefix)}\.(\d+)\.(.+)\.lora_([AB])\.weight$")
     projs = projections(model_config)
     found: dict[tuple[int, str, int], dict[str, str]] = {}
     for key, shape in shapes.items():
-        match = _KEY.match(key)
+        match = key_pattern.match(key)
         target = table.get(match.group(2)) if match else None
         layer = int(match.group(1)) if match else -1
         if match is None or target is None or not 0 <= layer < model_config.num_layers:

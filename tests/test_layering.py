@@ -3,8 +3,9 @@
 Layers, top to bottom (docs/architecture.md): server adapters and the entry points (the offline
 LLM, orca-serve) -> engine (front, output processor) -> core (scheduler, K/V bookkeeping, the loop)
 -> executor -> worker -> model -> distributed -> shared plain modules (config, the model families,
-messages, the scheduler output, sampling params, structured-output spec, tokenizer, net, LoRA
-adapters' registry) and the kernels. A module may import its own layer or any layer below it, never one above.
+messages, the scheduler output, sampling params with the structured-output spec, tokenizer, net,
+LoRA adapters' registry) and the kernels. A module may import its own layer or any layer below it,
+never one above.
 
 Only the model families (orca_backend/families/) name a checkpoint architecture; every other module
 asks them.
@@ -48,7 +49,6 @@ LAYERS: dict[str, int] = {
     "orca_backend.scheduler_output": 1,
     "orca_backend.processes": 1,
     "orca_backend.sampling_params": 1,
-    "orca_backend.structured_spec": 1,
     "orca_backend.tokenizer": 1,
     "orca_backend.net": 1,
     "orca_backend.lora": 1,
@@ -147,7 +147,6 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 # with it, live in the engine core process only.
 @pytest.mark.parametrize("module", ["orca_backend", "orca_backend.config", "orca_backend.families", "orca_backend.messages",
                                     "orca_backend.sampling_params", "orca_backend.lora",
-                                    "orca_backend.structured_spec",
                                     "orca_backend.entrypoints", "orca_backend.entrypoints.serve",
                                     "orca_backend.net", "orca_backend.engine.llm_engine",
                                     "orca_backend.server.protocol", "orca_backend.server.metrics"])
@@ -156,27 +155,33 @@ def test_light_modules_do_not_import_torch(module):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_triton_stub_imports_nothing_below_the_engine_front():
-    """What a served model's stub process loads: the adapters, the engine front and the messages
-    (orca_backend/messages.py), never the core, the executor, the workers, the model or torch; the
-    core process imports those itself."""
-    code = """
+# The modules a stub loads, package __init__s included (both models' together until issue #40): 30
+# before the messages left core/ (issue #27); 18 before the LoRA registry and multi_lora.json reader;
+# 20 before the families left config.py; 25 (24 each) before the detokenizer, lora_file.py,
+# structured_spec.py and families/base.py merged into their users and the families loaded on demand.
+STUB_MODULES = {"orca_model": 17, "baseline_model": 17}
+
+
+@pytest.mark.parametrize("model", sorted(STUB_MODULES))
+def test_the_triton_stub_imports_nothing_below_the_engine_front(model):
+    """What a served model's stub process loads (it imports one model.py, so one of the two models):
+    the adapters, the engine front, the messages (orca_backend/messages.py) and the families'
+    registry, never the core, the executor, the workers, the model, a family's module (it loads as the
+    model does) or torch; the core process imports those itself."""
+    code = f"""
 import sys, types
 sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
-import orca_backend.server.orca_model, orca_backend.server.baseline_model
+import orca_backend.server.{model}
 loaded = sorted(m for m in sys.modules if m.startswith("orca_backend"))
 below = [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in ("core", "executor", "worker", "model",
                                                                       "distributed")]
-assert not below and "torch" not in sys.modules, (below, "torch" in sys.modules)
+families = [m for m in loaded if m.startswith("orca_backend.families.")]
+assert not below and not families and "torch" not in sys.modules, (below, families, "torch" in sys.modules)
 print(len(loaded))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
-    # 30 before the messages moved out of core/ (issue #27); 18 before the LoRA registry and its
-    # multi_lora.json reader (orca_backend/lora.py, server/lora_file.py); 20 before the model
-    # families left config.py for a package of their own (orca_backend/families/: five torch-free
-    # modules, issue #40)
-    assert int(result.stdout) <= 25
+    assert int(result.stdout) <= STUB_MODULES[model]
 
 
 def test_model_config_is_gpt2s_config_under_its_public_name():
@@ -185,6 +190,33 @@ def test_model_config_is_gpt2s_config_under_its_public_name():
     from orca_backend.families.gpt2 import GPT2Config
 
     assert orca_backend.ModelConfig is GPT2Config
+
+
+def test_the_families_load_on_demand():
+    """The registry imports a family's module the first time it is looked up (families/__init__.py):
+    the config and the preset names import none, a served model its own (Gemma's builds on Llama's)."""
+    code = """
+import sys
+from orca_backend.config import PRESETS, EngineConfig
+def loaded():
+    return sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("orca_backend.families."))
+assert "gemma2-tiny" in PRESETS and "gpt2-tiny" in PRESETS and loaded() == [], loaded()
+EngineConfig(model="gpt2-tiny").model_config()
+assert loaded() == ["gpt2"], loaded()
+EngineConfig(model="gemma2-tiny").model_config()
+assert loaded() == ["gemma", "gpt2", "llama"], loaded()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_family_declares_what_its_registry_line_says():
+    """Each REGISTRY line names its module's architectures and presets (a family checks as it loads)."""
+    from orca_backend.families import PRESETS, REGISTRY, all_families
+
+    assert [family.name for family in all_families()] == list(REGISTRY)
+    assert all(type(config) is family.config_class for family in all_families()
+               for config in family.presets.values())  # fmt: skip
+    assert list(PRESETS) == [name for family in all_families() for name in family.presets]
 
 
 def test_the_families_import_only_each_other():

@@ -1,9 +1,10 @@
 """The K/V pool's blocks as the engine core sees them: who holds each, which are free, which cache a prefix.
 
-The pool is `num_blocks` fixed-size blocks (worker/kv_pool.py holds the tensors). A block is held
-by the requests whose block tables name it (its reference count); at zero it is free. A free block
-may still hold a cached prefix: it keeps its key until it is handed out again, and free blocks are
-handed out least recently freed first, so cached prefixes are evicted LRU and never while held.
+The pool is `num_blocks` fixed-size blocks (the model runners hold the tensors:
+worker/model_runner.py). A block is held by the requests whose block tables name it (its reference
+count); at zero it is free. A free block may still hold a cached prefix: it keeps its key until it
+is handed out again, and free blocks are handed out least recently freed first, so cached prefixes
+are evicted LRU and never while held.
 
 A block's key is (its parent block's hash, its own token ids): the key of a block therefore names
 every token before it (and the LoRA adapter the request runs, through the first block's root), and two requests whose prompts agree up to a block boundary share the keys

@@ -1,4 +1,4 @@
-"""Structured output in the engine core: a request's constraint (structured_spec.StructuredOutputSpec)
+"""Structured output in the engine core: a request's constraint (sampling_params.StructuredOutputSpec)
 compiled with xgrammar against the model's tokenizer, each constrained request's grammar matcher, and the
 token bitmasks that the workers apply to its logits (worker/bitmask.py).
 
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orca_backend.messages import FinishReason
-from orca_backend.structured_spec import StructuredOutputSpec
+from orca_backend.sampling_params import StructuredOutputSpec
 
 if TYPE_CHECKING:
     import torch

@@ -34,8 +34,7 @@ from orca_backend.messages import (
     EngineStats,
     FinishReason,
 )
-from orca_backend.sampling_params import SamplingParams
-from orca_backend.structured_spec import json_depth
+from orca_backend.sampling_params import SamplingParams, json_depth
 from orca_backend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orca_backend.families.base import Family
+from orca_backend.families import Family
 from orca_backend.families.llama import (
     FULL,
     LORA,

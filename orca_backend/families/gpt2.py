@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from orca_backend.families.base import Family, LoRATargets, Projection, Shard
+from orca_backend.families import Family, LoRATargets, Projection, Shard
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,6 @@ class GPT2Config:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
 
-# The model_type config.json's of GPT-2 checkpoints carry; the first uploads carry neither it nor
-# `architectures`, and are GPT-2 too.
-MODEL_TYPE = "gpt2"
-
 PRESETS: dict[str, GPT2Config] = {
     "gpt2-small": GPT2Config(),  # GPT-2 124M geometry, the default for CPU benchmarks
     "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
@@ -128,5 +124,4 @@ FAMILY = Family(
     lora=LoRATargets(lora_projections, PEFT_MODULES, "base_model.model.transformer.h", True, lora_output_rows,
                      lora_input_columns),  # fmt: skip
     model="orca_backend.model.gpt2",
-    model_types=(MODEL_TYPE,),
 )

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orca_backend.families.base import Family, LoRATargets, Projection, Shard, fp8_block
+from orca_backend.families import Family, LoRATargets, Projection, Shard
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
@@ -244,6 +244,17 @@ def window_fields(raw: dict[str, Any], spec: Architecture) -> dict[str, Any]:
     if SLIDING not in layer_types:
         return {}
     return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
+
+
+def fp8_block(quantization: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """The scale blocks (out, in) of an FP8 quantization_config (None: one scale per tensor), refusing
+    a format or block shape model/fp8.py does not read."""
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{source}: FP8 format {quantization['fmt']!r} is not supported (e4m3 is)")
+    block = quantization.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"{source}: weight_block_size {block!r} is not two positive sizes")
+    return (int(block[0]), int(block[1])) if block is not None else None
 
 
 def from_hf(raw: dict[str, Any], source: str) -> LlamaConfig:

@@ -25,8 +25,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from orca_backend.distributed.layout import ParallelLayout
-from orca_backend.families import family_of
-from orca_backend.families.base import Projection
+from orca_backend.families import Projection, family_of
 from orca_backend.lora import LoRARequest, layer_projections, projections
 from orca_kernels import KernelOps
 from orca_kernels.lora import LoRAMetadata

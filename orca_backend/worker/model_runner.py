@@ -29,7 +29,6 @@ from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from orca_backend.worker.input_batch import InputBatch, StepInputs
-from orca_backend.worker.kv_pool import allocate_kv_pool
 from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
@@ -268,3 +267,15 @@ class ModelRunner:
         device_view = buffer[: host.numel()].view(host.shape)
         device_view.copy_(host, non_blocking=True)
         return device_view
+
+
+def allocate_kv_pool(
+    num_layers: int, capacity_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The preallocated per-layer K/V pools of the runner's layers, [slots, heads, head_dim] each;
+    core/kv_cache_manager.py decides who holds which slots."""
+    shape = (capacity_tokens, num_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

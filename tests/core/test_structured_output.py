@@ -1,4 +1,4 @@
-"""Structured output, piece by piece: parsing a request's constraint (structured_spec.py), compiling it
+"""Structured output, piece by piece: parsing a request's constraint (sampling_params.py), compiling it
 with xgrammar against this project's tokenizers (core/structured_output.py), and masking logits so that
 sampling follows it (worker/bitmask.py). tests/engine/test_structured_engine.py runs it through the engine.
 
@@ -26,8 +26,8 @@ from orca_backend.core.structured_output import (
     grammar_for,
 )
 from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
+from orca_backend.sampling_params import StructuredOutputSpec, parse_structured_output
 from orca_backend.scheduler_output import SchedulerOutput, decode_step, encode_step
-from orca_backend.structured_spec import StructuredOutputSpec, parse_structured_output
 from orca_backend.tokenizer import Tokenizer
 from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 
@@ -430,7 +430,7 @@ def test_length_keywords_are_refused_only_where_they_are_schema_keywords():
 
 def test_parsing_does_not_import_torch_or_xgrammar():
     """The frontend (Triton's stub process) parses requests and must stay free of torch."""
-    code = ("import sys; from orca_backend.structured_spec import parse_structured_output; "
+    code = ("import sys; from orca_backend.sampling_params import parse_structured_output; "
             "parse_structured_output({'guided_regex': 'a+'}); "
             "assert not {'torch', 'xgrammar', 'transformers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)

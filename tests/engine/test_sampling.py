@@ -152,7 +152,7 @@ def test_a_stream_that_never_completes_a_character_costs_linear_work(tiny_checkp
     """Continuation bytes forever: the text waiting for its character to complete is released (as
     U+FFFD, what a final decode shows) once a few tokens wait, so the tokens re-decoded per step stay
     bounded instead of growing with the stream (quadratic work on the shared output thread)."""
-    from orca_backend.engine.detokenizer import DetokenizerState, update_text
+    from orca_backend.engine.output_processor import DetokenizerState, update_text
     from orca_backend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_checkpoint[0] / "tokenizer.json")

@@ -21,8 +21,8 @@ import pytest
 
 from orca_backend import LLM, EngineConfig, SamplingParams
 from orca_backend.engine.llm_engine import LLMEngine, RequestOutput
+from orca_backend.sampling_params import StructuredOutputSpec
 from orca_backend.server.protocol import parse_inputs
-from orca_backend.structured_spec import StructuredOutputSpec
 
 pytest.importorskip("xgrammar")
 

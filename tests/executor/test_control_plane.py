@@ -38,8 +38,8 @@ from orca_backend.executor.base import WorkerFailure
 from orca_backend.executor.control_plane import ControlServer, connect_control
 from orca_backend.lora import LoRARequest
 from orca_backend.net import KEEPALIVE_IDLE_S
+from orca_backend.sampling_params import StructuredOutputSpec
 from orca_backend.scheduler_output import NewRequest, SchedulerOutput, decode_step, encode_step
-from orca_backend.structured_spec import StructuredOutputSpec
 from orca_backend.wire import WireFormatError
 
 KEY = b"k" * 32

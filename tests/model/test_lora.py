@@ -289,6 +289,15 @@ def test_adapters_of_unsupported_modules_or_another_model_are_refused(families, 
               str(experts / "adapter_model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match="mixture-of-experts MLP of layer 0"):
         moe.add("experts", str(experts))
+    # The layers under another family's prefix (GPT-2's transformer.h): PEFT never writes those for a Llama.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "adapter_config.json").write_text(Path(families["Llama"][1]["A"], "adapter_config.json").read_text())
+    key = "base_model.model.transformer.h.0.self_attn.q_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.zeros(8, 64), key.format("B"): torch.zeros(64, 8)},
+              str(foreign / "adapter_model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match="targets no projection this engine adapts"):
+        registry.add("foreign", str(foreign))
 
 
 def test_registry_paths_multi_lora_json_and_sync(families, tmp_path):
