@@ -17,14 +17,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# pytest-xdist runs the test files on one worker per core (a file's module fixtures, a tritonserver
+# say, start once); each worker takes its share of the cores' threads (tests/conftest.py). The Ray
+# tests run after, alone: each starts a simulated cluster on this machine. Exit status 5 is pytest's
+# "nothing selected" (PYTEST_ARGS naming files without Ray tests).
+PYTEST_WORKERS ?= auto
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not ray" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m ray $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-# The unit and oracle tests alone: no tritonserver, no Ray cluster (`make test` runs everything).
+# The unit and oracle tests: no tritonserver, no Ray cluster, none marked slow (the engine through
+# Triton's interpreter, the reruns under other CPU builds); `make test` runs everything.
 test-fast: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not integration and not ray" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not integration and not ray and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

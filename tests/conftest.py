@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny random GPT-2 checkpoints written to disk in the HF format."""
+"""Shared fixtures (tiny random GPT-2 checkpoints written to disk in the HF format) and how the
+suite shares the machine when pytest-xdist runs it on several workers (`make test`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from orca_backend.engine.llm_engine import RequestStream
 from orca_backend.families.gpt2 import GPT2Config
@@ -37,3 +40,14 @@ def make_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(make_checkpoint) -> tuple[Path, GPT2Config]:
     return make_checkpoint()
+
+
+# Under pytest-xdist each worker takes its share of the cores: torch's OpenMP threads spin while they
+# wait, so two workers with a thread per core each would spend the machine spinning. The children a
+# test starts (engine core, tp/pp workers, tritonserver's stubs) inherit the same share through
+# OMP_NUM_THREADS. The CPU kernels' own tests set their thread counts explicitly (torch_threads.py).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+

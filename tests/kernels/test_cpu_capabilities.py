@@ -35,6 +35,7 @@ SUITE = [
 ]
 
 
+@pytest.mark.slow  # two reruns of the CPU kernels' and oracles' tests: `make test` runs them, not test-fast
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 capabilities")
 @pytest.mark.parametrize("capability", [c for c in ("AVX2", "DEFAULT") if c != NATIVE])
 def test_kernels_and_oracles_under_a_forced_capability(capability: str) -> None:
