@@ -156,6 +156,9 @@ class EngineStats:
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
     lora_loads: int = 0
+    # Iterations by how their forward ran: "cuda_graph" (replayed), or why it ran eagerly (the reasons
+    # of worker/cuda_graphs.py: "mixed_step", "no_cuda_device", ...).
+    steps_by_path: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_free_blocks(self) -> int:

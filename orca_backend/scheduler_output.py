@@ -93,6 +93,9 @@ class SamplerOutput:
     # LoRA adapters that could not be loaded on some rank since the last output, {lora_id: why} (the
     # reason fit for a client): the core ends their requests, whatever this step sampled for them.
     lora_failures: dict[int, str] = field(default_factory=dict)
+    # How the sampling rank's forward ran: "cuda_graph" (replayed), or why it ran eagerly
+    # (worker/cuda_graphs.py, EAGER_REASONS).
+    step_path: str = ""
 
 
 def encode_step(step: SchedulerOutput) -> bytes:

@@ -61,6 +61,8 @@ class EngineCore:
         self.num_iterations = 0
         self.last_iteration_seconds = 0.0
         self.max_batches_in_flight = 0
+        # Iterations by how their forward ran: "cuda_graph", or why it ran eagerly (SamplerOutput.step_path).
+        self.steps_by_path: dict[str, int] = {}
         self._failed_in_a_row = 0  # the failure budget's count (config.max_consecutive_failed_iterations)
         self.iteration_log = IterationLog(config.iteration_log) if config.iteration_log else None
         self._logged = (0, 0, 0)  # generated tokens, preemptions, prefix-cache hit tokens at the last line
@@ -97,6 +99,7 @@ class EngineCore:
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            steps_by_path=dict(self.steps_by_path),
             **self._lora_stats(),
         )
 
@@ -173,8 +176,9 @@ class EngineCore:
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
+        self.steps_by_path[sampled.step_path] = self.steps_by_path.get(sampled.step_path, 0) + 1
         if self.iteration_log is not None:
-            self._log_iteration(batch)
+            self._log_iteration(batch, sampled.step_path)
         outputs += updated
         return outputs
 
@@ -193,7 +197,7 @@ class EngineCore:
             self.scheduler.discard_batch(later)
         return outputs
 
-    def _log_iteration(self, batch: ScheduledBatch) -> None:
+    def _log_iteration(self, batch: ScheduledBatch, step_path: str) -> None:
         """One line of the iteration log: what this iteration did, and what happened since the last."""
         s, kv = self.scheduler, self.kv
         totals = (s.num_generated_tokens, s.num_preemptions, kv.prefix_hit_tokens)
@@ -205,7 +209,7 @@ class EngineCore:
             "prompt_tokens": batch.num_tokens - batch.num_decodes, "generated_tokens": generated,
             "running": len(s.running), "waiting": len(s.waiting) + s.num_compiling,
             "kv_blocks_used": kv.used_blocks, "kv_blocks_free": kv.num_blocks - kv.used_blocks,
-            "preemptions": preemptions, "prefix_cache_hit_tokens": hits,
+            "preemptions": preemptions, "prefix_cache_hit_tokens": hits, "step_path": step_path,
             **self._batch_adapters(batch),
         })  # fmt: skip
 

@@ -3,7 +3,8 @@
 Off by default (`EngineConfig.iteration_log`, a file path; `orca-serve --iteration-log DIR` gives
 each model its own file). Each line says when the iteration ended and what it did: its duration,
 the requests and tokens it scheduled (prompt and decode), the tokens it generated, the K/V blocks
-used and free after it, and the preemptions and prefix-cache hits it caused. The loop only builds a
+used and free after it, the preemptions and prefix-cache hits it caused, and how its forward ran
+(`step_path`: "cuda_graph", or why it ran eagerly). The loop only builds a
 small dict and puts it on a bounded queue: a writer thread serialises and writes them, flushing
 whenever it has caught up (so an engine killed later loses no line). A full queue (a disk slower
 than the engine) drops the line and counts it, and never stalls the loop; the count is in every

@@ -180,7 +180,7 @@ class WorkerPoolExecutor:
         if logprobs is not None:  # JSON made each row's (ids, logprobs, ranks) a list
             logprobs = [tuple(row) if row is not None else None for row in logprobs]
         failures = {int(lora_id): why for lora_id, why in msg.get("lora_failures", {}).items()}  # JSON keys are strings
-        return SamplerOutput(msg["tokens"], logprobs, failures)
+        return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""))
 
     def _next_message(self, timeout_s: float | None = None, bound: str = "the start timeout") -> dict:
         """The next message from any worker; a dead worker, an error report or no message within

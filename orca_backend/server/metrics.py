@@ -40,6 +40,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
                                      "timeout, error, invalid)"),
     "orca_request_metrics_dropped_total": ("COUNTER", "Finished requests left out of the latency histograms: the "
                                            "metrics thread fell too far behind"),
+    "orca_model_steps_total": ("COUNTER", "Engine iterations by how the forward ran: path cuda_graph (replayed), "
+                               "or the reason it ran eagerly (mixed_step, no_cuda_device, enforce_eager, ...)"),
     # The vLLM backend's names for some of the same stats.
     "vllm:num_requests_running": ("GAUGE", "Number of requests currently running."),
     "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed."),
@@ -175,6 +177,7 @@ class EngineMetrics:
         # vLLM's lora_requests_info: its own family, made anew with each change (_export_lora_info).
         self._lora_info: tuple[Any, Any] | None = None  # (family, its one metric)
         self._lora_info_labels: tuple[str, str, int] | None = None
+        self._steps_by_path: dict[str, _Exported] = {}  # orca_model_steps_total, a series per path seen
         # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
         # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
         # (counted in orca_request_metrics_dropped_total) rather than held without bound.
@@ -185,6 +188,12 @@ class EngineMetrics:
         """Exports an EngineStats snapshot."""
         for name, attr in self._stats.items():
             self._write(self._metrics[name], float(getattr(stats, attr)))
+        for path, count in stats.steps_by_path.items():
+            exported = self._steps_by_path.get(path)
+            if exported is None:
+                metric = self._families["orca_model_steps_total"].Metric(labels={**self._labels, "path": path})
+                exported = self._steps_by_path[path] = _Exported(metric, counter=True)
+            self._write(exported, float(count))
         if self._lora:
             self._export_lora_info(stats)
 

@@ -42,6 +42,46 @@ PAD_SLOT = -1  # the K/V slot of a padded row: the write skips it
 # (stage input, attention metadata, logits indices) -> logits [B, vocab]
 Forward = Callable[[StageInput, AttentionMetadata, torch.Tensor], torch.Tensor]
 
+# How a step's forward ran (`SamplerOutput.step_path`, counted in `orca_model_steps_total{path}` and
+# written in the iteration log): its graph replayed, or why it ran eagerly. The first group is the
+# runner's (no step replays a graph), the last three the step's own.
+GRAPH_REPLAYED = "cuda_graph"
+EAGER_REASONS = {
+    "enforce_eager": "enforce_eager is set",
+    "no_cuda_device": "CUDA graphs need a CUDA device",
+    "parallel": "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only",
+    "lora": "enable_lora: the adapters' token mapping is not part of the graphs' static buffers",
+    "torch_kernels": "kernels='torch': the torch reference kernels read values back to the host, which a "
+                     "graph cannot capture",
+    "mixed_step": "the step runs prompt tokens (only decode-only steps are graphed)",
+    "batch_above_buckets": "more decodes than the largest captured batch size (max_num_seqs)",
+    "static_buffers": "decode-only, on the graphs' static buffers, not captured (the CPU tests' path)",
+}
+
+
+def runner_eager_reason(enforce_eager: bool, device: torch.device, parallel: bool, lora: bool, kernels: str) -> str:
+    """Why no step of a runner can replay a graph (an EAGER_REASONS key), or "" when decode steps can."""
+    if enforce_eager:
+        return "enforce_eager"
+    if device.type != "cuda":
+        return "no_cuda_device"
+    if parallel:
+        return "parallel"
+    if lora:
+        return "lora"
+    if kernels == "torch":
+        return "torch_kernels"
+    return ""
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing one batch size's graph failed (the exception it raised is the cause)."""
+
+    def __init__(self, size: int, cause: BaseException) -> None:
+        super().__init__(f"capturing the CUDA graph of decode steps of batch size {size} failed: "
+                         f"{type(cause).__name__}: {cause}")  # fmt: skip
+        self.size = size
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes a graph is captured for: powers of two below max_num_seqs, and max_num_seqs."""
@@ -96,7 +136,19 @@ class DecodeGraphs:
 
     def fits(self, inputs: StepInputs) -> bool:
         """Whether the step is decode-only (one new token per request) and small enough for a bucket."""
-        return inputs.max_query_len == 1 and inputs.num_tokens == inputs.num_requests <= self.max_size
+        return not self.eager_reason(inputs)
+
+    def eager_reason(self, inputs: StepInputs) -> str:
+        """Why this step cannot run on the static buffers (an EAGER_REASONS key), "" when it can."""
+        if inputs.max_query_len != 1 or inputs.num_tokens != inputs.num_requests:
+            return "mixed_step"
+        if inputs.num_requests > self.max_size:
+            return "batch_above_buckets"
+        return ""
+
+    def path(self, inputs: StepInputs) -> str:
+        """How `run` runs a step that fits: its bucket's graph replayed, or the static buffers eagerly."""
+        return GRAPH_REPLAYED if self.bucket(inputs.num_requests) in self.graphs else "static_buffers"
 
     def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The logits [B, vocab] of a decode-only step (`fits`): its graph replayed on CUDA, the same
@@ -184,14 +236,17 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in sorted(self.sizes, reverse=True):
-                self._wait_for_copies()
-                self._pad(0, size)  # capture runs on padding: nothing is written, nothing is read
-                self._upload(0, 0)
-                self.forward(*self.views(size))  # warm-up
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[size] = self.forward(*self.views(size))
+                try:
+                    self._wait_for_copies()
+                    self._pad(0, size)  # capture runs on padding: nothing is written, nothing is read
+                    self._upload(0, 0)
+                    self.forward(*self.views(size))  # warm-up
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.outputs[size] = self.forward(*self.views(size))
+                except Exception as e:
+                    raise GraphCaptureError(size, e) from e
                 pool = graph.pool() if pool is None else pool
                 self.graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -27,7 +27,13 @@ from orca_backend.model.stage_input import StageInput
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
-from orca_backend.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from orca_backend.worker.cuda_graphs import (
+    EAGER_REASONS,
+    DecodeGraphs,
+    GraphCaptureError,
+    capture_sizes,
+    runner_eager_reason,
+)
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.sampler import SampledTokens, Sampler
@@ -88,44 +94,35 @@ class ModelRunner:
         self._device_buffers: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        eager_because = self._eager_reason(config)
-        if eager_because:
-            logger.info("decode steps run eagerly: %s", eager_because)
+        # Why no step replays a graph here (an EAGER_REASONS key; "" when decode steps can).
+        self.eager_reason = runner_eager_reason(
+            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1,
+            config.enable_lora, self.model.ops.name,
+        )  # fmt: skip
+        self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
+        if self.eager_reason:
+            logger.info("decode steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
         else:
             self.decode_graphs = self._capture(capture_sizes(config.max_num_seqs))
 
-    def _capture(self, sizes: list[int]) -> DecodeGraphs | None:
-        """The decode steps' graphs, captured. Out of memory is an error naming what to lower; any
-        other capture failure leaves decode steps eager, logged with the error (the engine serves, a
-        step costs what it did before graphs; enforce_eager says so without the warning)."""
+    def _capture(self, sizes: list[int]) -> DecodeGraphs:
+        """The decode steps' graphs, captured. A failure fails the load, naming the batch size and the
+        error, never a silent fall back to eager steps: enforce_eager is how a deployment runs without
+        graphs. Out of memory (torch's, or cuBLAS's or Triton's own allocation) names what to lower."""
         graphs = self.static_decode(sizes)
         try:
             graphs.capture()
-        except torch.cuda.OutOfMemoryError as e:
-            pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
-            raise RuntimeError(
-                f"capturing the decode steps' CUDA graphs (batch sizes {sizes}) ran out of GPU memory beside the "
-                f"weights and the K/V pool ({pool_gib:.1f} GiB); lower kv_capacity_tokens or max_num_seqs, or set "
-                "enforce_eager to run without graphs"
-            ) from e
-        except Exception:
-            logger.exception("capturing the decode steps' CUDA graphs failed; decode steps run eagerly "
-                             "(set enforce_eager to choose that without this warning)")  # fmt: skip
-            torch.cuda.synchronize(self.device)
-            return None
+        except GraphCaptureError as e:
+            cause = e.__cause__
+            if isinstance(cause, torch.cuda.OutOfMemoryError) or any(
+                    mark in str(cause).lower() for mark in ("out of memory", "alloc_failed")):  # fmt: skip
+                pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
+                raise RuntimeError(
+                    f"{e}: out of GPU memory beside the weights and the K/V pool ({pool_gib:.1f} GiB); lower "
+                    "kv_capacity_tokens or max_num_seqs, or set enforce_eager to run without graphs"
+                ) from cause
+            raise RuntimeError(f"{e}; set enforce_eager to run decode steps without CUDA graphs") from cause
         return graphs
-
-    def _eager_reason(self, config: EngineConfig) -> str:
-        """Why decode steps cannot replay CUDA graphs here ("" when they can)."""
-        if config.enforce_eager:
-            return "enforce_eager is set"
-        if self.device.type != "cuda":
-            return f"CUDA graphs need a CUDA device, this runner's is {self.device.type}"
-        if self.layout.tp_size > 1 or self.layout.pp_size > 1:
-            return "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only"
-        if config.enable_lora:
-            return "enable_lora: the adapters' token mapping is not part of the graphs' static buffers"
-        return ""
 
     def static_decode(self, sizes: list[int]) -> DecodeGraphs:
         """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
@@ -188,8 +185,11 @@ class ModelRunner:
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
         ahead = self._ahead_tokens(step) if step.ahead_rows else None
-        if self.decode_graphs is not None and hidden is None and self.decode_graphs.fits(inputs):
-            return self.decode_graphs.run(inputs, ahead)
+        graphs = self.decode_graphs
+        self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
+        if graphs is not None and not self._step_path:
+            self._step_path = graphs.path(inputs)
+            return graphs.run(inputs, ahead)
         input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
         if ahead is not None:
             input_ids.index_copy_(0, *ahead)
@@ -223,6 +223,7 @@ class ModelRunner:
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
         sampled = self.sampler.launch(logits, inputs.sampling)
+        sampled.step_path = self._step_path
         if self._lora_failures:
             sampled.lora_failures, self._lora_failures = self._lora_failures, {}
         self._last_sampled = (step.scheduled_ids, sampled.tokens)

@@ -34,14 +34,15 @@ class SampledTokens:
     host: torch.Tensor | None = None  # CUDA: the pinned buffer the ids are copied into
     copied: torch.cuda.Event | None = None
     lora_failures: dict[int, str] = field(default_factory=dict)  # passed on (SamplerOutput.lora_failures)
+    step_path: str = ""  # passed on (SamplerOutput.step_path)
 
     def result(self) -> SamplerOutput:
         """The ids as a list, once their copy has landed (a wait for the step on a GPU)."""
         if self.host is None:
-            return SamplerOutput(self.tokens.tolist(), self.logprobs, self.lora_failures)
+            return SamplerOutput(self.tokens.tolist(), self.logprobs, self.lora_failures, self.step_path)
         assert self.copied is not None
         self.copied.synchronize()
-        return SamplerOutput(self.host.tolist(), self.logprobs, self.lora_failures)
+        return SamplerOutput(self.host.tolist(), self.logprobs, self.lora_failures, self.step_path)
 
 
 class Sampler:

@@ -112,7 +112,8 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
                 send_message(conn, kind="batch_failed", batch_id=step.step_id, message=traceback.format_exc())
                 continue
             send_message(conn, kind="tokens", batch_id=step.step_id, tokens=sampled.token_ids,
-                         logprobs=sampled.logprobs, lora_failures=sampled.lora_failures)  # fmt: skip
+                         logprobs=sampled.logprobs, lora_failures=sampled.lora_failures,
+                         step_path=sampled.step_path)  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -213,6 +213,32 @@ def test_cuda_graph_tokens_equal_eager(make_checkpoint) -> None:
     assert eager.engine.core.executor.runner.decode_graphs is None
     assert with_graphs == [o.output_ids for o in eager.generate(prompts, params)]
     assert {runner.decode_graphs.bucket(n) for n in replays} == {1, 2, 4, 8, 16}
+    # Every decode step replayed its graph; the others ran prompt tokens; the eager engine says why.
+    steps = graphed.engine.stats().steps_by_path
+    assert set(steps) == {"cuda_graph", "mixed_step"} and steps["cuda_graph"] == len(replays)
+    assert set(eager.engine.stats().steps_by_path) == {"enforce_eager"}
+
+
+def test_a_capture_failure_fails_the_load_naming_the_batch_size(make_checkpoint, monkeypatch) -> None:
+    """No silent eager: a graph that cannot be captured fails the load with its batch size and error;
+    enforce_eager loads the same engine without graphs, and kernels='torch' is an eager reason."""
+    from orca_backend.worker.cuda_graphs import DecodeGraphs
+
+    path, _ = make_checkpoint(GEOMETRIES[0], seed=1, tokenizer=False)
+    views = DecodeGraphs.views
+
+    def failing_views(self, size):
+        if size == 4:
+            raise ValueError("planted at batch size 4")
+        return views(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "views", failing_views)
+    with pytest.raises(RuntimeError, match=r"batch size 4 failed: ValueError: planted at batch size 4; set enforce_eager"):
+        LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8)
+    assert LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=True).generate([[5]])
+    monkeypatch.setattr(DecodeGraphs, "views", views)
+    torch_kernels = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, kernels="torch")
+    assert torch_kernels.engine.core.executor.runner.eager_reason == "torch_kernels"
 
 
 def test_gpt2_mlp_epilogue_is_gelu_tanh() -> None:

@@ -165,6 +165,17 @@ def test_update_sets_gauges_and_exports_counters_as_increments():
     assert value(pb, "vllm:num_preemptions_total", model="orca") == 1
 
 
+def test_steps_are_exported_by_path_a_series_each():
+    """orca_model_steps_total{path}: a series per path as it first appears, each the engine's total."""
+    pb = fake_pb_utils()
+    metrics = EngineMetrics(pb, "orca")
+    metrics.update(stats(num_iterations=3, steps_by_path={"mixed_step": 3}))
+    metrics.update(stats(num_iterations=10, steps_by_path={"mixed_step": 4, "cuda_graph": 6}))
+    assert value(pb, "orca_model_steps_total", model="orca", path="mixed_step") == 4
+    assert value(pb, "orca_model_steps_total", model="orca", path="cuda_graph") == 6
+    assert len(live(pb, "orca_model_steps_total")) == 2
+
+
 def test_counters_never_decrease():
     """An engine total that reads lower (a restarted engine's) leaves the counter where it was, and
     later growth is counted from the highest total exported."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import logging
 from collections import defaultdict
 from typing import Any
@@ -25,7 +26,14 @@ import orca_kernels.cpu_gpt2_ops
 import orca_kernels.cpu_llama_ops
 from orca_backend import LLM, SamplingParams
 from orca_backend.model import gemm
-from orca_backend.worker.cuda_graphs import PAD_SLOT, DecodeGraphs, capture_sizes
+from orca_backend.worker.cuda_graphs import (
+    EAGER_REASONS,
+    PAD_SLOT,
+    DecodeGraphs,
+    GraphCaptureError,
+    capture_sizes,
+    runner_eager_reason,
+)
 from orca_backend.worker.model_runner import ModelRunner
 
 # The families' presets; and two Llama-family variants written by transformers: Qwen2's biased q/k/v
@@ -340,3 +348,66 @@ def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model
         assert {"_decode_split_kernel", "_decode_reduce_kernel"} <= launched, launched
         assert not {"_write_kv_kernel", "_rotary_kernel"} & launched, launched
     assert PAD_SLOT == -1
+
+
+# --- how each step ran: counted, logged, and never a silent eager --------------------------------
+
+
+def test_the_runners_eager_reasons():
+    """Why a runner replays no graph, in order of precedence; "" where decode steps are captured."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert runner_eager_reason(False, cuda, False, False, "triton") == ""
+    assert runner_eager_reason(True, cuda, False, False, "triton") == "enforce_eager"
+    assert runner_eager_reason(False, cpu, False, False, "cpu") == "no_cuda_device"
+    assert runner_eager_reason(False, cuda, True, False, "triton") == "parallel"
+    assert runner_eager_reason(False, cuda, False, True, "triton") == "lora"
+    assert runner_eager_reason(False, cuda, False, False, "torch") == "torch_kernels"
+    assert set(EAGER_REASONS) >= {"mixed_step", "batch_above_buckets", "static_buffers"}
+
+
+def test_every_step_is_counted_and_logged_by_how_its_forward_ran(tmp_path):
+    """engine.stats().steps_by_path counts every iteration once, under the reason its forward ran as it
+    did; the iteration log writes the same path on each line, and worker processes report theirs."""
+    log = tmp_path / "iterations.jsonl"
+    llm = LLM("gpt2-tiny", max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=1024, iteration_log=str(log))
+    prompts, params = _workload(llm.engine.model_config.vocab_size)
+    llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert stats.steps_by_path == {"no_cuda_device": stats.num_iterations} and stats.num_iterations > 1
+    llm.shutdown()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
+    assert len(lines) == stats.num_iterations and {line["step_path"] for line in lines} == {"no_cuda_device"}
+
+    # The static buffers (a GPU's path, eager here): decode-only steps run on them, the rest say why not.
+    llm, runner = _static_llm("gpt2-tiny", "cpu")
+    llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert stats.steps_by_path == {"static_buffers": 6, "mixed_step": stats.num_iterations - 6}  # MAX_TOKENS' plan
+    eager = LLM("gpt2-tiny", kv_capacity_tokens=256, enforce_eager=True)
+    eager.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert eager.engine.stats().steps_by_path == {"enforce_eager": 3}
+    with LLM("gpt2-tiny", kv_capacity_tokens=256, tensor_parallel_size=2) as tp2:
+        tp2.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+        # The sampling worker's path crossed its control pipe (an empty path would read as "").
+        assert tp2.engine.stats().steps_by_path == {"no_cuda_device": 3}
+
+
+def test_a_capture_failure_is_a_load_error_naming_the_batch_size(monkeypatch):
+    """What a failed capture becomes (the capture itself needs a GPU: tests/model/test_cuda.py plants
+    one there): an error naming the batch size, the error and enforce_eager; an allocation failure,
+    torch's or cuBLAS's, also says to lower the K/V pool or max_num_seqs."""
+    llm = LLM("gpt2-tiny", kv_capacity_tokens=256)
+    runner = llm.engine.core.executor.runner
+
+    def plant(cause):
+        def capture(self):
+            raise GraphCaptureError(4, cause) from cause
+        monkeypatch.setattr(DecodeGraphs, "capture", capture)
+
+    plant(ValueError("boom"))
+    with pytest.raises(RuntimeError, match=r"batch size 4 failed: ValueError: boom; set enforce_eager") as info:
+        runner._capture([1, 2, 4])
+    assert isinstance(info.value.__cause__, ValueError)
+    plant(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    with pytest.raises(RuntimeError, match=r"batch size 4 failed: .*ALLOC_FAILED.*out of GPU memory.*lower kv_capacity_tokens"):
+        runner._capture([1, 2, 4])
