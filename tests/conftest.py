@@ -42,12 +42,31 @@ def tiny_checkpoint(make_checkpoint) -> tuple[Path, GPT2Config]:
     return make_checkpoint()
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota (a container's
+    `--cpus`), which neither os.cpu_count() nor psutil's core count sees."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (`make test`): a worker per usable CPU (xdist's own count is psutil's physical
+    cores, which is 1 on a 2-vCPU machine whose vCPUs are one core's two threads)."""
+    return usable_cpus()
+
+
 # Under pytest-xdist each worker takes its share of the cores: torch's OpenMP threads spin while they
 # wait, so two workers with a thread per core each would spend the machine spinning. The children a
 # test starts (engine core, tp/pp workers, tritonserver's stubs) inherit the same share through
 # OMP_NUM_THREADS. The CPU kernels' own tests set their thread counts explicitly (torch_threads.py).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _share = max(1, usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_share)
     torch.set_num_threads(_share)
 
