@@ -80,7 +80,6 @@ class GraphCaptureError(RuntimeError):
     def __init__(self, size: int, cause: BaseException) -> None:
         super().__init__(f"capturing the CUDA graph of decode steps of batch size {size} failed: "
                          f"{type(cause).__name__}: {cause}")  # fmt: skip
-        self.size = size
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -134,12 +133,9 @@ class DecodeGraphs:
         """The capture size a batch of `num_requests` is padded to."""
         return next(size for size in self.sizes if size >= num_requests)
 
-    def fits(self, inputs: StepInputs) -> bool:
-        """Whether the step is decode-only (one new token per request) and small enough for a bucket."""
-        return not self.eager_reason(inputs)
-
     def eager_reason(self, inputs: StepInputs) -> str:
-        """Why this step cannot run on the static buffers (an EAGER_REASONS key), "" when it can."""
+        """Why this step cannot run on the static buffers (an EAGER_REASONS key), "" when it can: it
+        must be decode-only (one new token per request) and small enough for a bucket."""
         if inputs.max_query_len != 1 or inputs.num_tokens != inputs.num_requests:
             return "mixed_step"
         if inputs.num_requests > self.max_size:
@@ -151,7 +147,7 @@ class DecodeGraphs:
         return GRAPH_REPLAYED if self.bucket(inputs.num_requests) in self.graphs else "static_buffers"
 
     def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The logits [B, vocab] of a decode-only step (`fits`): its graph replayed on CUDA, the same
+        """The logits [B, vocab] of a decode-only step (no `eager_reason`): its graph replayed on CUDA, the same
         static-buffer forward run eagerly elsewhere. On CUDA the view is valid until the next run.
         `ahead` (async scheduling): (token positions, ids) written over the input tokens on the device."""
         num_requests = inputs.num_requests
