@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -62,6 +61,13 @@ class LoRARequest:
     scaling: float = 1.0
     weights_file: str = ""  # adapter_model.safetensors's real path, as checked at registration
     digest: str = ""  # its SHA-256 then: a runner loads only that file's checked bytes
+
+
+def adapter_id(name: str, path: str, digest: str) -> int:
+    """An adapter's `lora_id`: the same wherever the same files are registered under the same name
+    (the Triton instances that share one engine core each keep a registry), different when the name,
+    the directory or the weights differ. 63 bits of SHA-256, positive in any int64."""
+    return int.from_bytes(hashlib.sha256(f"{name}\0{path}\0{digest}".encode()).digest()[:8], "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -372,7 +378,6 @@ class LoRARegistry:
         self._adapters: dict[str, LoRARequest] = {}
         # name -> (directory, its files' stamps when last read), for the registered and the refused
         self._stamps: dict[str, tuple[str, tuple]] = {}
-        self._ids = itertools.count(1)
 
     @property
     def names(self) -> list[str]:
@@ -397,7 +402,7 @@ class LoRARegistry:
         if known is not None and (known.path, known.rank, known.scaling, known.weights_file, known.digest) == same:
             self._adapters[name] = known  # touched, not changed: the same adapter
             return known
-        lora = self._adapters[name] = LoRARequest(name, next(self._ids), *same)
+        lora = self._adapters[name] = LoRARequest(name, adapter_id(name, *same[:1], spec.digest), *same)
         return lora
 
     def remove(self, name: str) -> None:

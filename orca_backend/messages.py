@@ -198,6 +198,19 @@ def abort_message(request_id: str, reason: FinishReason) -> bytes:
 
 
 STOP_MESSAGE = dumps(("stop",))
+# From an attached frontend (core/frontends.py): it is going; and to one: the frontend that started
+# the core stopped it.
+DETACH_MESSAGE = dumps(("detach",))
+STOPPED_MESSAGE = dumps(("stopped",))
+
+
+@dataclass(frozen=True)
+class CoreAddress:
+    """Where an engine core listens for frontends beyond the one that started it: an AF_UNIX
+    socket, and the key both ends prove they hold (multiprocessing's HMAC handshake)."""
+
+    path: str
+    authkey: bytes
 
 # EngineStats' fields as a tuple: dataclasses.astuple copies each value deeply, ~30 µs a frame.
 _stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))

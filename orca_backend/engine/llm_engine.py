@@ -23,10 +23,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from orca_backend.config import EngineConfig, check_parallel_layout, fits_in_pool, pool_capacity_tokens
-from orca_backend.engine.core_client import EngineCoreProcess
+from orca_backend.engine.core_client import AttachedCore, EngineCoreProcess
 from orca_backend.engine.output_processor import Logprob, OutputProcessor, OutputSink, RequestOutput
 from orca_backend.lora import LoRARegistry, LoRARequest
 from orca_backend.messages import (
+    CoreAddress,
     CoreOutputs,
     EngineCoreRequest,
     EngineDeadError,
@@ -75,8 +76,10 @@ class RequestStream:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, core_process: bool = False, core_hook: CoreHook | None = None) -> None:
-        """The core runs in this process, or with `core_process` in its own (prefer `launch`)."""
+    def __init__(self, config: EngineConfig, *, core_process: bool = False, core_hook: CoreHook | None = None,
+                 listen: CoreAddress | None = None, attach_to: CoreAddress | None = None) -> None:  # fmt: skip
+        """The core runs in this process, with `core_process` in its own (prefer `launch`), or with
+        `attach_to` in one another engine launched (prefer `attach`)."""
         self.config = config
         self.model_config = config.model_config()
         check_parallel_layout(self.model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
@@ -98,9 +101,11 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
         self._next_id = itertools.count()
-        self.core: EngineCore | EngineCoreProcess
-        if core_process:
-            self.core = EngineCoreProcess(config, self._process, self._core_died, hook=core_hook)
+        self.core: EngineCore | EngineCoreProcess | AttachedCore
+        if attach_to is not None:
+            self.core = AttachedCore(config, attach_to, self._process, self._core_died)
+        elif core_process:
+            self.core = EngineCoreProcess(config, self._process, self._core_died, hook=core_hook, listen=listen)
         else:
             from orca_backend.core.engine_core import EngineCore  # this process runs the model: torch and all
 
@@ -109,10 +114,25 @@ class LLMEngine:
                 core_hook(self.core)
 
     @classmethod
-    def launch(cls, config: EngineConfig, core_hook: CoreHook | None = None) -> LLMEngine:
+    def launch(cls, config: EngineConfig, core_hook: CoreHook | None = None,
+               listen: CoreAddress | None = None) -> LLMEngine:  # fmt: skip
         """An engine whose core runs in its own process; returns once the model is loaded there, and
-        raises what loading raised. `core_hook` runs in that process on the built core (tests use it)."""
-        return cls(config, core_process=True, core_hook=core_hook)
+        raises what loading raised. `core_hook` runs in that process on the built core (tests use it).
+        With `listen`, other engines may `attach` to that core there (several Triton instances of one
+        model share one core: core/frontends.py); it stops when this engine does."""
+        return cls(config, core_process=True, core_hook=core_hook, listen=listen)
+
+    @classmethod
+    def attach(cls, config: EngineConfig, address: CoreAddress) -> LLMEngine:
+        """An engine over the core another engine launched with `listen=address` (the same config):
+        its own requests, tokenizer and output processing, the launched engine's core. Its shutdown
+        detaches (its unfinished requests are aborted); the core's end ends its requests."""
+        return cls(config, attach_to=address)
+
+    @property
+    def stopped_by_owner(self) -> bool:
+        """An attached engine's core was shut down by the engine that launched it (not a failure)."""
+        return isinstance(self.core, AttachedCore) and self.core.stopped_by_owner
 
     # ----------------------------------------------------------------- any thread
     @property
@@ -344,7 +364,7 @@ class LLMEngine:
         self._process(outputs)
 
     def _in_process_core(self) -> EngineCore:
-        if isinstance(self.core, EngineCoreProcess):
+        if isinstance(self.core, EngineCoreProcess | AttachedCore):
             raise RuntimeError("this engine's core runs in its own process; step() drives an in-process core")
         return self.core
 
@@ -358,7 +378,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the engine: every request not finished ends with an error, later adds are refused."""
-        if not isinstance(self.core, EngineCoreProcess):
+        if not isinstance(self.core, EngineCoreProcess | AttachedCore):
             self._process(self.core.shutdown())
         else:
             self.core.shutdown()  # the output thread then fails what the core process left unfinished

@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.lora import MULTI_LORA_FILE, read_multi_lora_json
+from orca_backend.server.instances import CoreRendezvous, instance_count
 from orca_backend.server.metrics import EngineMetrics, MetricsPoller
 from orca_backend.server.protocol import engine_config_from_triton_config
 
@@ -47,15 +48,24 @@ class EngineAdapter:
         lora_file = multi_lora_path(args.get("model_repository", ""), args.get("model_version", "1"))
         if config.enable_lora:  # as Triton's vLLM backend: the adapters are the version's multi_lora.json
             config = dataclasses.replace(config, lora_modules=read_multi_lora_json(lora_file))
-        self.engine = LLMEngine.launch(config)  # the engine core process; returns once the model is loaded
+        self.instances = instance_count(self.triton_config)
+        self.check_instance_count(self.instances)
+        self.owns_core, self.engine = self._start_engine(config, args.get("model_version", "1"))
         self.tokenizer = self.engine.tokenizer
         self.lora_file: MultiLoraFile | None = None
         if config.allow_runtime_lora_updating:
             self.lora_file = MultiLoraFile(lora_file, self.engine.sync_loras, self.engine.changed_loras,
                                            pb_utils.Logger.log_warn).start()  # fmt: skip
+        # Every instance exports its own requests' ends; the engine's stats only the one that owns the core
+        # (Triton merges the instances' series of one name and labels: each is counted once).
         self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
-                                     self.engine.model_config.max_context, lora=config.enable_lora)  # fmt: skip
+                                     self.engine.model_config.max_context, lora=config.enable_lora,
+                                     engine_stats=self.owns_core)  # fmt: skip
         self._poller = MetricsPoller(self.engine, self.metrics).start()
+        if not self.owns_core:
+            pb_utils.Logger.log_info(f"{self.model_name}: instance {args.get('model_instance_name', '')} attached to "
+                                     f"the engine core (pid {self.engine.core.pid})")  # fmt: skip
+            return
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine ready (model={config.model}, device={config.device}, dtype={config.dtype}, "
             f"scheduling={config.scheduling}, max_num_seqs={config.max_num_seqs}, "
@@ -65,6 +75,27 @@ class EngineAdapter:
             + (f", LoRA adapters {self.engine.list_loras()} (max_loras={config.max_loras})" if config.enable_lora else "")
             + ")"
         )
+
+    def _start_engine(self, config: EngineConfig, version: str) -> tuple[bool, LLMEngine]:
+        """(owns the core, the engine): one instance launches the engine core process and returns once
+        the model is loaded; with several instances the others attach to it (server/instances.py),
+        each admitting its share of the queue limits."""
+        self._rendezvous: CoreRendezvous | None = None
+        if self.instances == 1:
+            return True, LLMEngine.launch(config)
+        config = dataclasses.replace(config, max_queued_requests=_share(config.max_queued_requests, self.instances),
+                                     max_queued_prompt_tokens=_share(config.max_queued_prompt_tokens, self.instances))  # fmt: skip
+        self._rendezvous = CoreRendezvous(self.model_name, version)
+        try:
+            if self._rendezvous.claim():
+                return True, LLMEngine.launch(config, listen=self._rendezvous.owner_address())
+            return False, self._rendezvous.wait_for_core(lambda address: LLMEngine.attach(config, address))
+        except BaseException:
+            self._rendezvous.release()
+            raise
+
+    def check_instance_count(self, count: int) -> None:
+        """Raises pb_utils.TritonModelException when this adapter cannot serve `count` instances."""
 
     def check_triton_config(self) -> None:
         """Raises pb_utils.TritonModelException when config.pbtxt does not fit this adapter, and reads the
@@ -88,7 +119,14 @@ class EngineAdapter:
         if self.lora_file is not None:
             self.lora_file.stop()
         self._poller.stop()
-        self.engine.shutdown()
+        self.engine.shutdown()  # the core's owner stops it; another instance detaches
+        if self._rendezvous is not None:
+            self._rendezvous.release()
+
+
+def _share(limit: int, instances: int) -> int:
+    """One instance's share of a queue limit (0: none): each instance admits its own requests."""
+    return -(-limit // instances) if limit else 0
 
 
 def is_cancelled(request: Any, sender: Any = None) -> bool:

@@ -42,6 +42,13 @@ class BaselineModel(EngineAdapter):
             raise pb_utils.TritonModelException(f"{self.model_name}: set max_batch_size >= 1 and dynamic_batching "
                                                 "in config.pbtxt; Triton's batcher forms the baseline's batches")
 
+    def check_instance_count(self, count: int) -> None:
+        if count != 1:
+            raise pb_utils.TritonModelException(
+                f"{self.model_name}: the baseline runs one batch at a time on one engine, as a request-level "
+                f"server does; set instance_group count 1 (got {count} instances)"
+            )
+
     def owned_engine_fields(self) -> dict[str, Any]:
         # Triton's max_batch_size is the only batch-size knob: the engine must take any batch it forms.
         return {"max_num_seqs": int(self.triton_config["max_batch_size"])}

@@ -146,10 +146,12 @@ class EngineMetrics:
     """The gauges of one model instance, labelled with the model name and version."""
 
     def __init__(
-        self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False
+        self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False,
+        engine_stats: bool = True,
     ) -> None:  # fmt: skip
         """`lora` (enable_lora): the per-request series carry a `lora_name` label too ("" for the base
-        model), and the adapters' gauges are exported."""
+        model), and the adapters' gauges are exported. Without `engine_stats` (a model instance that
+        attached to another's engine core) only the requests' ends are: the core's owner exports its stats."""
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
         self._lora = lora
@@ -161,7 +163,8 @@ class EngineMetrics:
             name: pb_utils.MetricFamily(name=name, description=text, kind=getattr(kinds, kind))
             for name, (kind, text) in families.items()
         }
-        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {})}
+        self._engine_stats = engine_stats
+        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {})} if engine_stats else {}
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
             for name in (*self._stats, "orca_request_metrics_dropped_total")
@@ -186,6 +189,8 @@ class EngineMetrics:
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""
+        if not self._engine_stats:
+            return
         for name, attr in self._stats.items():
             self._write(self._metrics[name], float(getattr(stats, attr)))
         for path, count in stats.steps_by_path.items():

@@ -84,6 +84,7 @@ class OrcaModel(EngineAdapter):
         self._cancel_cursor = 0
         self._stopping = threading.Event()
         super().initialize(args)
+        self._id_prefix = f"{args.get('model_instance_name', '')}/" if self.instances > 1 else ""
         self._thread = threading.Thread(target=self._response_loop, name="orca-responses", daemon=True)
         self._thread.start()
 
@@ -104,7 +105,8 @@ class OrcaModel(EngineAdapter):
         prompt_ids = self.engine.prompt_ids(parsed.prompt)  # the prompt's one tokenizing
         builder = response_builder(parsed, prompt_ids, self.tokenizer, stream=parsed.stream,
                                    stream_interval=self.stream_interval)  # fmt: skip
-        request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"  # client ids need not be unique
+        # Client ids need not be unique; ours must be, across the instances that share the engine core.
+        request_id = f"{request.request_id() or 'req'}#{self._id_prefix}{next(self._ids)}"
         pending = _Pending(request_id, request, sender, builder)
         # Registered before the engine sees it: its first event may come before add_request returns.
         with self._lock:
@@ -223,6 +225,10 @@ class OrcaModel(EngineAdapter):
 
     def _check_health(self) -> None:
         if self._dead_reason is not None or self.engine.healthy:
+            return
+        if self.engine.stopped_by_owner:  # the instance that owns the core is unloading the model
+            self._dead_reason = "the model is being unloaded"
+            self._fail_all(EngineUnavailable(self._dead_reason))
             return
         self._dead_reason = self.engine_stopped_message("the model is being unloaded")
         pb_utils.Logger.log_error(f"{self.model_name}: {self._dead_reason}")
