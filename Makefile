@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint bench bench-offline gpu-check gpu-check-tests gpu-check-bench gpu-served gpu-check-cpu clean
+.PHONY: setup test test-fast lint bench bench-offline gpu-install gpu-smoke gpu-smoke-cpu gpu-check gpu-check-tests \
+	gpu-check-kernels gpu-check-graphs-gpt2 gpu-check-graphs-qwen gpu-check-ab gpu-served gpu-check-cpu clean
 
 setup: $(VENV)/.installed
 
@@ -45,34 +46,52 @@ bench: setup
 bench-offline: setup
 	$(PY) benchmarks/offline.py
 
-# On a GPU machine, with its own python3 (no venv): the CUDA tests, the kernel benchmarks, rooflines and
-# the engine-level A/B (benchmarks/gpu_check.py); figures go to GPU_OUT. Every step runs even if an
-# earlier one fails, and the target fails if any did. pytest-xdist, where installed, spreads the
-# tests' Triton compilations over 8 workers, each with 2 CPU threads for the transformers oracle (16
-# threads in each worker oversubscribed an H100 machine's 16 cores: 198 s for the tests, 36 s with 2).
+# On a GPU machine, with its own python3 (no venv; torch, triton, transformers, pytest and pytest-xdist
+# there), the package installed into it without dependencies; results in GPU_OUT.
 PYTHON ?= python3
 GPU_OUT ?= gpu_results
-GPU_CHECK_ARGS ?=
-GPU_TESTS = tests/kernels/test_kernels.py tests/kernels/test_kernels_llama.py tests/kernels/test_triton_decode_attention.py tests/model/test_fp8.py \
-	tests/kernels/test_lora_kernels.py tests/kernels/test_triton_window_attention.py \
-	tests/model/test_cuda.py
-gpu-check:
+gpu-install:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	rc=0; \
-	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 \
-		$(GPU_TESTS) || rc=1; \
-	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS) || rc=1; \
-	exit $$rc
 
-# gpu-check's two halves as separate commands, where one command has a time limit (each well under it).
-gpu-check-tests:
-	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+# The first command on a lent GPU (benchmarks/gpu_smoke.py, its docstring has the budget): versions and
+# clocks, the kernel tests never run compiled, CUDA graphs of both models (every bucket captured, replay
+# times, traces), decode attention against copy bandwidth, Triton compile seconds. Each stage in its own
+# process under its own timeout, its results in GPU_OUT as it ends; under 7 minutes on one H100.
+GPU_SMOKE_ARGS ?=
+gpu-smoke: gpu-install
+	$(PYTHON) benchmarks/gpu_smoke.py --out $(GPU_OUT) $(GPU_SMOKE_ARGS)
+
+# The same script on CPU, as CI runs it (tests/benchmarks/test_gpu_smoke.py): every stage with tiny settings.
+GPU_SMOKE_CPU_OUT ?= build/gpu_smoke_cpu
+gpu-smoke-cpu: setup
+	$(PY) benchmarks/gpu_smoke.py --device cpu --quick --out $(GPU_SMOKE_CPU_OUT) $(GPU_SMOKE_ARGS)
+
+# The full check, in parts that each fit one device command (each under 6 minutes on one H100; the
+# estimates are from the last recorded runs, docs/development.md): the CUDA tests, then
+# benchmarks/gpu_check.py's sections, the graphs section one model at a time. Each part writes its own
+# folder under GPU_OUT. `make gpu-check` runs every part, each even if an earlier one failed.
+# pytest-xdist, where installed, spreads the tests' Triton compilations over 8 workers, each with 2 CPU
+# threads for the transformers oracle (16 threads in each worker oversubscribed an H100 machine's 16
+# cores: 198 s for the tests, 36 s with 2).
+GPU_CHECK_ARGS ?=
+GPU_TESTS = tests/kernels/test_kernels.py tests/kernels/test_kernels_llama.py tests/kernels/test_triton_decode_attention.py \
+	tests/kernels/test_lora_kernels.py tests/kernels/test_triton_window_attention.py \
+	tests/model/test_fp8.py tests/model/test_moe.py tests/model/test_cuda.py
+GPU_CHECK = $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+GPU_CHECK_PARTS = gpu-check-tests gpu-check-kernels gpu-check-graphs-gpt2 gpu-check-graphs-qwen gpu-check-ab
+gpu-check:
+	rc=0; for part in $(GPU_CHECK_PARTS); do $(MAKE) --no-print-directory $$part || rc=1; done; exit $$rc
+gpu-check-tests: gpu-install
 	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist -rfEs --durations=10 $(GPU_TESTS)
-gpu-check-bench:
-	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+gpu-check-kernels: gpu-install
+	$(GPU_CHECK) --sections ceilings,kernels,decode,prefill --out $(GPU_OUT)/kernels
+gpu-check-graphs-gpt2: gpu-install
+	$(GPU_CHECK) --sections graphs --graph-models gpt2-medium --out $(GPU_OUT)/graphs-gpt2
+gpu-check-graphs-qwen: gpu-install
+	$(GPU_CHECK) --sections graphs --graph-models qwen2.5-0.5b --out $(GPU_OUT)/graphs-qwen
+gpu-check-ab: gpu-install
+	$(GPU_CHECK) --sections ab --out $(GPU_OUT)/ab
 
 # The served A/B on a GPU machine that has no tritonserver and no network: the two wheels carried
 # beside the tree (pip download --no-deps nvidia-pytriton==0.7.0 tritonclient -d wheels; about 55 MB),
