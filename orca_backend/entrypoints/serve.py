@@ -137,6 +137,22 @@ def render_config(text: str, overrides: dict[str, str], top_level: dict[str, int
     return text
 
 
+_INSTANCE_GROUP_RE = re.compile(r"instance_group\s*\[\s*\{(?P<group>[^}]*)\}\s*\]")
+
+
+def with_instance_count(text: str, count: int) -> str:
+    """config.pbtxt with its one instance_group's count set (its kind kept)."""
+    if count < 1:
+        raise ValueError(f"an instance count must be >= 1, got {count}")
+    groups = _INSTANCE_GROUP_RE.findall(text)
+    if len(groups) != 1 or not re.search(r"count\s*:\s*\d+", groups[0]):
+        raise ValueError("config.pbtxt must hold one instance_group with one group and a count to set the count")
+    return _INSTANCE_GROUP_RE.sub(
+        lambda m: m.group(0).replace(m.group("group"), re.sub(r"count\s*:\s*\d+", f"count: {count}", m.group("group"))),
+        text, count=1,
+    )  # fmt: skip
+
+
 def _param_block(key: str, value: str) -> str:
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{escaped}" }}\n}}'
@@ -151,6 +167,7 @@ class ServerOptions:
     max_num_seqs: int | None = None  # orca's engine batch (config.pbtxt parameter max_num_seqs)
     max_batch_size: int | None = None  # the baseline's Triton max_batch_size (its dynamic batcher and engine)
     max_queue_delay_us: int | None = None  # baseline's dynamic_batching max_queue_delay_microseconds
+    instances: int | None = None  # orca's Triton instances (stub processes) over its one engine core
     # LoRA adapters {name: directory}: written as each model version's multi_lora.json (and a model.json
     # with enable_lora, which Triton's OpenAI frontend reads to route `model: base<sep>adapter`), with
     # the parameter enable_lora set. Empty: the repository's own files, if any.
@@ -235,7 +252,10 @@ class TritonServer:
                 adapters = {n: str(Path(path).resolve()) for n, path in self.options.lora_modules.items()}
                 (version / MULTI_LORA_FILE).write_text(json.dumps(adapters, indent=2))
                 (version / "model.json").write_text(json.dumps({"enable_lora": "true"}))
-            config_path.write_text(render_config(config_path.read_text(), overrides, top_level))
+            text = render_config(config_path.read_text(), overrides, top_level)
+            if self.options.instances is not None and name == "orca":
+                text = with_instance_count(text, self.options.instances)
+            config_path.write_text(text)
         return target
 
     def command(self, binary: TritonBinary, repository: Path) -> list[str]:
@@ -424,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-num-seqs", type=int, help="orca: requests per engine iteration")
+    p.add_argument("--instances", type=int,
+                   help="orca: Triton instances (stub processes) over its one engine core; raise it when one stub "
+                        "cannot send the tokens the engine makes (default: config.pbtxt's count, 1)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, help="baseline: Triton's dynamic-batcher max_batch_size")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
@@ -506,6 +529,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         models=models, model_repository=args.model_repository, parameters=params,
         model_parameters=model_parameters,
         max_num_seqs=args.max_num_seqs, max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
+        instances=args.instances,
         lora_modules=_parse_key_values(args.lora_modules, "--lora-modules"),
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, extra_args=tuple(args.triton_arg), admin_key=args.admin_key,

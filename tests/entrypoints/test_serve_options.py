@@ -105,3 +105,22 @@ def test_exit_on_model_failure_is_off_by_default_and_documents_its_code():
     assert parser.parse_args(["--exit-on-model-failure"]).exit_on_model_failure is True
     help_text = " ".join(parser.format_help().split())
     assert f"exit with code {EXIT_MODEL_FAILED}" in help_text and EXIT_MODEL_FAILED not in (0, 1)
+
+
+def test_instances_set_orcas_instance_count_only(tmp_path):
+    from orca_backend.entrypoints.serve import TritonServer, with_instance_count
+
+    options = options_from_args(build_parser().parse_args(["--instances", "4"]))
+    assert options.instances == 4
+    options.run_dir = tmp_path
+    repository = TritonServer(options).render_repository()
+    groups = {name: re.findall(r"instance_group\s*\[[^\]]*\]", (repository / name / "config.pbtxt").read_text())
+              for name in ("orca", "baseline")}  # fmt: skip
+    assert groups["orca"] == ["instance_group [ { count: 4, kind: KIND_CPU } ]"]
+    assert groups["baseline"] == ["instance_group [ { count: 1, kind: KIND_CPU } ]"]  # it refuses more
+    assert with_instance_count("instance_group [ { kind: KIND_MODEL, count: 1 } ]", 2) == (
+        "instance_group [ { kind: KIND_MODEL, count: 2 } ]")
+    with pytest.raises(ValueError, match="one instance_group"):
+        with_instance_count("name: 'x'", 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        with_instance_count(groups["orca"][0], 0)

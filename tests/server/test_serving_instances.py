@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +28,6 @@ pytestmark = pytest.mark.integration
 INSTANCES = 3
 SERVER_MODEL = GPT2Config(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 ADMIN_KEY = "instances-test"
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0}
 
 
@@ -41,16 +38,8 @@ def checkpoint(make_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("instances")
-    repository = run_dir / "source"
-    shutil.copytree(ROOT / "model_repository" / "orca", repository / "orca", ignore=shutil.ignore_patterns("__pycache__"))
-    config = repository / "orca" / "config.pbtxt"
-    text, count = re.subn(r"instance_group \[[^\]]*\]", f"instance_group [ {{ count: {INSTANCES}, kind: KIND_CPU }} ]",
-                          config.read_text())  # fmt: skip
-    assert count == 1
-    config.write_text(text)
-    server = start_server(run_dir, checkpoint[0], models=("orca",), model_repository=repository, admin_key=ADMIN_KEY,
-                          parameters={"kv_capacity_tokens": "32768"})  # fmt: skip
+    server = start_server(tmp_path_factory.mktemp("instances"), checkpoint[0], models=("orca",), instances=INSTANCES,
+                          admin_key=ADMIN_KEY, parameters={"kv_capacity_tokens": "32768"})  # fmt: skip
     try:
         yield server
     finally:
