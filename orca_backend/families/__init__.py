@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
+    from orca_backend.families.constant_time import ConstantTimeConfig
     from orca_backend.families.gpt2 import GPT2Config
     from orca_backend.families.llama import LlamaConfig
 
-AnyModelConfig: TypeAlias = "GPT2Config | LlamaConfig"  # GemmaConfig is a LlamaConfig
+AnyModelConfig: TypeAlias = "GPT2Config | LlamaConfig | ConstantTimeConfig"  # GemmaConfig is a LlamaConfig
 
 # A dimension's [lo, hi) on this tensor-parallel rank (distributed.layout.ParallelLayout.shard), passed
 # in so that the families need not import the layout.
@@ -99,6 +100,8 @@ REGISTRY: dict[str, Registration] = {
                           ("llama-150m", "llama-tiny", "mixtral-tiny", "qwen2-moe-tiny", "mixtral-small",
                            "qwen3-moe-tiny", "mistral-sw-tiny", "qwen2.5-0.5b")),
     "gemma": Registration(("Gemma2ForCausalLM", "Gemma3ForCausalLM"), ("gemma2-tiny", "gemma3-tiny")),
+    # A measurement device, not a model (families/constant_time.py): the serving path's cost alone.
+    "constant_time": Registration(("OrcaConstantTimeMeasure",), ("constant-time-measure",)),
 }  # fmt: skip
 # The model_type GPT-2's first uploads are taken to have: their config.json carries neither it nor
 # `architectures`.
