@@ -105,6 +105,14 @@ def stub_model(cmdline: tuple[str, ...]) -> str | None:
     return re.sub(r"_\d+_\d+$", "", instance) or "?"
 
 
+def stub_instance(cmdline: tuple[str, ...]) -> str | None:
+    """The Triton model instance a Python backend stub runs (`<model>_<instance>_<device>`, e.g.
+    orca_1_0 for the second of `instance_group { count: N }`), or None when `cmdline` is not a stub's."""
+    if stub_model(cmdline) is None:
+        return None
+    return cmdline[8] if len(cmdline) > 8 else "?"
+
+
 def classify(tree: Iterable[ProcStat], root: int) -> dict[int, tuple[str, str | None]]:
     """pid -> (role, model): ("tritonserver", None) for the root, ("stub", model), ("engine", model)
     for any process below a stub, ("other", None) for the rest of the tree."""
@@ -129,6 +137,18 @@ def classify(tree: Iterable[ProcStat], root: int) -> dict[int, tuple[str, str | 
 
 
 @dataclass
+class ProcessCpu:
+    """One process's CPU seconds between two snapshots, with its place in the tree."""
+
+    pid: int
+    role: str  # as classify() names it
+    model: str | None
+    instance: str | None  # a stub's model instance; for an engine process, the instance of the stub above it
+    command: str  # its command line, cut to 120 characters
+    cpu_s: float
+
+
+@dataclass
 class CpuSplit:
     """CPU seconds between two snapshots of a server's process tree, per role (stub and engine per model)."""
 
@@ -139,6 +159,7 @@ class CpuSplit:
     processes: dict[str, int] = field(default_factory=dict)  # per role, in the second snapshot
     appeared: int = 0  # processes started between the snapshots (counted from their start)
     vanished: int = 0  # processes gone by the second snapshot (their CPU since the first is lost)
+    per_process: list[ProcessCpu] = field(default_factory=list)  # the same seconds, process by process
 
 
 def cpu_deltas(before: Iterable[ProcStat], after: Iterable[ProcStat]) -> tuple[dict[int, float], int, int]:
@@ -152,8 +173,11 @@ def cpu_deltas(before: Iterable[ProcStat], after: Iterable[ProcStat]) -> tuple[d
 def cpu_split(before: list[ProcStat], after: list[ProcStat], root: int) -> CpuSplit:
     used, appeared, vanished = cpu_deltas(before, after)
     split = CpuSplit(appeared=appeared, vanished=vanished)
+    by_pid = {p.pid: p for p in after}
     for pid, (role, model) in classify(after, root).items():
         seconds = used.get(pid, 0.0)
+        split.per_process.append(ProcessCpu(pid, role, model, _instance_above(by_pid, pid) if model else None,
+                                            " ".join(by_pid[pid].cmdline)[:120], seconds))
         split.processes[role] = split.processes.get(role, 0) + 1
         if role == "tritonserver":
             split.tritonserver += seconds
@@ -163,6 +187,16 @@ def cpu_split(before: list[ProcStat], after: list[ProcStat], root: int) -> CpuSp
             per_model = split.stub if role == "stub" else split.engine
             per_model[model or "?"] = per_model.get(model or "?", 0.0) + seconds
     return split
+
+
+def _instance_above(by_pid: Mapping[int, ProcStat], pid: int) -> str | None:
+    """The model instance of the stub that is `pid` or its nearest ancestor."""
+    while pid in by_pid:
+        instance = stub_instance(by_pid[pid].cmdline)
+        if instance is not None:
+            return instance
+        pid = by_pid[pid].ppid
+    return None
 
 
 # ------------------------------------------------------------------------------ offline side
