@@ -3,16 +3,23 @@
     python benchmarks/serving_cost.py --streams 64,256,1024 --instances 1,2,4 --tokens 64 --repeats 3 \\
         --out docs/bench/served-path/serving-cost.json
 
-Serves the constant-time measurement device (the preset `constant-time-measure`, families/
-constant_time.py: a forward of a dozen element-wise ops whatever the batch, a real tokenizer, so the
-engine's scheduler, K/V bookkeeping, sampler, output frames and detokenization all run) on a real
-tritonserver with `instance_group [ { count: N, kind: KIND_CPU } ]` for each --instances N. For each
+Serves the constant-time measurement device (families/constant_time.py: a forward of a dozen
+element-wise ops whatever the batch, with a real tokenizer, so the engine's scheduler, K/V
+bookkeeping, sampler, output frames and detokenization all run; written to a directory by
+model/constant_time.py's write_device_dir, with --step-ms as the wait each step stands for an
+accelerator's) on a real tritonserver with `instance_group [ { count: N, kind: KIND_CPU } ]` for each
+--instances N. For each
 stream count S it sends --repeats bursts of S streaming requests (--prompt ids + --tokens output
 tokens each, greedy, ignore_eos; all arrivals at t=0) and reports per burst: served tokens/s and
 responses/s; CPU µs per streamed token and per response of tritonserver, each stub (per model
 instance), the engine core (every process below a stub) and the load generator; and the average
 running batch (generated tokens per engine iteration, from the engine's counters, and the mean of
 the `orca_requests_running` gauge sampled every --gauge-period s).
+
+Per token and per response are both reported because the stub merges the tokens that arrived while it
+was sending into the request's next response: with --step-ms 0 the engine outruns any stub, responses
+carry many tokens each, and the cost per token falls with the load while the cost per response does
+not. --step-ms sets the pace instead (streams / step time tokens/s offered), as a GPU's step time would.
 
 CPU is read from /proc as orca-bench's served-path stage reads it (orca_client/served_path.py). The
 load generator (this process) runs on its own CPUs where the machine has some to spare: --client-cpus
@@ -57,7 +64,7 @@ from orca_client.loadgen import LoadOptions, RunResult, run_trace  # noqa: E402
 from orca_client.workload import burst_trace  # noqa: E402
 
 MODEL = "orca"
-DEVICE = "constant-time-measure"  # the preset: a measurement device, not a model
+PRESET = "constant-time-measure"  # a measurement device, not a model (served from a directory of its own here)
 ITERATIONS, GENERATED = "orca_iterations_total", "orca_generated_tokens_total"
 RUNNING = "orca_requests_running"
 _INSTANCE_GROUP_RE = re.compile(r"(?m)^instance_group\s*\[\s*\{[^}]*\}\s*\]")
@@ -113,27 +120,13 @@ def build_repository(target: Path, instances: int) -> Path:
     return target
 
 
-def write_tokenizer(path: Path) -> Path:
-    """The byte-level BPE tokenizer the device's vocabulary is sized for (model/checkpoint.py's), so
-    every id it emits decodes to text."""
-    from orca_backend.config import PRESETS
-    from orca_backend.model.checkpoint import train_byte_level_bpe
-
-    vocab = PRESETS[DEVICE].vocab_size
-    tok = train_byte_level_bpe(vocab, seed=0)
-    if tok.get_vocab_size() != vocab:
-        raise RuntimeError(f"the tokenizer has {tok.get_vocab_size()} ids, the device {vocab}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
-    return path
-
-
-def server_parameters(streams: list[int], request_tokens: int, tokenizer: Path, stream_interval: int,
+def server_parameters(streams: list[int], request_tokens: int, device_dir: Path, stream_interval: int,
                       block_size: int = 16) -> dict[str, str]:  # fmt: skip
-    """orca's parameters: the device and its tokenizer; the largest burst runs as one batch (its
-    K/V in whole blocks per request: the manager's bookkeeping runs, though the device stores nothing)."""
+    """orca's parameters: the device's directory (its tokenizer.json beside its config.json); the
+    largest burst runs as one batch (its K/V in whole blocks per request: the manager's bookkeeping
+    runs, though the device stores nothing)."""
     blocks = math.ceil(request_tokens / block_size)
-    return {"model": DEVICE, "tokenizer": str(tokenizer), "device": "cpu", "max_num_seqs": str(max(streams)),
+    return {"model": str(device_dir), "device": "cpu", "max_num_seqs": str(max(streams)),
             "kv_capacity_tokens": str(max(streams) * blocks * block_size), "block_size": str(block_size),
             "stream_interval": str(stream_interval)}  # fmt: skip
 
@@ -196,7 +189,7 @@ def burst(url: str, metrics_url: str, server_pid: int, streams: int, args: argpa
     """One measured burst: the load, the process tree's CPU around it, the engine's counters."""
     from orca_backend.config import PRESETS
 
-    trace = burst_trace(streams, args.prompt, args.tokens, PRESETS[DEVICE].vocab_size, seed=seed)
+    trace = burst_trace(streams, args.prompt, args.tokens, PRESETS[PRESET].vocab_size, seed=seed)
     options = LoadOptions(num_channels=args.channels, deadline_s=args.run_timeout)
     if not bench_server.wait_idle(metrics_url, [MODEL], timeout_s=60):
         raise RuntimeError("the engine still holds requests from the last burst")
@@ -349,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64, help="output tokens of each request (default 64)")
     p.add_argument("--prompt", type=int, default=32, help="prompt ids of each request (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="measured bursts per (instances, streams) (default 3)")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="each engine step waits this long without CPU, as an accelerator's step would (default 0)")
     p.add_argument("--stream-interval", type=int, default=1, help="orca's stream_interval (default 1: a response per token)")
     p.add_argument("--client-cpus", default="auto", help="the load generator's CPUs: a list (0-1,3), auto or shared")
     p.add_argument("--channels", type=int, default=4, help="gRPC connections the streams are spread over (default 4)")
@@ -375,16 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join(["benchmarks/serving_cost.py", *(argv if argv is not None else sys.argv[1:])]),
         "commit": machine.code_revision(ROOT), "machine": machine.describe(), "usable_cpus": sorted(usable),
-        "pinning": pinning, "device": DEVICE, "prompt": args.prompt, "tokens": args.tokens,
+        "pinning": pinning, "prompt": args.prompt, "tokens": args.tokens,
         "stream_interval": args.stream_interval, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "runs": [], "profiles": [],
     }  # fmt: skip
     print(f"serving cost: {pinning}", flush=True)
     with tempfile.TemporaryDirectory(prefix="orca-serving-cost-") as tmp:
         work = Path(tmp)
-        tokenizer = write_tokenizer(work / "tokenizer" / "tokenizer.json")
-        parameters = server_parameters(args.streams, args.prompt + args.tokens, tokenizer, args.stream_interval)
-        report["parameters"] = {k: v for k, v in parameters.items() if k != "tokenizer"}
+        from orca_backend.model.constant_time import write_device_dir
+
+        report["device"] = asdict(write_device_dir(work / "device", step_time_ms=args.step_ms))
+        parameters = server_parameters(args.streams, args.prompt + args.tokens, work / "device", args.stream_interval)
+        report["parameters"] = {k: v for k, v in parameters.items() if k != "model"}
         for instances in args.instances:
             set_affinity(server_cpus, every_thread=False)  # tritonserver inherits this thread's CPUs
             options = ServerOptions(models=(MODEL,), model_repository=build_repository(work / f"repo{instances}", instances),

@@ -10,11 +10,16 @@ max_tokens). It answers nothing a language model would. Served with a tokenizer 
 parameter: a tokenizer.json of at most `vocab_size` ids), its outputs are detokenized like any
 model's. The model code is model/constant_time.py; it writes no K/V (the K/V manager still assigns
 blocks) and serves tp = pp = 1 only.
+
+`step_time_ms` makes every forward wait that long without using the CPU, standing for an accelerator's
+step: the engine then produces tokens at a set pace (batch / step time) instead of as fast as the host
+allows. The preset's is 0; a directory written by model/constant_time.py's `write_device_dir` (its
+config.json names this architecture, with a tokenizer.json beside it) sets it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from orca_backend.families import Family, LoRATargets, Shard
@@ -34,6 +39,7 @@ class ConstantTimeConfig:
     token_mult: int = 31
     position_mult: int = 17
     offset: int = 7
+    step_time_ms: float = 0.0  # each forward waits this long (a sleep, no CPU): an accelerator's step
 
     # The names the engine uses for every family. One layer of one K/V head of width 1: the geometry
     # the engine's checks need; the model holds no layer, so no K/V pool is allocated.
@@ -63,8 +69,15 @@ class ConstantTimeConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str) -> ConstantTimeConfig:
-        raise ValueError(f"{source}: {cls.architecture} is a measurement device served as the preset "
-                         "'constant-time-measure', not from a checkpoint")  # fmt: skip
+        """The config.json `write_device_dir` writes: this class's fields by name, nothing else."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known - {"architectures", "model_type"})
+        if unknown:
+            raise ValueError(f"{source}: {cls.architecture} (a measurement device) has no fields {unknown}")
+        config = cls(**{k: v for k, v in raw.items() if k in known})
+        if config.step_time_ms < 0:
+            raise ValueError(f"{source}: step_time_ms must be >= 0, got {config.step_time_ms}")
+        return config
 
 
 PRESETS: dict[str, ConstantTimeConfig] = {"constant-time-measure": ConstantTimeConfig()}

@@ -2,21 +2,27 @@
 a forward that reads each request's last token and position and returns logits whose one high entry
 is a fixed function of them. No weights, no layers, no K/V, no matmul: the same few element-wise ops
 on [batch] vectors whatever the batch or the context. The one tensor that grows with the batch is the
-[batch, vocab] logits the sampler reads (one fill and one scatter).
+[batch, vocab] logits the sampler reads (one fill and one scatter). With the config's step_time_ms
+the forward also sleeps that long (no CPU, the GIL released): on CUDA with graphs the sleep happens
+at capture only, so run such a device with enforce_eager there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from orca_backend.config import check_parallel_layout
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
-from orca_backend.families.constant_time import ConstantTimeConfig
-from orca_backend.model.checkpoint import WeightSource
+from orca_backend.families.constant_time import PRESETS, ConstantTimeConfig
+from orca_backend.model.checkpoint import EOS_TOKEN, WeightSource, train_byte_level_bpe
 from orca_backend.model.registry import ModelCode
 from orca_backend.model.stage_input import StageInput, StageModel
 from orca_kernels import AttentionMetadata, KernelOps
@@ -69,11 +75,30 @@ class ConstantTimeModel(StageModel):
         positions = stage_input.positions.index_select(0, logits_indices)
         chosen = next_tokens(self.config, last, positions)
         logits = torch.zeros((chosen.shape[0], self.config.vocab_size), dtype=torch.float32, device=chosen.device)
+        if self.config.step_time_ms:
+            time.sleep(self.config.step_time_ms / 1000)
         return logits.scatter_(1, chosen.unsqueeze(1), CHOSEN_LOGIT)
 
 
 def _no_weights(config: ConstantTimeConfig, seed: int) -> dict[str, torch.Tensor]:
     return {}
+
+
+def write_device_dir(path: str | Path, step_time_ms: float = 0.0, seed: int = 0) -> ConstantTimeConfig:
+    """A directory `model` can name: config.json (this device, with `step_time_ms`), an empty
+    model.safetensors and the byte-level BPE tokenizer.json its vocabulary is sized for (so every id
+    it emits decodes to text); returns the config written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = replace(PRESETS["constant-time-measure"], step_time_ms=float(step_time_ms))
+    tok = train_byte_level_bpe(config.vocab_size, seed)
+    if (tok.get_vocab_size(), tok.token_to_id(EOS_TOKEN)) != (config.vocab_size, config.eos_token_id):
+        raise RuntimeError(f"the tokenizer has {tok.get_vocab_size()} ids and EOS {tok.token_to_id(EOS_TOKEN)}; "
+                           f"the device expects {config.vocab_size} and {config.eos_token_id}")  # fmt: skip
+    tok.save(str(path / "tokenizer.json"))
+    (path / "config.json").write_text(json.dumps({"architectures": [config.architecture], **asdict(config)}, indent=2))
+    save_file({}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return config
 
 
 MODEL_CODE = ModelCode(ConstantTimeWeights, ConstantTimeModel, lambda key: key, _no_weights)

@@ -60,11 +60,11 @@ def test_the_rendered_config_has_the_instances_and_the_device(tmp_path):
         sc.with_instances("name: \"orca\"\n", 2)
     with pytest.raises(ValueError, match=">= 1"):
         sc.with_instances(text, 0)
-    params = sc.server_parameters([64, 1024, 256], 32 + 64, tmp_path / "tokenizer.json", 1)
+    params = sc.server_parameters([64, 1024, 256], 32 + 64, tmp_path / "device", 1)
     # The largest burst is one batch, its K/V in whole blocks of 16 per request.
-    assert params["model"] == "constant-time-measure" and params["max_num_seqs"] == "1024"
-    assert params["kv_capacity_tokens"] == str(1024 * 96) and params["tokenizer"].endswith("tokenizer.json")
-    assert sc.server_parameters([8], 17, tmp_path / "t.json", 4)["kv_capacity_tokens"] == str(8 * 32)
+    assert params["model"] == str(tmp_path / "device") and params["max_num_seqs"] == "1024"
+    assert params["kv_capacity_tokens"] == str(1024 * 96) and params["stream_interval"] == "1"
+    assert sc.server_parameters([8], 17, tmp_path / "device", 4)["kv_capacity_tokens"] == str(8 * 32)
 
 
 TICK = 1 / served_path.CLOCK_TICKS
@@ -142,11 +142,12 @@ needs_server = pytest.mark.skipif(
 def test_a_short_run_on_a_real_server(tmp_path):
     out = tmp_path / "cost.json"
     argv = ["--streams", "8", "--instances", "1,2", "--tokens", "8", "--prompt", "4", "--repeats", "1",
-            "--gauge-period", "0", "--client-cpus", "shared", "--out", str(out)]  # fmt: skip
+            "--gauge-period", "0", "--client-cpus", "shared", "--step-ms", "1", "--out", str(out)]  # fmt: skip
     assert sc.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["command"] == "benchmarks/serving_cost.py " + " ".join(argv) and report["commit"]
-    assert report["pinning"].startswith("not pinned") and report["parameters"]["model"] == "constant-time-measure"
+    assert report["pinning"].startswith("not pinned") and report["device"]["step_time_ms"] == 1.0
+    assert report["parameters"]["max_num_seqs"] == "8"
     assert [(r["instances"], r["streams"]) for r in report["runs"]] == [(1, 8), (2, 8)]
     for run in report["runs"]:
         r = run["result"]

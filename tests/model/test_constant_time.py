@@ -101,10 +101,28 @@ def test_its_step_does_the_same_work_at_any_batch_and_context():
     assert small.argmax(1).tolist() == [expected_tokens([0], 1)[0]]
 
 
+def test_a_device_directory_sets_a_step_time_and_brings_its_tokenizer(tmp_path, monkeypatch):
+    from orca_backend.model import constant_time
+
+    written = constant_time.write_device_dir(tmp_path / "device", step_time_ms=5)
+    assert EngineConfig(model=str(tmp_path / "device")).model_config() == written
+    assert written.step_time_ms == 5.0 and written.vocab_size == CONFIG.vocab_size
+    waits = []
+    monkeypatch.setattr(constant_time.time, "sleep", waits.append)  # the wait, counted rather than timed
+    with LLM(str(tmp_path / "device"), max_num_seqs=4, kv_capacity_tokens=256) as llm:
+        outs = llm.generate([[7, 8], [9]], SamplingParams(max_tokens=5, temperature=0.0))
+        iterations = llm.engine.stats().num_iterations
+    assert [o.output_ids for o in outs] == [expected_tokens([7, 8], 5), expected_tokens([9], 5)]
+    assert all(o.text for o in outs)  # the directory's tokenizer.json is the model's
+    assert waits == [0.005] * iterations and iterations >= 5
+
+
 def test_it_refuses_what_it_cannot_be():
     with pytest.raises(ValueError, match="num_kv_heads"):
         check_parallel_layout(CONFIG, 2, 1)
     with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
         check_parallel_layout(CONFIG, 1, 2)
-    with pytest.raises(ValueError, match="measurement device"):
-        config_from_hf_dict({"architectures": [CONFIG.architecture]}, "x/config.json")
+    with pytest.raises(ValueError, match=r"measurement device\) has no fields \['n_embd'\]"):
+        config_from_hf_dict({"architectures": [CONFIG.architecture], "n_embd": 768}, "x/config.json")
+    with pytest.raises(ValueError, match="step_time_ms must be >= 0"):
+        config_from_hf_dict({"architectures": [CONFIG.architecture], "step_time_ms": -1}, "x/config.json")
