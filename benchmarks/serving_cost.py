@@ -27,9 +27,10 @@ load generator (this process) runs on its own CPUs where the machine has some to
 everything it starts on the rest; `shared` (and `auto` on fewer than 4 CPUs) pins nothing, and the
 client's CPU is then reported beside the server's, on the same cores. The choice is in the JSON.
 
---py-spy DIR: after the measured bursts of each stream count in --profile-streams, one more burst with
-`py-spy record` attached to every stub (--threads; --gil and --idle as asked), one speedscope file
-per stub in DIR, and a per-thread summary in the JSON. That burst is not among the measured ones.
+--py-spy DIR: after the measured bursts of each stream count in --profile-streams, --profile-bursts more
+with `py-spy record` attached to every stub (--threads; --gil or --idle as --py-spy-mode asks), one
+speedscope file per stub in DIR, and a per-thread summary in the JSON. Those bursts are not among the
+measured ones (the profiler's sampling costs the stub CPU).
 
 Raw JSON (--out) holds the command, the commit, the machine and every burst; it is rewritten after
 each burst, so a run cut short keeps what it measured.
@@ -249,7 +250,7 @@ def stub_pids(server_pid: int) -> dict[str, int]:
 
 def profiled_burst(url: str, metrics_url: str, server_pid: int, streams: int, args: argparse.Namespace,
                    into: Path, tag: str) -> dict[str, Any]:  # fmt: skip
-    """One more burst with `py-spy record` on every stub; returns the files and their summaries."""
+    """--profile-bursts more bursts with `py-spy record` on every stub; returns the files and their summaries."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).is_file():
         raise RuntimeError("--py-spy needs py-spy (pip install py-spy)")
@@ -262,15 +263,43 @@ def profiled_burst(url: str, metrics_url: str, server_pid: int, streams: int, ar
         recorders[instance] = (path, subprocess.Popen([py_spy, "record", "--pid", str(pid), "--output", str(path), *flags],
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     time.sleep(1.0)  # py-spy attaches
-    measured = burst(url, metrics_url, server_pid, streams, args, seed=args.seed + 999)
+    pids = stub_pids(server_pid)
+    before = {instance: thread_cpu(pid) for instance, pid in pids.items()}
+    measured = [burst(url, metrics_url, server_pid, streams, args, seed=args.seed + 999 + i)
+                for i in range(args.profile_bursts)]  # fmt: skip
+    after = {instance: thread_cpu(pid) for instance, pid in pids.items()}
+    tokens = sum(b["tokens"] for b in measured)
+    responses = sum(b["responses"] for b in measured)
     profiles = {}
     for instance, (path, proc) in recorders.items():
         proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         _, err = proc.communicate(timeout=60)
         if not path.is_file():
             raise RuntimeError(f"py-spy wrote no profile for {instance}: {err.decode(errors='replace')[-500:]}")
-        profiles[instance] = {"file": str(path), "threads": speedscope_summary(path)}
-    return {"mode": args.py_spy_mode, "rate": args.py_spy_rate, "burst": measured, "profiles": profiles}
+        threads = speedscope_summary(path)
+        # py-spy names each thread by its OS id and Python name: the /proc figures get the names.
+        names = {int(m.group(1)): m.group(2) for m in map(_THREAD_NAME_RE.match, threads) if m}
+        cpu = {f"{tid} {names.get(tid, comm)}": seconds - before[instance].get(tid, (comm, 0.0))[1]
+               for tid, (comm, seconds) in after[instance].items()}  # fmt: skip
+        profiles[instance] = {
+            "file": str(path), "threads": threads,
+            "thread_cpu_us_per_token": {k: round(1e6 * v / tokens, 2) for k, v in cpu.items() if v > 0},
+            "thread_cpu_us_per_response": {k: round(1e6 * v / responses, 2) for k, v in cpu.items() if v > 0},
+        }  # fmt: skip
+    return {"mode": args.py_spy_mode, "rate": args.py_spy_rate, "bursts": measured, "profiles": profiles}
+
+
+_THREAD_NAME_RE = re.compile(r'Thread (\d+) "(.*)"')
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (its comm, CPU seconds) of every thread of `pid` now."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = (task / "stat").read_text()
+            out[int(task.name)] = (text[text.index("(") + 1 : text.rindex(")")], served_path.parse_stat(text).cpu_s)
+    return out
 
 
 def speedscope_summary(path: Path, top: int = 12) -> dict[str, Any]:
@@ -356,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: active samples; gil: only while holding the GIL; idle: wall time, waits included")
     p.add_argument("--py-spy-rate", type=int, default=100, help="samples per second (default 100)")
     p.add_argument("--profile-streams", type=_int_list, default=[256], help="stream counts profiled with --py-spy")
+    p.add_argument("--profile-bursts", type=int, default=5, help="bursts under the profiler (default 5)")
     p.add_argument("--out", default="serving_cost.json", help="the raw JSON (default serving_cost.json)")
     return p
 
@@ -406,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                         write(out, report)
                         print(table(report["runs"][-1:]).splitlines()[-1], flush=True)
                     if args.py_spy and streams in args.profile_streams:
-                        tag = f"stub_N{instances}_S{streams}"
+                        tag = f"{out.stem}_N{instances}_S{streams}"
                         profile = profiled_burst(server.grpc_url, server.metrics_url, pid, streams, args,
                                                  Path(args.py_spy), tag)  # fmt: skip
                         report["profiles"].append({"instances": instances, "streams": streams, **profile})

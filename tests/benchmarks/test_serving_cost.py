@@ -131,6 +131,12 @@ def test_the_profile_summary_per_thread(tmp_path):
     assert summary['Thread 2 "orca-output"']["self"] == [("decode (tokenizer.py)", 1.0)]
 
 
+def test_thread_cpu_reads_every_thread_of_a_process():
+    threads = sc.thread_cpu(os.getpid())
+    assert os.getpid() in threads and all(seconds >= 0 for _, seconds in threads.values())
+    assert sc._THREAD_NAME_RE.match('Thread 4242 "orca-responses"').groups() == ("4242", "orca-responses")
+
+
 needs_server = pytest.mark.skipif(
     not (os.environ.get("TRITONSERVER") or shutil.which("tritonserver") or importlib.util.find_spec("pytriton")),
     reason="no tritonserver available (pip install nvidia-pytriton)",
