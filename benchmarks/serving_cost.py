@@ -7,8 +7,8 @@ Serves the constant-time measurement device (families/constant_time.py: a forwar
 element-wise ops whatever the batch, with a real tokenizer, so the engine's scheduler, K/V
 bookkeeping, sampler, output frames and detokenization all run; written to a directory by
 model/constant_time.py's write_device_dir, with --step-ms as the wait each step stands for an
-accelerator's) on a real tritonserver with `instance_group [ { count: N, kind: KIND_CPU } ]` for each
---instances N. For each
+accelerator's) on a real tritonserver with orca's instance_group count N (orca-serve's --instances:
+N stubs over one engine core) for each --instances N. For each
 stream count S it sends --repeats bursts of S streaming requests (--prompt ids + --tokens output
 tokens each, greedy, ignore_eos; all arrivals at t=0) and reports per burst: served tokens/s and
 responses/s; CPU µs per streamed token and per response of tritonserver, each stub (per model
@@ -68,7 +68,6 @@ MODEL = "orca"
 PRESET = "constant-time-measure"  # a measurement device, not a model (served from a directory of its own here)
 ITERATIONS, GENERATED = "orca_iterations_total", "orca_generated_tokens_total"
 RUNNING = "orca_requests_running"
-_INSTANCE_GROUP_RE = re.compile(r"(?m)^instance_group\s*\[\s*\{[^}]*\}\s*\]")
 
 
 # ------------------------------------------------------------------------------ configuration
@@ -98,27 +97,6 @@ def cpu_sets(spec: str, usable: set[int]) -> tuple[set[int] | None, set[int] | N
         raise ValueError(f"--client-cpus {spec}: must be a proper subset of the usable CPUs {sorted(usable)}")
     server = usable - client
     return server, client, f"pinned: tritonserver and its processes on CPUs {sorted(server)}, the load generator on {sorted(client)}"
-
-
-def with_instances(config_text: str, count: int, kind: str = "KIND_CPU") -> str:
-    """config.pbtxt with its instance_group replaced by `count` instances of `kind`."""
-    if count < 1:
-        raise ValueError(f"instances must be >= 1, got {count}")
-    if not _INSTANCE_GROUP_RE.search(config_text):
-        raise ValueError("config.pbtxt has no single-entry instance_group to replace")
-    return _INSTANCE_GROUP_RE.sub(f"instance_group [ {{ count: {count}, kind: {kind} }} ]", config_text, count=1)
-
-
-def build_repository(target: Path, instances: int) -> Path:
-    """A run copy of this tree's `orca` model with `instances` instances."""
-    from orca_backend.entrypoints.serve import default_model_repository
-
-    if target.exists():
-        shutil.rmtree(target)
-    shutil.copytree(default_model_repository() / MODEL, target / MODEL, ignore=shutil.ignore_patterns("__pycache__"))
-    config = target / MODEL / "config.pbtxt"
-    config.write_text(with_instances(config.read_text(), instances))
-    return target
 
 
 def server_parameters(streams: list[int], request_tokens: int, device_dir: Path, stream_interval: int,
@@ -414,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         report["parameters"] = {k: v for k, v in parameters.items() if k != "model"}
         for instances in args.instances:
             set_affinity(server_cpus, every_thread=False)  # tritonserver inherits this thread's CPUs
-            options = ServerOptions(models=(MODEL,), model_repository=build_repository(work / f"repo{instances}", instances),
-                                    parameters=parameters, log_file=out.with_name(f"{out.stem}-server-{instances}.log"),
+            options = ServerOptions(models=(MODEL,), instances=instances, parameters=parameters,
+                                    log_file=out.with_name(f"{out.stem}-server-{instances}.log"),
                                     run_dir=work / f"run{instances}")  # fmt: skip
             server = TritonServer(options).start()
             try:

@@ -51,15 +51,7 @@ def test_cpu_lists_and_sets():
             sc.cpu_sets(bad, {0, 1, 2, 3})
 
 
-def test_the_rendered_config_has_the_instances_and_the_device(tmp_path):
-    repo = sc.build_repository(tmp_path / "repo", 4)
-    text = (repo / "orca" / "config.pbtxt").read_text()
-    assert text.count("instance_group") == 1 and "instance_group [ { count: 4, kind: KIND_CPU } ]" in text
-    assert sc.with_instances(text, 2).count("count: 2, kind: KIND_CPU") == 1
-    with pytest.raises(ValueError, match="instance_group"):
-        sc.with_instances("name: \"orca\"\n", 2)
-    with pytest.raises(ValueError, match=">= 1"):
-        sc.with_instances(text, 0)
+def test_the_server_parameters(tmp_path):
     params = sc.server_parameters([64, 1024, 256], 32 + 64, tmp_path / "device", 1)
     # The largest burst is one batch, its K/V in whole blocks of 16 per request.
     assert params["model"] == str(tmp_path / "device") and params["max_num_seqs"] == "1024"
