@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint bench bench-offline gpu-install gpu-smoke gpu-smoke-cpu gpu-check gpu-check-tests \
+.PHONY: setup test test-fast lint bench bench-offline bench-serving-cost gpu-install gpu-smoke gpu-smoke-cpu gpu-check gpu-check-tests \
 	gpu-check-kernels gpu-check-graphs-gpt2 gpu-check-graphs-qwen gpu-check-ab gpu-served gpu-check-cpu clean
 
 setup: $(VENV)/.installed
@@ -45,6 +45,12 @@ bench: setup
 # Offline engine throughput: iteration-level vs request-level on the GPT-2-small preset.
 bench-offline: setup
 	$(PY) benchmarks/offline.py
+
+# The serving path's CPU per streamed token and per response, the model's cost taken out (the
+# constant-time measurement device), for 1, 2 and 4 `orca` instances over one engine core.
+SERVING_COST_ARGS ?= --streams 64,256,1024 --instances 1,2,4 --tokens 64 --repeats 3
+bench-serving-cost: setup
+	$(PY) benchmarks/serving_cost.py $(SERVING_COST_ARGS) --out bench_results/serving-cost.json
 
 # On a GPU machine, with its own python3 (no venv; torch, triton, transformers, pytest and pytest-xdist
 # there), the package installed into it without dependencies; results in GPU_OUT.
