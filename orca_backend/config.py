@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,17 @@ DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_ba
 class EngineConfig:
     model: str = "gpt2-tiny"  # local HF checkpoint directory, or a preset name from PRESETS
     tokenizer: str | None = None  # tokenizer.json or a directory holding one; default: the model dir's
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto: cuda when the engine core sees a CUDA device, else cpu
     dtype: str = "float32"
     max_num_seqs: int = 32  # requests in one iteration (Triton's max_batch_size is the baseline batcher's)
     kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer (whole blocks of it are used)
+    # vLLM's names. kv_cache_memory_bytes: the pool in bytes per rank instead (kv_capacity_tokens is
+    # derived from it and the model's K/V geometry, `with_kv_capacity`). gpu_memory_utilization: the
+    # share of a GPU's memory the engine may use, the pool taking what the model and its activations
+    # leave; not applied yet (a CUDA engine refuses it, a CPU engine ignores it as vLLM's CPU build does).
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.0
+    max_model_len: int = 0  # prompt + max_tokens of a request at most this (0: the model's context)
     # "paged" (vLLM): blocks as the context grows, preempting the newest request when they run out;
     # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted.
     kv_policy: str = "paged"
@@ -101,6 +108,10 @@ class EngineConfig:
     ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
+        if self.model not in PRESETS and not Path(self.model).exists() and HUB_ID.fullmatch(self.model):
+            snapshot = hub_snapshot(self.model)
+            if snapshot is not None:  # a hub id, as vLLM's model.json names models: the cached download
+                self.model = str(snapshot)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling not in ("iteration", "request"):
@@ -157,18 +168,45 @@ class EngineConfig:
         if self.allow_runtime_lora_updating and not self.lora_allowed_dir:
             raise ValueError("allow_runtime_lora_updating needs lora_allowed_dir: adapters added at run time must "
                              "lie in a directory the deployment chose")  # fmt: skip
-        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not (self.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if not 0.0 <= float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], or 0 for none, got {self.gpu_memory_utilization!r}")
+        for name in ("kv_cache_memory_bytes", "max_model_len"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 1, or 0 for none, got {getattr(self, name)!r}")
 
     def model_config(self) -> AnyModelConfig:
         if self.model in PRESETS:
             return PRESETS[self.model]
         config_path = Path(self.model) / "config.json"
         if not config_path.is_file():
+            if not Path(self.model).exists() and HUB_ID.fullmatch(self.model):
+                raise ValueError(
+                    f"model {self.model!r} is neither a local directory nor in the Hugging Face cache ({hub_cache()}), "
+                    f"and this engine reaches no model hub: download it first (huggingface-cli download {self.model}) "
+                    "or set model to a checkpoint directory"
+                )
             raise ValueError(
                 f"model {self.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
             )
         return model_config_from_hf(config_path)
+
+    def with_kv_capacity(self, model_config: AnyModelConfig) -> EngineConfig:
+        """This config with kv_capacity_tokens derived from kv_cache_memory_bytes, where that is set: the
+        token slots whose K and V, over this rank's layers and KV heads, fit in that many bytes."""
+        if not self.kv_cache_memory_bytes:
+            return self
+        element = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        per_token = (2 * element * -(-model_config.num_layers // int(self.pipeline_parallel_size))
+                     * -(-model_config.num_kv_heads // int(self.tensor_parallel_size)) * model_config.head_dim)  # fmt: skip
+        if per_token == 0:
+            raise ValueError("kv_cache_memory_bytes: this model keeps no K/V; set kv_capacity_tokens")
+        tokens = int(self.kv_cache_memory_bytes) // per_token // int(self.block_size) * int(self.block_size)
+        if tokens < int(self.block_size):
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds less than one block of "
+                             f"{self.block_size} tokens ({per_token} bytes a token)")  # fmt: skip
+        return replace(self, kv_capacity_tokens=tokens)
 
     def tokenizer_path(self) -> Path | None:
         if self.tokenizer:
@@ -213,6 +251,29 @@ class EngineConfig:
             else:
                 kwargs[key] = value
         return cls(**kwargs)
+
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # a model hub's "organization/name"
+
+
+def hub_cache() -> Path:
+    """Where Hugging Face's libraries keep downloaded checkpoints (their own precedence of variables)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The cached download of a hub checkpoint (`huggingface-cli download` or any earlier load wrote
+    it): models--<org>--<name>/snapshots/<the commit refs/<revision> names>, if it holds config.json."""
+    repo = hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    try:
+        commit = (repo / "refs" / revision).read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if (snapshot / "config.json").is_file() else None
 
 
 def model_config_from_hf(path: str | Path) -> AnyModelConfig:

@@ -202,7 +202,8 @@ def run_openai_command(compose: dict, tmp_path: Path, **env: str) -> tuple[subpr
     bin_dir.mkdir(exist_ok=True)
     frontend = f'if [ "$1" = {FRONTEND} ]; then shift; printf "%s\\0" "$@"; exit 0; fi'
     python3 = f'{frontend}\nexec {sys.executable} "$@"'
-    for name, body in (("cp", "exit 0"), ("pip", 'printf "%s\\n" "$@" > "$PIP_ARGS"'), ("python3", python3)):
+    for name, body in (("cp", "exit 0"), ("pip", 'printf "%s\\n" "$@" > "$PIP_ARGS"'), ("python3", python3),
+                       ("orca-serve", 'printf "%s\\n" "$@" > "$ORCA_SERVE_ARGS"')):  # fmt: skip
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     render = tmp_path / "render"
@@ -216,6 +217,7 @@ def run_openai_command(compose: dict, tmp_path: Path, **env: str) -> tuple[subpr
     ]
     environment = {key: interpolate(str(value), env) for key, value in service["environment"].items()}
     run_env = {**os.environ, **environment, "PIP_ARGS": str(tmp_path / "pip-args"),
+               "ORCA_SERVE_ARGS": str(tmp_path / "orca-serve-args"),
                "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
     return subprocess.run(argv, env=run_env, capture_output=True, timeout=120), render
 
@@ -261,14 +263,18 @@ def test_openai_serves_an_orca_only_repository_through_the_vllm_converter(compos
     repository = Path(frontend_flag(args, "--model-repository"))
     assert repository == render / "model_repository"
     assert sorted(p.name for p in repository.iterdir()) == ["orca"]
-    assert (repository / "orca" / "1" / "model.py").is_file()
+    assert not (repository / "orca" / "1" / "model.py").exists()  # the `orca` backend's serves it
+    # ... which the command installed into the image's backends directory, where the frontend's
+    # in-process tritonserver looks.
+    installed = (tmp_path / "orca-serve-args").read_text().split("\n")[:-1]
+    assert installed == ["install-backend", "--backends-dir", "/opt/tritonserver/backends"]
 
     config = (repository / "orca" / "config.pbtxt").read_text()
     params = dict(re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config))
     assert params["model"] == str(checkpoint.resolve())
     assert (params["device"], params["dtype"]) == ("cuda", "bfloat16")
     assert re.search(r"(?m)^max_batch_size:\s*0\b", config), "the vLLM converter sends no batch dimension"
-    assert re.search(r'(?m)^backend:\s*"python"', config)
+    assert re.search(r'(?m)^backend:\s*"orca"', config)
 
     pip_args = (tmp_path / "pip-args").read_text().split("\n")
     assert str(tmp_path / "copy") in pip_args, pip_args  # the container's /tmp/orca

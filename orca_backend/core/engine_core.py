@@ -9,6 +9,7 @@ watching for stop strings is the output processor's job, off this thread's criti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,9 +31,25 @@ logger = logging.getLogger("orca.engine")
 HEARTBEAT_S = 1.0  # an idle loop's frames while grammars compile (the frontend's watchdog needs signs of life)
 
 
+def resolved_device(config: EngineConfig) -> EngineConfig:
+    """`device="auto"` made cuda or cpu, by what this process sees (vLLM's default); and a CUDA engine
+    refuses gpu_memory_utilization, which sizing the K/V pool from a GPU's memory would need."""
+    if config.device == "auto":
+        import torch
+
+        config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+        logger.info("device auto: %s", config.device)
+    if config.device.startswith("cuda") and config.gpu_memory_utilization and not config.kv_cache_memory_bytes:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization:g}: sizing the K/V pool from the GPU's memory is "
+            "not built yet; size it with kv_cache_memory_bytes (vLLM's name) or kv_capacity_tokens instead"
+        )
+    return config
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config: AnyModelConfig, executor: Executor | None = None) -> None:
-        self.config = config
+        self.config = config = resolved_device(config).with_kv_capacity(model_config)
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
         self.kv = make_kv_manager(config, model_config.kv_window)

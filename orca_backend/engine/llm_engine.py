@@ -80,9 +80,13 @@ class LLMEngine:
                  listen: CoreAddress | None = None, attach_to: CoreAddress | None = None) -> None:  # fmt: skip
         """The core runs in this process, with `core_process` in its own (prefer `launch`), or with
         `attach_to` in one another engine launched (prefer `attach`)."""
-        self.config = config
         self.model_config = config.model_config()
+        self.config = config = config.with_kv_capacity(self.model_config)
         check_parallel_layout(self.model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+        if config.max_model_len > self.model_config.max_context:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of "
+                             f"{self.model_config.max_context} tokens")  # fmt: skip
+        self.max_model_len = config.max_model_len or self.model_config.max_context
         tokenizer_path = config.tokenizer_path()
         self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path else None
         if self.tokenizer and self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -224,11 +228,11 @@ class LLMEngine:
         if limit and len(ids) > limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than this deployment's max_input_tokens of {limit}")
         total = len(ids) + params.max_tokens
-        context = self.model_config.max_context
-        if total > context:
+        if total > self.max_model_len:
+            limit = "max_model_len" if self.config.max_model_len else "the model's context length"
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length of {context} tokens"
+                f"{limit} of {self.max_model_len} tokens"
             )
         if not fits_in_pool(total, self.config.kv_capacity_tokens, self.config.block_size):
             capacity = pool_capacity_tokens(self.config.kv_capacity_tokens, self.config.block_size)

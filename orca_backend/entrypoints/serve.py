@@ -111,6 +111,53 @@ def prepare_pytriton_binary(work_dir: Path) -> TritonBinary:
     return TritonBinary(binary, backend_directory=backends, env=env)
 
 
+# The Python-based backends this package provides (Triton loads <backends>/<name>/model.py for every
+# model whose config.pbtxt names the backend; the Python backend's stub and library come from
+# <backends>/python): module and class of each one's TritonPythonModel.
+BACKENDS = {"orca": ("orca_backend.server.orca_model", "OrcaModel"),
+            "orca_baseline": ("orca_backend.server.baseline_model", "BaselineModel")}  # fmt: skip
+
+
+def install_backends(backends_dir: Path) -> list[Path]:
+    """Writes each backend's model.py (a shim: the logic stays in this installed package) under
+    `backends_dir`, beside Triton's `python` backend; returns the files written."""
+    if not (backends_dir / "python").is_dir():
+        raise FileNotFoundError(f"{backends_dir} has no python backend: pass Triton's backends directory "
+                                "(/opt/tritonserver/backends in NVIDIA's images)")  # fmt: skip
+    written = []
+    for name, (module, cls) in BACKENDS.items():
+        target = backends_dir / name / "model.py"
+        target.parent.mkdir(exist_ok=True)
+        target.write_text(f'"""The `{name}` Python-based backend, written by `orca-serve install-backend`: its '
+                          f'logic lives in the installed orca_backend package."""\n\n'
+                          f"from {module} import {cls} as TritonPythonModel\n\n"
+                          '__all__ = ["TritonPythonModel"]\n')  # fmt: skip
+        written.append(target)
+    return written
+
+
+def backends_with_ours(binary: TritonBinary, work_dir: Path) -> TritonBinary:
+    """The binary with a backends directory that holds ours: the pytriton copy itself, or for a server
+    installed elsewhere a run directory linking each of its backends beside ours (its own directory
+    may not be writable)."""
+    if binary.backend_directory is not None:
+        install_backends(binary.backend_directory)
+        return binary
+    system = binary.path.resolve().parent.parent / "backends"
+    if not (system / "python").is_dir():
+        raise FileNotFoundError(f"tritonserver at {binary.path}: no backends directory with the python backend at "
+                                f"{system}; run `orca-serve install-backend --backends-dir DIR` into its "
+                                "backends directory and start tritonserver yourself")  # fmt: skip
+    run_backends = work_dir / "backends"
+    run_backends.mkdir(exist_ok=True)
+    for entry in system.iterdir():
+        link = run_backends / entry.name
+        if entry.name not in BACKENDS and not link.exists():
+            link.symlink_to(entry)
+    install_backends(run_backends)
+    return TritonBinary(binary.path, backend_directory=run_backends, env=binary.env)
+
+
 _PARAM_RE = re.compile(
     r'parameters\s*\{\s*key:\s*"(?P<key>[^"]+)"\s*value:\s*\{\s*string_value:\s*"(?P<value>[^"]*)"\s*\}\s*\}'
 )
@@ -283,7 +330,7 @@ class TritonServer:
     def start(self) -> TritonServer:
         if self.process is not None:
             raise RuntimeError("server already started")
-        binary = find_tritonserver(self.run_dir)
+        binary = backends_with_ours(find_tritonserver(self.run_dir), self.run_dir)
         repository = self.render_repository()
         env = dict(binary.env)
         # The Python backend stub runs `python` packages from PATH's environment: this venv first.
@@ -536,7 +583,27 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     )
 
 
+def install_backend_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="orca-serve install-backend",
+        description="Install the `orca` and `orca_baseline` Python-based backends into Triton's backends directory: "
+                    "a model whose config.pbtxt says backend: \"orca\" then needs no model.py of its own.")  # fmt: skip
+    parser.add_argument("--backends-dir", type=Path, default=Path("/opt/tritonserver/backends"),
+                        help="Triton's backends directory, holding its python backend (default: NVIDIA's images')")
+    args = parser.parse_args(argv)
+    try:
+        for path in install_backends(args.backends_dir):
+            print(f"orca-serve: installed {path}")
+    except (FileNotFoundError, OSError) as exc:
+        print(f"orca-serve install-backend: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["install-backend"]:
+        return install_backend_main(argv[1:])
     args = build_parser().parse_args(argv)
     server = TritonServer(options_from_args(args))
     stop_requested = False

@@ -30,19 +30,34 @@ from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.lora import MULTI_LORA_FILE, read_multi_lora_json
 from orca_backend.server.instances import CoreRendezvous, instance_count
-from orca_backend.server.metrics import EngineMetrics, MetricsPoller
-from orca_backend.server.protocol import engine_config_from_triton_config
+from orca_backend.server.metrics import EngineMetrics, MetricsPoller, NoMetrics
+from orca_backend.server.triton_config import (
+    MODEL_JSON,
+    auto_complete,
+    engine_config,
+    read_model_json,
+    report_custom_metrics,
+)
 
 
 class EngineAdapter:
     """Base of OrcaModel and BaselineModel; subclasses set `scheduling` and check their Triton config."""
 
     scheduling: str  # "iteration" | "request"
+    adapter_parameters: frozenset[str] = frozenset()  # config.pbtxt parameters the adapter reads itself
+
+    @classmethod
+    def auto_complete_config(cls, config: Any) -> Any:
+        """Triton's auto-complete: a config.pbtxt of one line (`backend: "orca"`) gets the contract's
+        inputs and outputs and its transaction policy or batcher (server/triton_config.py)."""
+        return auto_complete(config, batching=cls.scheduling == "request")
 
     def initialize(self, args: dict[str, str]) -> None:
         # Triton's config.pbtxt as JSON; not to be confused with the engine's model config (geometry, families/).
         self.triton_config: dict[str, Any] = json.loads(args["model_config"])
         self.model_name = args["model_name"]
+        version_dir = Path(args.get("model_repository", "")) / args.get("model_version", "1")
+        self.model_json = read_model_json(version_dir / MODEL_JSON)  # vLLM's engine arguments, if any
         self.check_triton_config()
         config = self.engine_config()
         lora_file = multi_lora_path(args.get("model_repository", ""), args.get("model_version", "1"))
@@ -58,10 +73,13 @@ class EngineAdapter:
                                            pb_utils.Logger.log_warn).start()  # fmt: skip
         # Every instance exports its own requests' ends; the engine's stats only the one that owns the core
         # (Triton merges the instances' series of one name and labels: each is counted once).
-        self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
-                                     self.engine.model_config.max_context, lora=config.enable_lora,
-                                     engine_stats=self.owns_core)  # fmt: skip
-        self._poller = MetricsPoller(self.engine, self.metrics).start()
+        self.metrics: EngineMetrics | NoMetrics = NoMetrics()
+        self._poller: MetricsPoller | None = None
+        if report_custom_metrics(self.triton_config.get("parameters", {}) or {}, self.model_json):
+            self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
+                                         self.engine.model_config.max_context, lora=config.enable_lora,
+                                         engine_stats=self.owns_core)  # fmt: skip
+            self._poller = MetricsPoller(self.engine, self.metrics).start()
         if not self.owns_core:
             pb_utils.Logger.log_info(f"{self.model_name}: instance {args.get('model_instance_name', '')} attached to "
                                      f"the engine core (pid {self.engine.core.pid})")  # fmt: skip
@@ -103,9 +121,10 @@ class EngineAdapter:
         raise NotImplementedError
 
     def engine_config(self) -> EngineConfig:
-        """EngineConfig from config.pbtxt `parameters`, with the fields this adapter owns forced."""
-        return engine_config_from_triton_config(self.triton_config, scheduling=self.scheduling,
-                                                **self.owned_engine_fields())
+        """EngineConfig from model.json and config.pbtxt `parameters`, with the fields this adapter owns
+        forced (server/triton_config.py)."""
+        return engine_config(self.triton_config, self.model_json, self.adapter_parameters, scheduling=self.scheduling,
+                             **self.owned_engine_fields())  # fmt: skip
 
     def owned_engine_fields(self) -> dict[str, Any]:
         """Engine fields this adapter sets itself, whatever `parameters` say."""
@@ -118,7 +137,8 @@ class EngineAdapter:
     def finalize(self) -> None:
         if self.lora_file is not None:
             self.lora_file.stop()
-        self._poller.stop()
+        if self._poller is not None:
+            self._poller.stop()
         self.engine.shutdown()  # the core's owner stops it; another instance detaches
         if self._rendezvous is not None:
             self._rendezvous.release()

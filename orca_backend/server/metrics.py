@@ -317,6 +317,13 @@ def observations(finished: FinishedRequest) -> dict[str, float]:
     return values
 
 
+class NoMetrics:
+    """A model whose metrics are off (REPORT_CUSTOM_METRICS false, or model.json's disable_log_stats)."""
+
+    def request_finished(self, finished: FinishedRequest) -> None:
+        pass
+
+
 class MetricsPoller:
     """Exports the queued request ends and engine.stats() every `interval_s` from its own thread
     until stop().

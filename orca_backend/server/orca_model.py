@@ -61,6 +61,7 @@ class OrcaModel(EngineAdapter):
     """TritonPythonModel for model_repository/orca (decoupled, max_batch_size 0)."""
 
     scheduling = "iteration"
+    adapter_parameters = frozenset({"stream_interval"})
 
     def check_triton_config(self) -> None:
         if not pb_utils.using_decoupled_model_transaction_policy(self.triton_config):

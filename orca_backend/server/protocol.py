@@ -7,7 +7,6 @@ Every parse problem is a ValueError whose message tells the client what to send 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -44,7 +43,8 @@ OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values(), *PERF_OUTPUTS)
 # The engine's finish reasons as the contract names them (the others end in an error response).
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.CANCELLED: "abort"}
 NOT_FINISHED = "None"  # finish_reason of every response but the last (vLLM's str(None))
-STREAMING_ECHO_REFUSED = "When streaming, `exclude_input_in_output` = False is not allowed."
+# The vLLM backend's words, with the prefix its errors carry.
+STREAMING_ECHO_REFUSED = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 CANCELLED_MESSAGE = "Request was cancelled"
 _SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -477,9 +477,3 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, ValueError):
         return "INVALID_ARG", str(exc)
     return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
-
-
-def engine_config_from_triton_config(triton_config: Mapping[str, Any], **forced: Any) -> EngineConfig:
-    """EngineConfig from config.pbtxt `parameters`, with the fields the adapter must own forced."""
-    config = EngineConfig.from_parameters(triton_config.get("parameters", {}) or {})
-    return dataclasses.replace(config, **forced) if forced else config

@@ -17,11 +17,11 @@ from orca_backend.server.protocol import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     ResponseBuilder,
-    engine_config_from_triton_config,
     error_code,
     output_arrays,
     parse_inputs,
 )
+from orca_backend.server.triton_config import INPUTS, OUTPUTS, engine_config
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -283,8 +283,13 @@ def test_repository_declares_the_contract(model):
     params = {k: v for k, v in re.findall(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config)}
     engine = EngineConfig.from_parameters(params)
     assert (engine.model, engine.device, engine.dtype) == ("gpt2-small", "cpu", "float32")
-    shim = (REPO / model / "1" / "model.py").read_text()
-    assert "import" in shim and "TritonPythonModel" in shim and len(shim.splitlines()) < 10
+    # The Python-based backend's model.py serves it: the repository keeps none of its own.
+    backend = {"orca": "orca", "baseline": "orca_baseline"}[model]
+    assert re.search(rf'(?m)^backend: "{backend}"$', config) and not (REPO / model / "1" / "model.py").exists()
+    # What auto-complete fills in for a one-line config.pbtxt is what the checked-in one declares.
+    declared = {name: (dtype, [int(dim)]) for name, dtype, dim in
+                re.findall(r'\{ name: "(\w+)", data_type: (TYPE_\w+), dims: \[ (-?\d+) \]', config)}  # fmt: skip
+    assert {t["name"]: (t["data_type"], t["dims"]) for t in INPUTS + OUTPUTS} == declared
 
 
 def test_orca_is_decoupled_and_baseline_batches_ragged_prompts():
@@ -300,7 +305,7 @@ def test_orca_is_decoupled_and_baseline_batches_ragged_prompts():
 def test_engine_config_forced_fields():
     triton_config = {"parameters": {"model": {"string_value": "gpt2-tiny"}, "scheduling": {"string_value": "iteration"},
                                     "max_num_seqs": {"string_value": "4"}}}
-    config = engine_config_from_triton_config(triton_config, scheduling="request", max_num_seqs=8)
+    config = engine_config(triton_config, {}, scheduling="request", max_num_seqs=8)
     assert (config.model, config.scheduling, config.max_num_seqs) == ("gpt2-tiny", "request", 8)
 
 

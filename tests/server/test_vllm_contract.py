@@ -100,7 +100,8 @@ def test_prompt_echo_follows_the_vllm_backend(stream, exclude, echoed):
 
 
 def test_a_stream_refuses_exclude_input_in_output_false_with_the_vllm_message():
-    assert STREAMING_ECHO_REFUSED == "When streaming, `exclude_input_in_output` = False is not allowed."
+    assert STREAMING_ECHO_REFUSED == ("Error generating stream: When streaming, `exclude_input_in_output` = False "
+                                      "is not allowed.")
     with pytest.raises(ValueError, match=re.escape(STREAMING_ECHO_REFUSED)):
         response_builder(parse(stream=True, exclude=False), list(PROMPT), CharTokenizer(), stream=True)
 
