@@ -111,7 +111,7 @@ def test_mixed_steps_on_static_buffers_give_the_eager_tokens_and_padding_writes_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [*MODELS, "mixtral-tiny"])  # Mixtral: the experts' grouped GEMMs
 def test_mixed_steps_of_one_bucket_make_identical_launches_and_pass_the_capture_guard(model, monkeypatch):
     """The Triton path a GPU captures: every step of the workload, decode-only and mixed, runs under the
     capture guard, and within each bucket steps of different splits of prompt and decode tokens, and
