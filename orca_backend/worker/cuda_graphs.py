@@ -62,6 +62,7 @@ import torch
 from orca_backend.model.stage_input import StageInput
 from orca_backend.worker.input_batch import StepInputs
 from orca_kernels import AttentionMetadata
+from orca_kernels.lora import LoRAMetadata, sort_by_slot
 
 logger = logging.getLogger("orca.worker")
 
@@ -80,7 +81,6 @@ EAGER_REASONS = {
     "enforce_eager": "enforce_eager is set",
     "no_cuda_device": "CUDA graphs need a CUDA device",
     "parallel": "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only",
-    "lora": "enable_lora: the adapters' token mapping is not part of the graphs' static buffers",
     "torch_kernels": "kernels='torch': the torch reference kernels read values back to the host, which a "
                      "graph cannot capture",
     "tokens_above_buckets": "more tokens than the largest captured token count (max_num_batched_tokens, or "
@@ -90,7 +90,7 @@ EAGER_REASONS = {
 }
 
 
-def runner_eager_reason(enforce_eager: bool, device: torch.device, parallel: bool, lora: bool, kernels: str) -> str:
+def runner_eager_reason(enforce_eager: bool, device: torch.device, parallel: bool, kernels: str) -> str:
     """Why no step of a runner can replay a graph (an EAGER_REASONS key), or "" when steps can."""
     if enforce_eager:
         return "enforce_eager"
@@ -98,8 +98,6 @@ def runner_eager_reason(enforce_eager: bool, device: torch.device, parallel: boo
         return "no_cuda_device"
     if parallel:
         return "parallel"
-    if lora:
-        return "lora"
     if kernels == "torch":
         return "torch_kernels"
     return ""
@@ -143,6 +141,7 @@ class StepGraphs:
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_blocks: int, block_size: int, device: torch.device,
+        lora_slots: int = 0,
     ) -> None:  # fmt: skip
         self.forward = forward
         self.sizes = sorted(set(sizes))
@@ -157,6 +156,11 @@ class StepGraphs:
         self.tokens = torch.zeros((3, num_tokens), dtype=torch.int64, device=device)
         self.requests = torch.zeros((3, num_requests + 1), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((num_requests, max_blocks), dtype=torch.int32, device=device)
+        # LoRA (`lora_slots` adapter slots): each token's slot, the tokens sorted by slot, each slot's
+        # start and count among them (orca_kernels.lora.LoRAMetadata), in one int32 buffer.
+        self.lora_slots = lora_slots
+        self.lora_map = torch.zeros(2 * num_tokens + 2 * lora_slots, dtype=torch.int32, device=device) \
+            if lora_slots else None  # fmt: skip
         # The host side the live step is written into: the device buffers themselves on a CPU, pinned
         # copies on CUDA, each moved by one asynchronous copy from contiguous pinned memory (a strided
         # source would go through a pageable, synchronous copy), guarded by an event. The tokens and
@@ -164,9 +168,9 @@ class StepGraphs:
         # block tables go as the step's [count, width] packed (a row holds every block of the longest
         # context).
         cuda = device.type == "cuda"
-        self._host_tokens, self._host_requests = (
-            (torch.zeros_like(t, device="cpu", pin_memory=True) if cuda else t).numpy()
-            for t in (self.tokens, self.requests)
+        self._host_tokens, self._host_requests, self._host_lora = (
+            None if t is None else (torch.zeros_like(t, device="cpu", pin_memory=True) if cuda else t).numpy()
+            for t in (self.tokens, self.requests, self.lora_map)
         )
         self._host_tables = self.block_tables.numpy() if not cuda else \
             torch.zeros(self.block_tables.numel(), dtype=torch.int32, pin_memory=True).numpy()  # fmt: skip
@@ -188,6 +192,10 @@ class StepGraphs:
 
     def describe(self, size: int) -> str:
         """A bucket, in words (the log and capture errors)."""
+        raise NotImplementedError
+
+    def describe_all(self) -> str:
+        """The buckets, in words (the log)."""
         raise NotImplementedError
 
     def eager_reason(self, inputs: StepInputs) -> str:
@@ -232,6 +240,8 @@ class StepGraphs:
         width = inputs.block_tables.shape[1]
         self._tables(requests, width)[:] = inputs.block_tables  # entries past a row's context are never read
         self._pad(tokens, requests, size)
+        if self._host_lora is not None:
+            self._load_lora(inputs.lora_slots, size)
         self._upload(requests, width)
         return size
 
@@ -240,6 +250,8 @@ class StepGraphs:
         self._wait_for_copies()
         self._host_requests[0, 0] = 0
         self._pad(0, 0, size)
+        if self._host_lora is not None:
+            self._load_lora(None, size)
         self._upload(0, 0)
 
     def _pad(self, tokens: int, requests: int, size: int) -> None:
@@ -255,6 +267,20 @@ class StepGraphs:
         starts[requests + 1 : num_requests + 1] = ends
         context_lens[requests:num_requests] = 0
         logits_indices[requests:num_requests] = np.maximum(ends - 1, 0)
+
+    def _load_lora(self, token_slots: np.ndarray | None, size: int) -> None:
+        """The step's token->slot mapping over the bucket's tokens (padding and tokens without an
+        adapter: slot -1), as `lora_metadata` sorts it."""
+        num_tokens, max_tokens, slots = self.shape(size)[0], self.tokens.shape[1], self.lora_slots
+        token_slot, order = self._host_lora[:num_tokens], self._host_lora[max_tokens : max_tokens + num_tokens]
+        live = 0 if token_slots is None else len(token_slots)
+        if live:
+            token_slot[:live] = token_slots
+        token_slot[live:] = -1
+        sorted_tokens, starts, counts = sort_by_slot(token_slot, slots)
+        order[:] = sorted_tokens
+        self._host_lora[2 * max_tokens : 2 * max_tokens + slots] = starts
+        self._host_lora[2 * max_tokens + slots :] = counts
 
     def _tables(self, count: int, width: int) -> np.ndarray:
         """Where the step's block tables are written on the host: the device buffer's rows on a CPU,
@@ -273,6 +299,8 @@ class StepGraphs:
             return  # the host buffers are the device's
         self.tokens.copy_(torch.from_numpy(self._host_tokens), non_blocking=True)
         self.requests.copy_(torch.from_numpy(self._host_requests), non_blocking=True)
+        if self.lora_map is not None:
+            self.lora_map.copy_(torch.from_numpy(self._host_lora), non_blocking=True)
         if count and width:
             self.block_tables[:count, :width].copy_(torch.from_numpy(self._tables(count, width)), non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -280,7 +308,7 @@ class StepGraphs:
 
     def staging_buffers(self) -> list[np.ndarray]:
         """The host memory a step copies to the device from (the only such copies a graph step makes)."""
-        return [self._host_tokens, self._host_requests, self._host_tables]
+        return [a for a in (self._host_tokens, self._host_requests, self._host_tables, self._host_lora) if a is not None]
 
     def views(self, size: int) -> tuple[StageInput, AttentionMetadata, torch.Tensor]:
         """The forward's arguments for a bucket: views of the static buffers, and metadata whose host
@@ -297,7 +325,14 @@ class StepGraphs:
             max_context_len=self.max_context,
             num_requests=num_requests,
         )
-        return StageInput(input_ids, positions, None), meta, self.requests[2, :num_requests]
+        lora = None
+        if self.lora_map is not None:  # no host copies: the kernels of every projection run (model/lora.py)
+            max_tokens, slots = self.tokens.shape[1], self.lora_slots
+            mapping = self.lora_map
+            lora = LoRAMetadata(mapping[:num_tokens], mapping[max_tokens : max_tokens + num_tokens],
+                                mapping[2 * max_tokens : 2 * max_tokens + slots], mapping[2 * max_tokens + slots :],
+                                None, None)  # fmt: skip
+        return StageInput(input_ids, positions, None, lora), meta, self.requests[2, :num_requests]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -339,9 +374,6 @@ class StepGraphs:
         logger.info("captured %d CUDA graphs for %s in %.1f s, using %.0f MiB", len(self.graphs),
                     self.describe_all(), time.perf_counter() - started, self.graph_bytes / 2**20)  # fmt: skip
 
-    def describe_all(self) -> str:
-        raise NotImplementedError
-
 
 class DecodeGraphs(StepGraphs):
     """Decode-only steps (`is_decode_only`), bucketed by batch size: a bucket of B requests holds B
@@ -372,10 +404,10 @@ class MixedGraphs(StepGraphs):
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_num_seqs: int, max_blocks: int, block_size: int,
-        device: torch.device,
+        device: torch.device, lora_slots: int = 0,
     ) -> None:  # fmt: skip
         self.max_num_seqs = max_num_seqs
-        super().__init__(forward, sizes, max_blocks, block_size, device)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots)
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_tokens

@@ -106,8 +106,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
-            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1,
-            config.enable_lora, self.model.ops.name,
+            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
         if self.eager_reason:
@@ -143,12 +142,17 @@ class ModelRunner:
     def static_decode(self, sizes: list[int]) -> DecodeGraphs:
         """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
         that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
-        return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device)
+        return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device,
+                            self._lora_slots())  # fmt: skip
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
         """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
         return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[1],
-                           self.block_size, self.device)  # fmt: skip
+                           self.block_size, self.device, self._lora_slots())  # fmt: skip
+
+    def _lora_slots(self) -> int:
+        """The adapter slots the graphs' static token->slot mapping covers (0: LoRA is off)."""
+        return 0 if self.lora is None else self.lora.stack.max_loras
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Takes in the step's deltas (scheduler_output.py). Every runner does, as the step arrives, before

@@ -7,6 +7,8 @@ than its staging buffers (the capture guard, tests/worker/graph_checks.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import random_prompts
@@ -171,3 +173,95 @@ def test_the_capture_guard_fails_host_reads_and_unregistered_host_copies(monkeyp
     guard = CaptureGuard(named_buffers(runner, graphs).values(), [host])
     with capture_guard(monkeypatch, guard):  # a registered staging buffer may be copied in
         graphs.tokens[0, :4].copy_(host)
+
+
+# --- LoRA: the token->slot mapping in the static buffers -----------------------------------------
+
+ADAPTER_OF = ["A", None, "B", None, "A", "B", None, None]  # the last decodes run no adapter (MAX_TOKENS)
+ADAPTERS = {"GPT2": (["c_attn", "c_fc"], {"fan_in_fan_out": True}), "Llama": (["q_proj", "v_proj", "down_proj"], {})}
+
+
+@pytest.fixture(scope="module")
+def lora_models(tmp_path_factory) -> dict[str, tuple[str, dict[str, str]]]:
+    """family -> (base checkpoint, {adapter name: path}): two PEFT adapters of different ranks each."""
+    pytest.importorskip("peft")
+    from hf_tiny import write_lora, write_tiny
+
+    from orca_backend.families.gpt2 import GPT2Config
+    from orca_backend.model.checkpoint import write_random_checkpoint
+
+    out = {}
+    for family, (targets, extra) in ADAPTERS.items():
+        root = tmp_path_factory.mktemp(family.lower())
+        if family == "GPT2":
+            import transformers
+
+            config = GPT2Config(vocab_size=320, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+            write_random_checkpoint(root / "base", config, seed=4, tokenizer=False)
+            base = transformers.GPT2LMHeadModel.from_pretrained(root / "base").eval()
+        else:
+            base = write_tiny(family, root / "base", seed=3)
+        write_lora(base, root / "A", 1, 8, targets, **extra)
+        write_lora(base, root / "B", 2, 4, targets[:1], **extra)
+        out[family] = (str(root / "base"), {"A": str(root / "A"), "B": str(root / "B")})
+    return out
+
+
+def _lora_llm(path: str, adapters: dict[str, str], kernels: str, static: bool) -> LLM:
+    llm = LLM(path, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=1024, kernels=kernels, dtype="float32",
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_modules=adapters)  # fmt: skip
+    if static:
+        runner = llm.engine.core.executor.runner
+        runner.decode_graphs = runner.static_decode(capture_sizes(MAX_NUM_SEQS))
+        runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(MAX_NUM_BATCHED_TOKENS))
+    return llm
+
+
+def _lora_workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts, params = _workload(vocab)
+    return prompts, [dataclasses.replace(p, lora_name=name) for p, name in zip(params, ADAPTER_OF, strict=True)]
+
+
+@pytest.mark.parametrize("family", list(ADAPTERS))
+def test_lora_steps_on_static_buffers_give_the_eager_tokens(family, lora_models):
+    """Requests of two adapters and of none, chunked into mixed steps: every step runs on the static
+    buffers (enable_lora no longer forces eager steps) and gives the eager engine's tokens."""
+    path, adapters = lora_models[family]
+    eager = _lora_llm(path, adapters, "cpu", static=False)
+    prompts, params = _lora_workload(eager.engine.model_config.vocab_size)
+    expected = [o.output_ids for o in eager.generate(prompts, params)]
+    without = [o.output_ids for o in eager.generate(prompts, [dataclasses.replace(p, lora_name=None) for p in params])]
+    assert [e != w for e, w in zip(expected, without, strict=True)] == [name is not None for name in ADAPTER_OF]
+
+    llm = _lora_llm(path, adapters, "cpu", static=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.stats()
+    assert stats.steps_by_path == {"static_buffers": stats.num_iterations}
+
+
+@pytest.mark.slow
+def test_lora_steps_of_one_bucket_make_identical_launches_and_pass_the_capture_guard(lora_models, monkeypatch):
+    """The Triton path: steps with both adapters, one, or none (the last decodes), and the all-padding
+    step, make identical launches within each bucket, the adapters' kernels included, under the guard."""
+    from graph_checks import record_triton_kernels
+
+    _kernels("triton", monkeypatch)
+    record_triton_kernels(monkeypatch)
+    path, adapters = lora_models["GPT2"]
+    llm = _lora_llm(path, adapters, "triton", static=True)
+    runner = llm.engine.core.executor.runner
+    all_graphs = (runner.mixed_graphs, runner.decode_graphs)
+    guarded = [guard_steps(monkeypatch, runner, g) for g in all_graphs]
+    recorders = [StepRecorder(runner, g) for g in all_graphs]
+    prompts, params = _lora_workload(llm.engine.model_config.vocab_size)
+    eager = _lora_llm(path, adapters, "triton", static=False)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == [o.output_ids for o in eager.generate(prompts, params)]
+    assert not guarded[0].failures and not guarded[1].failures
+    assert len(guarded[0].passed) + len(guarded[1].passed) == llm.engine.stats().num_iterations
+    for recorder in recorders:
+        recorder.record_padding()
+        recorder.assert_identical_launches()
+        for steps in recorder.recordings.values():
+            launched = {launch[1] for launch in steps[0][1] if launch[0] == "triton"}
+            assert {"_shrink_kernel", "_expand_kernel"} <= launched, launched
