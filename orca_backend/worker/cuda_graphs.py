@@ -44,6 +44,13 @@ output buffer every graph of the object writes (so the graphs' memory is one poo
 [max requests, vocab] buffer); the grammar masks and sampling run outside the graph, as they do
 eagerly.
 
+LoRA (enable_lora): each token's adapter slot, and the tokens sorted by slot with each slot's start
+and count, are one more static buffer (padding tokens have no slot). A graph's `LoRAMetadata` has
+no host copies, so the model launches the adapter kernels of every projection an adapter may target
+whatever the step's adapters (model/lora.py), and the kernels' grids come from the bucket's token
+count and the slot count (kernels/orca_kernels/triton_lora.py): a step with two adapters, one or
+none replays the same graph.
+
 On a CPU there is nothing to capture, but the same objects run the same static-buffer forward
 eagerly (`capture=False`): that is how CI checks, without a GPU, that steps of one bucket (and the
 all-padding step a capture records) make identical launches, read nothing back to the host and give
