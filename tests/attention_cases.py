@@ -96,6 +96,27 @@ def with_padded_rows(live: AttentionMetadata, pad_after: list[int]) -> tuple[Att
     return meta, places
 
 
+def with_padding_request(live: AttentionMetadata, pad_tokens: int, empty: int) -> AttentionMetadata:
+    """The live batch padded as a mixed CUDA graph's token bucket pads it: `pad_tokens` more tokens
+    (slot -1) owned by one padding request of context 0 whose table row names the pool's unused last
+    block, then `empty` requests of no token; the host integers are the bucket's (its token count as
+    the longest query)."""
+    device = live.context_lens.device
+    width = live.block_tables.shape[1]
+    tokens = int(live.query_start[-1]) + pad_tokens
+    pad_rows = torch.full((1 + empty, width), int(live.block_tables.max()), dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        query_start=torch.cat([live.query_start, torch.full((1 + empty,), tokens, dtype=torch.int32, device=device)]),
+        context_lens=torch.cat([live.context_lens, torch.zeros(1 + empty, dtype=torch.int32, device=device)]),
+        block_tables=torch.cat([live.block_tables, pad_rows]),
+        slot_mapping=torch.cat([live.slot_mapping, torch.full((pad_tokens,), -1, dtype=torch.int64, device=device)]),
+        block_size=live.block_size,
+        max_query_len=tokens,
+        max_context_len=live.max_context_len,
+        num_requests=live.num_requests + 1 + empty,
+    )
+
+
 def rope_table(device: str | torch.device, head_dim: int, max_positions: int) -> torch.Tensor:
     """The models' fp32 table (orca_backend.model.rope): cos(p * f) in the first half, sin in the second."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

@@ -13,7 +13,9 @@ the last block past the context.
 A prefill request has as many queries as context (causal over its prompt); a decode request has one
 query that sees its whole context; a chunked prefill has n queries over a context of earlier K/V
 plus the chunk itself. Queries are always the *last* ``n`` positions of the context, so query ``t``
-of ``n`` may see keys ``0 .. context_len - n + t`` (a bottom-right aligned causal mask).
+of ``n`` may see keys ``0 .. context_len - n + t`` (a bottom-right aligned causal mask). The one
+exception is a request of context 0, whatever its query count (the padding of a CUDA graph's bucket,
+worker/cuda_graphs.py): it reads no K/V and its queries get zeros.
 
 Sliding windows and soft-capping are per layer, so they are arguments of every attention call, not
 metadata. ``window > 0`` (Mistral, Qwen2's upper layers, Gemma's local layers): query position ``p``
@@ -174,6 +176,9 @@ def attention_torch(
     for i in range(meta.num_requests):
         q_lo, q_hi = qs[i], qs[i + 1]
         n = q_hi - q_lo
+        if ctxs[i] == 0:  # no key to see (a CUDA graph bucket's padding request): zeros, as the kernels give
+            out[q_lo:q_hi] = 0
+            continue
         start = first_visible_key(ctxs[i] - n, window)  # the first query's window starts here
         ki, vi = gather_context(k_cache, v_cache, meta, i, start)
         if n == 1 and not softcap:

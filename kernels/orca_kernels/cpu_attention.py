@@ -142,7 +142,9 @@ def attention_cpu(
         qs, ctxs = meta.host_lens()  # read once per metadata object, shared by every layer
         for i in range(meta.num_requests):
             q_lo, q_hi = qs[i], qs[i + 1]
-            if q_hi - q_lo > 1:
+            if q_hi - q_lo > 1 and not ctxs[i]:  # no key to see (a CUDA graph bucket's padding request)
+                out[q_lo:q_hi] = 0
+            elif q_hi - q_lo > 1:
                 # [kv_heads, ctx - start, head_dim] from the first query's window start on:
                 # prefill_attention shares each K/V head over its group
                 start = first_visible_key(ctxs[i] - (q_hi - q_lo), window)

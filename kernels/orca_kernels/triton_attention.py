@@ -230,6 +230,8 @@ def _attention_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
+    # Negative only for a request with fewer keys than queries: the padding request of a mixed CUDA
+    # graph's bucket (context 0), whose key ranges the clamps below make empty (zeros out).
     first_pos = ctx - n + m_start
     if SLIDING:
         # The loop starts at the block's first query's window start, unaligned: no key before it
@@ -237,7 +239,7 @@ def _attention_kernel(
         # -1). Keys from the last query's window start to the first query's position are visible
         # to every row: whole tiles there skip the masks; the tiles below them get the window's
         # lower edge, the tiles above the causal edge (both masks in each, for the rows between).
-        kv_end = tl.minimum(first_pos + BLOCK_M, ctx)  # past the block's last query position
+        kv_end = tl.maximum(tl.minimum(first_pos + BLOCK_M, ctx), 0)  # past the block's last query position
         kv_lo = tl.maximum(first_pos - window + 1, 0)
         shared_lo = tl.maximum(kv_end - window, kv_lo)  # the last query's window start
         mid_lo = tl.minimum(kv_lo + tl.cdiv(shared_lo - kv_lo, BLOCK_N) * BLOCK_N, kv_end)
@@ -263,8 +265,8 @@ def _attention_kernel(
         # Keys up to the query block's first query position are visible to every row (every head
         # of the group alike): those whole BLOCK_N key tiles skip all masking. The rest, up to the
         # last query's position, get the causal mask.
-        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-        kv_end = tl.minimum(first_pos + BLOCK_M, ctx)
+        full_end = tl.maximum(first_pos + 1, 0) // BLOCK_N * BLOCK_N
+        kv_end = tl.maximum(tl.minimum(first_pos + BLOCK_M, ctx), 0)
         # fmt: off
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, 0, full_end,
@@ -278,8 +280,8 @@ def _attention_kernel(
         )
         # fmt: on
 
-    # A request of context 0 (a padded row of a CUDA graph's batch) saw no key: acc is 0, and so
-    # is its output, not 0 / 0.
+    # A request of context 0 (a padding request of a CUDA graph's bucket) saw no key: acc is 0, and
+    # so is its output, not 0 / 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

@@ -4,7 +4,8 @@ Both grids are (token blocks, rank or output blocks, slots) from plain integers:
 count, the stack's rank and width, and its slot count. Program (m, ., s) takes the m-th block of ``BLOCK_M`` tokens of slot s
 from `LoRAMetadata.sorted_tokens` (the slot's start and count read on the device) and exits at once
 when the slot has fewer tokens, so a slot with no token this step costs a program that reads two
-integers, and nothing is read back to the host: a decode step with adapters is capture-safe.
+integers, and nothing is read back to the host: any step with adapters is capture-safe (a CUDA
+graph's bucket pads the tokens with slot -1; worker/cuda_graphs.py).
 
 shrink: ``s[t] = x[t] A[slot]^T`` into a float32 [T, R] buffer (rows of tokens without an adapter
 are not written and never read); expand: ``y[t] += s[t] B[slot]^T`` in place. Every token has one

@@ -140,6 +140,8 @@ class LoRAStack:
         """What a forward adds its adapters with this step: None when no token runs an adapter."""
         if meta is None:
             return None
+        if meta.host_counts is None:  # a CUDA graph's mapping: the same launches whatever the step's adapters
+            return LoRAStep(self, ops, meta, set(self.targets))
         active = {slot for slot, count in enumerate(meta.host_counts) if count}
         targeted = {name for name, slots in self.targets.items() if slots & active}
         return LoRAStep(self, ops, meta, targeted) if targeted else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +32,11 @@ from orca_backend.worker.cuda_graphs import (
     EAGER_REASONS,
     DecodeGraphs,
     GraphCaptureError,
+    MixedGraphs,
+    StepGraphs,
     capture_sizes,
+    is_decode_only,
+    mixed_capture_sizes,
     runner_eager_reason,
 )
 from orca_backend.worker.input_batch import InputBatch, StepInputs
@@ -41,6 +46,7 @@ from orca_kernels import AttentionMetadata
 from orca_kernels.lora import lora_metadata
 
 logger = logging.getLogger("orca.worker")
+Graphs = TypeVar("Graphs", bound=StepGraphs)
 
 
 @dataclass
@@ -93,25 +99,30 @@ class ModelRunner:
         # last copies done (the host buffers are not written again before it).
         self._device_buffers: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
+        # The CUDA graphs of decode-only steps and of the others (worker/cuda_graphs.py), None where a
+        # step of that kind runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
-        # Why no step replays a graph here (an EAGER_REASONS key; "" when decode steps can).
+        self.mixed_graphs: MixedGraphs | None = None
+        self.max_num_seqs = config.max_num_seqs
+        # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
-            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1,
-            config.enable_lora, self.model.ops.name,
+            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
         if self.eager_reason:
-            logger.info("decode steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
+            logger.info("steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
         else:
-            self.decode_graphs = self._capture(capture_sizes(config.max_num_seqs))
+            # The mixed graphs first: their largest bucket sizes the pool every graph shares.
+            self.mixed_graphs = self._capture(self.static_mixed(mixed_capture_sizes(config.max_num_batched_tokens)))
+            self.decode_graphs = self._capture(self.static_decode(capture_sizes(config.max_num_seqs)),
+                                               self.mixed_graphs.pool)  # fmt: skip
 
-    def _capture(self, sizes: list[int]) -> DecodeGraphs:
-        """The decode steps' graphs, captured. A failure fails the load, naming the batch size and the
-        error, never a silent fall back to eager steps: enforce_eager is how a deployment runs without
-        graphs. Out of memory (torch's, or cuBLAS's or Triton's own allocation) names what to lower."""
-        graphs = self.static_decode(sizes)
+    def _capture(self, graphs: Graphs, pool: tuple | None = None) -> Graphs:
+        """The graphs, captured. A failure fails the load, naming the bucket and the error, never a
+        silent fall back to eager steps: enforce_eager is how a deployment runs without graphs. Out of
+        memory (torch's, or cuBLAS's or Triton's own allocation) names what to lower."""
         try:
-            graphs.capture()
+            graphs.capture(pool)
         except GraphCaptureError as e:
             cause = e.__cause__
             if isinstance(cause, torch.cuda.OutOfMemoryError) or any(
@@ -119,18 +130,29 @@ class ModelRunner:
                 pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
                 raise RuntimeError(
                     f"{e}: out of GPU memory beside the weights and the K/V pool ({pool_gib:.1f} GiB); lower "
-                    "kv_capacity_tokens or max_num_seqs, or set enforce_eager to run without graphs"
+                    "kv_capacity_tokens, max_num_seqs or max_num_batched_tokens, or set enforce_eager to run "
+                    "without graphs"
                 ) from cause
-            raise RuntimeError(f"{e}; set enforce_eager to run decode steps without CUDA graphs") from cause
+            raise RuntimeError(f"{e}; set enforce_eager to run steps without CUDA graphs") from cause
         return graphs
+
+    def _forward(self, stage_input: StageInput, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.model.forward(stage_input, meta, self.kv_caches, logits_indices)
 
     def static_decode(self, sizes: list[int]) -> DecodeGraphs:
         """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
         that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
-        def forward(stage_input: StageInput, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-            return self.model.forward(stage_input, meta, self.kv_caches, logits_indices)
+        return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device,
+                            self._lora_slots())  # fmt: skip
 
-        return DecodeGraphs(forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device)
+    def static_mixed(self, sizes: list[int]) -> MixedGraphs:
+        """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
+        return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[1],
+                           self.block_size, self.device, self._lora_slots())  # fmt: skip
+
+    def _lora_slots(self) -> int:
+        """The adapter slots the graphs' static token->slot mapping covers (0: LoRA is off)."""
+        return 0 if self.lora is None else self.lora.stack.max_loras
 
     def update_states(self, step: SchedulerOutput) -> None:
         """Takes in the step's deltas (scheduler_output.py). Every runner does, as the step arrives, before
@@ -185,7 +207,7 @@ class ModelRunner:
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
         ahead = self._ahead_tokens(step) if step.ahead_rows else None
-        graphs = self.decode_graphs
+        graphs: StepGraphs | None = self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs
         self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)

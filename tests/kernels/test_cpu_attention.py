@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots
+from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots, with_padding_request
 from torch_threads import torch_threads
 
 from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
@@ -331,6 +331,20 @@ def test_write_kv_skips_padded_slots(write_kv, dtype: torch.dtype) -> None:
     untouched[slot_mapping[live]] = False
     assert torch.equal(k_cache[slot_mapping[live]], k[live]) and torch.equal(v_cache[slot_mapping[live]], v[live])
     assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+
+
+@pytest.mark.parametrize("attention", [attention_cpu, attention_torch])
+def test_a_mixed_buckets_padding_request_gives_zeros(attention) -> None:
+    """A mixed CUDA graph's bucket (worker/cuda_graphs.py): a padding request of context 0 with several
+    NaN queries, then requests of no token, beside the live batch: zeros for the padding tokens, the
+    live batch's own output for the live ones."""
+    live = make_meta("cpu", BATCHES["mixed"])
+    meta = with_padding_request(live, pad_tokens=6, empty=2)
+    q_live, k_cache, v_cache = _inputs(live, 2, 64, seed=1)
+    q = torch.cat([q_live, torch.full((6, *q_live.shape[1:]), float("nan"))])
+    out = attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(out[len(q_live):], torch.zeros_like(out[len(q_live):]))
+    assert torch.equal(out[: len(q_live)], attention(q_live, k_cache, v_cache, live, 0.125))
 
 
 def test_a_row_without_context_gives_zeros() -> None:

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from attention_cases import BATCHES, make_meta, pool_slots
+from attention_cases import BATCHES, make_meta, pool_slots, with_padding_request
 from triton_testing import (
     DEVICE,
     INTERPRET_ENV,
@@ -152,6 +152,32 @@ def _attention_check(ops: KernelOps, meta, heads: int, head_dim: int, dtype: tor
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_attention(ops: KernelOps, batch: str, head_dim: int, dtype: torch.dtype) -> None:
     _attention_check(ops, make_meta(DEVICE, BATCHES[batch]), 2, head_dim, dtype, seed=head_dim)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("batch", ["mixed", "chunked"])
+def test_a_mixed_buckets_padding_gives_zeros_and_leaves_the_live_tokens_alone(ops: KernelOps, batch: str, window: int) -> None:
+    """A mixed CUDA graph's bucket (worker/cuda_graphs.py): the live batch, then a padding request of
+    context 0 with 19 tokens (more than a query tile: its programs start before any key) and NaN
+    queries, then requests of no token, all under the bucket's integers. The padding tokens come out
+    exactly zero and read no K/V (their table row names a NaN block); the live tokens equal the
+    reference on the live batch alone."""
+    live = make_meta(DEVICE, BATCHES[batch], block_size=5, seed=3)
+    meta = with_padding_request(live, pad_tokens=19, empty=2)
+    g = torch.Generator().manual_seed(4)
+    tokens, live_tokens, slots = int(meta.query_start[-1]), int(live.query_start[-1]), pool_slots(live)
+    q = torch.full((tokens, 2, 64), float("nan"), device=DEVICE)
+    q[:live_tokens] = randn(live_tokens, 2, 64, g=g)
+    k_cache, v_cache = randn(slots, 2, 64, g=g), randn(slots, 2, 64, g=g)
+    pad_block = int(meta.block_tables.max())
+    k_cache[pad_block * 5 : (pad_block + 1) * 5] = float("nan")
+    v_cache[pad_block * 5 : (pad_block + 1) * 5] = float("nan")
+
+    out = ops.attention(q, k_cache, v_cache, meta, 0.125, window)
+
+    assert torch.equal(out[live_tokens:], torch.zeros_like(out[live_tokens:]))
+    expected = TORCH_OPS.attention(q[:live_tokens], k_cache, v_cache, live, 0.125, window)
+    assert_close(out[:live_tokens], expected, torch.float32)
 
 
 # Pool block sizes against the interpreter's 16-key tiles: one token per block, blocks that do not

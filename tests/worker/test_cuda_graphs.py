@@ -6,26 +6,17 @@ captured graph replayed for another batch relies on."""
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import json
 import logging
-from collections import defaultdict
-from typing import Any
 
 import pytest
 import torch
 from engine_helpers import random_prompts
+from graph_checks import StepRecorder, guard_steps, record_c_kernels, record_triton_kernels
 from hf_tiny import write_tiny
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
-import orca_kernels.cpu_attention
-import orca_kernels.cpu_gpt2_ops
-import orca_kernels.cpu_llama_ops
 from orca_backend import LLM, SamplingParams
-from orca_backend.model import gemm
 from orca_backend.worker.cuda_graphs import (
     EAGER_REASONS,
     PAD_SLOT,
@@ -142,14 +133,15 @@ def test_static_decode_gives_the_eager_tokens_for_every_bucket_and_padded_rows_w
     assert [bucket for _, bucket in seen] == [8, 8, 4, 4, 2, 1]
 
 
-def test_decode_graphs_are_off_on_cpu_with_the_reason_logged(caplog):
+def test_graphs_are_off_on_cpu_with_the_reason_logged(caplog):
     with caplog.at_level(logging.INFO, logger="orca.worker"):
         llm = LLM("gpt2-tiny", kv_capacity_tokens=256)
-    assert llm.engine.core.executor.runner.decode_graphs is None
-    assert "decode steps run eagerly: CUDA graphs need a CUDA device" in caplog.text
+    runner = llm.engine.core.executor.runner
+    assert runner.decode_graphs is None and runner.mixed_graphs is None
+    assert "steps run eagerly: CUDA graphs need a CUDA device" in caplog.text
     with caplog.at_level(logging.INFO, logger="orca.worker"):
         LLM("gpt2-tiny", kv_capacity_tokens=256, enforce_eager=True)
-    assert "decode steps run eagerly: enforce_eager is set" in caplog.text
+    assert "steps run eagerly: enforce_eager is set" in caplog.text
     with pytest.raises(RuntimeError, match="captured on a CUDA device"):
         llm.engine.core.executor.runner.static_decode([1, 2]).capture()
 
@@ -157,185 +149,30 @@ def test_decode_graphs_are_off_on_cpu_with_the_reason_logged(caplog):
 # --- launch recording ---------------------------------------------------------------------------
 
 
-class LaunchRecorder(TorchDispatchMode):
-    """Records every torch op (through the dispatcher) and every C kernel call (through the kernel
-    loaders, patched by `record_c_kernels`) with memory named, not numbered: a named buffer (static
-    buffers, the K/V pool, the weights) by its name and offset, a temporary by the order in which it
-    was allocated within the recording. Two recordings are equal when the launches are."""
-
-    def __init__(self, named: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.regions: list[tuple[int, int, str]] = []  # (start, end, name), the newest last
-        self.temporaries = 0
-        for name, tensor in named.items():
-            self._add_region(tensor, name)
-        self.launches: list[tuple] = []
-
-    def _add_region(self, tensor: torch.Tensor, name: str) -> None:
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            self.regions.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
-
-    def name_of(self, address: int) -> tuple[str, int] | None:
-        for start, end, name in reversed(self.regions):
-            if start <= address < end:
-                return name, address - start
-        return None
-
-    def _describe(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            where = self.name_of(value.data_ptr()) if value.numel() else ("empty", 0)
-            if where is None:  # memory no op made and no name covers: name it by first appearance
-                where = (f"outside{len(self.regions)}", 0)
-                self._add_region(value, where[0])
-            return ("tensor", where, tuple(value.shape), value.stride(), str(value.dtype))
-        if isinstance(value, (list, tuple)):
-            return tuple(self._describe(v) for v in value)
-        if isinstance(value, dict):
-            return tuple((k, self._describe(v)) for k, v in sorted(value.items()))
-        if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-            return str(value)
-        return value
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        described = (self._describe(args), self._describe(kwargs))
-        out = func(*args, **kwargs)
-        input_storages = {t.untyped_storage().data_ptr() for t in inputs}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in input_storages:
-                self._add_region(t, f"temp{self.temporaries}")  # a new allocation
-                self.temporaries += 1
-        self.launches.append(("op", str(func), described, self._describe(out)))
-        return out
-
-    def c_call(self, name: str, args: tuple) -> None:
-        described = []
-        for arg in args:
-            where = self.name_of(arg) if isinstance(arg, int) and arg > 1 << 20 else None
-            described.append(where if where is not None else arg)
-        self.launches.append(("c", name, tuple(described)))
-
-
-class _RecordedKernel:
-    """A C kernel whose calls the active recorder sees."""
-
-    active: LaunchRecorder | None = None
-
-    def __init__(self, name: str, kernel: ctypes._CFuncPtr) -> None:
-        self.name, self.kernel = name, kernel
-
-    def __call__(self, *args: Any) -> Any:
-        if _RecordedKernel.active is not None:
-            _RecordedKernel.active.c_call(self.name, args)
-        return self.kernel(*args)
-
-
-def record_c_kernels(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Patches every C kernel loader (functools.cache'd functions returning a ctypes function) of the
-    CPU kernel modules and the GEMM to return a recording wrapper; returns how many."""
-    patched = 0
-    for module in (orca_kernels.cpu_attention, orca_kernels.cpu_gpt2_ops, orca_kernels.cpu_llama_ops, gemm):
-        for attribute, loader in list(vars(module).items()):
-            if not hasattr(loader, "cache_info") or loader.__wrapped__.__code__.co_argcount:
-                continue
-            try:
-                kernel = loader()
-            except Exception:  # noqa: BLE001 - a loader this machine cannot build is not called either
-                continue
-            if isinstance(kernel, ctypes._CFuncPtr):
-                wrapped = _RecordedKernel(f"{module.__name__}.{attribute}", kernel)
-                monkeypatch.setattr(module, attribute, lambda wrapped=wrapped: wrapped)
-                patched += 1
-    return patched
-
-
-def record_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Records every Triton launch (interpreter) with its grid and arguments, as `c_call` records C
-    calls; the interpreter's own torch ops inside a launch are not recorded (a GPU runs none)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    real_run = InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        recorder = _RecordedKernel.active
-        if recorder is not None and not warmup:
-            recorder.launches.append(("triton", self.__name__, grid, recorder._describe(args), recorder._describe(kwargs)))
-            with _disable_current_modes():
-                return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
-    return True
-
-
-def _named_buffers(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    graphs = runner.decode_graphs
-    named = {name: getattr(graphs, name) for name in ("tokens", "context_lens", "block_tables", "query_start", "logits_indices")}
-    for i, (k, v) in enumerate(runner.kv_caches):
-        named[f"k_cache{i}"], named[f"v_cache{i}"] = k, v
-
-    def weights(prefix: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            named[prefix] = value
-        elif dataclasses.is_dataclass(value):
-            for field in dataclasses.fields(value):
-                weights(f"{prefix}.{field.name}", getattr(value, field.name))
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                weights(f"{prefix}[{i}]", item)
-
-    weights("weights", runner.model.weights)
-    return named
-
-
 @pytest.mark.parametrize(("model", "kernels"), CASES)
 def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model_paths, monkeypatch):
     """Every decode step of the workload is recorded; within each bucket, batches with different
-    live rows, tokens and contexts must make the same launches, and none reads a value back to the
-    host (a CUDA graph cannot capture that)."""
+    live rows, tokens and contexts, and the all-padding batch its capture records, must make the same
+    launches, and none reads a value back to the host or copies host memory in (a CUDA graph cannot
+    capture that: the capture guard fails the step)."""
     kernels, model = _kernels(kernels, monkeypatch), model_paths[model]
     c_kernels = record_c_kernels(monkeypatch)
     triton_kernels = record_triton_kernels(monkeypatch) if kernels == "triton" else False
     llm, runner = _static_llm(model, kernels)
     graphs: DecodeGraphs = runner.decode_graphs
-    forward = graphs.forward
-    recordings: dict[int, list[tuple[int, list[tuple]]]] = defaultdict(list)  # bucket -> (live, launches)
-    live = 0
-
-    def recorded_forward(stage_input, meta, logits_indices):
-        recorder = LaunchRecorder(_named_buffers(runner))
-        _RecordedKernel.active = recorder
-        try:
-            with recorder:
-                logits = forward(stage_input, meta, logits_indices)
-        finally:
-            _RecordedKernel.active = None
-        recordings[meta.num_requests].append((live, recorder.launches))
-        return logits
-
-    def counting_run(inputs, ahead=None, run=graphs.run):
-        nonlocal live
-        live = inputs.num_requests
-        return run(inputs, ahead)
-
-    graphs.forward, graphs.run = recorded_forward, counting_run
+    guarded = guard_steps(monkeypatch, runner, graphs)
+    recorder = StepRecorder(runner, graphs)
     prompts, params = _workload(llm.engine.model_config.vocab_size)
     llm.generate(prompts, params)
+    recorder.record_padding()
 
+    recordings = recorder.recordings
     assert set(recordings) == {1, 2, 4, 8}
-    padded_twice = 0
-    for bucket, steps in recordings.items():
-        first = steps[0][1]
-        ops = [launch[1] for launch in first]
-        assert "aten._local_scalar_dense.default" not in ops and not any("nonzero" in op for op in ops), ops
-        for live_rows, launches in steps[1:]:
-            assert len(launches) == len(first), (bucket, live_rows)
-            for i, (a, b) in enumerate(zip(first, launches, strict=True)):
-                assert a == b, f"bucket {bucket}: launch {i} differs with {live_rows} live rows:\n{a}\n{b}"
-        padded_twice += len({live_rows for live_rows, _ in steps}) > 1
-    assert padded_twice >= 2  # at least two buckets compared batches of different sizes
+    assert not guarded.failures and len(guarded.passed) == 6  # every decode step passed the capture guard
+    recorder.assert_identical_launches()
+    assert all(steps[-1][0] == "padding" for steps in recordings.values())
+    # At least two buckets compared live batches of different sizes.
+    assert sum(len({label for label, _ in steps}) > 2 for steps in recordings.values()) >= 2
     # The kernels themselves were recorded: on the CPU path the C decode attention and K/V write
     # (whenever a compiler built them), on the Triton path every Triton launch with its grid.
     kinds = {(launch[0], launch[1]) for launch in recordings[8][0][1]}
@@ -354,15 +191,16 @@ def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model
 
 
 def test_the_runners_eager_reasons():
-    """Why a runner replays no graph, in order of precedence; "" where decode steps are captured."""
+    """Why a runner replays no graph, in order of precedence; "" where steps are captured (LoRA engines'
+    included: their token->slot mapping is in the static buffers)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert runner_eager_reason(False, cuda, False, False, "triton") == ""
-    assert runner_eager_reason(True, cuda, False, False, "triton") == "enforce_eager"
-    assert runner_eager_reason(False, cpu, False, False, "cpu") == "no_cuda_device"
-    assert runner_eager_reason(False, cuda, True, False, "triton") == "parallel"
-    assert runner_eager_reason(False, cuda, False, True, "triton") == "lora"
-    assert runner_eager_reason(False, cuda, False, False, "torch") == "torch_kernels"
-    assert set(EAGER_REASONS) >= {"mixed_step", "batch_above_buckets", "static_buffers"}
+    assert runner_eager_reason(False, cuda, False, "triton") == ""
+    assert runner_eager_reason(True, cuda, False, "triton") == "enforce_eager"
+    assert runner_eager_reason(False, cpu, False, "cpu") == "no_cuda_device"
+    assert runner_eager_reason(False, cuda, True, "triton") == "parallel"
+    assert runner_eager_reason(False, cuda, False, "torch") == "torch_kernels"
+    assert set(EAGER_REASONS) >= {"tokens_above_buckets", "batch_above_buckets", "static_buffers"}
+    assert not {"mixed_step", "lora"} & set(EAGER_REASONS)  # steps with prompt tokens or adapters replay graphs too
 
 
 def test_every_step_is_counted_and_logged_by_how_its_forward_ran(tmp_path):
@@ -378,11 +216,13 @@ def test_every_step_is_counted_and_logged_by_how_its_forward_ran(tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines() if '"iteration"' in line]
     assert len(lines) == stats.num_iterations and {line["step_path"] for line in lines} == {"no_cuda_device"}
 
-    # The static buffers (a GPU's path, eager here): decode-only steps run on them, the rest say why not.
+    # The static buffers (a GPU's path, eager here): every step that fits a bucket runs on them; the
+    # prefill of all eight prompts is more tokens than the one mixed bucket (16) and says so.
     llm, runner = _static_llm("gpt2-tiny", "cpu")
+    runner.mixed_graphs = runner.static_mixed([16])
     llm.generate(prompts, params)
     stats = llm.engine.stats()
-    assert stats.steps_by_path == {"static_buffers": 6, "mixed_step": stats.num_iterations - 6}  # MAX_TOKENS' plan
+    assert stats.steps_by_path == {"static_buffers": 6, "tokens_above_buckets": 1}  # MAX_TOKENS' plan
     eager = LLM("gpt2-tiny", kv_capacity_tokens=256, enforce_eager=True)
     eager.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert eager.engine.stats().steps_by_path == {"enforce_eager": 3}
@@ -400,14 +240,14 @@ def test_a_capture_failure_is_a_load_error_naming_the_batch_size(monkeypatch):
     runner = llm.engine.core.executor.runner
 
     def plant(cause):
-        def capture(self):
-            raise GraphCaptureError(4, cause) from cause
+        def capture(self, pool=None):
+            raise GraphCaptureError("decode steps of batch size 4", cause) from cause
         monkeypatch.setattr(DecodeGraphs, "capture", capture)
 
     plant(ValueError("boom"))
     with pytest.raises(RuntimeError, match=r"batch size 4 failed: ValueError: boom; set enforce_eager") as info:
-        runner._capture([1, 2, 4])
+        runner._capture(runner.static_decode([1, 2, 4]))
     assert isinstance(info.value.__cause__, ValueError)
     plant(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     with pytest.raises(RuntimeError, match=r"batch size 4 failed: .*ALLOC_FAILED.*out of GPU memory.*lower kv_capacity_tokens"):
-        runner._capture([1, 2, 4])
+        runner._capture(runner.static_decode([1, 2, 4]))
