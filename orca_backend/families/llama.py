@@ -5,6 +5,7 @@ dimensions and LoRA targets. The model code is model/llama.py; families/gemma.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,6 +79,14 @@ class LlamaConfig:
     # llama3 frequency scaling as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     rope_llama3: tuple[float, float, float, int] | None = None
     rope_linear: float = 1.0  # rope_type "linear": positions divided by this factor
+    # yarn as (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate)
+    rope_yarn: tuple[float, int, float, float, bool] | None = None
+    rope_dynamic: float = 1.0  # rope_type "dynamic" (NTK): its factor (1: none); max_position_embeddings is the original window
+    # longrope: the original window (0: not longrope), and each frequency's divisor within it and beyond it
+    rope_longrope_window: int = 0
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0  # cos and sin times this (yarn's mscale, longrope's), as transformers does
     qkv_bias: bool = False  # Qwen2 always; Llama and Qwen3 with attention_bias
     o_bias: bool = False  # Llama and Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
@@ -112,6 +121,10 @@ class LlamaConfig:
             raise ValueError(f"layer_types {sorted(set(self.layer_types))} are not all {SLIDING!r} or {FULL!r}")
         if SLIDING in self.layer_types and self.sliding_window < 1:
             raise ValueError(f"sliding layers need a sliding_window >= 1, got {self.sliding_window}")
+        for name in ("rope_short_factor", "rope_long_factor"):
+            if self.rope_longrope_window and len(getattr(self, name)) != self.head_dim // 2:
+                raise ValueError(f"longrope's {name.removeprefix('rope_')} has {len(getattr(self, name))} entries, "
+                                 f"not head_dim / 2 = {self.head_dim // 2}")  # fmt: skip
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
@@ -130,7 +143,14 @@ class LlamaConfig:
 
     @property
     def max_context(self) -> int:
-        return self.max_position_embeddings
+        """The longest context served: max_position_embeddings, or the window a yarn or dynamic rope's
+        factor extends the original one to where that is longer (Qwen2.5's long-context config keeps
+        max_position_embeddings at its original 32k; dynamic NTK takes max_position_embeddings to be
+        the original window). The rope table has this many rows (model/rope.py)."""
+        if self.rope_yarn is not None:
+            factor, original_context = self.rope_yarn[:2]
+            return max(self.max_position_embeddings, int(factor * original_context))
+        return int(self.max_position_embeddings * self.rope_dynamic)
 
     @property
     def num_layers(self) -> int:
@@ -218,17 +238,75 @@ def _moe_fields(raw: dict[str, Any], spec: Architecture) -> dict[str, Any]:
 
 
 def rope_fields(rope: dict[str, Any], raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_theta and the frequency scaling of one rope_parameters / rope_scaling entry."""
+    """rope_theta and the frequency scaling of one rope_parameters / rope_scaling entry, with the values
+    transformers' rope init functions default to (modeling_rope_utils.py) filled in: an entry's
+    original_max_position_embeddings defaults to max_position_embeddings (transformers reads no
+    top-level one for these families), yarn's and longrope's factor to their ratio, the attention
+    factor to yarn's mscale or longrope's sqrt(1 + ln(factor) / ln(original))."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     fields: dict[str, Any] = {"rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))}
     if rope_type == "llama3":
         fields["rope_llama3"] = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                                 int(rope["original_max_position_embeddings"]))  # fmt: skip
+                                 _original_window(rope, raw, source))  # fmt: skip
     elif rope_type == "linear":
         fields["rope_linear"] = float(rope["factor"])
+    elif rope_type == "dynamic":
+        fields["rope_dynamic"] = float(rope["factor"])
+        if fields["rope_dynamic"] < 1.0:
+            raise ValueError(f"{source}: rope factor {rope['factor']!r} of rope type 'dynamic' is under 1")
+    elif rope_type == "yarn":
+        original = _original_window(rope, raw, source)
+        factor = _scaling_factor(rope, raw, original, source)
+        fields["rope_yarn"] = (factor, original, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                               bool(rope.get("truncate", True)))  # fmt: skip
+        fields["rope_attention_factor"] = _yarn_attention_factor(rope, factor)
+    elif rope_type == "longrope":
+        original = _original_window(rope, raw, source)
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(rope.get(key), list):
+                raise ValueError(f"{source}: rope type 'longrope' needs {key}, a list of head_dim / 2 numbers")
+        factor = _scaling_factor(rope, raw, original, source)
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        fields |= {"rope_longrope_window": original, "rope_attention_factor": float(attention),
+                   "rope_short_factor": tuple(float(x) for x in rope["short_factor"]),
+                   "rope_long_factor": tuple(float(x) for x in rope["long_factor"])}  # fmt: skip
     elif rope_type != "default":
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear and llama3 are)")
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                         f"(default, linear, llama3, yarn, dynamic and longrope are)")  # fmt: skip
     return fields
+
+
+def _original_window(rope: dict[str, Any], raw: dict[str, Any], source: str) -> int:
+    """A scaled rope's original_max_position_embeddings: its entry's, else max_position_embeddings."""
+    original = rope.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    if not original:
+        raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} needs "
+                         "original_max_position_embeddings (or max_position_embeddings)")  # fmt: skip
+    return int(original)
+
+
+def _scaling_factor(rope: dict[str, Any], raw: dict[str, Any], original: int, source: str) -> float:
+    """yarn's or longrope's factor: the entry's, else max_position_embeddings / original (Phi-3's way)."""
+    factor = rope.get("factor") or raw.get("max_position_embeddings", 0) / original
+    if not factor:
+        raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} needs a factor")
+    return float(factor)
+
+
+def _yarn_attention_factor(rope: dict[str, Any], factor: float) -> float:
+    """yarn's attention factor: the entry's attention_factor, else 0.1 ln(factor) + 1, or the ratio of
+    that for mscale and for mscale_all_dim (each 0.1 m ln(factor) + 1) where both are given."""
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def window_fields(raw: dict[str, Any], spec: Architecture) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.fp8 import Fp8Weight, concat_rows, load_linear
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
-from orca_backend.model.rope import cos_sin_table, inverse_frequencies
+from orca_backend.model.rope import cos_sin_table, inverse_frequencies, rope_table
 from orca_backend.model.stage_input import StageInput, StageModel, stage_output
 from orca_kernels import AttentionMetadata, KernelOps
 
@@ -300,13 +300,11 @@ class Decoder(StageModel):
         dtype, device = weights.layers[0].input_norm_w.dtype, weights.layers[0].input_norm_w.device  # every stage has a layer
         # transformers multiplies by the scale rounded to the embedding's dtype
         self.embed_scale = torch.tensor(hooks.embed_scale, dtype=dtype, device=device) if hooks.embed_scale else None
-        d, positions = config.head_dim, config.max_position_embeddings
-        global_table = cos_sin_table(
-            inverse_frequencies(d, config.rope_theta, config.rope_llama3, config.rope_linear), positions, device
-        )
+        global_table = rope_table(config, device)  # rope_theta with its scaling, config.max_context rows
         local_table = global_table
         if hooks.rope_local_theta:  # the local layers' own base, unscaled
-            local_table = cos_sin_table(inverse_frequencies(d, hooks.rope_local_theta, None), positions, device)
+            local_table = cos_sin_table(inverse_frequencies(config.head_dim, hooks.rope_local_theta),
+                                        config.max_context, device)  # fmt: skip
         # This stage's layers: (window, rope table) of each; a window marks a local layer.
         self.layer_attention = [
             (config.window(i), local_table if config.window(i) else global_table)

@@ -139,7 +139,7 @@ def test_config_switches_map_from_each_family(checkpoints):
         ({"use_sliding_window": True, "sliding_window": 32, "architectures": ["Qwen2ForCausalLM"],
           "layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
         ({"num_local_experts": 8}, "num_local_experts"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [16, 24, 24]}}, "rope type 'mrope'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
     ],
