@@ -481,48 +481,56 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import torch
 
     from orca_backend import LLM, SamplingParams
-    from orca_backend.worker.cuda_graphs import EAGER_REASONS, GRAPH_REPLAYED, DecodeGraphs, capture_sizes
+    from orca_backend.worker.cuda_graphs import (
+        EAGER_REASONS,
+        GRAPH_REPLAYED,
+        StepGraphs,
+        capture_sizes,
+        mixed_capture_sizes,
+    )
 
     gpu_check = load_gpu_check()
     device = torch.device(args.device)
     sizes = capture_sizes(args.graph_max_seqs)
+    mixed_sizes = mixed_capture_sizes(0)
     prompt_len, max_tokens = 32, 32
     # Blocks for a full batch's requests at their longest, with one to spare each (16-token blocks).
     kv_tokens = args.graph_max_seqs * (-(-(prompt_len + max_tokens) // 16) + 1) * 16
-    captures: list[float] = []
-    capture = DecodeGraphs.capture
+    captures: dict[str, float] = {}  # graphs' kind -> its capture's own seconds, beside the build's
+    capture = StepGraphs.capture
 
-    def timed_capture(graphs: DecodeGraphs) -> None:  # the capture's own seconds, beside the build's
+    def timed_capture(graphs: StepGraphs, pool: Any = None) -> None:
         started = time.perf_counter()
-        capture(graphs)
-        captures.append(time.perf_counter() - started)
+        capture(graphs, pool)
+        captures[type(graphs).__name__] = time.perf_counter() - started
 
-    DecodeGraphs.capture = timed_capture  # type: ignore[method-assign]
+    StepGraphs.capture = timed_capture  # type: ignore[method-assign]
     try:
         started = time.perf_counter()
         llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.graph_max_seqs,
                   kv_capacity_tokens=kv_tokens)  # fmt: skip
         build_s = time.perf_counter() - started
     finally:
-        DecodeGraphs.capture = capture  # type: ignore[method-assign]
+        StepGraphs.capture = capture  # type: ignore[method-assign]
     try:
         runner = llm.engine.core.executor.runner
         result: dict[str, Any] = {"model": model, "dtype": args.dtype, "max_num_seqs": args.graph_max_seqs,
                                   "capture_sizes": sizes, "build_s": build_s, "prompt_tokens": prompt_len}  # fmt: skip
         if device.type == "cuda":
-            graphs = runner.decode_graphs
-            if graphs is None:
+            graphs, mixed = runner.decode_graphs, runner.mixed_graphs
+            if graphs is None or mixed is None:
                 raise RuntimeError(f"no CUDA graphs: {EAGER_REASONS[runner.eager_reason]}")
-            missing = [s for s in sizes if s not in graphs.graphs]
-            if missing:
-                raise RuntimeError(
-                    f"buckets {missing} of {sizes} have no graph (captured: {sorted(graphs.graphs)})"
-                )
+            for kind, wanted, got in (("decode", sizes, graphs.graphs), ("mixed", mixed_sizes, mixed.graphs)):
+                missing = [s for s in wanted if s not in got]
+                if missing:
+                    raise RuntimeError(f"{kind} buckets {missing} of {wanted} have no graph (captured: {sorted(got)})")
             path = GRAPH_REPLAYED
-            result |= {"mode": "captured", "capture_s": captures[0], "graph_pool_mib": graphs.graph_bytes / 2**20,
+            result |= {"mode": "captured", "capture_s": captures, "mixed_sizes": mixed_sizes,
+                       "graph_pool_mib": (graphs.graph_bytes + mixed.graph_bytes) / 2**20,
                        "reserved_gib": torch.cuda.memory_reserved(device) / 2**30}  # fmt: skip
         else:  # the forward a graph would replay, run eagerly on the same static buffers
             graphs = runner.decode_graphs = runner.static_decode(sizes)
+            runner.mixed_graphs = runner.static_mixed(mixed_sizes)
             path = "static_buffers"
             result |= {
                 "mode": "static",
@@ -535,8 +543,8 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
         llm.generate(prompts, params)
         paths = engine.stats().steps_by_path
         result["steps_by_path"] = dict(paths)
-        if set(paths) - {path, "mixed_step"} or not paths.get(path):
-            raise RuntimeError(f"decode steps did not all run on {path}: {dict(paths)}")
+        if set(paths) != {path}:  # prompt steps too: mixed steps replay graphs of their own
+            raise RuntimeError(f"steps did not all run on {path}: {dict(paths)}")
         # A full batch decoding: its step leaves every row of the static buffers live, so each bucket's
         # graph replays real requests (replaying recomputes that step: the same K/V to the same slots).
         full = args.graph_max_seqs
@@ -623,7 +631,7 @@ def render_graphs(r: dict[str, Any]) -> list[str]:
     lines = ["## CUDA graphs", ""]
     for model, m in r["models"].items():
         lines.append(f"**{model}** ({m['dtype']}, max_num_seqs {m['max_num_seqs']}): {m['mode']}; engine built in "
-                     f"{m['build_s']:.1f} s" + (f", capture {m['capture_s']:.1f} s, graph pool {m['graph_pool_mib']:.0f} MiB"
+                     f"{m['build_s']:.1f} s" + (f", capture {sum(m['capture_s'].values()):.1f} s, graph pool {m['graph_pool_mib']:.0f} MiB"
                                                   if "capture_s" in m else "") + f"; steps by path {m['steps_by_path']}; "
                      f"trace {m['trace']['file']} (buckets {m['trace']['buckets']}, {m['trace']['device_events']} device events).")  # fmt: skip
         lines += ["", "| bucket | " + " | ".join(m["replay_ms"]) + " |", "|---|" + "---|" * len(m["replay_ms"]),

@@ -82,8 +82,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kernels: str = "auto"  # "auto" | "triton" | "cpu" | "torch" (see orca_kernels.dispatch)
-    # CUDA: decode-only steps replay CUDA graphs captured at load (worker/cuda_graphs.py); True runs
-    # every step eagerly (vLLM's name). Graphs are CUDA and tp = pp = 1 only.
+    # CUDA: steps replay CUDA graphs captured at load, per batch size (decode-only steps) or token count
+    # (steps with prompt tokens; worker/cuda_graphs.py); True runs every step eagerly (vLLM's name).
+    # Graphs are CUDA and tp = pp = 1 only.
     enforce_eager: bool = False
     # Schedule step N+1 while step N runs (vLLM's name): a request's token from N reaches N+1 on the
     # device, and the host's work of a step overlaps the model's. tp = pp = 1, iteration-level only.

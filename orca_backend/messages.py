@@ -157,7 +157,7 @@ class EngineStats:
     waiting_lora_adapters: str = ""
     lora_loads: int = 0
     # Iterations by how their forward ran: "cuda_graph" (replayed), or why it ran eagerly (the reasons
-    # of worker/cuda_graphs.py: "mixed_step", "no_cuda_device", ...).
+    # of worker/cuda_graphs.py: "no_cuda_device", "tokens_above_buckets", ...).
     steps_by_path: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -41,7 +41,7 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_request_metrics_dropped_total": ("COUNTER", "Finished requests left out of the latency histograms: the "
                                            "metrics thread fell too far behind"),
     "orca_model_steps_total": ("COUNTER", "Engine iterations by how the forward ran: path cuda_graph (replayed), "
-                               "or the reason it ran eagerly (mixed_step, no_cuda_device, enforce_eager, ...)"),
+                               "or the reason it ran eagerly (no_cuda_device, enforce_eager, tokens_above_buckets, ...)"),
     # The vLLM backend's names for some of the same stats.
     "vllm:num_requests_running": ("GAUGE", "Number of requests currently running."),
     "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed."),

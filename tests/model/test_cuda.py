@@ -208,14 +208,19 @@ def test_cuda_graph_tokens_equal_eager(make_checkpoint) -> None:
     replays = []
     run = runner.decode_graphs.run
     runner.decode_graphs.run = lambda inputs, ahead=None: replays.append(inputs.num_requests) or run(inputs, ahead)
+    mixed_replays = []
+    run_mixed = runner.mixed_graphs.run
+    runner.mixed_graphs.run = lambda inputs, ahead=None: mixed_replays.append(inputs.num_tokens) or run_mixed(inputs, ahead)
     with_graphs = [o.output_ids for o in graphed.generate(prompts, params)]
     eager = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=16, enforce_eager=True)
     assert eager.engine.core.executor.runner.decode_graphs is None
     assert with_graphs == [o.output_ids for o in eager.generate(prompts, params)]
     assert {runner.decode_graphs.bucket(n) for n in replays} == {1, 2, 4, 8, 16}
-    # Every decode step replayed its graph; the others ran prompt tokens; the eager engine says why.
+    # Every step replayed a graph: decode steps theirs, steps with prompt tokens the mixed ones; the
+    # eager engine says why it has none.
     steps = graphed.engine.stats().steps_by_path
-    assert set(steps) == {"cuda_graph", "mixed_step"} and steps["cuda_graph"] == len(replays)
+    assert set(steps) == {"cuda_graph"} and steps["cuda_graph"] == len(replays) + len(mixed_replays)
+    assert mixed_replays
     assert set(eager.engine.stats().steps_by_path) == {"enforce_eager"}
 
 
