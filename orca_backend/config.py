@@ -53,6 +53,11 @@ class EngineConfig:
     # the engine core process is killed and every request ends with an error; 0 turns it off. A Ray
     # worker pool (offline too) fails when a step's tokens take this long (executor/ray_executor.py).
     iteration_timeout_s: float = 60.0
+    # Health check of an idle engine (served engines; ENABLE_VLLM_HEALTH_CHECK sets it, as the vLLM
+    # backend's name): with nothing outstanding, the frontend pings the core's loop this often, and an
+    # unanswered ping counts as a hung iteration (iteration_timeout_s), so a wedged engine turns the model
+    # unready before any request finds it. 0: off (a request finds it, after iteration_timeout_s).
+    health_check_interval_s: float = 0.0
     # Failure budget: this many failed iterations in a row end the engine (a sticky device error
     # fails every batch); 0 never does.
     max_consecutive_failed_iterations: int = 10
@@ -124,6 +129,8 @@ class EngineConfig:
                              f"got {self.block_size!r}")  # fmt: skip
         if int(self.max_num_batched_tokens) < 0:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
+        if float(self.health_check_interval_s) < 0:
+            raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
         if float(self.iteration_timeout_s) < 0:
             raise ValueError(f"iteration_timeout_s must be > 0, or 0 to turn the watchdog off, got {self.iteration_timeout_s!r}")
         if float(self.structured_output_compile_timeout_s) < 0:

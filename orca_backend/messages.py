@@ -198,6 +198,7 @@ def abort_message(request_id: str, reason: FinishReason) -> bytes:
 
 
 STOP_MESSAGE = dumps(("stop",))
+PING_MESSAGE = dumps(("ping",))  # an idle engine's health check: the core's loop answers with a frame
 # From an attached frontend (core/frontends.py): it is going; and to one: the frontend that started
 # the core stopped it.
 DETACH_MESSAGE = dumps(("detach",))

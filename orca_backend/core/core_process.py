@@ -116,6 +116,8 @@ def _read_inputs(conn: Connection, core: EngineCore, frontends: Frontends, index
                 core.add_requests(message[1])
         elif kind == "abort":
             core.abort(message[1], message[2])
+        elif kind == "ping":
+            core.ping()
         elif index == OWNER and kind in ("stop", "gone"):  # the starting frontend's end: nobody is left to serve
             core.stop()
             return

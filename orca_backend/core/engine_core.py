@@ -74,6 +74,7 @@ class EngineCore:
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
         self._inbox_lock = threading.Lock()
         self._stopping = False
+        self._pinged = False  # a health check asked for a frame (ping())
         self.dead_reason: str | None = None
         self.num_iterations = 0
         self.last_iteration_seconds = 0.0
@@ -95,6 +96,11 @@ class EngineCore:
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Ends the request with `reason` and frees its K/V; unknown or finished ids are ignored."""
         self._inbox.put(("abort", request_id, FinishReason(reason)))
+
+    def ping(self) -> None:
+        """Asks the loop for a frame (an idle engine's health check): the loop answers from its own
+        thread, so an answer shows the loop is not wedged, not only that a reader thread runs."""
+        self._inbox.put(("ping",))
 
     def stop(self) -> None:
         self._stopping = True
@@ -257,7 +263,8 @@ class EngineCore:
                     outputs += self.step()
                 # Every iteration is reported, outputs or not (a prompt chunk has none): the
                 # frontend's watchdog takes silence while requests are outstanding as a hang.
-                if outputs or self.num_iterations != iterations or (idle and compiling):
+                if outputs or self.num_iterations != iterations or (idle and compiling) or self._pinged:
+                    self._pinged = False
                     emit(outputs)
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must reach every waiting client
             logger.exception("engine loop died")
@@ -284,6 +291,8 @@ class EngineCore:
                     outputs += self.scheduler.add(request)
             elif kind == "abort":
                 outputs += self.scheduler.finish(item[1], item[2])
+            elif kind == "ping":
+                self._pinged = True
             elif kind == "stop":
                 return outputs
             # "wake": a grammar compiled; step() takes it in

@@ -12,8 +12,10 @@ was killed), reaches the frontend as `on_dead(reason)` once, after the last outp
 The watchdog ("orca-watchdog") covers what no exception reports: a hang. The core sends a frame for
 every iteration to every frontend, so while requests are outstanding, silence for
 `iteration_timeout_s` means an iteration is stuck (a stopped or deadlocked worker, a forward that
-never returns). The watchdog then kills the core process, whose workers follow their master, and
-the death path above ends every request, on every frontend.
+never returns). With `health_check_interval_s`, an idle core is pinged that often and its loop must
+answer within the same timeout, so a wedged engine is found before a request finds it. The watchdog
+then kills the core process, whose workers follow their master, and the death path above ends every
+request, on every frontend.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING
 from orca_backend.config import EngineConfig
 from orca_backend.messages import (
     DETACH_MESSAGE,
+    PING_MESSAGE,
     STOP_MESSAGE,
     CoreAddress,
     CoreOutputs,
@@ -81,8 +84,10 @@ class _CoreLink:
         self._send_lock = threading.Lock()  # adds, aborts and stop come from several threads
         # The watchdog's view: requests sent and not finished, and when the core last showed progress.
         self._iteration_timeout_s = float(config.iteration_timeout_s)
+        self._health_check_s = float(config.health_check_interval_s)
         self._outstanding = 0
         self._progress_at = time.monotonic()
+        self._ping_at: float | None = None  # an idle core's health check was sent then, unanswered so far
         self._hang_reason: str | None = None
         self._stats = EngineStats(0, 0, 0, config.kv_capacity_tokens, 0, 0, 0.0, 0)
         self._conn: Connection
@@ -159,6 +164,7 @@ class _CoreLink:
             finished = outputs.num_finished
             with self._send_lock:
                 self._progress_at = time.monotonic()
+                self._ping_at = None
                 self._outstanding -= finished
             if dead_reason is not None:
                 # Marked dead before its failed requests are reported, so their errors say the engine is gone.
@@ -182,14 +188,27 @@ class _CoreLink:
 
     # ---------------------------------------------------------------- watchdog thread
     def _watchdog(self) -> None:
-        period = min(1.0, self._iteration_timeout_s / 4)
+        period = min(1.0, self._iteration_timeout_s / 4, self._health_check_s / 2 or 1.0)
         while not self._closing and self.dead_reason is None:
             time.sleep(period)
+            now = time.monotonic()
             with self._send_lock:
-                stalled = time.monotonic() - self._progress_at if self._outstanding > 0 else 0.0
+                if self._outstanding > 0:
+                    stalled, waiting = now - self._progress_at, f"with {self._outstanding} requests outstanding"
+                elif self._ping_at is not None:
+                    stalled, waiting = now - self._ping_at, "to an idle engine's health check"
+                else:
+                    stalled, waiting = 0.0, ""
+                ping = (self._health_check_s > 0 and self._outstanding == 0 and self._ping_at is None
+                        and now - self._progress_at >= self._health_check_s)  # fmt: skip
+                if ping:
+                    self._ping_at = now
+            if ping:
+                with contextlib.suppress(EngineDeadError):  # the output thread reports a death
+                    self._send(PING_MESSAGE)
             if stalled > self._iteration_timeout_s and not self._closing and self.dead_reason is None:
                 self._hang_reason = (
-                    f"no engine iteration finished in {stalled:.0f} s with {self._outstanding} requests outstanding "
+                    f"no engine iteration finished in {stalled:.0f} s {waiting} "
                     f"(iteration_timeout_s={self._iteration_timeout_s:g}): a worker or the forward is hung; the "
                     f"engine core process (pid {self.pid}) was killed"
                 )

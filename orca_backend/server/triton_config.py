@@ -28,7 +28,10 @@ from typing import Any
 
 from orca_backend.config import EngineConfig, parameter_values
 
-MODEL_JSON = "model.json"  # the vLLM backend's file of engine arguments, in the model version's directory
+MODEL_JSON = "model.json"
+# ENABLE_VLLM_HEALTH_CHECK (the vLLM backend checks its engine at each request): an idle engine is
+# pinged this often unless health_check_interval_s says otherwise (config.py).
+HEALTH_CHECK_INTERVAL_S = 5.0  # the vLLM backend's file of engine arguments, in the model version's directory
 
 # The contract's tensors (README, "The request/response contract"): Triton's vLLM backend's, with
 # input_ids, max_tokens, output_ids and return_perf_metrics's outputs added.
@@ -205,7 +208,10 @@ def engine_config(triton_config: Mapping[str, Any], model_json: Mapping[str, Any
     the fields the adapter owns (`forced`)."""
     parameters = triton_config.get("parameters", {}) or {}
     check_parameters(parameters, adapter_parameters)
-    config = EngineConfig.from_parameters({**vllm_parameters(model_json), **parameter_values(parameters)})
+    values = parameter_values(parameters)
+    config = EngineConfig.from_parameters({**vllm_parameters(model_json), **values})
+    if values.get("ENABLE_VLLM_HEALTH_CHECK", "").lower() == "true" and not config.health_check_interval_s:
+        forced = {"health_check_interval_s": HEALTH_CHECK_INTERVAL_S, **forced}
     return dataclasses.replace(config, **forced)
 
 

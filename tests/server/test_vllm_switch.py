@@ -7,7 +7,9 @@ the load saying so (server/triton_config.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,9 @@ httpclient = pytest.importorskip("tritonclient.http", reason="needs the serve ex
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from serving_utils import StreamSession  # noqa: E402
+from serving_utils import StreamSession, wait_until  # noqa: E402
+
+from orca_client.served_path import process_tree, stub_model  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +84,11 @@ def server(checkpoint, tmp_path_factory):
     write_model(repository, "vllm_baseline", "orca_baseline", engine_args)
     write_model(repository, "bad_argument", "orca", {**engine_args, "swap_spaec": 4})
     write_model(repository, "hub_name", "orca", {"model": "facebook/opt-125m-not-cached"})
+    write_model(repository, "health_checked", "orca", {"model": base, "kv_cache_memory_bytes": 2**20})
+    with (repository / "health_checked" / "config.pbtxt").open("a") as config:
+        for key, value in (("ENABLE_VLLM_HEALTH_CHECK", "true"), ("health_check_interval_s", "0.5"),
+                           ("iteration_timeout_s", "3")):  # fmt: skip
+            config.write(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
     # The backends as a user installs them: the installer, into the server's backends directory.
     binary = prepare_pytriton_binary(run_dir)
     shutil.rmtree(binary.backend_directory / "orca", ignore_errors=True)
@@ -145,4 +154,23 @@ def test_a_model_json_this_engine_cannot_honour_fails_the_load_saying_why(server
     finally:
         client.close()
     assert message in str(failure.value)  # the client that asked is told why
+    assert server.model_ready_status("vllm_model") == 200  # the others serve on
+
+
+def test_a_wedged_idle_engine_makes_the_model_unready_with_the_health_check_on(server):
+    """ENABLE_VLLM_HEALTH_CHECK (the vLLM backend's switch): an engine that stops answering, with no
+    request anywhere, turns its model unready and says why in the log."""
+    shutil.copytree(server.run_dir / "source" / "health_checked", server.run_dir / "model_repository" / "health_checked")
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        client.load_model("health_checked", headers={"admin-key": ADMIN_KEY})
+    finally:
+        client.close()
+    assert server.model_ready_status("health_checked") == 200
+    tree = process_tree(server.process.pid)
+    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "health_checked"]
+    (core,) = [p.pid for p in tree if p.ppid == stub and "resource_tracker" not in " ".join(p.cmdline)]
+    os.kill(core, signal.SIGSTOP)  # alive, answering nothing
+    assert wait_until(lambda: server.model_ready_status("health_checked") != 200, timeout_s=60)
+    assert "to an idle engine's health check" in server.log_tail(200_000)
     assert server.model_ready_status("vllm_model") == 200  # the others serve on
