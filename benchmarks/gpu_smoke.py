@@ -25,11 +25,14 @@ yet. `make gpu-smoke` adds the package's install (~10-20 s) before them; the run
 |                  | same bytes                                                          |          |         |
 | triton_compile   | each Triton kernel's first call minus its warm call, on an empty    | 20-40 s  | 60 s    |
 |                  | Triton cache                                                        |          |         |
-| total            |                                                                     | 2.5-5 min| 380 s   |
+| served           | serving_cost.py on the host CPUs: 256 and 1,024 streams, 1, 4 and 8 | 40-70 s  | 90 s    |
+|                  | instances over one core (only where tritonserver's wheels are here) |          |         |
+| total            |                                                                     | 3-6 min  | 380 s   |
 
-Files in --out (five: a lent machine sends back eight at most): smoke.json (every stage's status,
+Files in --out (six: a lent machine sends back eight at most): smoke.json (every stage's status,
 seconds and result, rewritten as each stage reports), smoke.log (every stage's output as it prints),
-summary.md, and trace-<model>.json.gz (the graphs stage's chrome traces; open in Perfetto).
+summary.md, trace-<model>.json.gz (the graphs stage's chrome traces; open in Perfetto) and
+serving-cost.json (the served stage's raw figures).
 Exit status: 0 when every stage passed, 1 when one failed, timed out or was not run (summary.md
 says which), 2 without a CUDA device.
 
@@ -831,6 +834,45 @@ def render_triton_compile(r: dict[str, Any]) -> list[str]:
     return [*lines, ""] + [f"- error: {e}" for e in r["errors"]]
 
 
+# ------------------------------------------------------------------------------------------ served
+def run_served(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    """The serving path's CPU per streamed token (benchmarks/serving_cost.py: the constant-time
+    measurement device on a real tritonserver, 1 to 8 `orca` instances over one engine core) on this
+    machine's host CPUs, when tritonserver is here: the nvidia-pytriton and tritonclient wheels carried
+    and installed (`make gpu-smoke WHEELS=wheels`; see the Makefile's gpu-served)."""
+    import importlib.util
+
+    missing = [m for m in ("pytriton", "tritonclient") if importlib.util.find_spec(m) is None]
+    if missing and not shutil.which("tritonserver"):
+        return {"skipped": f"no tritonserver ({', '.join(missing)} not installed): carry the nvidia-pytriton and "
+                           "tritonclient wheels (make gpu-served says how)"}  # fmt: skip
+    # Its server logs stay out of --out (a lent machine sends back eight files at most): the JSON alone goes there.
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_smoke_served_"))
+    command = [sys.executable, str(BENCH_DIR / "serving_cost.py"), "--streams", ",".join(map(str, args.served_streams)),
+               "--instances", ",".join(map(str, args.served_instances)), "--tokens", "64", "--repeats", "1",
+               "--out", str(scratch / "serving-cost.json")]  # fmt: skip
+    try:
+        subprocess.run(command, check=True)
+    finally:
+        if (scratch / "serving-cost.json").is_file():
+            shutil.copy2(scratch / "serving-cost.json", Path(args.out) / "serving-cost.json")
+        shutil.rmtree(scratch, ignore_errors=True)
+    runs = json.loads((Path(args.out) / "serving-cost.json").read_text()).get("runs", [])
+    return {"command": " ".join(command[1:]), "runs": [
+        {"instances": r["instances"], "streams": r["streams"], "tokens_per_s": r["result"]["tokens_per_s"],
+         "stub_us_per_response": r["result"]["us_per_response"]["stubs"]} for r in runs]}  # fmt: skip
+
+
+def render_served(r: dict[str, Any]) -> list[str]:
+    if "skipped" in r:
+        return ["## Served (serving_cost.py)", "", f"Not run: {r['skipped']}.", ""]
+    lines = ["## Served (serving_cost.py, constant-time device, host CPUs)", "", f"`{r['command']}`", "",
+             "| instances | streams | tok/s | stub µs/response |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {x['instances']} | {x['streams']} | {x['tokens_per_s']:,.0f} | {x['stub_us_per_response']:.0f} |"
+              for x in r["runs"]]  # fmt: skip
+    return [*lines, ""]
+
+
 STAGES = [
     Stage("env", "versions, the device, nvidia-smi clocks and memory", 60, run_env, render_env),
     Stage("kernel_tests", "the kernel and engine tests never run compiled", 170, run_kernel_tests, render_kernel_tests),
@@ -840,6 +882,8 @@ STAGES = [
           render_decode_attention),
     Stage("triton_compile", "Triton compile seconds per kernel, empty cache", 60, run_triton_compile,
           render_triton_compile),
+    Stage("served", "the serving path's CPU per token, 1-8 instances (when tritonserver is here)", 90, run_served,
+          render_served),
 ]  # fmt: skip
 
 
@@ -848,10 +892,12 @@ STAGES = [
 DEFAULTS: dict[str, Any] = {
     "dtype": "bfloat16", "graph_models": ["gpt2-medium", "qwen2.5-0.5b"], "graph_max_seqs": 256, "replay_reps": 20,
     "attention_batches": [1, 64, 256], "attention_contexts": [1024, 8192], "attention_reps": 20,
+    "served_streams": [256, 1024], "served_instances": [1, 4, 8],
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "dtype": "float32", "graph_models": ["gpt2-tiny", "llama-tiny"], "graph_max_seqs": 8, "replay_reps": 3,
     "attention_batches": [1, 4], "attention_contexts": [64, 256], "attention_reps": 3,
+    "served_streams": [16], "served_instances": [2],
 }  # fmt: skip
 
 
@@ -878,6 +924,8 @@ def parse_args(argv: list[str], stages: list[Stage]) -> argparse.Namespace:
     p.add_argument("--attention-batches", type=int, nargs="+")
     p.add_argument("--attention-contexts", type=int, nargs="+")
     p.add_argument("--attention-reps", type=int)
+    p.add_argument("--served-streams", type=int, nargs="+", help="served stage: concurrent streams per burst")
+    p.add_argument("--served-instances", type=int, nargs="+", help="served stage: orca instance counts")
     p.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run this one stage in this process
     p.add_argument("--result", help=argparse.SUPPRESS)  # internal: where that stage writes its result
     args = p.parse_args(argv)

@@ -5,7 +5,7 @@ started, and the run goes on; a stage's partial result survives its failure or i
 reach --out as each stage ends, so a run killed mid-stage leaves the stages before it; the exit
 status is nonzero when a stage did not pass, and the summary lists every stage. Then every real
 stage end to end with `--device cpu --quick`: its figures are whatever this machine measures, so the
-tests check their structure, never their values or the clock (marked slow: five processes that import torch).
+tests check their structure, never their values or the clock (marked slow: six processes that import torch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.py"
-STAGES = ("env", "kernel_tests", "graphs", "decode_attention", "triton_compile")
+STAGES = ("env", "kernel_tests", "graphs", "decode_attention", "triton_compile", "served")
 
 # Stand-in stages. `hang` reports its own pid and a child's, then never ends; `fail` reports a partial
 # result, then raises; `kill_runner` kills the runner (a device command cut off at its limit).
@@ -151,7 +151,8 @@ def finite_positive(value) -> bool:
     )
 
 
-# Five stage processes, each importing torch and the engine: ~15-30 s on a busy 2-core machine.
+# Six stage processes, each importing torch and the engine, one starting a tritonserver: ~30-50 s on a
+# busy 2-core machine.
 QUICK_RUN = pytest.mark.slow
 
 
@@ -173,12 +174,12 @@ def result(quick_run, stage: str) -> dict:
 
 
 @QUICK_RUN
-def test_quick_run_passes_every_stage_into_five_files(quick_run):
+def test_quick_run_passes_every_stage_into_six_files(quick_run):
     run, summary, out = quick_run
     assert list(run["stages"]) == list(STAGES)
     # A lent GPU machine sends back eight files at most.
-    assert sorted(p.name for p in out.iterdir()) == ["smoke.json", "smoke.log", "summary.md", "trace-gpt2-tiny.json.gz",
-                                                     "trace-llama-tiny.json.gz"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["serving-cost.json", "smoke.json", "smoke.log", "summary.md",
+                                                     "trace-gpt2-tiny.json.gz", "trace-llama-tiny.json.gz"]  # fmt: skip
     assert "**Not a GPU run**" in summary and "Not passed" not in summary
     for stage in STAGES:
         assert f"| {stage} | passed |" in summary
@@ -246,3 +247,12 @@ def test_triton_compile_covers_every_kernel(quick_run):
     for k in compiled["kernels"].values():
         assert finite_positive(k["first_s"]) and finite_positive(k["warm_s"])
         assert math.isclose(k["compile_s"], k["first_s"] - k["warm_s"])
+
+
+@QUICK_RUN
+def test_served_stage_measures_two_instances_over_one_core(quick_run):
+    served = result(quick_run, "served")
+    (run,) = served["runs"]
+    assert (run["instances"], run["streams"]) == (2, 16)
+    assert run["tokens_per_s"] > 0 and run["stub_us_per_response"] > 0
+    assert "--instances 2" in served["command"]
