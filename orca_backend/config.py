@@ -23,6 +23,41 @@ from orca_backend.families import PRESETS, AnyModelConfig, config_from_hf_dict, 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `kv_events_config` (its names and defaults): where the prefix cache's K/V events go
+    (core/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq", or "null": none
+    endpoint: str = "tcp://*:5557"  # bound when it has a wildcard (or is ipc/inproc), else connected to
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches on request
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("kv_events_config must be a JSON object of vLLM's KVEventsConfig fields")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        config = cls(**values)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {config.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {getattr(config, name)!r}")
+        return config
+
+
 @dataclass
 class EngineConfig:
     model: str = "gpt2-tiny"  # local HF checkpoint directory, or a preset name from PRESETS
@@ -43,6 +78,9 @@ class EngineConfig:
     kv_policy: str = "paged"
     block_size: int = 16  # K/V slots per block
     enable_prefix_caching: bool = False  # share the K/V of full blocks of equal prefixes
+    # vLLM's kv_events_config (JSON, `KVEventsConfig`): publish what the prefix cache stores and evicts
+    # for KV-aware routers (core/kv_events.py). "": none.
+    kv_events_config: str = ""
     max_num_batched_tokens: int = 0  # tokens per iteration, long prompts chunked to fit; 0: no limit
     kv_watermark: float = 0.01  # paged: share of blocks admission leaves free for running requests
     # Admission control: requests accepted but not started (no token yet) beyond these are refused
@@ -129,6 +167,10 @@ class EngineConfig:
                              f"got {self.block_size!r}")  # fmt: skip
         if int(self.max_num_batched_tokens) < 0:
             raise ValueError(f"max_num_batched_tokens must be >= 1, or 0 for no limit, got {self.max_num_batched_tokens!r}")
+        events = self.kv_events()
+        if events is not None and events.enable_kv_cache_events and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config enables K/V cache events, which describe the prefix cache: set "
+                             "enable_prefix_caching too")  # fmt: skip
         if float(self.health_check_interval_s) < 0:
             raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
         if float(self.iteration_timeout_s) < 0:
@@ -199,6 +241,10 @@ class EngineConfig:
                 f"model {self.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
             )
         return model_config_from_hf(config_path)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """kv_events_config, parsed (None when unset)."""
+        return KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
 
     def with_kv_capacity(self, model_config: AnyModelConfig) -> EngineConfig:
         """This config with kv_capacity_tokens derived from kv_cache_memory_bytes, where that is set: the

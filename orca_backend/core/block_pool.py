@@ -16,6 +16,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orca_backend.core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from orca_backend.lora import LoRARequest
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, or the root for the first; token ids)
 
@@ -38,12 +44,25 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, record_events: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in the order they are handed out: least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockKey, int] = {}
+        # What the cache stored and evicted since the last `take_events` (K/V events for routers:
+        # core/kv_events.py); None when nobody publishes them.
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (none when not recording)."""
+        events, self._events = self._events or [], [] if self._events is not None else None
+        return events
+
+    def cached_hashes(self) -> set[int]:
+        """The hashes of every cached block (what a subscriber rebuilds from the events)."""
+        return {hash(key) for key in self._cached}
 
     @property
     def num_free(self) -> int:
@@ -68,6 +87,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.key is not None:
                 del self._cached[block.key]
+                if self._events is not None:
+                    self._events.append(BlockRemoved([hash(block.key)], MEDIUM_GPU))
                 block.key = None
             block.ref_count = 1
             ids.append(block_id)
@@ -91,10 +112,16 @@ class BlockPool:
             elif block.ref_count < 0:
                 raise RuntimeError(f"K/V block {block_id} released more often than held")
 
-    def cache(self, block_id: int, key: BlockKey) -> None:
-        """Marks a full, computed block as caching `key`. If another block already caches the same
-        tokens (two requests computed one prefix at once), that one stays the cached copy."""
+    def cache(self, block_id: int, key: BlockKey, first: bool = False, lora: LoRARequest | None = None) -> None:
+        """Marks a full, computed block as caching `key` (`first`: the first block of its request, whose
+        key's parent part is the root, not a block; `lora`: the adapter it was computed with). If another
+        block already caches the same tokens (two requests computed one prefix at once), that one
+        stays the cached copy."""
         block = self.blocks[block_id]
         if block.key is None and key not in self._cached:
             block.key = key
             self._cached[key] = block_id
+            if self._events is not None:
+                self._events.append(BlockStored(
+                    [hash(key)], None if first else key[0], list(key[1]), self.block_size,
+                    lora.lora_id if lora is not None else None, MEDIUM_GPU, lora.name if lora is not None else None))  # fmt: skip

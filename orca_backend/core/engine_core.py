@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from orca_backend.config import EngineConfig
 from orca_backend.core.iteration_log import IterationLog
 from orca_backend.core.kv_cache_manager import make_kv_manager
+from orca_backend.core.kv_events import make_publisher
 from orca_backend.core.request import Request
 from orca_backend.core.scheduler import ScheduledBatch, Scheduler
 from orca_backend.core.structured_output import StructuredOutputManager
@@ -53,6 +54,7 @@ class EngineCore:
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
         self.kv = make_kv_manager(config, model_config.kv_window)
+        self.kv_events = make_publisher(config.kv_events())  # the prefix cache's events for routers, or None
         self._inbox: queue.Queue[tuple] = queue.Queue()
         # Structured output: grammars compile on a thread of their own; a finished compile wakes the loop
         # (idle while requests only wait for their grammars) through the inbox. Nothing is built or
@@ -153,11 +155,20 @@ class EngineCore:
         return outputs
 
     def step(self) -> CoreOutputs:
-        """One iteration: take in new requests and aborts, schedule, run the model, update.
+        """One iteration: take in new requests and aborts, schedule, run the model, update; then the
+        K/V events the iteration made go out as one batch.
 
         With pipeline parallelism it first fills the pipeline (up to one batch per stage, each of
         requests not already in flight), then waits for the oldest batch only.
         """
+        outputs = self._step()
+        if self.kv_events is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
+        return outputs
+
+    def _step(self) -> CoreOutputs:
         outputs = self._drain_inbox(block=False)
         if self.dead_reason is not None:
             return outputs
@@ -307,6 +318,8 @@ class EngineCore:
         outputs += self.scheduler.fail_all(reason)
         self.structured.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         if self.iteration_log is not None:
             self.iteration_log.close()
         return outputs

@@ -32,11 +32,13 @@ from orca_backend.core.request import Request
 
 
 class KVCacheManager(ABC):
-    def __init__(self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                 record_events: bool = False) -> None:  # fmt: skip
+        """`record_events`: the pool records what its prefix cache stores and evicts (K/V events)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(capacity_tokens // block_size)
+        self.pool = BlockPool(capacity_tokens // block_size, block_size, record_events)
         self.enable_prefix_caching = enable_prefix_caching
         # Prefix-cache counters, in tokens: what admissions looked up, and what they found.
         self.prefix_queried_tokens = 0
@@ -123,7 +125,7 @@ class KVCacheManager(ABC):
             return
         keys = self._block_keys(request, num_full)
         for index in range(max(request.num_registered_blocks, request.num_dropped_blocks), num_full):
-            self.pool.cache(request.block_table[index], keys[index])
+            self.pool.cache(request.block_table[index], keys[index], first=index == 0, lora=request.lora)
         request.num_registered_blocks = num_full
 
     def _prefix_hits(self, request: Request) -> list[int]:
@@ -161,9 +163,9 @@ class PagedKVManager(KVCacheManager):
 
     def __init__(
         self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False, watermark: float = 0.01,
-        sliding_window: int = 0,
+        sliding_window: int = 0, record_events: bool = False,
     ) -> None:  # fmt: skip
-        super().__init__(capacity_tokens, block_size, enable_prefix_caching)
+        super().__init__(capacity_tokens, block_size, enable_prefix_caching, record_events)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if sliding_window < 0:
@@ -201,10 +203,11 @@ class PagedKVManager(KVCacheManager):
 def make_kv_manager(config: EngineConfig, kv_window: int = 0) -> KVCacheManager:
     """The K/V manager `config.kv_policy` names, over `config.kv_capacity_tokens` slots. `kv_window`:
     the model's window on every layer (0: none), whose out-of-window blocks the paged policy frees."""
+    events = config.kv_events()
+    record = events is not None and events.enable_kv_cache_events
     if config.kv_policy == "reserve":
-        return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching)
+        return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, record)
     if config.kv_policy == "paged":
-        return PagedKVManager(
-            config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, config.kv_watermark, kv_window
-        )
+        return PagedKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching,
+                              config.kv_watermark, kv_window, record)  # fmt: skip
     raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {config.kv_policy!r}")

@@ -155,6 +155,7 @@ VLLM_ARGS: dict[str, Callable[[Any], dict[str, str]]] = {
     "enable_chunked_prefill": _chunked_prefill,
     "distributed_executor_backend": _executor,
     "disable_log_stats": lambda value: {},  # read by report_custom_metrics
+    "kv_events_config": lambda value: {"kv_events_config": value if isinstance(value, str) else json.dumps(value)},
 }  # fmt: skip
 # Accepted and ignored: each changes nothing this engine does (the reason says why).
 IGNORED_VLLM_ARGS = {

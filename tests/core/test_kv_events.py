@@ -1,0 +1,193 @@
+"""K/V events for KV-aware routers (core/kv_events.py): the prefix cache's stores and evictions,
+published on ZMQ as vLLM's event stream. A subscriber that knows only the events rebuilds the cache's
+contents exactly, after joins, ends, preemptions and evictions; the wire format is checked by a
+decoder written from vLLM's msgspec definitions (vllm/distributed/kv_events.py @ 0181ea31)."""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from serving_utils import wait_until
+
+from orca_backend.config import EngineConfig, KVEventsConfig
+from orca_backend.core.block_pool import BlockPool, block_key, lora_root
+from orca_backend.core.kv_events import encode_batch
+from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.lora import LoRARequest
+from orca_backend.sampling_params import SamplingParams
+
+zmq = pytest.importorskip("zmq")
+
+# vLLM's structs as msgspec encodes them (tag field "type", fields in declaration order, fields with a
+# default omitted when they hold it): (required fields, optional fields with their defaults).
+SCHEMA = {
+    "BlockStored": (("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+                    ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")),
+    "BlockRemoved": (("block_hashes", "medium"), ("group_idx",)),
+    "AllBlocksCleared": ((), ()),
+}  # fmt: skip
+
+
+def is_hash(value: Any) -> bool:  # ExternalBlockHash: bytes | int
+    return isinstance(value, bytes | int) and not isinstance(value, bool)
+
+
+def decode(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
+    """A KVEventBatch as vLLM's msgspec decoder would take it, or an AssertionError saying why not."""
+    batch = msgpack.unpackb(payload)
+    assert isinstance(batch, dict) and set(batch) <= {"ts", "events", "data_parallel_rank"}, batch
+    assert isinstance(batch["ts"], float) and isinstance(batch["events"], list)
+    for event in batch["events"]:
+        assert isinstance(event, dict) and event.get("type") in SCHEMA, event
+        required, optional = SCHEMA[event["type"]]
+        assert list(event)[0] == "type" and list(event)[1 : 1 + len(required)] == list(required), event
+        assert set(event) - {"type"} <= set(required) | set(optional), event
+        if event["type"] == "BlockStored":
+            assert all(map(is_hash, event["block_hashes"])) and event["block_hashes"]
+            assert event["parent_block_hash"] is None or is_hash(event["parent_block_hash"])
+            assert all(isinstance(t, int) for t in event["token_ids"])
+            assert len(event["token_ids"]) == event["block_size"] * len(event["block_hashes"])
+            assert event["lora_id"] is None or isinstance(event["lora_id"], int)
+            assert event["medium"] in (None, "GPU", "CPU") and (event["lora_name"] is None or isinstance(event["lora_name"], str))
+        elif event["type"] == "BlockRemoved":
+            assert all(map(is_hash, event["block_hashes"])) and event["medium"] in (None, "GPU", "CPU")
+    rank = batch.get("data_parallel_rank")
+    assert rank is None or isinstance(rank, int)
+    return batch["ts"], batch["events"], rank
+
+
+class Subscriber:
+    """A router's view: the cached block hashes and their token ids, from the events alone."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[Any, list[int]] = {}
+        self.next_sequence = 0
+
+    def apply(self, payload: bytes) -> None:
+        for event in decode(payload)[1]:
+            if event["type"] == "BlockStored":
+                size = event["block_size"]
+                for i, block_hash in enumerate(event["block_hashes"]):
+                    assert block_hash not in self.blocks, "stored twice without a removal"
+                    assert event["parent_block_hash"] is None or event["parent_block_hash"] in self.blocks or i > 0, \
+                        "a block whose parent the router never saw stored"
+                    self.blocks[block_hash] = event["token_ids"][i * size : (i + 1) * size]
+            elif event["type"] == "BlockRemoved":
+                for block_hash in event["block_hashes"]:
+                    assert block_hash in self.blocks, "removed a block never stored"
+                    del self.blocks[block_hash]
+            else:
+                self.blocks.clear()
+
+    def replay(self, socket: Any) -> None:
+        """Everything published since the last replay, from the publisher's replay socket."""
+        socket.send_multipart((b"", self.next_sequence.to_bytes(8, "big")))
+        while True:
+            _, sequence, payload = socket.recv_multipart()
+            number = int.from_bytes(sequence, "big", signed=True)
+            if number == -1:
+                return
+            assert number == self.next_sequence, "a gap or a repeat in the sequence"
+            self.apply(payload)
+            self.next_sequence += 1
+
+
+@pytest.fixture
+def endpoints():
+    directory = Path(tempfile.mkdtemp(prefix="orca-ev"))
+    yield f"ipc://{directory}/pub", f"ipc://{directory}/replay"
+
+
+def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_checkpoint, endpoints):
+    pub, replay = endpoints
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
+                         "topic": "kv"})  # fmt: skip
+    # A pool of 12 blocks of 4 for requests of up to 20 tokens: prefixes are cached, evicted to make room,
+    # and paged growth preempts.
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), kv_policy="paged", block_size=4,
+                                    kv_capacity_tokens=48, max_num_seqs=4, enable_prefix_caching=True,
+                                    kv_events_config=events))  # fmt: skip
+    context = zmq.Context.instance()
+    live = context.socket(zmq.SUB)
+    live.setsockopt(zmq.SUBSCRIBE, b"kv")
+    live.connect(pub)
+    asker = context.socket(zmq.DEALER)
+    asker.connect(replay)
+    router = Subscriber()
+    rng = random.Random(0)
+    shared = [[rng.randrange(1, 50) for _ in range(8)] for _ in range(3)]
+    try:
+        for round_ in range(4):
+            prompts = [rng.choice(shared) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))] for _ in range(6)]
+            streams = [engine.add_request(p, SamplingParams(max_tokens=rng.randrange(2, 8), temperature=0.0,
+                                                            ignore_eos=True)) for p in prompts]  # fmt: skip
+            while engine.has_work():
+                engine.step()
+            assert all(list(s)[-1].finished for s in streams)
+            pool = engine.core.kv.pool
+            expected = {hash(key): list(key[1]) for key in pool._cached}
+            assert wait_until(lambda want=expected: router.replay(asker) or router.blocks == want, timeout_s=60), (
+                round_, len(router.blocks), len(expected))
+        stats = engine.stats()
+        assert stats.num_preemptions > 0, "the workload was meant to preempt"
+        assert router.next_sequence > 4
+        # The live stream carries the same batches, framed (topic, 8-byte sequence, payload).
+        topic, sequence, payload = live.recv_multipart()
+        assert topic == b"kv" and len(sequence) == 8
+        decode(payload)
+    finally:
+        live.close(linger=0)
+        asker.close(linger=0)
+        engine.shutdown()
+
+
+def test_evictions_and_stores_are_recorded_in_order_with_parents_and_adapters():
+    pool = BlockPool(2, block_size=2, record_events=True)
+    lora = LoRARequest("A", 7, "/adapters/A")
+    first = block_key(None, (1, 2), lora_root(7))
+    second = block_key(first, (3, 4))
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], first, first=True, lora=lora)
+    pool.cache(blocks[1], second, lora=lora)
+    pool.cache(blocks[1], second, lora=lora)  # already cached: no second event
+    pool.release(blocks)
+    pool.allocate(1)  # evicts the least recently freed: the last block, released first
+    stored_first, stored_second, removed = pool.take_events()
+    assert (stored_first.parent_block_hash, stored_second.parent_block_hash) == (None, hash(first))
+    assert (stored_second.lora_id, stored_second.lora_name, stored_second.token_ids) == (7, "A", [3, 4])
+    assert removed.block_hashes == [hash(second)]
+    assert pool.take_events() == [] and pool.cached_hashes() == {hash(first)}
+    assert BlockPool(2).take_events() == []  # not recording: nothing kept
+
+
+def test_the_wire_format_follows_vllms_structs():
+    from orca_backend.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    payload = encode_batch(12.5, [BlockStored([11], None, [1, 2], 2, None, "GPU", None), BlockRemoved([11], "GPU"),
+                                  AllBlocksCleared()], 0)  # fmt: skip
+    ts, events, rank = decode(payload)
+    assert (ts, rank, [e["type"] for e in events]) == (12.5, 0, ["BlockStored", "BlockRemoved", "AllBlocksCleared"])
+    assert "data_parallel_rank" not in msgpack.unpackb(encode_batch(1.0, [], None))  # omitted at its default
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher must be 'zmq' or 'null'"),
+    ('{"enable_kv_events": true}', "unknown field(s) enable_kv_events"),
+    ('{"buffer_steps": 0}', "buffer_steps must be an integer >= 1"),
+    ("[1]", "a JSON object"),
+])  # fmt: skip
+def test_a_bad_kv_events_config_is_refused_naming_the_field(text, message):
+    with pytest.raises(ValueError, match="kv_events_config") as failure:
+        KVEventsConfig.from_json(text)
+    assert message in str(failure.value)
+
+
+def test_events_need_the_prefix_cache():
+    with pytest.raises(ValueError, match="set enable_prefix_caching"):
+        EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "publisher": "zmq"}')
