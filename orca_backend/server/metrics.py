@@ -6,15 +6,16 @@ model name and version so that `orca` and `baseline` sit side by side:
   backend (`vllm:*`, its src/utils/metrics.py), so dashboards built for it work unchanged, plus what
   it lacks: success by finish reason for every reason, and preemptions per request.
 
-Every setter or observation is an IPC round trip to the Triton process, so nothing is exported from
-the engine loop or the response thread: a finished request is queued (`request_finished`) and the
-metrics thread (`MetricsPoller`, every 0.2 s) exports the queue and the stats that changed.
+Every setter or observation is an IPC round trip to the Triton process. A finished request's
+observations (~15 of them) are exported by the thread that answers it, before its final response
+(`request_finished`), as vLLM's stat loggers record a request before its output goes out: a client
+that reads /metrics after its last response sees its request counted. The engine's stats are
+exported by the metrics thread (`MetricsPoller`, every 0.2 s), the values that changed only.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,6 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_generated_tokens_total": ("COUNTER", "Output tokens generated"),
     "orca_requests_finished_total": ("COUNTER", "Requests finished, by finish_reason (length, stop, cancelled, "
                                      "timeout, error, invalid)"),
-    "orca_request_metrics_dropped_total": ("COUNTER", "Finished requests left out of the latency histograms: the "
-                                           "metrics thread fell too far behind"),
     "orca_model_steps_total": ("COUNTER", "Engine iterations by how the forward ran: path cuda_graph (replayed), "
                                "or the reason it ran eagerly (no_cuda_device, enforce_eager, tokens_above_buckets, ...)"),
     # The vLLM backend's names for some of the same stats.
@@ -81,7 +80,6 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 PREEMPTION_BUCKETS = [0, 1, 2, 5, 10, 20, 50]
-MAX_QUEUED_ENDS = 100_000
 
 
 def one_two_five_buckets(limit: int) -> list[float]:
@@ -167,7 +165,7 @@ class EngineMetrics:
         self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {})} if engine_stats else {}
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
-            for name in (*self._stats, "orca_request_metrics_dropped_total")
+            for name in self._stats
         }
         self._token_buckets = one_two_five_buckets(max_context)
         # The per-request series, by the labels a request's end adds (its adapter with enable_lora):
@@ -181,11 +179,6 @@ class EngineMetrics:
         self._lora_info: tuple[Any, Any] | None = None  # (family, its one metric)
         self._lora_info_labels: tuple[str, str, int] | None = None
         self._steps_by_path: dict[str, _Exported] = {}  # orca_model_steps_total, a series per path seen
-        # Each request's end costs ~15 IPC calls to export: at a tiny model's thousands of requests a
-        # second the metrics thread falls behind, and the oldest ends beyond this many are dropped
-        # (counted in orca_request_metrics_dropped_total) rather than held without bound.
-        self._ended: deque[FinishedRequest] = deque(maxlen=MAX_QUEUED_ENDS)
-        self.dropped_ends = 0
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""
@@ -227,18 +220,10 @@ class EngineMetrics:
                 self._write(exported, 0.0)
 
     def request_finished(self, finished: FinishedRequest) -> None:
-        """Queues a request's end for the metrics thread (any thread; no IPC here)."""
-        if len(self._ended) == self._ended.maxlen:
-            self.dropped_ends += 1
-        self._ended.append(finished)
-
-    def export_finished(self, budget_s: float) -> None:
-        """Exports queued request ends, oldest first, for at most `budget_s` (metrics thread): their
-        counters and histogram observations."""
-        deadline = time.monotonic() + budget_s
-        while self._ended and time.monotonic() < deadline:
-            self._export(self._ended.popleft())
-        self._write(self._metrics["orca_request_metrics_dropped_total"], float(self.dropped_ends))
+        """Exports a request's end now (its counters and histogram observations): the caller sends the
+        request's final response after it. One thread per model instance calls it (the response
+        thread, or the baseline's execute())."""
+        self._export(finished)
 
     def _export(self, finished: FinishedRequest) -> None:
         extra = (("lora_name", finished.lora_name or ""),) if self._lora else ()
@@ -325,17 +310,8 @@ class NoMetrics:
 
 
 class MetricsPoller:
-    """Exports the queued request ends and engine.stats() every `interval_s` from its own thread
-    until stop().
-
-    Every changed value and every observation is an IPC round trip to tritonserver; 5 exports a
-    second are plenty for a scrape. Each tick spends at most EXPORT_BUDGET_S on request ends, and
-    stop() at most STOP_EXPORT_BUDGET_S: a model being unloaded must finish within Triton's exit
-    timeout, and what its metrics would still have said matters less.
-    """
-
-    EXPORT_BUDGET_S = 0.5
-    STOP_EXPORT_BUDGET_S = 1.0
+    """Exports engine.stats() every `interval_s` from its own thread until stop(): every changed value
+    is an IPC round trip to tritonserver, and 5 exports a second are plenty for a scrape."""
 
     def __init__(self, engine: Any, metrics: EngineMetrics, interval_s: float = 0.2) -> None:
         import threading
@@ -353,7 +329,6 @@ class MetricsPoller:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                self._metrics.export_finished(self.EXPORT_BUDGET_S)
                 if self._engine.healthy:
                     self._metrics.update(self._engine.stats())
                 else:
@@ -364,7 +339,6 @@ class MetricsPoller:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.EXPORT_BUDGET_S)
-        if not self._thread.is_alive():  # never two threads exporting at once
-            self._metrics.export_finished(self.STOP_EXPORT_BUDGET_S)
+            self._thread.join(timeout=2 * self._interval_s + 1.0)
+        if not self._thread.is_alive():  # never two threads writing the gauges at once
             self._metrics.zero_gauges()

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from orca_backend.messages import EngineStats, FinishReason, RequestMetrics
-from orca_backend.server import metrics as metrics_module
 from orca_backend.server.metrics import LORA_INFO, EngineMetrics, FinishedRequest, MetricsPoller
 
 
@@ -205,9 +204,7 @@ def test_request_ends_are_exported_by_reason_and_adapter():
     metrics = EngineMetrics(pb, "orca", max_context=100, lora=True)
     for end in (finished(FinishReason.LENGTH, "sql"), finished(FinishReason.LENGTH, "sql"),
                 finished(FinishReason.CANCELLED), finished(None, "sql", output_tokens=1)):  # fmt: skip
-        metrics.request_finished(end)
-    assert value(pb, "vllm:generation_tokens_total", lora_name="") == 0  # queued only: the metrics thread exports
-    metrics.export_finished(budget_s=60.0)
+        metrics.request_finished(end)  # exported at once: the final response goes out after it
     assert value(pb, "orca_requests_finished_total", lora_name="sql", reason="length") == 2
     assert value(pb, "orca_requests_finished_total", lora_name="sql", reason="unknown") == 1
     assert value(pb, "vllm:request_success_total", lora_name="", finished_reason="abort") == 1  # the contract's name
@@ -221,30 +218,6 @@ def test_request_ends_are_exported_by_reason_and_adapter():
     assert prompt_tokens.buckets == [1, 2, 5, 10, 20, 50, 100] and prompt_tokens.observed == [7]
     (_, preemptions), = live(pb, "orca_request_preemptions", lora_name="")
     assert preemptions.observed == [2]
-    assert value(pb, "orca_request_metrics_dropped_total") == 0
-
-
-def test_request_ends_wait_for_a_budget():
-    pb = fake_pb_utils()
-    metrics = EngineMetrics(pb, "orca")
-    metrics.request_finished(finished(FinishReason.STOP))
-    metrics.export_finished(budget_s=0.0)  # no time to spend: left queued, not lost
-    assert live(pb, "orca_requests_finished_total") == []
-    metrics.export_finished(budget_s=60.0)
-    assert value(pb, "orca_requests_finished_total", reason="stop") == 1
-
-
-def test_ends_beyond_the_queue_are_dropped_oldest_first_and_counted(monkeypatch):
-    monkeypatch.setattr(metrics_module, "MAX_QUEUED_ENDS", 3)
-    pb = fake_pb_utils()
-    metrics = EngineMetrics(pb, "orca")
-    for reason in (FinishReason.ERROR, FinishReason.TIMEOUT, FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH):
-        metrics.request_finished(finished(reason))
-    assert metrics.dropped_ends == 2
-    metrics.export_finished(budget_s=60.0)
-    exported = {labels["reason"]: s.value for labels, s in live(pb, "orca_requests_finished_total")}
-    assert exported == {"stop": 2, "length": 1}  # the error and the timeout, the oldest, were dropped
-    assert value(pb, "orca_request_metrics_dropped_total") == 2
 
 
 # --- MetricsPoller ----------------------------------------------------------------------------------
