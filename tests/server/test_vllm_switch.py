@@ -31,7 +31,7 @@ httpclient = pytest.importorskip("tritonclient.http", reason="needs the serve ex
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from serving_utils import StreamSession, wait_until  # noqa: E402
+from serving_utils import StreamSession, one_request, read_metrics, wait_until  # noqa: E402
 
 from orca_client.served_path import process_tree, stub_model  # noqa: E402
 
@@ -84,6 +84,9 @@ def server(checkpoint, tmp_path_factory):
     write_model(repository, "vllm_baseline", "orca_baseline", engine_args)
     write_model(repository, "bad_argument", "orca", {**engine_args, "swap_spaec": 4})
     write_model(repository, "hub_name", "orca", {"model": "facebook/opt-125m-not-cached"})
+    write_model(repository, "quiet", "orca", {"model": base, "kv_cache_memory_bytes": 2**20})
+    with (repository / "quiet" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "false" } }\n')
     write_model(repository, "health_checked", "orca", {"model": base, "kv_cache_memory_bytes": 2**20})
     with (repository / "health_checked" / "config.pbtxt").open("a") as config:
         for key, value in (("ENABLE_VLLM_HEALTH_CHECK", "true"), ("health_check_interval_s", "0.5"),
@@ -174,3 +177,21 @@ def test_a_wedged_idle_engine_makes_the_model_unready_with_the_health_check_on(s
     assert wait_until(lambda: server.model_ready_status("health_checked") != 200, timeout_s=60)
     assert "to an idle engine's health check" in server.log_tail(200_000)
     assert server.model_ready_status("vllm_model") == 200  # the others serve on
+
+
+def test_report_custom_metrics_false_exports_no_series_for_the_model(server):
+    """The vLLM backend's switch: with REPORT_CUSTOM_METRICS false the model exports nothing of its own,
+    while a model with metrics on counts its requests."""
+    shutil.copytree(server.run_dir / "source" / "quiet", server.run_dir / "model_repository" / "quiet")
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        client.load_model("quiet", headers={"admin-key": ADMIN_KEY})
+    finally:
+        client.close()
+    for model in ("quiet", "vllm_model"):
+        assert one_request(server.grpc_url, model, input_ids=[5, 6], max_tokens=3, stream=True).error is None
+    labelled = {(name, model) for (name, labels), _ in read_metrics(server).items() for key, model in labels
+                if key == "model"}  # fmt: skip
+    ours = {name for name, model in labelled if model == "quiet" and name.startswith(("vllm:", "orca_"))}
+    assert not ours  # Triton's own nv_* series stay, as for any model
+    assert ("vllm:generation_tokens_total", "vllm_model") in labelled
