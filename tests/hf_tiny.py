@@ -64,3 +64,23 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def write_tiny_with_tokenizer(path: Path, tokenizer_seed: int, seed: int = 0) -> torch.nn.Module:
+    """A Qwen2-style checkpoint with a byte-level BPE tokenizer of its own (384 ids, EOS its end of
+    text), for tests that send text: transformers' model, weights drawn after seeding torch with `seed`."""
+    import transformers
+
+    from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
+
+    tokenizer = train_byte_level_bpe(384, seed=tokenizer_seed)
+    config = transformers.Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN), bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return model

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from hf_tiny import write_lora
+from hf_tiny import write_lora, write_tiny_with_tokenizer
 
 from orca_backend.entrypoints.llm import LLM
-from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
 from orca_backend.sampling_params import SamplingParams
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
@@ -32,17 +30,8 @@ N = 12
 def adapters(tmp_path_factory):
     """A Qwen2-style checkpoint with its own tokenizer, and adapters A, B (and C, added at run time)."""
     root = tmp_path_factory.mktemp("lora")
-    tokenizer = train_byte_level_bpe(384, seed=2)
     base_path = root / "base"
-    config = transformers.Qwen2Config(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
-        eos_token_id=tokenizer.token_to_id(EOS_TOKEN), bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = transformers.Qwen2ForCausalLM(config).eval()
-    base.save_pretrained(base_path)
-    tokenizer.save(str(base_path / "tokenizer.json"))
+    base = write_tiny_with_tokenizer(base_path, tokenizer_seed=2)
     write_lora(base, root / "A", 1, 8, ["q_proj", "v_proj", "down_proj"])
     write_lora(base, root / "B", 2, 4, ["o_proj", "gate_proj"])
     write_lora(base, root / "C", 3, 8, ["k_proj", "up_proj"])

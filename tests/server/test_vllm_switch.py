@@ -13,8 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
-from hf_tiny import write_lora
+from hf_tiny import write_lora, write_tiny_with_tokenizer
 
 from orca_backend.entrypoints.llm import LLM
 from orca_backend.entrypoints.serve import (
@@ -23,7 +22,6 @@ from orca_backend.entrypoints.serve import (
     install_backend_main,
     prepare_pytriton_binary,
 )
-from orca_backend.model.checkpoint import EOS_TOKEN, train_byte_level_bpe
 from orca_backend.sampling_params import SamplingParams
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
@@ -47,16 +45,7 @@ SAMPLE_INSTANCES = "instance_group [\n  {\n    count: 1\n    kind: KIND_MODEL\n 
 def checkpoint(tmp_path_factory):
     """A Qwen2-style checkpoint with a trained tokenizer, and a LoRA adapter."""
     root = tmp_path_factory.mktemp("switch-ckpt")
-    tokenizer = train_byte_level_bpe(384, seed=5)
-    config = transformers.Qwen2Config(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
-        eos_token_id=tokenizer.token_to_id(EOS_TOKEN), bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = transformers.Qwen2ForCausalLM(config).eval()
-    base.save_pretrained(root / "base")
-    tokenizer.save(str(root / "base" / "tokenizer.json"))
+    base = write_tiny_with_tokenizer(root / "base", tokenizer_seed=5)
     write_lora(base, root / "A", 1, 8, ["q_proj", "v_proj"])
     return root
 
@@ -108,6 +97,17 @@ def server(checkpoint, tmp_path_factory):
         print(server.log_tail(20000))
 
 
+def load(server, model: str) -> None:
+    """Loads a model written beside the served ones (orca-serve rendered only those it started with)
+    through the repository API; raises what the load failed with."""
+    shutil.copytree(server.run_dir / "source" / model, server.run_dir / "model_repository" / model)
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        client.load_model(model, headers={"admin-key": ADMIN_KEY})
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     llm = LLM(str(checkpoint / "base"), enable_lora=True, max_lora_rank=8, lora_modules={"A": str(checkpoint / "A")})
@@ -148,14 +148,8 @@ def test_auto_complete_gave_each_model_its_contract(server):
     ("hub_name", "'facebook/opt-125m-not-cached' is neither a local directory nor in the Hugging Face cache"),
 ])  # fmt: skip
 def test_a_model_json_this_engine_cannot_honour_fails_the_load_saying_why(server, model, message):
-    # Into the repository the server serves (orca-serve rendered the models it started with).
-    shutil.copytree(server.run_dir / "source" / model, server.run_dir / "model_repository" / model)
-    client = httpclient.InferenceServerClient(server.http_url)
-    try:
-        with pytest.raises(Exception, match=f"load failed for model '{model}'") as failure:
-            client.load_model(model, headers={"admin-key": ADMIN_KEY})
-    finally:
-        client.close()
+    with pytest.raises(Exception, match=f"load failed for model '{model}'") as failure:
+        load(server, model)
     assert message in str(failure.value)  # the client that asked is told why
     assert server.model_ready_status("vllm_model") == 200  # the others serve on
 
@@ -163,12 +157,7 @@ def test_a_model_json_this_engine_cannot_honour_fails_the_load_saying_why(server
 def test_a_wedged_idle_engine_makes_the_model_unready_with_the_health_check_on(server):
     """ENABLE_VLLM_HEALTH_CHECK (the vLLM backend's switch): an engine that stops answering, with no
     request anywhere, turns its model unready and says why in the log."""
-    shutil.copytree(server.run_dir / "source" / "health_checked", server.run_dir / "model_repository" / "health_checked")
-    client = httpclient.InferenceServerClient(server.http_url)
-    try:
-        client.load_model("health_checked", headers={"admin-key": ADMIN_KEY})
-    finally:
-        client.close()
+    load(server, "health_checked")
     assert server.model_ready_status("health_checked") == 200
     tree = process_tree(server.process.pid)
     (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "health_checked"]
@@ -182,12 +171,7 @@ def test_a_wedged_idle_engine_makes_the_model_unready_with_the_health_check_on(s
 def test_report_custom_metrics_false_exports_no_series_for_the_model(server):
     """The vLLM backend's switch: with REPORT_CUSTOM_METRICS false the model exports nothing of its own,
     while a model with metrics on counts its requests."""
-    shutil.copytree(server.run_dir / "source" / "quiet", server.run_dir / "model_repository" / "quiet")
-    client = httpclient.InferenceServerClient(server.http_url)
-    try:
-        client.load_model("quiet", headers={"admin-key": ADMIN_KEY})
-    finally:
-        client.close()
+    load(server, "quiet")
     for model in ("quiet", "vllm_model"):
         assert one_request(server.grpc_url, model, input_ids=[5, 6], max_tokens=3, stream=True).error is None
     labelled = {(name, model) for (name, labels), _ in read_metrics(server).items() for key, model in labels
