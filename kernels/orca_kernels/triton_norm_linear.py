@@ -107,9 +107,8 @@ def _norm_linear_kernel(
         mask = row_mask[:, None] & (cols < hidden)[None, :]
         s = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, cols, mask, hidden, stride_x, stride_res, sum_ty, HAS_X_BIAS,
                          HAS_RESIDUAL)  # fmt: skip
-        if STORE_SUM:
-            if col_block == 0:
-                tl.store(sum_ptr + rows[:, None] * stride_sum + cols[None, :], s.to(sum_ty), mask=mask)
+        if STORE_SUM and col_block == 0:
+            tl.store(sum_ptr + rows[:, None] * stride_sum + cols[None, :], s.to(sum_ty), mask=mask)
         total += tl.sum(s if LAYERNORM else s * s, axis=1)  # masked columns are 0
     if LAYERNORM:
         mean = total / hidden
@@ -168,10 +167,7 @@ def _norm_linear_kernel(
     else:  # act(gate) * up of the rounded gate/up GEMM output, one rounding at the store
         gate = acc.to(out_ty).to(tl.float32)
         up = acc_up.to(out_ty).to(tl.float32)
-        if ACTIVATION == 2:
-            y = gate * _sigmoid(gate) * up
-        else:
-            y = _gelu_tanh(gate) * up
+        y = (gate * _sigmoid(gate) if ACTIVATION == 2 else _gelu_tanh(gate)) * up
     out_mask = row_mask[:, None] & n_mask[None, :]
     tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], y.to(out_ty), mask=out_mask)
 
@@ -214,10 +210,8 @@ def norm_linear_triton(
     out_cols = weight.shape[0] // 2 if gated else weight.shape[0]
     summed_dtype = x.dtype if residual is None else torch.result_type(x, residual)
     store_sum = residual is not None or x_bias is not None
-    if store_sum:
-        summed = torch.empty(x2.shape, dtype=summed_dtype, device=x.device)
-    else:
-        summed = x  # the references return x itself as the residual
+    # Without anything to add, the references return x itself as the residual.
+    summed = torch.empty(x2.shape, dtype=summed_dtype, device=x.device) if store_sum else x
     res2 = as_rows(residual, hidden) if residual is not None else x2  # unread without a residual
     out = torch.empty((x2.shape[0], out_cols), dtype=weight.dtype, device=x.device)
     rows = x2.shape[0]
