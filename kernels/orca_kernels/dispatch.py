@@ -73,6 +73,12 @@ class KernelOps:
     # (y, x, a, b, lora_meta): y += each token's adapter delta in place (multi-LoRA, lora.py); on CPU
     # the reference, which reads each active adapter's weights once per projection
     lora: Callable
+    # (x, x_bias, residual, norm_w, norm_b, eps, weight, bias, activation) -> (y, residual): a layer's
+    # pre-norm fused into the GEMM it feeds (norm_linear.py), which the models call for the steps of
+    # up to gemm.NORM_LINEAR_MAX_TOKENS tokens. Only the Triton set has one (None elsewhere): the CPU
+    # sets' GEMM is cpu_gemm's, and their norms and GEMMs stay separate calls so that their tokens
+    # stay transformers' bit for bit.
+    norm_linear: Callable | None = None
 
 
 def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -183,13 +189,14 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_layernorm,
         triton_lora,
         triton_moe,
+        triton_norm_linear,
         triton_rmsnorm,
         triton_rotary,
         triton_silu,
     )
 
-    modules = (triton_attention, triton_gelu, triton_layernorm, triton_lora, triton_moe, triton_rmsnorm, triton_rotary,
-               triton_silu)  # fmt: skip
+    modules = (triton_attention, triton_gelu, triton_layernorm, triton_lora, triton_moe, triton_norm_linear,
+               triton_rmsnorm, triton_rotary, triton_silu)  # fmt: skip
     for module in modules:
         # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
         # have happened with TRITON_INTERPRET set differently (tests toggle it).
@@ -209,6 +216,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
         functools.partial(triton_moe.moe_triton, silu_and_mul=triton_silu.silu_and_mul_triton),
         triton_silu.gelu_and_mul_triton,
         triton_lora.lora_triton,
+        triton_norm_linear.norm_linear_triton,
     )
 
 

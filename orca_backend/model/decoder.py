@@ -310,6 +310,14 @@ class Decoder(StageModel):
             (config.window(i), local_table if config.window(i) else global_table)
             for i in layout.layers(config.num_hidden_layers)
         ]
+        # The fused pre-norms (gemm.py) for the families whose layer is norm -> GEMM twice: not with
+        # sandwich norms (Gemma's post-norms come between a GEMM and the residual add) nor experts
+        # (the router and the experts read the norm's output).
+        self.can_fuse_norms = (
+            hooks.post_attn_norm is None
+            and all(layer.router_w is None for layer in weights.layers)
+            and gemm.can_fuse_norms(ops, [x for layer in weights.layers for x in (layer.qkv_w, layer.gate_up_w)])
+        )
 
     def _experts(self, h: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
         """A MoE layer on the flat tokens of the whole batch: router logits in float32, softmax over
@@ -356,6 +364,8 @@ class Decoder(StageModel):
         else:
             x, residual = stage_input.hidden.unbind(0)
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
+        if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS:
+            return self._forward_fused(x, residual, stage_input, meta, kv_caches, logits_indices)
         layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
         for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
             h, residual = add_rmsnorm(x, residual, layer.input_norm_w, eps)
@@ -389,6 +399,43 @@ class Decoder(StageModel):
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = add_rmsnorm(x, residual, w.norm_w, eps)
         logits = tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
+        if hooks.final_softcap:
+            logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
+        return logits
+
+    def _forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, stage_input: StageInput, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """`forward` with each RMSNorm inside the GEMM it feeds (`ops.norm_linear`, gemm.py): a layer
+        is the RMSNorm + q/k/v GEMM (+ bias), the q/k norms where there are, rotary + K/V write +
+        attention, the o GEMM, the RMSNorm + gate/up GEMM + activation-and-multiply and the down GEMM.
+        An o projection's bias (`pending`) goes to the next norm, added once after the all-reduce."""
+        cfg, w, ops, tp, hooks = self.config, self.weights, self.ops, self.tp, self.hooks
+        t, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
+        hq, hkv = self.num_heads, self.num_kv_heads
+        pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
+        layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
+        for layer, (window, cos_sin), (k_cache, v_cache) in layers:
+            qkv, residual = ops.norm_linear(x, pending, residual, layer.input_norm_w, None, eps, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if cfg.qk_norm:
+                q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
+            # fmt: off
+            attn = ops.rotary_write_kv_attention(q, k, v, stage_input.positions, cos_sin, k_cache, v_cache, meta,
+                                                 hooks.attn_scale, window, hooks.attn_softcap).reshape(t, hq * d)
+            x, pending = row_parallel_linear(attn, layer.o_w, None, tp), layer.o_b
+            h, residual = ops.norm_linear(x, pending, residual, layer.pre_mlp_norm_w, None, eps, layer.gate_up_w, None,
+                                          hooks.activation)
+            # fmt: on
+            x, pending = row_parallel_linear(h, layer.down_w, None, tp), None
+        if not self.layout.is_last_stage:
+            return stage_output(x if pending is None else x + pending, residual)
+        # Only the last token of each request needs the final norm and the LM head.
+        x, residual = x[logits_indices], residual[logits_indices]
+        logits, _ = ops.norm_linear(x, pending, residual, w.norm_w, None, eps, w.lm_head, None)
+        logits = tp.gather_vocab(logits.float(), cfg.vocab_size)
         if hooks.final_softcap:
             logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
         return logits

@@ -3,6 +3,11 @@
 On CPU in float32 the weights stay plain and contiguous, and kernels/orca_kernels/cpu_gemm.py picks
 the multiply by the number of tokens (a C kernel for decodes, oneDNN, then MKL; `ORCA_CPU_GEMM` overrides it).
 CUDA and half precision use F.linear; FP8 weights (CUDA only) a Triton dequantizing GEMM.
+
+On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
+inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
+and MLP-input GEMMs are Triton's there, and the o/down projections leave their bias to the next
+norm, so no linear of a decode step has a bias cuBLAS would add with a launch of its own at one row.
 """
 
 from __future__ import annotations
@@ -12,7 +17,23 @@ from collections.abc import Callable
 import torch
 
 from orca_backend.model.fp8 import Fp8Weight
+from orca_kernels import KernelOps
 from orca_kernels.cpu_gemm import linear_cpu
+
+# Up to this many tokens a step is launch- and weight-bandwidth-bound (arithmetic intensity at most
+# 2 * 256 flops per weight byte pair, below an H100's bf16 ridge), where a Triton GEMM streaming the
+# weight once can keep up with cuBLAS and the launches it saves are the step's cost; longer (prefill)
+# steps are compute-bound, where cuBLAS's tensor-core tiling wins and its bias/GELU epilogue applies
+# (more than one row). Not measured on a GPU yet (docs/architecture.md).
+NORM_LINEAR_MAX_TOKENS = 256
+
+
+def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
+    """Whether a model may run its pre-norms inside their GEMMs (`ops.norm_linear`): the kernel set
+    has the fused op and every weight it would multiply is a plain tensor (an FP8 weight takes its
+    own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS tokens, without LoRA
+    (whose adapters read the norm's output)."""
+    return ops.norm_linear is not None and not any(isinstance(w, Fp8Weight) for w in weights)
 
 
 def pack(weight: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:

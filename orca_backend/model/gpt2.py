@@ -117,6 +117,7 @@ class GPT2(StageModel):
     ) -> None:  # fmt: skip
         super().__init__(config, weights, ops, layout, tp, config.n_head, config.n_head)  # one K/V head per query head
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.can_fuse_norms = gemm.can_fuse_norms(ops, [layer.qkv_w for layer in weights.layers])
 
     @torch.inference_mode()
     def forward(
@@ -136,6 +137,8 @@ class GPT2(StageModel):
             x, residual = stage_input.hidden.unbind(0)
         local_hidden = self.num_heads * cfg.head_dim
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
+        if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS:
+            return self._forward_fused(x, residual, meta, kv_caches, logits_indices)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
@@ -159,5 +162,33 @@ class GPT2(StageModel):
         h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
         return self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
 
+    def _forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """`forward` with each LayerNorm inside the GEMM it feeds (`ops.norm_linear`, gemm.py): a layer
+        is the LayerNorm + qkv GEMM, attention, the o GEMM, the LayerNorm + fc GEMM + GELU and the
+        proj GEMM. The o and proj GEMMs leave their bias (`pending`) to the next norm, which adds it
+        to the residual stream with the sum; tensor parallelism adds it once, after the all-reduce,
+        as row_parallel_linear does."""
+        cfg, w, ops, eps = self.config, self.weights, self.ops, self.config.layer_norm_epsilon
+        num_tokens, local_hidden = x.shape[0], self.num_heads * cfg.head_dim
+        pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
+        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+            qkv, residual = ops.norm_linear(x, pending, residual, layer.ln1_w, layer.ln1_b, eps, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.view(num_tokens, 3, self.num_heads, cfg.head_dim).unbind(1)
+            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
+            x, pending = row_parallel_linear(attn, layer.attn_out_w, None, self.tp), layer.attn_out_b
+            # fmt: off
+            h, residual = ops.norm_linear(x, pending, residual, layer.ln2_w, layer.ln2_b, eps, layer.fc_w, layer.fc_b,
+                                          "gelu")
+            # fmt: on
+            x, pending = row_parallel_linear(h, layer.proj_w, None, self.tp), layer.proj_b
+        if not self.layout.is_last_stage:
+            return stage_output(x if pending is None else x + pending, residual)
+        # Only the last token of each request needs the final LayerNorm and the LM head.
+        x, residual = x[logits_indices], residual[logits_indices]
+        logits, _ = ops.norm_linear(x, pending, residual, w.lnf_w, w.lnf_b, eps, w.wte, None)
+        return self.tp.gather_vocab(logits.float(), cfg.vocab_size)
 
 MODEL_CODE = ModelCode(GPT2Weights, GPT2, gpt2_key, random_hf_state_dict)
