@@ -31,6 +31,7 @@ from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.lora import MULTI_LORA_FILE, read_multi_lora_json
 from orca_backend.server.instances import CoreRendezvous, instance_count
 from orca_backend.server.metrics import EngineMetrics, MetricsPoller, NoMetrics
+from orca_backend.server.protocol import install_fast_byte_serialization
 from orca_backend.server.triton_config import (
     MODEL_JSON,
     auto_complete,
@@ -54,6 +55,7 @@ class EngineAdapter:
 
     def initialize(self, args: dict[str, str]) -> None:
         # Triton's config.pbtxt as JSON; not to be confused with the engine's model config (geometry, families/).
+        install_fast_byte_serialization(pb_utils)  # every response's string tensors (server/protocol.py)
         self.triton_config: dict[str, Any] = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         version_dir = Path(args.get("model_repository", "")) / args.get("model_version", "1")

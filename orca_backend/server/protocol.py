@@ -427,6 +427,29 @@ def make_response(arrays: Mapping[str, np.ndarray]) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in arrays.items()])
 
 
+def serialize_byte_tensor(tensor: np.ndarray) -> bytes | tuple | None:
+    """Triton's BYTES wire format of a string tensor (each element's 4-byte little-endian length, then
+    its bytes, in C order): what triton_python_backend_utils.serialize_byte_tensor returns, for the same
+    inputs, in about half the time. The Python backend's stub calls that function by name for every
+    string output it builds (text_output, finish_reason, logprobs: a call per response), walking the
+    array with np.nditer; `install_fast_byte_serialization` puts this one in its place."""
+    if tensor.size == 0:
+        return ()
+    if tensor.dtype != np.object_ and tensor.dtype.type != np.bytes_:
+        return None
+    parts = []
+    for item in tensor.reshape(-1).tolist():  # C order, as nditer walks it; bytes_ items lose trailing NULs alike
+        data = item if type(item) is bytes else str(item).encode("utf-8")
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def install_fast_byte_serialization(pb_utils: Any) -> None:
+    """Makes the stub serialize string outputs with `serialize_byte_tensor` (same bytes, cheaper)."""
+    pb_utils.serialize_byte_tensor = serialize_byte_tensor
+
+
 def error_response(exc: BaseException) -> Any:
     """An InferenceResponse carrying `exc` as a TritonError with a fitting status code."""
     import triton_python_backend_utils as pb_utils

@@ -340,3 +340,25 @@ def server_binary_stub():
     from orca_backend.entrypoints.serve import TritonBinary
 
     return TritonBinary(Path("/bin/true"))
+
+
+def test_the_fast_byte_serialization_gives_tritons_own_bytes():
+    """The stub serializes every string output through triton_python_backend_utils.serialize_byte_tensor;
+    ours, installed in its place, must give the same bytes for whatever a response may carry."""
+    import importlib.util
+
+    from orca_backend.server.protocol import serialize_byte_tensor
+
+    pytriton = pytest.importorskip("pytriton")
+    path = Path(pytriton.__file__).parent / "tritonserver" / "backends" / "python" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("triton_utils_original", path)
+    original = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(original)
+    cases = [
+        np.array([b"None"], dtype=np.object_), np.array(["naïve ✓"], dtype=np.object_), np.array([b""], dtype=np.object_),
+        np.array([[b"a", "b"], [3, 4.5]], dtype=np.object_), np.array([b"x\x00", b"yz"], dtype=np.bytes_),
+        np.array([b"ab", b"c"], dtype=np.object_)[::-1], np.array([np.str_("s"), b"\xff\x00"], dtype=np.object_),
+        np.zeros((0,), dtype=np.object_), np.array([1, 2], dtype=np.int32),
+    ]  # fmt: skip
+    for case in cases:
+        assert serialize_byte_tensor(case) == original.serialize_byte_tensor(case), case
