@@ -61,10 +61,13 @@ gpu-install:
 
 # The first command on a lent GPU (benchmarks/gpu_smoke.py, its docstring has the budget): versions and
 # clocks, the kernel tests never run compiled, CUDA graphs of both models (every bucket captured, replay
-# times, traces), decode attention against copy bandwidth, Triton compile seconds. Each stage in its own
-# process under its own timeout, its results in GPU_OUT as it ends; under 7 minutes on one H100.
+# times, traces), decode attention against copy bandwidth, Triton compile seconds, and with the wheels
+# of WHEELS carried (see gpu-served) the serving path's CPU per token for 1, 4 and 8 instances. Each
+# stage in its own process under its own timeout, its results in GPU_OUT as it ends; under 7 minutes
+# on one H100.
 GPU_SMOKE_ARGS ?=
 gpu-smoke: gpu-install
+	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install -q --no-deps $(WHEELS)/*.whl; fi
 	$(PYTHON) benchmarks/gpu_smoke.py --out $(GPU_OUT) $(GPU_SMOKE_ARGS)
 
 # The same script on CPU, as CI runs it (tests/benchmarks/test_gpu_smoke.py): every stage with tiny settings.
