@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -75,7 +75,9 @@ def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int 
 
 
 def _event_map(event: KVCacheEvent) -> dict[str, Any]:
-    return {"type": type(event).__name__, **{f.name: getattr(event, f.name) for f in fields(event)}}
+    """msgspec's map of a tagged struct: the tag, then every field in declaration order (a dataclass's
+    __dict__ holds its fields in that order)."""
+    return {"type": type(event).__name__, **vars(event)}
 
 
 class ZmqEventPublisher:
