@@ -4,7 +4,10 @@ in this project's words).
 
 A running request owns one row from the step that brings it until it ends or is preempted: its token
 ids, block table, computed count and sampling columns (temperature, top-k, top-p, min_tokens,
-logprobs), and its logits processing (penalty counts, logit_bias; worker/logits_processors.py). Its
+logprobs), and its logits processing (penalty counts, logit_bias; worker/logits_processors.py). What
+the sampler reads of a row (temperature, top-p, top-k, the stop ids min_tokens bans, and the logits
+processing) lives on the device, written once as the row is taken, through the staging arena
+(worker/staging.py); a step sends the device only its index sets and random draws. Its
 generator and its tokens live on in its `RequestState` while it is preempted, so a request's tokens
 are the same whether its row moved or not. Rows are `max_rows` = the most requests that can run
 (max_num_seqs per batch in flight), each `max_tokens` long (the model's context, or the K/V pool if
@@ -25,6 +28,12 @@ import torch
 
 from orca_backend.scheduler_output import NewRequest, SchedulerOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
+from orca_backend.worker.staging import StagingArena
+
+# Columns of the device's per-row sampling tables: `sampling_values` (float32) and `sampling_ids`
+# (int64: top-k, 0 off, then the stop ids min_tokens bans, padded with the first one).
+TEMPERATURE, TOP_P = 0, 1
+TOP_K, STOP_IDS = 0, 1
 
 
 @dataclass(eq=False)
@@ -37,21 +46,32 @@ class RequestState:
     generator: torch.Generator | None  # random sampling only
     row: int = -1  # -1 while preempted
     token_ids: list[int] = field(default_factory=list)  # while preempted only: its tokens (the row holds them otherwise)
+    draw: float = float("nan")  # while preempted only: its next uniform draw, if taken (InputBatch._drawn)
+
+
+# A step's index set on the device: (batch positions, their rows of the input batch).
+Positions = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class SamplingBatch:
-    """A step's sampling columns, one entry per scheduled request, in batch order."""
+    """A step's sampling work: index sets of batch positions on the device (through the staging arena),
+    into the per-row tables that hold the parameters; their sizes are known on the host, so no stage
+    reads a value back. Positions are of requests that sample this step, except `banned`."""
 
-    rows: np.ndarray  # each request's row of the input batch
-    sample: np.ndarray  # bool: it computes its last token this step (a prefill chunk short of it does not)
-    temperature: np.ndarray  # float32; 0 is greedy
-    top_k: np.ndarray  # int64; 0 is off
-    top_p: np.ndarray  # float32
-    generators: list[torch.Generator | None]  # empty when every request is greedy
-    banned: list[tuple[int, list[int]]]  # (position, token ids it must not sample): short of min_tokens
-    logprobs: list[tuple[int, int]]  # (position, top alternatives) of the sampling requests that asked
-    processed: list[int]  # positions of the sampling requests with logit_bias or penalties
+    rows: np.ndarray  # host: each request's row of the input batch
+    sample: np.ndarray  # host, bool: it computes its last token this step (a prefill chunk short of it does not)
+    random: Positions  # temperature > 0: drawn at random
+    draws: torch.Tensor  # float32 [len(random)]: their uniform draws, from each request's generator
+    biased: Positions  # logit_bias
+    penalized: Positions  # presence, frequency or repetition penalty
+    repetition: bool  # some penalized request has a repetition penalty
+    banned: Positions  # short of min_tokens (prefill chunks too): its stop ids cannot be sampled
+    logprobs: torch.Tensor  # positions asking for logprobs
+    logprobs_at: list[int]  # host: the same positions
+    num_logprobs: list[int]  # host: the top alternatives each of those asked for
+    values: torch.Tensor  # the input batch's per-row tables (sampling_values, sampling_ids)
+    ids: torch.Tensor
     processors: LogitsProcessors
 
 
@@ -104,17 +124,25 @@ class InputBatch:
         self.block_table = np.zeros((max_rows, -(-max_tokens // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)
         self.temperature = np.zeros(max_rows, dtype=np.float32)
-        self.top_k = np.zeros(max_rows, dtype=np.int64)
-        self.top_p = np.ones(max_rows, dtype=np.float32)
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.generators: list[torch.Generator | None] = [None] * max_rows
-        self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]
+        self.num_stop_ids = np.zeros(max_rows, dtype=np.int64)
+        self.staging = StagingArena(device)
+        self.sampling_values = torch.zeros((max_rows, 2), dtype=torch.float32, device=device)
+        self.sampling_ids = torch.zeros((max_rows, STOP_IDS + 1), dtype=torch.int64, device=device)
+        # Each row's next uniform draw, taken from its generator by the step that first needs it and
+        # kept until a step sampled with it (`draws_used`): a step that fails before sampling leaves its
+        # generators where a step that never ran would (NaN: none drawn).
+        self._draws = torch.full((max_rows,), float("nan"), dtype=torch.float32)
+        self._drawn = self._draws.numpy()
+        self._random_rows = _NO_POSITIONS  # the rows of the last step's draws
+        self._no_positions = torch.empty(0, dtype=torch.int64, device=device)
         # Multi-LoRA: each row's adapter slot (-1: none), found when the row is taken in `lora_slot_of`
         # (lora_id -> slot; the runner's LoRAManager keeps it); the slot stays while the row is held.
         self.lora_slot = np.full(max_rows, -1, dtype=np.int32)
         self.lora_slot_of: dict[int, int] = {}
-        self.processors = LogitsProcessors(max_rows, vocab_size, device)
+        self.processors = LogitsProcessors(max_rows, vocab_size, device, self.staging)
         self._flat64 = _HostBuffer(np.int64, device)
         self._flat32 = _HostBuffer(np.int32, device)
         self._tables = _HostBuffer(np.int32, device)
@@ -133,6 +161,7 @@ class InputBatch:
         """Brings the rows up to the step (scheduler_output.py): recorded tokens are appended, ended and
         preempted requests leave their rows, new ones take rows, and so does every scheduled request
         without one (resumed after a preemption); tables grow; computed counts are the core's."""
+        self.staging.begin()
         if step.recorded_ids:
             self._append_tokens(step.recorded_ids, step.recorded_tokens)
         for request_id in step.finished_ids:
@@ -213,12 +242,12 @@ class InputBatch:
         self.num_blocks[row] = len(block_ids)
         new, p = state.new, state.new.params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
-        self.top_k[row] = max(p.top_k, 0)
-        self.top_p[row] = p.top_p
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.generators[row] = state.generator
-        self.stop_ids[row] = new.stop_ids
+        self._drawn[row] = state.draw
+        if not p.greedy or p.min_tokens:  # else the sampler never reads the row's device columns
+            self._write_sampling_row(row, p.top_p, max(p.top_k, 0), new.stop_ids)
         if new.lora_id:
             slot = self.lora_slot_of.get(new.lora_id)
             if slot is None:
@@ -229,6 +258,23 @@ class InputBatch:
         state.token_ids = []
         return row
 
+    def _write_sampling_row(self, row: int, top_p: float, top_k: int, stop_ids: list[int]) -> None:
+        """The row's device sampling columns, staged (the stop ids padded with the first one: banning
+        a token twice is banning it)."""
+        self.num_stop_ids[row] = len(stop_ids)
+        if STOP_IDS + len(stop_ids) > self.sampling_ids.shape[1]:
+            width = max(STOP_IDS + len(stop_ids), 2 * self.sampling_ids.shape[1])
+            wider = torch.zeros((self.max_rows, width), dtype=torch.int64, device=self.device)
+            wider[:, : self.sampling_ids.shape[1]] = self.sampling_ids
+            self.sampling_ids = wider
+        ids = np.zeros(self.sampling_ids.shape[1], dtype=np.int64)
+        ids[TOP_K] = top_k
+        if stop_ids:
+            ids[STOP_IDS:] = stop_ids[0]
+            ids[STOP_IDS : STOP_IDS + len(stop_ids)] = stop_ids
+        self.sampling_ids[row].copy_(self.staging.put(ids))
+        self.sampling_values[row].copy_(self.staging.put(np.array([self.temperature[row], top_p], dtype=np.float32)))
+
     def _free(self, state: RequestState) -> None:
         row = state.row
         # A step's tables are W columns of the rows, W its widest context: zeros past a request's blocks,
@@ -238,6 +284,7 @@ class InputBatch:
         del self.row_of[state.request_id]
         self.processors.remove(row)
         self.generators[row] = None
+        state.draw, self._drawn[row] = float(self._drawn[row]), np.nan
         self.lora_slot[row] = -1
         state.row = -1
         self._free_rows.append(row)
@@ -291,6 +338,8 @@ class InputBatch:
         )  # fmt: skip
 
     def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int]) -> SamplingBatch:
+        """The step's index sets, from the host's columns (numpy over the batch), and each random
+        request's draw from its generator, staged for the device in one copy each."""
         columns = self._columns[1] if self._columns is not None and self._columns[0] is rows else None
         if columns is None:
             columns = self._row_columns(rows)
@@ -300,40 +349,67 @@ class InputBatch:
             num_tokens = num_tokens.copy()
             num_tokens[ahead_rows] += 1
         sample = context_lens == num_tokens
-        banned: list[tuple[int, list[int]]] = []
+        empty = _NO_POSITIONS
+        # A prefill chunk short of its last token samples nothing: its generator must not advance.
+        random = np.flatnonzero(columns.random & sample) if columns.random.any() else empty
+        banned = empty
         if columns.min_tokens.any():
-            short = np.flatnonzero(num_tokens - self.num_prompt_tokens[rows] < columns.min_tokens).tolist()
-            banned = [(i, self.stop_ids[int(rows[i])]) for i in short]
-        logprobs: list[tuple[int, int]] = []
-        if columns.asking_logprobs:
-            logprobs = [(i, int(columns.num_logprobs[i])) for i in np.flatnonzero((columns.num_logprobs >= 0) & sample).tolist()]
-        processed = np.flatnonzero(columns.processed & sample).tolist() if columns.processed.any() else []
-        return SamplingBatch(rows, sample, columns.temperature, columns.top_k, columns.top_p, columns.generators, banned,
-                             logprobs, processed, self.processors)  # fmt: skip
+            banned = np.flatnonzero((num_tokens - self.num_prompt_tokens[rows] < columns.min_tokens) & columns.has_stop_ids)
+        logprobs = np.flatnonzero(columns.asking_logprobs & sample) if columns.asking_logprobs.any() else empty
+        biased = np.flatnonzero(columns.biased & sample) if columns.biased.any() else empty
+        penalized = np.flatnonzero(columns.penalized & sample) if columns.penalized.any() else empty
+        sets = (random, biased, penalized, banned)
+        sizes = [len(a) for a in sets for _ in range(2)] + [len(logprobs)]
+        index = self._no_positions
+        if sum(sizes):
+            index = self.staging.put(np.concatenate([part for a in sets for part in (a, rows[a])] + [logprobs]))
+        split = index.split_with_sizes(sizes)
+        draws = self._draws[:0]
+        self._random_rows = random_rows = rows[random]
+        if len(random):
+            for position, row in zip(random.tolist(), random_rows.tolist(), strict=True):
+                if np.isnan(self._drawn[row]):
+                    torch.rand(1, generator=columns.generators[position], out=self._draws[row : row + 1])
+            draws = self.staging.put(self._drawn[random_rows])
+        return SamplingBatch(
+            rows, sample, (split[0], split[1]), draws, (split[2], split[3]), (split[4], split[5]),
+            bool(columns.repetitive[penalized].any()), (split[6], split[7]), split[8],
+            logprobs.tolist(), columns.num_logprobs[logprobs].tolist(), self.sampling_values, self.sampling_ids, self.processors,
+        )  # fmt: skip
+
+    def draws_used(self) -> None:
+        """The last prepared step has sampled (its kernels are queued): its rows draw anew next time."""
+        self._drawn[self._random_rows] = np.nan
+        self._random_rows = _NO_POSITIONS
 
     def _row_columns(self, rows: np.ndarray) -> _RowColumns:
         temperature = self.temperature[rows]
         num_logprobs = self.num_logprobs[rows]
+        processors = self.processors
         return _RowColumns(
-            temperature, self.top_k[rows], self.top_p[rows], self.min_tokens[rows], num_logprobs,
-            bool((num_logprobs >= 0).any()), self.processors.processed[rows],
+            temperature > 0, self.min_tokens[rows], self.num_stop_ids[rows] > 0, num_logprobs, num_logprobs >= 0,
+            processors.biased[rows], processors.penalized[rows], processors.repetitive[rows],
             # Greedy requests have no generator: a batch of them (the common case) skips the list.
             [self.generators[row] for row in rows.tolist()] if temperature.any() else [],
         )  # fmt: skip
 
 
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class _RowColumns:
-    """The sampling columns of some rows, in their order: what does not change while they hold the
-    same requests."""
+    """The host's sampling columns of some rows, in their order: what does not change while they hold
+    the same requests."""
 
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
+    random: np.ndarray  # bool: temperature > 0
     min_tokens: np.ndarray
+    has_stop_ids: np.ndarray  # bool: something for min_tokens to ban
     num_logprobs: np.ndarray
-    asking_logprobs: bool
-    processed: np.ndarray  # bool: logit_bias or penalties
+    asking_logprobs: np.ndarray  # bool
+    biased: np.ndarray  # bool
+    penalized: np.ndarray  # bool
+    repetitive: np.ndarray  # bool
     generators: list[torch.Generator | None]
 
 

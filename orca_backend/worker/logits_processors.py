@@ -2,130 +2,137 @@
 the repetition, frequency and presence penalties.
 
 The state belongs to a request's row of the input batch (worker/input_batch.py), from the step it
-takes the row until it leaves it: its bias and penalty values and, for a penalized request, one row
-of a dense [slots, vocab] table of output-token counts and one of a prompt-token mask. Counts are
-written when the row is taken (from every output token it has: a request resumed after a preemption
-gets them back exactly) and then from each step's delta, which carries only tokens the core has
-recorded, so nothing of a step that failed is ever counted. Dense rows make a step one gather for
-all the penalized rows, whatever the lengths of their histories; a request without penalties has
-no slot. The tables double when full and are kept: 5 bytes per vocabulary entry per penalized
-request held at the peak (about 250 KB each for a 50k vocabulary).
+takes the row until it leaves it, and lives on the device: its penalty values and logit_bias (ids and
+values, padded to the widest request's) in two [rows, columns] tables written once, when the row is
+taken; for a penalized request, one row of a dense [slots, vocab] table of output-token counts and
+one of a prompt-token mask. Counts are written when the row is taken (from every output token it
+has: a request resumed after a preemption gets them back exactly) and then from each step's delta,
+which carries only tokens the core has recorded, so nothing of a step that failed is ever counted.
+Every update reaches the device through the step's staging arena (worker/staging.py): nothing here
+waits for the device, and a step's processing reads no value back. Dense rows make a step one
+gather for all the penalized rows, whatever the lengths of their histories; a request without
+penalties has no slot. The count tables double when full and are kept: 5 bytes per vocabulary entry
+per penalized request held at the peak (about 250 KB each for a 50k vocabulary).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from orca_backend.sampling_params import SamplingParams
+from orca_backend.worker.staging import StagingArena
 
-
-@dataclass
-class _RowSetup:
-    presence: float
-    frequency: float
-    repetition: float
-    bias_ids: list[int]
-    bias_values: list[float]
-    slot: int = -1  # its row of the count and prompt tables; -1 without penalties
+# Columns of the per-row tables: `values` (float32) holds the penalties, then the bias values;
+# `ids` (int64) the count slot, then the bias token ids. Bias padding adds 0.0 to token 0.
+PRESENCE, FREQUENCY, REPETITION, BIAS_VALUES = 0, 1, 2, 3
+SLOT, BIAS_IDS = 0, 1
 
 
 class LogitsProcessors:
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
-        self._setups: list[_RowSetup | None] = [None] * max_rows
-        self.processed = np.zeros(max_rows, dtype=bool)  # logit_bias or penalties
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, staging: StagingArena) -> None:
+        self.vocab_size, self.device, self.staging = vocab_size, device, staging
+        # Host flags per row, for the step's index sets (worker/input_batch.py) and the deltas.
+        self.biased = np.zeros(max_rows, dtype=bool)
         self.penalized = np.zeros(max_rows, dtype=bool)
+        self.repetitive = np.zeros(max_rows, dtype=bool)  # a repetition penalty other than 1
+        self._slot = np.full(max_rows, -1, dtype=np.int64)
+        self.values = torch.zeros((max_rows, BIAS_VALUES), dtype=torch.float32, device=device)
+        self.ids = torch.zeros((max_rows, BIAS_IDS), dtype=torch.int64, device=device)
         self._counts: torch.Tensor | None = None  # [slots, vocab] int32: each token's count in the output
         self._in_prompt: torch.Tensor | None = None  # [slots, vocab] bool (repetition penalty only)
         self._free: list[int] = []
+
+    @property
+    def processed(self) -> np.ndarray:
+        """Per row: logit_bias or penalties."""
+        return self.biased | self.penalized
 
     def add(self, row: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
         """A request takes `row`: its setup, and the counts of the output tokens it already has."""
         if not (params.penalized or params.logit_bias):
             return
         bias = params.logit_bias or {}
-        setup = self._setups[row] = _RowSetup(params.presence_penalty, params.frequency_penalty,
-                                              params.repetition_penalty, list(bias), list(bias.values()))  # fmt: skip
-        self.processed[row] = True
+        if BIAS_IDS + len(bias) > self.ids.shape[1]:
+            self._widen(len(bias))
+        width = self.ids.shape[1] - BIAS_IDS
+        slot = self._new_slot() if params.penalized else -1
+        values = np.zeros(self.values.shape[1], dtype=np.float32)
+        values[:BIAS_VALUES] = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+        values[BIAS_VALUES : BIAS_VALUES + len(bias)] = list(bias.values())
+        ids = np.zeros(BIAS_IDS + width, dtype=np.int64)
+        ids[SLOT] = slot
+        ids[BIAS_IDS : BIAS_IDS + len(bias)] = list(bias)
+        self.values[row].copy_(self.staging.put(values))
+        self.ids[row].copy_(self.staging.put(ids))
+        self.biased[row] = bool(bias)
         if not params.penalized:
             return
-        setup.slot = self._new_slot()
+        self._slot[row] = slot
         self.penalized[row] = True
+        self.repetitive[row] = params.repetition_penalty != 1.0
         assert self._counts is not None and self._in_prompt is not None
         if params.repetition_penalty != 1.0 and prompt_ids:
-            self._in_prompt[setup.slot, prompt_ids] = True
+            self._in_prompt[slot].index_fill_(0, self.staging.put(np.array(prompt_ids, dtype=np.int64)), True)
         if output_ids:
             self.count([row], [output_ids])
 
     def remove(self, row: int) -> None:
-        setup = self._setups[row]
-        if setup is None:
-            return
-        if setup.slot >= 0:
-            self._free.append(setup.slot)
-        self._setups[row] = None
-        self.processed[row] = self.penalized[row] = False
+        if self._slot[row] >= 0:
+            self._free.append(int(self._slot[row]))
+        self._slot[row] = -1
+        self.biased[row] = self.penalized[row] = self.repetitive[row] = False
 
     def count(self, rows: list[int], token_ids: list[list[int]]) -> None:
         """Adds these output tokens to the counts of these (penalized) rows."""
         lengths = [len(ids) for ids in token_ids]
-        slots = np.repeat(np.array([self._setups[row].slot for row in rows], dtype=np.int64), lengths)  # type: ignore[union-attr]
+        slots = np.repeat(self._slot[rows], lengths)
         if not len(slots):
             return
         tokens = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=len(slots))
         assert self._counts is not None
-        index = torch.from_numpy(np.stack((slots, tokens))).to(self.device)
+        index = self.staging.put(np.stack((slots, tokens)))
         ones = torch.ones(len(slots), dtype=self._counts.dtype, device=self.device)
         self._counts.index_put_((index[0], index[1]), ones, accumulate=True)
 
-    def apply(self, logits: torch.Tensor, positions: list[int], rows: list[int]) -> None:
-        """logit_bias, then the penalties, in place on these batch positions (requests that sample
-        this step), whose input-batch rows are `rows`."""
-        bias_positions: list[int] = []
-        bias_ids: list[int] = []
-        bias_values: list[float] = []
-        penalized: list[int] = []
-        slots: list[int] = []
-        presence: list[float] = []
-        frequency: list[float] = []
-        repetition: list[float] = []
-        for position, row in zip(positions, rows, strict=True):
-            setup = self._setups[row]
-            assert setup is not None
-            if setup.bias_ids:
-                bias_positions += [position] * len(setup.bias_ids)
-                bias_ids += setup.bias_ids
-                bias_values += setup.bias_values
-            if setup.slot >= 0:
-                penalized.append(position)
-                slots.append(setup.slot)
-                presence.append(setup.presence)
-                frequency.append(setup.frequency)
-                repetition.append(setup.repetition)
-        device = logits.device
-        if bias_positions:
-            index = torch.tensor([bias_positions, bias_ids], dtype=torch.long).to(device)
-            logits.index_put_((index[0], index[1]), torch.tensor(bias_values, dtype=logits.dtype).to(device),
-                              accumulate=True)  # fmt: skip
-        if not penalized:
+    def apply(
+        self, logits: torch.Tensor, biased: tuple[torch.Tensor, torch.Tensor],
+        penalized: tuple[torch.Tensor, torch.Tensor], repetition: bool,
+    ) -> None:  # fmt: skip
+        """logit_bias, then the penalties, in place: `biased` and `penalized` are (batch positions,
+        their rows) on the device, of requests that sample this step; `repetition`: whether any
+        penalized one has a repetition penalty."""
+        positions, rows = biased
+        if len(positions):
+            ids = self.ids.index_select(0, rows)[:, BIAS_IDS:]
+            values = self.values.index_select(0, rows)[:, BIAS_VALUES:].to(logits.dtype)
+            logits.index_put_((positions[:, None].expand_as(ids), ids), values, accumulate=True)
+        positions, rows = penalized
+        if not len(positions):
             return
         assert self._counts is not None and self._in_prompt is not None
-        row_index = torch.tensor(penalized, dtype=torch.long).to(device)
-        slot_index = torch.tensor(slots, dtype=torch.long).to(device)
-        penalties = torch.tensor([presence, frequency, repetition], dtype=logits.dtype).to(device)[:, :, None]
-        x = logits[row_index]
-        counts = self._counts[slot_index]
+        slots = self.ids[:, SLOT].index_select(0, rows)
+        penalties = self.values[:, :BIAS_VALUES].index_select(0, rows).to(logits.dtype).T[:, :, None]
+        x = logits.index_select(0, positions)
+        counts = self._counts.index_select(0, slots)
         seen = counts > 0
-        if any(r != 1.0 for r in repetition):
-            rep = penalties[2]
+        if repetition:
+            rep = penalties[REPETITION]
             scaled = torch.where(x > 0, x / rep, x * rep)
-            x = torch.where(seen | self._in_prompt[slot_index], scaled, x)
-        x = x - penalties[1] * counts - penalties[0] * seen
-        logits[row_index] = x
+            x = torch.where(seen | self._in_prompt.index_select(0, slots), scaled, x)
+        x = x - penalties[FREQUENCY] * counts - penalties[PRESENCE] * seen
+        logits.index_copy_(0, positions, x)
+
+    def _widen(self, num_bias: int) -> None:
+        """Room for `num_bias` logit_bias entries per row (the tables never shrink)."""
+        width = max(num_bias, 2 * (self.ids.shape[1] - BIAS_IDS))
+        values = torch.zeros((self.values.shape[0], BIAS_VALUES + width), dtype=self.values.dtype, device=self.device)
+        ids = torch.zeros((self.ids.shape[0], BIAS_IDS + width), dtype=self.ids.dtype, device=self.device)
+        values[:, : self.values.shape[1]] = self.values
+        ids[:, : self.ids.shape[1]] = self.ids
+        self.values, self.ids = values, ids
 
     def _new_slot(self) -> int:
         """A zeroed row of the tables, which double when full (and never shrink)."""

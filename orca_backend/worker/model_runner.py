@@ -224,7 +224,9 @@ class ModelRunner:
 
     def _ahead_tokens(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """(token positions, ids) of the requests run ahead: each one's input token is the id the
-        last step sampled for it, still on the device (its copy to the host may not have landed)."""
+        last step sampled for it, still on the device (its copy to the host may not have landed).
+        The index reaches the device through the staging arena: a copy from pageable memory would
+        wait for the step in flight, the very wait running ahead avoids."""
         if self._last_sampled is None:
             raise RuntimeError("a step runs ahead of a step that sampled nothing (it failed)")
         last_ids, last_tokens = self._last_sampled
@@ -232,7 +234,7 @@ class ModelRunner:
         starts = list(itertools.accumulate(step.num_scheduled_tokens, initial=0))
         rows = step.ahead_rows
         index = np.array([[starts[r] for r in rows], [where[step.scheduled_ids[r]] for r in rows]], dtype=np.int64)
-        positions, sources = self._to_device("ahead", index)
+        positions, sources = self.input_batch.staging.put(index)
         return positions, last_tokens.index_select(0, sources)
 
     def _sample(self, logits: torch.Tensor, step: SchedulerOutput) -> SamplerOutput:
@@ -245,6 +247,7 @@ class ModelRunner:
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
         sampled = self.sampler.launch(logits, inputs.sampling)
+        self.input_batch.draws_used()
         sampled.step_path = self._step_path
         if self._lora_failures:
             sampled.lora_failures, self._lora_failures = self._lora_failures, {}

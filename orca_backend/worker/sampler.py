@@ -10,11 +10,16 @@ vLLM v1's order: a structured-output request's grammar mask is applied before th
 (worker/bitmask.py, by the model runner); logprobs are taken from those logits (vLLM's default
 "raw_logprobs"); then logit_bias, the min_tokens ban and the penalties (worker/logits_processors.py);
 then greedy's argmax, or temperature, top-k, top-p and a draw.
+
+Nothing here waits for the device. The parameters are the input batch's per-row tables on the
+device, the step's index sets and draws came through the staging arena before its forward, and the
+sizes of every tensor are known on the host. What the host needs back (the ids, and the logprobs of
+the requests that asked) is packed into one int64 tensor whose copy is queued; `SampledTokens.result`
+is the step's one read of it, which async scheduling makes after the next step is launched.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,89 +27,100 @@ import torch
 
 from orca_backend.messages import TokenLogprobs
 from orca_backend.scheduler_output import SamplerOutput
-from orca_backend.worker.input_batch import SamplingBatch
+from orca_backend.worker.input_batch import STOP_IDS, TEMPERATURE, TOP_K, TOP_P, SamplingBatch
 
 
 @dataclass
 class SampledTokens:
-    """A step's sampled ids, on the logits' device (`tokens`), on their way to the host."""
+    """A step's sampled ids on the logits' device (`tokens`) and what the host reads back of the step,
+    packed (`packed`: on a GPU the pinned buffer its copy lands in): the ids, then for the requests
+    that asked for logprobs their sampled token's ranks, the top ids, and the float32 bits of the
+    sampled token's logprob and the top values."""
 
     tokens: torch.Tensor  # int64 [B]
-    logprobs: list[TokenLogprobs | None] | None
-    host: torch.Tensor | None = None  # CUDA: the pinned buffer the ids are copied into
+    packed: torch.Tensor  # int64, on the host once `copied` is done
+    logprobs_asked: list[tuple[int, int]] = field(default_factory=list)  # (position, top alternatives)
+    top: int = 0  # top alternatives computed per asking request: the most any asked for (up to the vocabulary)
     copied: torch.cuda.Event | None = None
     lora_failures: dict[int, str] = field(default_factory=dict)  # passed on (SamplerOutput.lora_failures)
     step_path: str = ""  # passed on (SamplerOutput.step_path)
 
     def result(self) -> SamplerOutput:
-        """The ids as a list, once their copy has landed (a wait for the step on a GPU)."""
-        if self.host is None:
-            return SamplerOutput(self.tokens.tolist(), self.logprobs, self.lora_failures, self.step_path)
-        assert self.copied is not None
-        self.copied.synchronize()
-        return SamplerOutput(self.host.tolist(), self.logprobs, self.lora_failures, self.step_path)
+        """The ids as a list, and the logprobs, once their copy has landed (a wait for the step on a GPU)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        packed = self.packed.numpy()  # the step's one read of what it computed
+        size = len(self.tokens)
+        tokens = packed[:size].tolist()
+        logprobs = None
+        if self.logprobs_asked:
+            logprobs = _unpack_logprobs(packed[size:], tokens, self.logprobs_asked, self.top)
+        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path)
 
 
 class Sampler:
     def __init__(self) -> None:
-        # CUDA: where the sampled ids are copied to the host, two buffers in turn (under async
-        # scheduling a step's copy is queued before the last one's ids are read).
+        # CUDA: where the packed results are copied to the host, two buffers in turn (under async
+        # scheduling a step's copy is queued before the last one's results are read).
         self._pinned: list[torch.Tensor] = []
         self._turn = 0
 
     def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
         """logits: [B, vocab] float32, one row per scheduled request (changed in place). One token id
         per request (the core ignores those of prefill chunks, `batch.sample` False), and the logprobs
-        of the requests that asked for them, as `result()` gives them; the ids stay on the device
-        with their copy to the host queued (on a GPU nothing waits for the step here, unless a
-        request asked for logprobs)."""
+        of the requests that asked for them, as `result()` gives them; on a GPU everything stays
+        queued, with its copy to the host."""
         raw_logprobs = None
-        if batch.logprobs:  # before any processing
-            raw_logprobs = logits[[position for position, _ in batch.logprobs]].log_softmax(dim=-1)
-        if batch.processed:  # logit_bias and the penalties
-            batch.processors.apply(logits, batch.processed, batch.rows[batch.processed].tolist())
-        if batch.banned:  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
-            logits[_ban_index(batch.banned, logits.device)] = float("-inf")
+        if len(batch.logprobs):  # before any processing
+            raw_logprobs = logits.index_select(0, batch.logprobs).log_softmax(dim=-1)
+        if len(batch.biased[0]) or len(batch.penalized[0]):
+            batch.processors.apply(logits, batch.biased, batch.penalized, batch.repetition)
+        positions, rows = batch.banned
+        if len(positions):  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
+            stop_ids = batch.ids[:, STOP_IDS:].index_select(0, rows)
+            # -inf made on the device (a Python float in `logits[...] = ` is a host tensor copied over).
+            logits.index_put_((positions[:, None].expand_as(stop_ids), stop_ids), logits.new_full((), float("-inf")))
         tokens = _argmax(logits)
-        # A prefill chunk short of its last token samples nothing: its generator must not advance.
-        random_rows = np.flatnonzero((batch.temperature > 0) & batch.sample).tolist() if batch.generators else []
-        if random_rows:
-            tokens[random_rows] = _sample_random(logits[random_rows], batch, random_rows)
-        logprobs = None
+        positions = batch.random[0]
+        if len(positions):
+            tokens.index_copy_(0, positions, _sample_random(logits, batch))
+        packed, asked, top = tokens, [], 0
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.logprobs, len(batch.sample))
+            asked = list(zip(batch.logprobs_at, batch.num_logprobs, strict=True))
+            top = min(max(batch.num_logprobs), logits.shape[1])
+            packed = torch.cat([tokens, _pack_logprobs(raw_logprobs, tokens.index_select(0, batch.logprobs), top)])
         if not tokens.is_cuda:
-            return SampledTokens(tokens, logprobs)
+            return SampledTokens(tokens, packed, asked, top)
         # One non-blocking copy into a persistent pinned buffer (a plain `tolist` stages through
         # pageable memory and waits for the stream).
         self._turn ^= 1
-        if len(self._pinned) < 2 or self._pinned[self._turn].numel() < tokens.numel():
-            size = max(tokens.numel(), 256)
+        if len(self._pinned) < 2 or self._pinned[self._turn].numel() < packed.numel():
+            size = max(packed.numel(), 256, 2 * self._pinned[self._turn].numel() if self._pinned else 0)
             self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        host = self._pinned[self._turn][: tokens.numel()]
-        host.copy_(tokens, non_blocking=True)
+        host = self._pinned[self._turn][: packed.numel()]
+        host.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return SampledTokens(tokens, logprobs, host, copied)
+        return SampledTokens(tokens, host, asked, top, copied)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
-    device, vocab = logits.device, logits.shape[1]
-    temperature = torch.from_numpy(batch.temperature[rows]).to(device)
-    top_k = batch.top_k[rows]
-    top_k = torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(device)
-    top_p = torch.from_numpy(batch.top_p[rows]).to(device)
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    positions, rows = batch.random
+    vocab = logits.shape[1]
+    temperature = batch.values[:, TEMPERATURE].index_select(0, rows)
+    top_k = batch.ids[:, TOP_K].index_select(0, rows)
+    top_k = torch.where(top_k > 0, top_k, vocab)
+    top_p = batch.values[:, TOP_P].index_select(0, rows)
 
-    values, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
+    values, order = (logits.index_select(0, positions) / temperature[:, None]).sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = values.softmax(dim=-1)
     # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
     cdf = probs.cumsum(dim=-1)
-    u = torch.stack([torch.rand((), generator=batch.generators[i]) for i in rows])
-    pick = torch.searchsorted(cdf, (u.to(device) * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
+    pick = torch.searchsorted(cdf, (batch.draws * cdf[:, -1])[:, None]).clamp_(max=vocab - 1)
     return order.gather(1, pick).squeeze(1)
 
 
@@ -117,29 +133,29 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[tuple[int, int]], batch_size: int
+def _pack_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, top: int) -> torch.Tensor:
+    """Of the asking rows (`logprobs`, their raw log-softmax): the sampled tokens' ranks, the `top`
+    ids, then the float32 bits of the sampled tokens' logprobs and of the top values, as int64."""
+    sampled_logprobs = logprobs.gather(1, sampled[:, None])
+    ranks = (logprobs > sampled_logprobs).sum(dim=1) + 1  # ties share the better rank
+    top_values, top_ids = logprobs.topk(top, dim=1)
+    values = torch.cat([sampled_logprobs[:, 0], top_values.reshape(-1)])
+    return torch.cat([ranks, top_ids.reshape(-1), values.view(torch.int32).to(torch.int64)])
+
+
+def _unpack_logprobs(
+    packed: np.ndarray, tokens: list[int], asked: list[tuple[int, int]], top: int
 ) -> list[TokenLogprobs | None]:
     """Per row of the batch: the sampled token's logprob and rank, then the top-k (ranks 1..k); None
-    for the rows that did not ask. `logprobs` holds the asking rows only, in `rows`' order."""
-    sampled = tokens[[row for row, _ in rows]].to(logprobs.device)[:, None]
-    sampled_logprobs = logprobs.gather(1, sampled)
-    ranks = (logprobs > sampled_logprobs).sum(dim=1) + 1  # ties share the better rank
-    k_max = min(max(k for _, k in rows), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(k_max, dim=1) if k_max else (logprobs[:, :0], sampled[:, :0])
-    out: list[TokenLogprobs | None] = [None] * batch_size
-    for (row, k), token, value, rank, ids, values in zip(
-        rows, sampled[:, 0].tolist(), sampled_logprobs[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
-        top_values.tolist(), strict=True,
-    ):  # fmt: skip
-        out[row] = ([token, *ids[:k]], [value, *values[:k]], [rank, *range(1, min(k, k_max) + 1)])
+    for the rows that did not ask (`_pack_logprobs`' layout)."""
+    n = len(asked)
+    ranks = packed[:n].tolist()
+    top_ids = packed[n : n + n * top].reshape(n, top).tolist()
+    values = packed[n + n * top :].astype(np.int32).view(np.float32)
+    sampled_values = values[:n].tolist()
+    top_values = values[n:].reshape(n, top).tolist()
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    for i, (row, k) in enumerate(asked):
+        out[row] = ([tokens[row], *top_ids[i][:k]], [sampled_values[i], *top_values[i][:k]],
+                    [ranks[i], *range(1, min(k, top) + 1)])  # fmt: skip
     return out
-
-
-def _ban_index(banned: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch positions, token ids) of every banned entry, as one index: built through numpy, since a
-    tensor made from a Python list of a thousand ids costs ~80 µs and numpy's ~10 µs."""
-    lengths = [len(ids) for _, ids in banned]
-    tokens = np.fromiter(itertools.chain.from_iterable(ids for _, ids in banned), dtype=np.int64, count=sum(lengths))
-    rows = np.repeat(np.array([position for position, _ in banned], dtype=np.int64), lengths)
-    return torch.from_numpy(rows).to(device), torch.from_numpy(tokens).to(device)

@@ -213,7 +213,8 @@ class CaptureGuard(TorchDispatchMode):
         if not tensor.numel():
             return
         host = tensor.device.type == "cpu" and not self._inside(self.regions, tensor)
-        if host and not (what.startswith("aten.copy_") and self._inside(self.staging, tensor)):
+        # lift_fresh: torch.from_numpy over a staging buffer, as the source of its copy, under a mode.
+        if host and not (what.startswith(("aten.copy_", "aten.lift_fresh")) and self._inside(self.staging, tensor)):
             raise HostReadError(f"{what} reads host memory that is no registered staging buffer: "
                                 f"{tuple(tensor.shape)} {tensor.dtype}")  # fmt: skip
 
@@ -225,8 +226,9 @@ class CaptureGuard(TorchDispatchMode):
                     self.check_read(str(func), tensor)
         out = func(*args, **kwargs)
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
-                self._add(self.regions, tensor)  # made by the step: device memory from here on
+            # Made by the step: device memory from here on (a view of a staging buffer stays host memory).
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not self._inside(self.staging, tensor):
+                self._add(self.regions, tensor)
         return out
 
     @contextlib.contextmanager

@@ -12,7 +12,8 @@ from orca_backend import EngineConfig, SamplingParams
 from orca_backend.core.request import Request
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.scheduler_output import NewRequest, SchedulerOutput
-from orca_backend.worker.input_batch import InputBatch, StepInputs
+from orca_backend.worker.input_batch import STOP_IDS, TOP_K, InputBatch, StepInputs
+from orca_backend.worker.logits_processors import BIAS_IDS, BIAS_VALUES
 
 
 def _from_scratch(step: SchedulerOutput, requests: list[Request], like: InputBatch) -> StepInputs:
@@ -27,15 +28,25 @@ def _from_scratch(step: SchedulerOutput, requests: list[Request], like: InputBat
 
 def _plain(inputs: StepInputs) -> dict:
     s = inputs.sampling
+
+    def at(positions: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, columns: slice | int) -> list:
+        """The positions, and what the device's per-row table holds for each (rows differ between builds)."""
+        return [positions[0].tolist(), table[positions[1]][:, columns].tolist()]
+
+    stop_ids = [[sorted(set(ids)) for ids in at(s.banned, s.ids, slice(STOP_IDS, None))[1]]]
     return {
         "input_ids": inputs.input_ids.tolist(), "positions": inputs.positions.tolist(),
         "slot_mapping": inputs.slot_mapping.tolist(), "query_start": inputs.query_start.tolist(),
         "context_lens": inputs.context_lens.tolist(), "logits_indices": inputs.logits_indices.tolist(),
         "block_tables": inputs.block_tables.tolist(), "max_query_len": inputs.max_query_len,
-        "max_context_len": inputs.max_context_len, "sample": s.sample.tolist(), "temperature": s.temperature.tolist(),
-        "top_k": s.top_k.tolist(), "top_p": s.top_p.tolist(), "banned": s.banned, "logprobs": s.logprobs,
-        "random": [g is not None for g in s.generators],
-        "processed": s.processors.processed[s.rows].tolist(), "penalized": s.processors.penalized[s.rows].tolist(),
+        "max_context_len": inputs.max_context_len, "sample": s.sample.tolist(),
+        "random": at(s.random, s.values, slice(None)), "top_k": at(s.random, s.ids, TOP_K),
+        "banned": [s.banned[0].tolist(), stop_ids], "logprobs": [s.logprobs.tolist(), s.logprobs_at, s.num_logprobs],
+        "biased": [s.biased[0].tolist(), [sorted((i, v) for i, v in zip(ids, values, strict=True) if (i, v) != (0, 0.0))
+                                          for ids, values in zip(at(s.biased, s.processors.ids, slice(BIAS_IDS, None))[1],
+                                                                 at(s.biased, s.processors.values, slice(BIAS_VALUES, None))[1],
+                                                                 strict=True)]],
+        "penalized": at(s.penalized, s.processors.values, slice(0, BIAS_VALUES)), "repetition": s.repetition,
     }  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from kv_modes import KV_MODES
 from orca_backend import LLM, SamplingParams
 from orca_backend.entrypoints.llm import CompletionOutput
 from orca_backend.worker.logits_processors import LogitsProcessors
+from orca_backend.worker.staging import StagingArena
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,15 +255,22 @@ def test_penalty_counts_follow_the_deltas_and_are_rebuilt_when_a_row_is_taken_ag
     """Counts come from the output tokens a row is given (at add, from each delta); a request that takes
     a row again (resumed after a preemption) gets them back from its tokens, whatever row it lands in."""
     params = SamplingParams(frequency_penalty=1.0)
-    processors = LogitsProcessors(4, 10, torch.device("cpu"))
+    staging = StagingArena(torch.device("cpu"))
+    processors = LogitsProcessors(4, 10, torch.device("cpu"), staging)
+    none = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+    def penalized(position: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([position]), torch.tensor([row])
+
     processors.add(2, params, [1], [3, 3])
     processors.count([2], [[4]])
     logits = torch.zeros(2, 10)
-    processors.apply(logits, [1], [2])
+    processors.apply(logits, none, penalized(1, 2), repetition=False)
     assert logits[1].tolist() == [0, 0, 0, -2, -1, 0, 0, 0, 0, 0] and torch.all(logits[0] == 0)
     processors.remove(2)
     assert not processors.processed[2] and not processors.penalized[2]
+    staging.begin()
     processors.add(0, params, [1], [3, 3, 4])
     again = torch.zeros(2, 10)
-    processors.apply(again, [1], [0])
+    processors.apply(again, none, penalized(1, 0), repetition=False)
     assert torch.equal(again, logits)
