@@ -55,6 +55,9 @@ class CoreRendezvous:
         name = f"{server_pid}-{model_name}-v{model_version}"
         if len(str(root / name / "core.sock")) > MAX_SOCKET_PATH:
             name = f"{server_pid}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+        if len(str(root / name / "core.sock")) > MAX_SOCKET_PATH:
+            raise RuntimeError(f"{root} is too long a directory for the engine core's socket (AF_UNIX paths are "
+                               "limited to 107 bytes): set TMPDIR to a shorter one")  # fmt: skip
         self.directory = root / name
         self._socket = self.directory / "core.sock"
         self._key_file = self.directory / "core.key"

@@ -434,7 +434,7 @@ def test_build_repository_writes_variant_copies(tmp_path):
     assert names == ["orca", "orca_reserve", "orca_same", "baseline_bs8"]
     text = (repo / "orca_reserve" / "config.pbtxt").read_text()
     assert re.search(r'(?m)^name: "orca_reserve"$', text) and text.count("\nname:") + text.startswith("name:") == 1
-    assert (repo / "orca_reserve" / "1" / "model.py").is_file()
+    assert re.search(r'(?m)^backend: "orca"$', text) and (repo / "orca_reserve" / "1").is_dir()  # the backend's model.py
     orca, reserve, same = (_params(repo / n / "config.pbtxt") for n in ("orca", "orca_reserve", "orca_same"))
     assert bench.bench_server.parameter_differences(reserve, orca) == {"kv_policy": "reserve", "block_size": "32"}
     assert same == orca

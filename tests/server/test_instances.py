@@ -4,7 +4,10 @@ the others wait for it and attach, and a failed owner fails them with a reason i
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +16,11 @@ from orca_backend.server.instances import CoreRendezvous, instance_count
 
 
 @pytest.fixture
-def root(tmp_path):
-    return tmp_path / "rv"
+def root():
+    """Short, as the real one (/tmp/orca-<uid>) is: an AF_UNIX path holds at most 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="rv", dir="/tmp"))
+    yield directory / "rv"
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_exactly_one_instance_claims_the_core_until_it_releases_it(root):
@@ -70,6 +76,8 @@ def test_a_waiting_instance_fails_with_a_reason_when_the_owner_lets_go_first(roo
 def test_a_long_model_name_still_gives_a_socket_path_unix_accepts(root):
     rendezvous = CoreRendezvous("m" * 200, "1", server_pid=9, root=root)
     assert len(str(rendezvous.directory / "core.sock")) <= 100
+    with pytest.raises(RuntimeError, match="set TMPDIR to a shorter one"):
+        CoreRendezvous("orca", "1", server_pid=9, root=root / ("d" * 100))
 
 
 def test_a_directory_others_can_enter_is_refused(root):
