@@ -173,6 +173,9 @@ class EngineConfig:
                              "enable_prefix_caching too")  # fmt: skip
         if float(self.health_check_interval_s) < 0:
             raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
+        if float(self.health_check_interval_s) > 0 and float(self.iteration_timeout_s) == 0:
+            raise ValueError("health_check_interval_s needs iteration_timeout_s > 0: an unanswered health check is "
+                             "a hung iteration, and with iteration_timeout_s 0 nothing watches for one")  # fmt: skip
         if float(self.iteration_timeout_s) < 0:
             raise ValueError(f"iteration_timeout_s must be > 0, or 0 to turn the watchdog off, got {self.iteration_timeout_s!r}")
         if float(self.structured_output_compile_timeout_s) < 0:

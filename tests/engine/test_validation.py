@@ -186,6 +186,7 @@ def test_the_id_of_a_request_a_stop_string_ended_stays_in_use_until_the_core_let
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
         ({"model": "/no/such/dir"}, "neither a preset"),
         ({"device": "tpu"}, "device must be cpu, cuda, cuda:N or auto"),
+        ({"health_check_interval_s": 5.0, "iteration_timeout_s": 0}, "health_check_interval_s needs iteration_timeout_s > 0"),
         ({"kv_policy": "lru"}, "kv_policy must be 'reserve' or 'paged'"),
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"block_size": 32, "kv_capacity_tokens": 16}, "at most kv_capacity_tokens"),
