@@ -111,6 +111,9 @@ class _CoreLink:
         """Why the core's end closed, when this frontend did not close it."""
         raise NotImplementedError
 
+    def _reap(self) -> None:
+        """Waits (briefly) for the core process to be gone, where this frontend is its parent."""
+
     # ----------------------------------------------------------------- any thread
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         with self._send_lock:
@@ -177,6 +180,7 @@ class _CoreLink:
             if dead_reason is not None:
                 self._on_dead(dead_reason)
                 return
+        self._reap()  # a killed core is gone, not a zombie, by the time its requests hear of it
         if self._closing:
             reason = "the engine was shut down"
         elif self._hang_reason is not None:
@@ -279,8 +283,10 @@ class EngineCoreProcess(_CoreLink):
     def _kill(self) -> None:
         self.process.kill()
 
-    def _gone_reason(self) -> str:
+    def _reap(self) -> None:
         self.process.join(timeout=5)
+
+    def _gone_reason(self) -> str:
         return f"the engine core process (pid {self.process.pid}) {exit_description(self.process.exitcode)}"
 
     def shutdown(self) -> None:
