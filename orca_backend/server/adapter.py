@@ -114,6 +114,11 @@ class EngineAdapter:
             self._rendezvous.release()
             raise
 
+    def leads_unload(self) -> bool:
+        """Whether this instance is the one to unload the model when its engine dies: the core's owner,
+        or, when the owner is gone too, the one instance that takes over its lock."""
+        return self.owns_core or (self._rendezvous is not None and self._rendezvous.claim())
+
     def check_instance_count(self, count: int) -> None:
         """Raises pb_utils.TritonModelException when this adapter cannot serve `count` instances."""
 

@@ -236,8 +236,10 @@ class OrcaModel(EngineAdapter):
         self._fail_all(EngineUnavailable(self._dead_reason))
         # Triton 2.51's Python backend has no readiness hook: unloading (explicit model control,
         # as orca-serve runs it) makes /v2/models/<name>/ready fail. From its own thread, since
-        # unloading calls finalize(), which waits for this one.
-        threading.Thread(target=self._unload_self, name="orca-unload", daemon=True).start()
+        # unloading calls finalize(), which waits for this one. One instance asks, never several:
+        # unload requests from the stubs of the model being unloaded can deadlock Triton's unload.
+        if self.leads_unload():
+            threading.Thread(target=self._unload_self, name="orca-unload", daemon=True).start()
 
     def _unload_self(self) -> None:
         try:
