@@ -296,9 +296,7 @@ class EngineConfig:
                                  "multi_lora.json (Triton's vLLM backend's file)")  # fmt: skip
             default = known[key].default
             if isinstance(default, bool):
-                if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
-                    raise ValueError(f"parameter {key} must be true or false, got {value!r}")
-                kwargs[key] = value.lower() in ("1", "true", "yes")
+                kwargs[key] = parameter_bool(key, value)
             elif isinstance(default, (int, float)):
                 try:
                     kwargs[key] = type(default)(value)
@@ -361,6 +359,13 @@ def pool_capacity_tokens(capacity_tokens: int, block_size: int) -> int:
 def fits_in_pool(num_tokens: int, capacity_tokens: int, block_size: int) -> bool:
     """Whether `num_tokens` tokens fit an empty pool of whole blocks (validation needs no pool)."""
     return -(-num_tokens // block_size) <= capacity_tokens // block_size
+
+
+def parameter_bool(key: str, value: str) -> bool:
+    """A config.pbtxt parameter's true or false (1/0 and yes/no too); ValueError naming it otherwise."""
+    if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ValueError(f"parameter {key} must be true or false, got {value!r}")
+    return value.lower() in ("1", "true", "yes")
 
 
 def parameter_values(parameters: Mapping[str, Any], expand_env: bool = True) -> dict[str, str]:

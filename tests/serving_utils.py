@@ -168,17 +168,24 @@ class StreamSession:
         self.close(cancel=True)
 
 
-def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list[int]]:
-    """(stub, core, workers): `model`'s Python-backend stub process, the engine core process below it,
-    and the workers the core spawned (sorted). Spawning also starts multiprocessing's resource
-    tracker beside each child: it is none of them."""
-    def spawned(p: Any) -> bool:
-        return "resource_tracker" not in " ".join(p.cmdline)
+def _spawned(p: Any) -> bool:
+    """Spawning also starts multiprocessing's resource tracker beside each child: it is none of ours."""
+    return "resource_tracker" not in " ".join(p.cmdline)
 
+
+def model_processes(root_pid: int, model: str = "orca") -> tuple[list[int], list[int]]:
+    """(stubs, cores): `model`'s Python-backend stub processes (one per Triton instance) and the engine
+    core processes below them."""
     tree = process_tree(root_pid)
-    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == model]
-    (core,) = [p.pid for p in tree if p.ppid == stub and spawned(p)]
-    return stub, core, sorted(p.pid for p in process_tree(core) if p.pid != core and spawned(p))
+    stubs = [p.pid for p in tree if stub_model(p.cmdline) == model]
+    return stubs, [p.pid for p in tree if p.ppid in stubs and _spawned(p)]
+
+
+def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list[int]]:
+    """(stub, core, workers) of a model of one instance: its stub, the engine core process below it,
+    and the workers the core spawned (sorted)."""
+    (stub,), (core,) = model_processes(root_pid, model)
+    return stub, core, sorted(p.pid for p in process_tree(core) if p.pid != core and _spawned(p))
 
 
 def one_request(url: str, model: str, timeout_s: float = 120.0, **request: Any) -> StreamResult:

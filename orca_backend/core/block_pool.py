@@ -57,7 +57,9 @@ class BlockPool:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (none when not recording)."""
-        events, self._events = self._events or [], [] if self._events is not None else None
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
         return events
 
     def cached_hashes(self) -> set[int]:

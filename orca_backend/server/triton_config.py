@@ -26,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from orca_backend.config import EngineConfig, parameter_values
+from orca_backend.config import EngineConfig, parameter_bool, parameter_values
 
 MODEL_JSON = "model.json"
 # ENABLE_VLLM_HEALTH_CHECK (the vLLM backend checks its engine at each request): an idle engine is
@@ -112,10 +112,9 @@ def report_custom_metrics(parameters: Mapping[str, Any], model_json: Mapping[str
     disable_log_stats true (the vLLM backend exports none unless the parameter is true: this engine's
     default is on, README says so)."""
     value = parameter_values(parameters).get("REPORT_CUSTOM_METRICS", "")
-    if value and value.lower() not in ("true", "false", "yes", "no", "1", "0"):
-        raise ValueError(f"parameter REPORT_CUSTOM_METRICS must be true or false, got {value!r}")
-    return value.lower() not in ("false", "no", "0") and not _bool(model_json.get("disable_log_stats", False),
-                                                                    "disable_log_stats")  # fmt: skip
+    if value and not parameter_bool("REPORT_CUSTOM_METRICS", value):
+        return False
+    return not _bool(model_json.get("disable_log_stats", False), "disable_log_stats")
 
 
 # ------------------------------------------------------------------------------ model.json

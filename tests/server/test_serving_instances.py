@@ -19,9 +19,9 @@ from orca_backend.sampling_params import SamplingParams
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 httpclient = pytest.importorskip("tritonclient.http", reason="needs the serve extras (tritonclient)")
 
-from serving_utils import StreamSession, metric, start_server, wait_until  # noqa: E402
+from serving_utils import StreamSession, metric, model_processes, start_server, wait_until  # noqa: E402
 
-from orca_client.served_path import process_tree, stub_model  # noqa: E402
+from orca_client.served_path import process_tree  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -54,12 +54,7 @@ def reference(checkpoint):
 
 
 def stubs_and_cores(server) -> tuple[list[int], list[int]]:
-    """The `orca` stub processes, and the engine core processes below them (not multiprocessing's
-    resource tracker, which spawning starts beside a child)."""
-    tree = process_tree(server.process.pid)
-    stubs = [p.pid for p in tree if stub_model(p.cmdline) == "orca"]
-    cores = [p.pid for p in tree if p.ppid in stubs and "resource_tracker" not in " ".join(p.cmdline)]
-    return stubs, cores
+    return model_processes(server.process.pid, "orca")
 
 
 def instances_that(server, what: str) -> set[str]:

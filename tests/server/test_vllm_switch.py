@@ -29,9 +29,7 @@ httpclient = pytest.importorskip("tritonclient.http", reason="needs the serve ex
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from serving_utils import StreamSession, one_request, read_metrics, wait_until  # noqa: E402
-
-from orca_client.served_path import process_tree, stub_model  # noqa: E402
+from serving_utils import StreamSession, model_processes, one_request, read_metrics, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -159,9 +157,7 @@ def test_a_wedged_idle_engine_makes_the_model_unready_with_the_health_check_on(s
     request anywhere, turns its model unready and says why in the log."""
     load(server, "health_checked")
     assert server.model_ready_status("health_checked") == 200
-    tree = process_tree(server.process.pid)
-    (stub,) = [p.pid for p in tree if stub_model(p.cmdline) == "health_checked"]
-    (core,) = [p.pid for p in tree if p.ppid == stub and "resource_tracker" not in " ".join(p.cmdline)]
+    _, (core,) = model_processes(server.process.pid, "health_checked")
     os.kill(core, signal.SIGSTOP)  # alive, answering nothing
     assert wait_until(lambda: server.model_ready_status("health_checked") != 200, timeout_s=60)
     assert "to an idle engine's health check" in server.log_tail(200_000)
