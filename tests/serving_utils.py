@@ -4,7 +4,11 @@ orca_backend.entrypoints.serve."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -157,6 +161,9 @@ class StreamSession:
         return list(self.results.values())
 
     def close(self, cancel: bool = False) -> None:
+        """Ends the stream (cancelling what is in flight when `cancel`); again is a no-op."""
+        if self._closing:
+            return
         self._closing = True
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
@@ -186,6 +193,49 @@ def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list
     and the workers the core spawned (sorted)."""
     (stub,), (core,) = model_processes(root_pid, model)
     return stub, core, sorted(p.pid for p in process_tree(core) if p.pid != core and _spawned(p))
+
+
+# Runs the engine for one slice per line read: a process of its own, because the test's own process
+# can wait hundreds of milliseconds for its GIL (the gRPC stream's threads hold it) between the two
+# signals, while the engine makes hundreds of tokens.
+_SLICER = """
+import os, signal, sys, time
+pid, slice_s = int(sys.argv[1]), float(sys.argv[2])
+while sys.stdin.readline():
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(slice_s)
+    os.kill(pid, signal.SIGSTOP)
+    sys.stdout.write("\\n")
+    sys.stdout.flush()
+"""
+
+
+def run_in_slices(pid: int, progress: Callable[[], float], until: Callable[[], bool], slice_s: float = 0.01,
+                  catch_up_s: float = 5.0, timeout_s: float = 120.0) -> bool:
+    """Lets a stopped engine run a slice at a time until `until()`, and leaves it stopped.
+
+    After each slice the engine waits, stopped, until `progress()` (e.g. the iterations the server
+    exports) moves, or catch_up_s when nothing does: so what the test reads is about one slice behind
+    the engine, however slowly a loaded machine passes it along. False if `until()` did not come
+    within timeout_s."""
+    slicer = subprocess.Popen([sys.executable, "-c", _SLICER, str(pid), str(slice_s)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                return False
+            seen = progress()
+            slicer.stdin.write("\n")
+            slicer.stdin.flush()
+            if not slicer.stdout.readline():
+                raise RuntimeError(f"the slicer ended (exit code {slicer.wait()})")
+            wait_until(lambda: progress() != seen or until(), timeout_s=catch_up_s, interval_s=0.001)  # noqa: B023
+        return True
+    finally:
+        slicer.stdin.close()
+        slicer.wait()
+        os.kill(pid, signal.SIGSTOP)  # stopped whatever happened to the slicer
 
 
 def one_request(url: str, model: str, timeout_s: float = 120.0, **request: Any) -> StreamResult:
