@@ -30,7 +30,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.lora import MULTI_LORA_FILE, read_multi_lora_json
 from orca_backend.server.instances import CoreRendezvous, instance_count
-from orca_backend.server.metrics import EngineMetrics, MetricsPoller, NoMetrics
+from orca_backend.server.metrics import EngineMetrics, MetricsPoller, NoMetrics, cache_config_labels
 from orca_backend.server.protocol import install_fast_byte_serialization
 from orca_backend.server.triton_config import (
     MODEL_JSON,
@@ -80,7 +80,8 @@ class EngineAdapter:
         if report_custom_metrics(self.triton_config.get("parameters", {}) or {}, self.model_json):
             self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
                                          self.engine.model_config.max_context, lora=config.enable_lora,
-                                         engine_stats=self.owns_core)  # fmt: skip
+                                         engine_stats=self.owns_core,
+                                         cache_config=cache_config_labels(self.engine.config))  # fmt: skip
             self._poller = MetricsPoller(self.engine, self.metrics).start()
         if not self.owns_core:
             pb_utils.Logger.log_info(f"{self.model_name}: instance {args.get('model_instance_name', '')} attached to "

@@ -72,6 +72,25 @@ _STAT_OF = {
 _LORA_STATS = {"orca_lora_loads_total": "lora_loads"}  # exported with enable_lora only
 LORA_INFO = "vllm:lora_requests_info"  # vLLM's: the running and waiting adapters as labels, the time as value
 LORA_INFO_HELP = "Running stats on lora requests."
+# vLLM's: the K/V cache's configuration as labels (value 1). Autoscalers and routers read the pool's
+# size from it (num_gpu_blocks x block_size tokens), so it is there from the engine's start.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+CACHE_CONFIG_INFO_HELP = "Information of the LLMEngine CacheConfig"
+
+
+def cache_config_labels(config: Any) -> dict[str, str]:
+    """The K/V pool's configuration as vLLM labels it (Python's str of each value). `num_gpu_blocks`
+    keeps vLLM's name whatever the device: the pool's blocks, per layer; there is no CPU swap pool
+    (`num_cpu_blocks` None) and the K/V is kept in the model's dtype (`cache_dtype` auto)."""
+    return {
+        "block_size": str(int(config.block_size)),
+        "num_gpu_blocks": str(int(config.kv_capacity_tokens) // int(config.block_size)),
+        "num_cpu_blocks": "None",
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+        "gpu_memory_utilization": str(float(config.gpu_memory_utilization)),
+        "kv_cache_memory_bytes": str(int(config.kv_cache_memory_bytes) or None),
+    }
 
 
 # The vLLM backend's buckets (they are vLLM's own).
@@ -145,11 +164,12 @@ class EngineMetrics:
 
     def __init__(
         self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False,
-        engine_stats: bool = True,
+        engine_stats: bool = True, cache_config: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         """`lora` (enable_lora): the per-request series carry a `lora_name` label too ("" for the base
         model), and the adapters' gauges are exported. Without `engine_stats` (a model instance that
-        attached to another's engine core) only the requests' ends are: the core's owner exports its stats."""
+        attached to another's engine core) only the requests' ends are: the core's owner exports its
+        stats, and `cache_config` (cache_config_labels) as vLLM's cache_config_info."""
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
         self._lora = lora
@@ -179,6 +199,13 @@ class EngineMetrics:
         self._lora_info: tuple[Any, Any] | None = None  # (family, its one metric)
         self._lora_info_labels: tuple[str, str, int] | None = None
         self._steps_by_path: dict[str, _Exported] = {}  # orca_model_steps_total, a series per path seen
+        self._cache_config_info: tuple[Any, Any] | None = None  # (family, its one metric)
+        if engine_stats and cache_config is not None:
+            family = pb_utils.MetricFamily(name=CACHE_CONFIG_INFO, description=CACHE_CONFIG_INFO_HELP,
+                                           kind=kinds.GAUGE)  # fmt: skip
+            metric = family.Metric(labels={**self._labels, **cache_config})
+            metric.set(1.0)
+            self._cache_config_info = (family, metric)
 
     def update(self, stats: Any) -> None:
         """Exports an EngineStats snapshot."""

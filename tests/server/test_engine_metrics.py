@@ -20,8 +20,16 @@ from typing import Any
 
 import pytest
 
+from orca_backend.config import EngineConfig
 from orca_backend.messages import EngineStats, FinishReason, RequestMetrics
-from orca_backend.server.metrics import LORA_INFO, EngineMetrics, FinishedRequest, MetricsPoller
+from orca_backend.server.metrics import (
+    CACHE_CONFIG_INFO,
+    LORA_INFO,
+    EngineMetrics,
+    FinishedRequest,
+    MetricsPoller,
+    cache_config_labels,
+)
 
 
 @dataclass
@@ -102,6 +110,35 @@ def finished(reason: FinishReason | None, lora_name: str | None = None, output_t
     timeline = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, num_preemptions=2, num_cached_tokens=0,
                               first_token_time=11.0, last_token_time=13.0)  # fmt: skip
     return FinishedRequest(reason, timeline, num_input_tokens=7, num_output_tokens=output_tokens, lora_name=lora_name)
+
+
+# --- vLLM's cache_config_info ----------------------------------------------------------------------
+
+
+def test_cache_config_info_says_the_pool_from_the_start_on_the_cores_owner_only():
+    """One series, value 1, the pool's configuration as labels (what autoscalers read the K/V size
+    from: num_gpu_blocks x block_size), exported before any stats arrive; an instance attached to
+    another's core leaves it to the owner, so the model has it once."""
+    config = EngineConfig(kv_capacity_tokens=1000, block_size=16, enable_prefix_caching=True)
+    pb = fake_pb_utils()
+    owner = EngineMetrics(pb, "orca", cache_config=cache_config_labels(config))
+    EngineMetrics(pb, "orca", engine_stats=False, cache_config=cache_config_labels(config))
+    (labels, series), = live(pb, CACHE_CONFIG_INFO)
+    assert series.kind == "gauge" and series.value == 1.0
+    assert labels == {"model": "orca", "version": "1", "block_size": "16", "num_gpu_blocks": "62",
+                      "num_cpu_blocks": "None", "cache_dtype": "auto", "enable_prefix_caching": "True",
+                      "gpu_memory_utilization": "0.0", "kv_cache_memory_bytes": "None"}  # fmt: skip
+    owner.update(stats(kv_capacity_tokens=992))
+    assert live(pb, CACHE_CONFIG_INFO) == [(labels, series)]
+
+
+def test_cache_config_info_of_a_pool_sized_in_bytes():
+    """kv_cache_memory_bytes sizes the pool: the blocks are what those bytes hold (with_kv_capacity)."""
+    model = EngineConfig(model="gpt2-tiny").model_config()
+    per_token = 2 * 4 * model.num_layers * model.num_kv_heads * model.head_dim
+    config = EngineConfig(model="gpt2-tiny", kv_cache_memory_bytes=100 * 16 * per_token + 5).with_kv_capacity(model)
+    labels = cache_config_labels(config)
+    assert labels["num_gpu_blocks"] == "100" and labels["kv_cache_memory_bytes"] == str(100 * 16 * per_token + 5)
 
 
 # --- vLLM's lora_requests_info ----------------------------------------------------------------------

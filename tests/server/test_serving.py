@@ -15,6 +15,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -238,21 +239,21 @@ def test_orca_short_requests_overtake_a_long_one_token_by_token(server, referenc
     The engine runs the long request in slices (SIGCONT, SIGSTOP, see run_in_slices) for a few
     iterations, is held still until Triton has handed the shorts to the frontend, and runs in slices
     again until they run: so the shorts join while the long one runs however fast this CPU generates
-    (all 1000 tokens in under a second) and however late a loaded machine passes things along. The iteration log (the engine's own
-    account) then says whether the shorts joined with more than their own length of the long one to
-    go: only such a try is judged, up to three tries, and a scheduler that never lets them join
-    fails all three."""
+    (all 1000 tokens in under a second) and however late a loaded machine passes things along. The
+    iteration log (the engine's own account) then says whether the shorts joined after the long
+    one's prefill with more than their own length of it to go: only such a try is judged, up to
+    three tries, and a scheduler that never lets them join fails all three."""
     long_prompt, long_tokens, short_tokens = [1, 2, 3, 4, 5], 1000, 8
     short_prompts = [[7 + i, 8] for i in range(4)]
     _, core, _ = engine_processes(server.process.pid)
     log = server.run_dir / ORCA_ITERATION_LOG
     iterations = functools.partial(metric, server, "orca_iterations_total", "orca")
     running = functools.partial(metric, server, "orca_requests_running", "orca")
-    tries = []
+    tries: list[dict] = []
     for attempt in range(3):
+        started = _settled(iterations)  # what earlier tests left has ended, and the export caught up
         log_offset = log.stat().st_size if log.exists() else 0
         received, _ = model_statistics(server, "orca")
-        started = iterations()
         with StreamSession(server.grpc_url) as session:
             os.kill(core, signal.SIGSTOP)
             try:
@@ -265,24 +266,27 @@ def test_orca_short_requests_overtake_a_long_one_token_by_token(server, referenc
                 # Handed over is not yet read: the engine's inbox reader needs the CPU too, which a
                 # loaded machine gives it late. In slices until the five run (or the long one is done).
                 assert run_in_slices(core, progress=iterations,  # noqa: B023
-                                     until=lambda: running() == 5 or iterations() >= started + long_tokens)  # noqa: B023
+                                     until=lambda: running() >= 5 or iterations() >= started + long_tokens)  # noqa: B023
             finally:
                 os.kill(core, signal.SIGCONT)
             session.wait()
         assert len(long.ids) == long_tokens, long.error
         for short, prompt in zip(shorts, short_prompts, strict=True):
             assert short.ids == reference(prompt, short_tokens).output_ids
-        # The long request's prefill is the first iteration of this try that ran its prompt alone;
-        # it then makes one token an iteration, so it ends long_tokens - 1 iterations later.
-        lines = []
-        assert wait_until(lambda: _long_has_ended(lines, log, log_offset, len(long_prompt), long_tokens), timeout_s=30)  # noqa: B023
+        # The long request's prefill is the first iteration of this try that ran prompt tokens; it
+        # then makes one token an iteration, so it ends long_tokens - 1 iterations later.
+        lines: list[dict] = []
+        ended = wait_until(lambda: _long_has_ended(lines, log, log_offset, long_tokens), timeout_s=30)  # noqa: B023
+        assert ended, _iterations(log, log_offset)[:3]
         first, *later = lines
         long_ends = first["iteration"] + long_tokens - 1
         joins = [line["iteration"] for line in later if line["prompt_tokens"] > 0]
         joined_tokens = sum(line["prompt_tokens"] for line in later)
-        tries.append({"long_ends": long_ends, "shorts_joined": joins, "prompt_tokens_joined": joined_tokens})
-        if joined_tokens < sum(map(len, short_prompts)) or joins[-1] + short_tokens - 1 >= long_ends:
-            continue  # the engine had (nearly) finished the long request before all the shorts reached it
+        tries.append({"long_prefill_tokens": first["prompt_tokens"], "long_ends": long_ends, "shorts_joined": joins,
+                      "prompt_tokens_joined": joined_tokens})  # fmt: skip
+        if (first["prompt_tokens"] != len(long_prompt) or joined_tokens < sum(map(len, short_prompts))
+                or joins[-1] + short_tokens - 1 >= long_ends):  # fmt: skip
+            continue  # the shorts came with the long request's prefill, or when it was (nearly) done
         timeline = [(r.request_id, round(r.first_at - long.sent_at, 3), round(r.finished_at - long.sent_at, 3))
                     for r in (long, *shorts)]
         assert all(s.finished_at < long.finished_at for s in shorts), timeline
@@ -304,22 +308,27 @@ def _iterations(log: Path, offset: int) -> list[dict]:
     return [line for line in map(json.loads, text[: text.rfind("\n") + 1].splitlines()) if "iteration" in line]
 
 
-def _long_prefill(lines: list[dict], prompt_tokens: int) -> int | None:
-    """Index of the long request's prefill: the first iteration that ran that many prompt tokens, alone."""
-    return next((i for i, line in enumerate(lines) if line["requests"] == 1 and line["prompt_tokens"] == prompt_tokens),
-                None)  # fmt: skip
-
-
-def _long_has_ended(lines: list[dict], log: Path, offset: int, prompt_tokens: int, long_tokens: int) -> bool:
-    """Fills `lines` with the iteration log's lines from the long request's prefill to its last
-    iteration (one token an iteration after its prefill); False until the log holds them all."""
+def _long_has_ended(lines: list[dict], log: Path, offset: int, long_tokens: int) -> bool:
+    """Fills `lines` with the iteration log's lines from the long request's prefill (the first to run
+    prompt tokens after `offset`) to its last iteration; False until the log holds them all."""
     read = _iterations(log, offset)
-    start = _long_prefill(read, prompt_tokens)
+    start = next((i for i, line in enumerate(read) if line["prompt_tokens"] > 0), None)
     if start is None:
         return False
     last = read[start]["iteration"] + long_tokens - 1
     lines[:] = [line for line in read[start:] if line["iteration"] <= last]
     return lines[-1]["iteration"] == last
+
+
+def _settled(read: Callable[[], float], timeout_s: float = 60.0) -> float:
+    """`read()` once two reads 0.5 s apart (more than the metrics' export period) agree."""
+    deadline, last = time.monotonic() + timeout_s, read()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        last, previous = read(), last
+        if last == previous:
+            return last
+    raise AssertionError(f"still changing after {timeout_s} s: {last}")
 
 
 def test_baseline_answers_a_batch_together_and_triton_batched_it(server, reference):
@@ -594,6 +603,11 @@ def test_metrics_are_exported(server):
             assert any(n == name and ("model", model) in labels for (n, labels) in samples), f"{name} missing: {model}"
     assert metric(server, "orca_kv_capacity_tokens", "orca") == 32768
     assert metric(server, "orca_iterations_total", "orca") > 0
+    # vLLM's cache_config_info, from which autoscalers read the pool: 32768 slots in blocks of 16.
+    for model in ("orca", "baseline"):
+        (labels,) = [dict(labels) for (n, labels) in samples if n == "vllm:cache_config_info" and ("model", model) in labels]
+        assert (labels["block_size"], labels["num_gpu_blocks"], samples[("vllm:cache_config_info", frozenset(labels.items()))]) \
+            == ("16", "2048", 1.0)  # fmt: skip
 
 
 def dashboard_series() -> set[str]:
