@@ -230,7 +230,7 @@ def run_in_slices(pid: int, progress: Callable[[], float], until: Callable[[], b
             slicer.stdin.flush()
             if not slicer.stdout.readline():
                 raise RuntimeError(f"the slicer ended (exit code {slicer.wait()})")
-            wait_until(lambda: progress() != seen or until(), timeout_s=catch_up_s, interval_s=0.001)  # noqa: B023
+            wait_until(lambda: progress() != seen or until(), timeout_s=catch_up_s, interval_s=0.01)  # noqa: B023
         return True
     finally:
         slicer.stdin.close()
