@@ -16,7 +16,8 @@ yet. `make gpu-smoke` adds the package's install (~10-20 s) before them; the run
 | kernel_tests     | the kernel tests never run compiled (split-K decode with the fused  | 60-120 s | 170 s   |
 |                  | K/V write and rotary, windows, FP8, LoRA, MoE) and the engine's     |          |         |
 |                  | CUDA-graph, async, FP8, MoE, window and LoRA token tests on CUDA    |          |         |
-| graphs           | both models graphed at max_num_seqs 256: every bucket captured (a   | 40-80 s  | 120 s   |
+| graphs           | both models graphed at max_num_seqs 256, the K/V pool sized from    | 40-80 s  | 120 s   |
+|                  | gpu_memory_utilization 0.9: every bucket captured (a                |          |         |
 |                  | failure fails the stage), decode steps replay graphs, per-bucket    |          |         |
 |                  | replay time (CUDA events), graph pool memory, capture seconds, one  |          |         |
 |                  | profiler trace per model of a bucket-1 and a bucket-64 replay       |          |         |
@@ -510,15 +511,22 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
     StepGraphs.capture = timed_capture  # type: ignore[method-assign]
     try:
         started = time.perf_counter()
+        # On a GPU the pool takes what 0.9 of its memory leaves (worker/kv_pool.py), as vLLM's default
+        # does; a CPU ignores it and takes kv_tokens.
         llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.graph_max_seqs,
-                  kv_capacity_tokens=kv_tokens)  # fmt: skip
+                  kv_capacity_tokens=kv_tokens, gpu_memory_utilization=KV_POOL_UTILIZATION)  # fmt: skip
         build_s = time.perf_counter() - started
     finally:
         StepGraphs.capture = capture  # type: ignore[method-assign]
     try:
         runner = llm.engine.core.executor.runner
+        config = llm.engine.config
+        pool = {"gpu_memory_utilization": KV_POOL_UTILIZATION if config.sizes_kv_pool_from_memory() else None,
+                "tokens": config.kv_capacity_tokens,
+                "gib": config.kv_capacity_tokens * config.kv_bytes_per_token(llm.engine.model_config) / 2**30}  # fmt: skip
         result: dict[str, Any] = {"model": model, "dtype": args.dtype, "max_num_seqs": args.graph_max_seqs,
-                                  "capture_sizes": sizes, "build_s": build_s, "prompt_tokens": prompt_len}  # fmt: skip
+                                  "capture_sizes": sizes, "build_s": build_s, "prompt_tokens": prompt_len,
+                                  "kv_pool": pool}  # fmt: skip
         if device.type == "cuda":
             graphs, mixed = runner.decode_graphs, runner.mixed_graphs
             if graphs is None or mixed is None:
@@ -597,6 +605,9 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
         gpu_check.release(None)
 
 
+KV_POOL_UTILIZATION = 0.9  # the graphs stage's engines: vLLM's default share of the GPU
+
+
 def traced_buckets(sizes: list[int]) -> list[int]:
     """Bucket 1 and bucket 64 (the largest bucket up to 64 where max_num_seqs is smaller)."""
     return sorted({1, max(s for s in sizes if s <= 64)})
@@ -637,6 +648,10 @@ def render_graphs(r: dict[str, Any]) -> list[str]:
                      f"{m['build_s']:.1f} s" + (f", capture {sum(m['capture_s'].values()):.1f} s, graph pool {m['graph_pool_mib']:.0f} MiB"
                                                   if "capture_s" in m else "") + f"; steps by path {m['steps_by_path']}; "
                      f"trace {m['trace']['file']} (buckets {m['trace']['buckets']}, {m['trace']['device_events']} device events).")  # fmt: skip
+        pool = m["kv_pool"]
+        sized = f"from gpu_memory_utilization {pool['gpu_memory_utilization']}" if pool["gpu_memory_utilization"] \
+            else "kv_capacity_tokens (a CPU ignores gpu_memory_utilization)"  # fmt: skip
+        lines.append(f"K/V pool: {pool['tokens']:,} tokens, {pool['gib']:.2f} GiB, {sized}.")
         lines += ["", "| bucket | " + " | ".join(m["replay_ms"]) + " |", "|---|" + "---|" * len(m["replay_ms"]),
                   "| replay ms | " + " | ".join(f"{v:.3f}" for v in m["replay_ms"].values()) + " |", ""]  # fmt: skip
     lines += [f"- error: {e}" for e in r["errors"]]

@@ -68,8 +68,10 @@ class EngineConfig:
     kv_capacity_tokens: int = 16384  # K/V pool size in token slots, per layer (whole blocks of it are used)
     # vLLM's names. kv_cache_memory_bytes: the pool in bytes per rank instead (kv_capacity_tokens is
     # derived from it and the model's K/V geometry, `with_kv_capacity`). gpu_memory_utilization: the
-    # share of a GPU's memory the engine may use, the pool taking what the model and its activations
-    # leave; not applied yet (a CUDA engine refuses it, a CPU engine ignores it as vLLM's CPU build does).
+    # share of a GPU's memory the engine may use, the pool taking what the weights, the largest step's
+    # activations and memory outside torch leave (worker/kv_pool.py; kv_capacity_tokens is then what
+    # the engine core finds). kv_cache_memory_bytes wins over it; a CPU engine ignores it, as vLLM's
+    # CPU build does.
     kv_cache_memory_bytes: int = 0
     gpu_memory_utilization: float = 0.0
     max_model_len: int = 0  # prompt + max_tokens of a request at most this (0: the model's context)
@@ -249,14 +251,23 @@ class EngineConfig:
         """kv_events_config, parsed (None when unset)."""
         return KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
 
+    def kv_bytes_per_token(self, model_config: AnyModelConfig) -> int:
+        """The bytes a token's K and V take on one rank: over its stage's layers and its KV heads."""
+        element = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return (2 * element * -(-model_config.num_layers // int(self.pipeline_parallel_size))
+                * -(-model_config.num_kv_heads // int(self.tensor_parallel_size)) * model_config.head_dim)  # fmt: skip
+
+    def sizes_kv_pool_from_memory(self) -> bool:
+        """Whether the engine core sizes the K/V pool from the GPU's memory (gpu_memory_utilization on
+        a CUDA device, kv_cache_memory_bytes unset): kv_capacity_tokens is then what it finds."""
+        return self.device.startswith("cuda") and bool(self.gpu_memory_utilization) and not self.kv_cache_memory_bytes
+
     def with_kv_capacity(self, model_config: AnyModelConfig) -> EngineConfig:
         """This config with kv_capacity_tokens derived from kv_cache_memory_bytes, where that is set: the
         token slots whose K and V, over this rank's layers and KV heads, fit in that many bytes."""
         if not self.kv_cache_memory_bytes:
             return self
-        element = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        per_token = (2 * element * -(-model_config.num_layers // int(self.pipeline_parallel_size))
-                     * -(-model_config.num_kv_heads // int(self.tensor_parallel_size)) * model_config.head_dim)  # fmt: skip
+        per_token = self.kv_bytes_per_token(model_config)
         if per_token == 0:
             raise ValueError("kv_cache_memory_bytes: this model keeps no K/V; set kv_capacity_tokens")
         tokens = int(self.kv_cache_memory_bytes) // per_token // int(self.block_size) * int(self.block_size)

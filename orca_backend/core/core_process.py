@@ -58,7 +58,8 @@ def run_core_process(config: EngineConfig, conn: Connection, hook: CoreHook | No
     except BaseException as exc:  # noqa: BLE001 - the frontend raises it to whoever launched the engine
         conn.send_bytes(dumps(("failed", _picklable(exc))))
         return
-    ready = dumps(("ready", {"pid": os.getpid(), "worker_pids": getattr(core.executor, "pids", [])}))
+    ready = dumps(("ready", {"pid": os.getpid(), "worker_pids": getattr(core.executor, "pids", []),
+                             "kv_capacity_tokens": core.config.kv_capacity_tokens}))  # fmt: skip
     frontends = Frontends(conn)
     conn.send_bytes(ready)
     threading.Thread(target=_read_inputs, args=(conn, core, frontends, OWNER), name="orca-core-inputs",

@@ -33,26 +33,22 @@ HEARTBEAT_S = 1.0  # an idle loop's frames while grammars compile (the frontend'
 
 
 def resolved_device(config: EngineConfig) -> EngineConfig:
-    """`device="auto"` made cuda or cpu, by what this process sees (vLLM's default); and a CUDA engine
-    refuses gpu_memory_utilization, which sizing the K/V pool from a GPU's memory would need."""
+    """`device="auto"` made cuda or cpu, by what this process sees (vLLM's default)."""
     if config.device == "auto":
         import torch
 
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
         logger.info("device auto: %s", config.device)
-    if config.device.startswith("cuda") and config.gpu_memory_utilization and not config.kv_cache_memory_bytes:
-        raise ValueError(
-            f"gpu_memory_utilization={config.gpu_memory_utilization:g}: sizing the K/V pool from the GPU's memory is "
-            "not built yet; size it with kv_cache_memory_bytes (vLLM's name) or kv_capacity_tokens instead"
-        )
     return config
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config: AnyModelConfig, executor: Executor | None = None) -> None:
-        self.config = config = resolved_device(config).with_kv_capacity(model_config)
+        config = resolved_device(config).with_kv_capacity(model_config)
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
+        # The pool the ranks allocated: kv_capacity_tokens, or what gpu_memory_utilization left.
+        self.config = config = dataclasses.replace(config, kv_capacity_tokens=self.executor.kv_capacity_tokens)
         self.kv = make_kv_manager(config, model_config.kv_window)
         self.kv_events = make_publisher(config.kv_events())  # the prefix cache's events for routers, or None
         self._inbox: queue.Queue[tuple] = queue.Queue()
@@ -107,6 +103,10 @@ class EngineCore:
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(("stop",))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.config.kv_capacity_tokens
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -30,6 +30,16 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=1)[:, :vocab]
 
 
+def smallest_over_ranks(value: int, device: torch.device) -> int:
+    """`value`'s minimum over every rank of the world (every rank calls it at the same point: a
+    collective of the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag OR-ed over every rank of the world (every rank calls it at the same point of the
     same step: a collective of the default group)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -94,10 +95,13 @@ class _CoreLink:
         self._thread: threading.Thread | None = None
         self.pid = 0
         self.worker_pids: list[int] = []
+        self.kv_capacity_tokens = config.kv_capacity_tokens
 
     def _serve(self, info: dict) -> None:
         self.pid = info["pid"]
         self.worker_pids = info["worker_pids"]
+        self.kv_capacity_tokens = info["kv_capacity_tokens"]  # the pool the core allocated
+        self._stats = dataclasses.replace(self._stats, kv_capacity_tokens=self.kv_capacity_tokens)
         self._thread = threading.Thread(target=self._output_loop, name="orca-output", daemon=True)
         self._thread.start()
         if self._iteration_timeout_s > 0:

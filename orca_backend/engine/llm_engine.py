@@ -12,6 +12,7 @@ Validation needs only the config, so a launched engine's process never imports t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -116,6 +117,8 @@ class LLMEngine:
             self.core = EngineCore(config, self.model_config)
             if core_hook is not None:
                 core_hook(self.core)
+        # The pool the core allocated (gpu_memory_utilization sizes it there): what requests must fit.
+        self.config = dataclasses.replace(self.config, kv_capacity_tokens=self.core.kv_capacity_tokens)
 
     @classmethod
     def launch(cls, config: EngineConfig, core_hook: CoreHook | None = None,

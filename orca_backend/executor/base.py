@@ -23,6 +23,7 @@ class BatchFailed(RuntimeError):
 
 class Executor(Protocol):
     max_in_flight: int
+    kv_capacity_tokens: int  # the K/V pool every rank allocated (sized from memory where the config asks)
 
     @property
     def num_in_flight(self) -> int: ...

@@ -16,6 +16,7 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner, async_scheduling: bool = False) -> None:
         self.runner = runner
+        self.kv_capacity_tokens = runner.kv_capacity_tokens
         self.max_in_flight = 2 if async_scheduling else 1
         self._pending: deque[SchedulerOutput | LaunchedStep] = deque()
 

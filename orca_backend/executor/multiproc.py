@@ -139,14 +139,19 @@ class WorkerPoolExecutor:
     def _await_ready(self, timeout_s: float) -> None:
         """Waits for every rank's "ready" (its model loaded): a rank that fails stops them all."""
         self.weight_bytes = [0] * self.world_size
+        capacities = [0] * self.world_size
         try:
             for _ in range(self.world_size):
                 msg = self._next_message(timeout_s=timeout_s)
                 self.weight_bytes[msg["rank"]] = msg["weight_bytes"]
                 self.rank_pids[msg["rank"]] = msg["pid"]
+                capacities[msg["rank"]] = msg["kv_capacity_tokens"]
+            if len(set(capacities)) != 1:  # the ranks agree on a pool sized from memory (smallest_over_ranks)
+                raise WorkerFailure(f"the ranks' K/V pools differ: {capacities} token slots")
         except WorkerFailure:
             self.shutdown()
             raise
+        self.kv_capacity_tokens = capacities[0]
 
     @property
     def pids(self) -> list[int]:

@@ -205,11 +205,15 @@ def vllm_parameters(args: Mapping[str, Any], source: str = MODEL_JSON) -> dict[s
 def engine_config(triton_config: Mapping[str, Any], model_json: Mapping[str, Any],
                   adapter_parameters: frozenset[str] = frozenset(), **forced: Any) -> EngineConfig:  # fmt: skip
     """The engine's config: model.json's arguments, then config.pbtxt's parameters over them, then
-    the fields the adapter owns (`forced`)."""
+    the fields the adapter owns (`forced`). A pool size in config.pbtxt (kv_capacity_tokens or
+    kv_cache_memory_bytes) overrides model.json's gpu_memory_utilization, as any parameter does."""
     parameters = triton_config.get("parameters", {}) or {}
     check_parameters(parameters, adapter_parameters)
     values = parameter_values(parameters)
-    config = EngineConfig.from_parameters({**vllm_parameters(model_json), **values})
+    from_json = vllm_parameters(model_json)
+    if {"kv_capacity_tokens", "kv_cache_memory_bytes"} & values.keys():
+        from_json.pop("gpu_memory_utilization", None)
+    config = EngineConfig.from_parameters({**from_json, **values})
     if values.get("ENABLE_VLLM_HEALTH_CHECK", "").lower() == "true" and not config.health_check_interval_s:
         forced = {"health_check_interval_s": HEALTH_CHECK_INTERVAL_S, **forced}
     return dataclasses.replace(config, **forced)

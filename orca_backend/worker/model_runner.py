@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from orca_backend.config import EngineConfig
-from orca_backend.distributed.comm import TensorParallelGroup, any_rank
+from orca_backend.distributed.comm import TensorParallelGroup, any_rank, smallest_over_ranks
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families import AnyModelConfig
 from orca_backend.lora import LoRARequest
@@ -40,6 +40,8 @@ from orca_backend.worker.cuda_graphs import (
     runner_eager_reason,
 )
 from orca_backend.worker.input_batch import InputBatch, StepInputs
+from orca_backend.worker.kv_pool import describe as describe_memory
+from orca_backend.worker.kv_pool import kv_pool_tokens, profile_memory, read_cuda_memory
 from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
@@ -72,24 +74,30 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.layout = layout
+        if config.sizes_kv_pool_from_memory():
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(config, model_config, self.device, layout, tp)
         self.block_size = config.block_size
-        num_slots = config.kv_capacity_tokens // config.block_size * config.block_size  # whole blocks
-        self.kv_caches = allocate_kv_pool(
-            len(self.model.weights.layers), num_slots, self.model.num_kv_heads, model_config.head_dim,
-            torch_dtype(config.dtype), self.device,
-        )  # fmt: skip
+        self.max_num_seqs = config.max_num_seqs
+        # The adapters' slots before the pool: a pool sized from memory leaves them their room.
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
+        if config.sizes_kv_pool_from_memory():
+            num_slots = self._kv_slots_from_memory(config, model_config)
+        else:
+            num_slots = config.kv_capacity_tokens // config.block_size * config.block_size  # whole blocks
+        self.kv_capacity_tokens = num_slots  # every rank's: the engine core's K/V manager takes it
+        self.kv_caches = self._allocate_pool(num_slots, model_config, config)
         # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
         self.input_batch = InputBatch(
             config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
             config.block_size, model_config.vocab_size, self.device,
         )  # fmt: skip
         self.sampler = Sampler()
-        self.lora: LoRAManager | None = None
         self._lora_failures: dict[int, str] = {}  # adapters that failed to load, until the next sampled tokens
-        if config.enable_lora:
-            self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
-                                    config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
+        if self.lora is not None:
             self.input_batch.lora_slot_of = self.lora.slot_of
         self._step: tuple[int, StepInputs] | None = None  # the inputs of the step being run (run_stage, then sample)
         # The last step's request ids and sampled ids on the device: under async scheduling the next
@@ -103,7 +111,6 @@ class ModelRunner:
         # step of that kind runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self.max_num_seqs = config.max_num_seqs
         # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
             config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
@@ -116,6 +123,41 @@ class ModelRunner:
             self.mixed_graphs = self._capture(self.static_mixed(mixed_capture_sizes(config.max_num_batched_tokens)))
             self.decode_graphs = self._capture(self.static_decode(capture_sizes(config.max_num_seqs)),
                                                self.mixed_graphs.pool)  # fmt: skip
+
+    def _allocate_pool(self, num_slots: int, model_config: AnyModelConfig,
+                       config: EngineConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        return allocate_kv_pool(len(self.model.weights.layers), num_slots, self.model.num_kv_heads,
+                                model_config.head_dim, torch_dtype(config.dtype), self.device)  # fmt: skip
+
+    def _kv_slots_from_memory(self, config: EngineConfig, model_config: AnyModelConfig) -> int:
+        """The pool's slots from gpu_memory_utilization (worker/kv_pool.py): the largest step runs once
+        on a pool of one block, and every rank takes the smallest rank's answer (their pools are one
+        block table's)."""
+        weights_bytes = torch.cuda.memory_allocated(self.device)
+        self.kv_caches = self._allocate_pool(config.block_size, model_config, config)
+        profile = profile_memory(weights_bytes, lambda: self.run_profile_step(model_config, config),
+                                 lambda: read_cuda_memory(self.device))  # fmt: skip
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        tokens = kv_pool_tokens(profile, config.gpu_memory_utilization, config.kv_bytes_per_token(model_config),
+                                config.block_size)  # fmt: skip
+        tokens = smallest_over_ranks(tokens, self.device)
+        logger.info("K/V pool: %d tokens (%.2f GiB) from gpu_memory_utilization: %s", tokens,
+                    tokens * config.kv_bytes_per_token(model_config) / 2**30,
+                    describe_memory(profile, config.gpu_memory_utilization))  # fmt: skip
+        return tokens
+
+    @torch.inference_mode()
+    def run_profile_step(self, model_config: AnyModelConfig, config: EngineConfig) -> None:
+        """The forward of the largest step the scheduler sends: max_num_batched_tokens tokens (the
+        largest mixed bucket when that is unset) over max_num_seqs logits rows, all padding (nothing
+        is read from or written to the K/V pool)."""
+        size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
+        max_blocks = -(-model_config.max_context // config.block_size)
+        static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
+                             self._lora_slots())  # fmt: skip
+        static.load_padding(size)
+        static.forward(*static.views(size))
 
     def _capture(self, graphs: Graphs, pool: tuple | None = None) -> Graphs:
         """The graphs, captured. A failure fails the load, naming the bucket and the error, never a

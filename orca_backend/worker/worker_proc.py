@@ -83,7 +83,8 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
     # Every rank creates every stage's group, in the same order (torch.distributed requires it).
     groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(pp)]
     runner = ModelRunner(config, model_config, device, layout, TensorParallelGroup(tp, groups[layout.pp_rank]))
-    send_message(conn, kind="ready", rank=rank, pid=os.getpid(), weight_bytes=runner.model.weights.num_bytes())
+    send_message(conn, kind="ready", rank=rank, pid=os.getpid(), weight_bytes=runner.model.weights.num_bytes(),
+                 kv_capacity_tokens=runner.kv_capacity_tokens)  # fmt: skip
 
     parent = os.getppid()
     hidden_shape_tail = (model_config.hidden_size,)

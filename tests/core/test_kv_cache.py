@@ -143,6 +143,7 @@ class TokenEchoExecutor:
     ) -> None:  # fmt: skip
         num_slots = config.kv_capacity_tokens // config.block_size * config.block_size
         self.pool = [-1] * num_slots
+        self.kv_capacity_tokens = num_slots
         self.max_in_flight = max_in_flight
         self.rng = random.Random(seed)
         self.fail_rate = fail_rate

@@ -152,12 +152,17 @@ def test_max_model_len_bounds_requests_below_the_models_context():
         LLMEngine(EngineConfig(model="gpt2-tiny", max_model_len=10**6))
 
 
-def test_device_auto_is_the_machines_and_a_cuda_engine_refuses_gpu_memory_utilization():
+def test_device_auto_is_the_machines():
     assert resolved_device(EngineConfig(device="auto")).device == "cpu"  # no CUDA device in CI
-    assert resolved_device(EngineConfig(device="cpu", gpu_memory_utilization=0.9)).device == "cpu"  # ignored, as vLLM's CPU build does
-    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
-        resolved_device(EngineConfig(device="cuda", gpu_memory_utilization=0.9))
-    resolved_device(EngineConfig(device="cuda", gpu_memory_utilization=0.9, kv_cache_memory_bytes=2**30))
+    assert resolved_device(EngineConfig(device="cpu", gpu_memory_utilization=0.9)).device == "cpu"
+
+
+def test_a_pool_size_in_config_pbtxt_overrides_model_jsons_gpu_memory_utilization():
+    model_json = {"model": "gpt2-tiny", "gpu_memory_utilization": 0.5}
+    assert engine_config(pbtxt(), model_json).gpu_memory_utilization == 0.5
+    for parameter, value in (("kv_capacity_tokens", "4096"), ("kv_cache_memory_bytes", "1048576")):
+        config = engine_config(pbtxt(**{parameter: value}), model_json)
+        assert config.gpu_memory_utilization == 0.0 and str(getattr(config, parameter)) == value
 
 
 def test_a_hub_id_reads_the_hugging_face_cache_or_fails_naming_it(tmp_path, monkeypatch):

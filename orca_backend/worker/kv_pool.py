@@ -1,0 +1,91 @@
+"""Sizing the K/V pool from a GPU's memory: vLLM's `gpu_memory_utilization`.
+
+The engine may use `utilization` x the device's memory. After the weights are loaded, the largest
+step the scheduler can send (max_num_batched_tokens tokens, max_num_seqs logits rows) runs once;
+torch's peak allocation over it (weights included) and what the process holds outside torch's
+allocator (the CUDA context, cuBLAS and NCCL workspaces) are what the model needs besides its
+K/V. The pool takes the rest of the budget in whole blocks. The CUDA graphs are captured after
+the pool, from what the budget leaves of the device (1 - utilization); a capture that runs out of
+memory says what to lower (model_runner.py).
+
+What the profile step does not see: the ragged attention kernel's own scratch (it reads a padded,
+empty K/V), and, with max_num_batched_tokens 0 (unchunked prefill), a step of several whole prompts
+larger than the profiled one; vLLM asks for a token budget for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("orca.worker")
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """The device's memory as torch and the driver see it at one moment."""
+
+    total_bytes: int  # the device's memory
+    free_bytes: int  # free by the driver's count
+    reserved_bytes: int  # held by torch's caching allocator
+    peak_allocated_bytes: int  # torch's peak allocation since the last reset
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the model needs besides its K/V pool, measured around the profile step."""
+
+    total_bytes: int
+    weights_bytes: int  # torch's allocation after loading, before the profile step
+    peak_bytes: int  # torch's peak allocation over the profile step, weights included
+    non_torch_bytes: int  # in use outside torch's allocator (CUDA context, cuBLAS, NCCL)
+
+
+def profile_memory(weights_bytes: int, run_largest_step: Callable[[], None],
+                   read: Callable[[], MemoryReading]) -> MemoryProfile:  # fmt: skip
+    """Runs the largest step once and reads the memory after it (`read` resets nothing: the caller
+    resets torch's peak before loading the weights or before calling)."""
+    run_largest_step()
+    after = read()
+    return MemoryProfile(
+        total_bytes=after.total_bytes,
+        weights_bytes=weights_bytes,
+        peak_bytes=after.peak_allocated_bytes,
+        non_torch_bytes=max(after.total_bytes - after.free_bytes - after.reserved_bytes, 0),
+    )
+
+
+def kv_pool_tokens(profile: MemoryProfile, utilization: float, bytes_per_token: int, block_size: int) -> int:
+    """The token slots (whole blocks) the budget leaves for the K/V pool; ValueError, with the
+    figures and what to change, when that is less than one block."""
+    available = int(profile.total_bytes * utilization) - profile.peak_bytes - profile.non_torch_bytes
+    tokens = max(available, 0) // bytes_per_token // block_size * block_size
+    if tokens < block_size:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization:g} leaves no room for the K/V pool: {describe(profile, utilization)}, "
+            f"{available / GIB:.2f} GiB left, less than one block of {block_size} tokens ({bytes_per_token} bytes a "
+            "token); raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or size the pool "
+            "with kv_cache_memory_bytes"
+        )
+    return tokens
+
+
+def describe(profile: MemoryProfile, utilization: float) -> str:
+    """How the budget was spent, in words (the load log and errors)."""
+    activations = profile.peak_bytes - profile.weights_bytes
+    return (f"{utilization:g} x {profile.total_bytes / GIB:.2f} GiB = {profile.total_bytes * utilization / GIB:.2f} GiB, "
+            f"of which the weights take {profile.weights_bytes / GIB:.2f} GiB, the largest step's activations "
+            f"{activations / GIB:.2f} GiB and memory outside torch {profile.non_torch_bytes / GIB:.2f} GiB")  # fmt: skip
+
+
+def read_cuda_memory(device: object) -> MemoryReading:
+    """The reading of a CUDA device (after a synchronize, so the profile step has run)."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryReading(total_bytes=total, free_bytes=free, reserved_bytes=torch.cuda.memory_reserved(device),
+                         peak_allocated_bytes=torch.cuda.max_memory_allocated(device))  # fmt: skip
