@@ -74,8 +74,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.layout = layout
-        if config.sizes_kv_pool_from_memory():
-            torch.cuda.reset_peak_memory_stats(self.device)
         self.model = load_model(config, model_config, self.device, layout, tp)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -133,7 +131,8 @@ class ModelRunner:
         """The pool's slots from gpu_memory_utilization (worker/kv_pool.py): the largest step runs once
         on a pool of one block, and every rank takes the smallest rank's answer (their pools are one
         block table's)."""
-        weights_bytes = torch.cuda.memory_allocated(self.device)
+        weights_bytes = torch.cuda.memory_allocated(self.device)  # with the adapters' slots, where LoRA is on
+        torch.cuda.reset_peak_memory_stats(self.device)  # the peak from here: the weights and the step (not the load's)
         self.kv_caches = self._allocate_pool(config.block_size, model_config, config)
         profile = profile_memory(weights_bytes, lambda: self.run_profile_step(model_config, config),
                                  lambda: read_cuda_memory(self.device))  # fmt: skip
