@@ -195,47 +195,67 @@ def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list
     return stub, core, sorted(p.pid for p in process_tree(core) if p.pid != core and _spawned(p))
 
 
-# Runs the engine for one slice per line read: a process of its own, because the test's own process
-# can wait hundreds of milliseconds for its GIL (the gRPC stream's threads hold it) between the two
-# signals, while the engine makes hundreds of tokens.
+# Runs the engine for one slice per line read (the line: its seconds): a process of its own, because
+# the test's own process can wait hundreds of milliseconds for its GIL (the gRPC stream's threads hold
+# it) between the two signals, while the engine makes hundreds of tokens.
 _SLICER = """
 import os, signal, sys, time
-pid, slice_s = int(sys.argv[1]), float(sys.argv[2])
-while sys.stdin.readline():
+pid = int(sys.argv[1])
+for line in iter(sys.stdin.readline, ""):
     os.kill(pid, signal.SIGCONT)
-    time.sleep(slice_s)
+    time.sleep(float(line))
     os.kill(pid, signal.SIGSTOP)
     sys.stdout.write("\\n")
     sys.stdout.flush()
 """
+MAX_SLICE_S = 0.04
 
 
 def run_in_slices(pid: int, progress: Callable[[], float], until: Callable[[], bool], slice_s: float = 0.01,
-                  catch_up_s: float = 5.0, timeout_s: float = 120.0) -> bool:
+                  catch_up_s: float = 1.0, timeout_s: float = 120.0) -> bool:
     """Lets a stopped engine run a slice at a time until `until()`, and leaves it stopped.
 
     After each slice the engine waits, stopped, until `progress()` (e.g. the iterations the server
-    exports) moves, or catch_up_s when nothing does: so what the test reads is about one slice behind
-    the engine, however slowly a loaded machine passes it along. False if `until()` did not come
+    exports every 0.2 s) moves, or catch_up_s when nothing does: so what the test reads is about one
+    slice behind the engine, however slowly a loaded machine passes it along. A slice in which no
+    iteration ended doubles the next (up to MAX_SLICE_S: a loaded machine may give the engine little
+    of a slice); one that made progress starts again from slice_s. False if `until()` did not come
     within timeout_s."""
-    slicer = subprocess.Popen([sys.executable, "-c", _SLICER, str(pid), str(slice_s)], stdin=subprocess.PIPE,
+    slicer = subprocess.Popen([sys.executable, "-c", _SLICER, str(pid)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + timeout_s
+        deadline, length = time.monotonic() + timeout_s, slice_s
         while not until():
             if time.monotonic() > deadline:
                 return False
             seen = progress()
-            slicer.stdin.write("\n")
+            slicer.stdin.write(f"{length}\n")
             slicer.stdin.flush()
             if not slicer.stdout.readline():
                 raise RuntimeError(f"the slicer ended (exit code {slicer.wait()})")
-            wait_until(lambda: progress() != seen or until(), timeout_s=catch_up_s, interval_s=0.01)  # noqa: B023
+            moved = wait_until(lambda: progress() != seen or until(), timeout_s=catch_up_s, interval_s=0.01)  # noqa: B023
+            length = slice_s if moved else min(2 * length, MAX_SLICE_S)
         return True
     finally:
         slicer.stdin.close()
         slicer.wait()
         os.kill(pid, signal.SIGSTOP)  # stopped whatever happened to the slicer
+
+
+def finished_counts(server: TritonServer, model: str = "orca") -> dict[str, float]:
+    """`model`'s requests ended so far, cancelled and run to max_tokens (orca_requests_finished_total)."""
+    return {reason: metric(server, "orca_requests_finished_total", model, reason=reason)
+            for reason in ("cancelled", "length")}  # fmt: skip
+
+
+def all_cancelled(server: TritonServer, before: dict[str, float], count: int, model: str = "orca") -> bool:
+    """Waits until `count` more requests ended (cancelled, or run to max_tokens) since `before`
+    (finished_counts); True when every one was cancelled, False when some ran to max_tokens first."""
+    def ended(reason: str) -> float:
+        return metric(server, "orca_requests_finished_total", model, reason=reason) - before[reason]
+
+    assert wait_until(lambda: ended("cancelled") + ended("length") == count, timeout_s=30), finished_counts(server, model)
+    return not ended("length")
 
 
 def one_request(url: str, model: str, timeout_s: float = 120.0, **request: Any) -> StreamResult:

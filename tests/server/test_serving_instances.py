@@ -20,7 +20,16 @@ from orca_backend.sampling_params import SamplingParams
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 httpclient = pytest.importorskip("tritonclient.http", reason="needs the serve extras (tritonclient)")
 
-from serving_utils import StreamSession, metric, model_processes, run_in_slices, start_server, wait_until  # noqa: E402
+from serving_utils import (  # noqa: E402
+    StreamSession,
+    all_cancelled,
+    finished_counts,
+    metric,
+    model_processes,
+    run_in_slices,
+    start_server,
+    wait_until,
+)
 
 from orca_client.served_path import process_tree  # noqa: E402
 
@@ -98,8 +107,7 @@ def test_a_cancel_on_any_instance_frees_its_kv(server, reference):
     iterations = functools.partial(metric, server, "orca_iterations_total", "orca")
     running = functools.partial(metric, server, "orca_requests_running", "orca")
     for attempt in range(3):
-        finished_before = {reason: metric(server, "orca_requests_finished_total", "orca", reason=reason)
-                           for reason in ("cancelled", "length")}  # fmt: skip
+        finished_before = finished_counts(server)
         started = iterations()
         session = StreamSession(server.grpc_url)
         os.kill(core, signal.SIGSTOP)
@@ -116,12 +124,7 @@ def test_a_cancel_on_any_instance_frees_its_kv(server, reference):
         finally:
             os.kill(core, signal.SIGCONT)
             session.close(cancel=True)
-
-        def finished(reason: str) -> float:
-            return metric(server, "orca_requests_finished_total", "orca", reason=reason) - finished_before[reason]  # noqa: B023
-
-        assert wait_until(lambda: finished("cancelled") + finished("length") == count, timeout_s=30)
-        if finished("length"):
+        if not all_cancelled(server, finished_before, count):
             continue  # some had made all their tokens before their cancel reached the engine
         assert held_kv
         break
@@ -158,11 +161,17 @@ def test_unloading_leaves_no_process_and_a_reload_serves_again(server, reference
 
 def test_the_cores_death_fails_every_instances_requests_and_unloads_the_model(server):
     (core,) = stubs_and_cores(server)[1]
+    running = functools.partial(metric, server, "orca_requests_running", "orca")
+    iterations = functools.partial(metric, server, "orca_iterations_total", "orca")
+    started = iterations()
     session = StreamSession(server.grpc_url)
     try:
+        # Run in slices until every request runs (as the cancel test): none can end before the kill.
+        os.kill(core, signal.SIGSTOP)
         results = [session.send("orca", f"orphan{i}", input_ids=[3, i + 1], max_tokens=1000, sampling=GREEDY,
                                 stream=True) for i in range(2 * INSTANCES)]  # fmt: skip
-        assert wait_until(lambda: all(r.ids for r in results), timeout_s=120, interval_s=0.01)
+        assert run_in_slices(core, progress=iterations,
+                             until=lambda: iterations() >= started + 2 and running() == len(results))
         os.kill(core, signal.SIGKILL)
         # Triton's stream errors name no request: each of them ends with one.
         assert wait_until(lambda: len(session.stray_errors) == len(results), timeout_s=60), session.stray_errors
