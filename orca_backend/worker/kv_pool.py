@@ -15,11 +15,8 @@ larger than the profiled one; vLLM asks for a token budget for the same reason.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-
-logger = logging.getLogger("orca.worker")
 
 GIB = 2**30
 
@@ -47,7 +44,7 @@ class MemoryProfile:
 def profile_memory(weights_bytes: int, run_largest_step: Callable[[], None],
                    read: Callable[[], MemoryReading]) -> MemoryProfile:  # fmt: skip
     """Runs the largest step once and reads the memory after it (`read` resets nothing: the caller
-    resets torch's peak before loading the weights or before calling)."""
+    resets torch's peak after loading the weights, before calling)."""
     run_largest_step()
     after = read()
     return MemoryProfile(

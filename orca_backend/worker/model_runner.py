@@ -17,7 +17,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from orca_backend.config import EngineConfig
+from orca_backend.config import EngineConfig, pool_capacity_tokens
 from orca_backend.distributed.comm import TensorParallelGroup, any_rank, smallest_over_ranks
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families import AnyModelConfig
@@ -85,7 +85,7 @@ class ModelRunner:
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:
-            num_slots = config.kv_capacity_tokens // config.block_size * config.block_size  # whole blocks
+            num_slots = pool_capacity_tokens(config.kv_capacity_tokens, config.block_size)
         self.kv_capacity_tokens = num_slots  # every rank's: the engine core's K/V manager takes it
         self.kv_caches = self._allocate_pool(num_slots, model_config, config)
         # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
@@ -138,25 +138,28 @@ class ModelRunner:
                                  lambda: read_cuda_memory(self.device))  # fmt: skip
         del self.kv_caches
         torch.cuda.empty_cache()
-        tokens = kv_pool_tokens(profile, config.gpu_memory_utilization, config.kv_bytes_per_token(model_config),
-                                config.block_size)  # fmt: skip
-        tokens = smallest_over_ranks(tokens, self.device)
+        per_token = config.kv_bytes_per_token(model_config)
+        tokens = smallest_over_ranks(kv_pool_tokens(profile, config.gpu_memory_utilization, per_token,
+                                                    config.block_size), self.device)  # fmt: skip
         logger.info("K/V pool: %d tokens (%.2f GiB) from gpu_memory_utilization: %s", tokens,
-                    tokens * config.kv_bytes_per_token(model_config) / 2**30,
-                    describe_memory(profile, config.gpu_memory_utilization))  # fmt: skip
+                    tokens * per_token / 2**30, describe_memory(profile, config.gpu_memory_utilization))  # fmt: skip
         return tokens
 
     @torch.inference_mode()
     def run_profile_step(self, model_config: AnyModelConfig, config: EngineConfig) -> None:
         """The forward of the largest step the scheduler sends: max_num_batched_tokens tokens (the
         largest mixed bucket when that is unset) over max_num_seqs logits rows, all padding (nothing
-        is read from or written to the K/V pool)."""
+        is read from or written to the K/V pool). A stage after the first takes zero activations."""
         size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
         max_blocks = -(-model_config.max_context // config.block_size)
         static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
                              self._lora_slots())  # fmt: skip
         static.load_padding(size)
-        static.forward(*static.views(size))
+        stage_input, meta, logits_indices = static.views(size)
+        if not self.layout.is_first_stage:
+            stage_input.hidden = torch.zeros((2, size, model_config.hidden_size), dtype=torch_dtype(config.dtype),
+                                             device=self.device)  # fmt: skip
+        static.forward(stage_input, meta, logits_indices)
 
     def _capture(self, graphs: Graphs, pool: tuple | None = None) -> Graphs:
         """The graphs, captured. A failure fails the load, naming the bucket and the error, never a

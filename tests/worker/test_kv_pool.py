@@ -6,10 +6,14 @@ Only a GPU measures real figures: `make gpu-smoke` reports the pool chosen there
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from orca_backend.config import EngineConfig
+from orca_backend.distributed.comm import TensorParallelGroup
+from orca_backend.distributed.layout import ParallelLayout
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.entrypoints.llm import LLM
 from orca_backend.sampling_params import SamplingParams
@@ -102,10 +106,12 @@ def test_a_cpu_engine_ignores_gpu_memory_utilization_as_vllms_cpu_build_does():
         engine.shutdown()
 
 
-def test_the_runner_sizes_its_pool_from_the_reading_after_the_profile_step(monkeypatch):
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_the_runner_sizes_its_pool_from_the_reading_after_the_profile_step(monkeypatch, pp_rank):
     """The GPU path of ModelRunner on a CPU: the device's figures injected (torch.cuda's calls and the
     reading), the rest real: the weights loaded, the profile step run on a pool of one block, then
-    the pool allocated at what the arithmetic gives."""
+    the pool allocated at what the arithmetic gives. Each pipeline stage profiles its own layers (a
+    stage after the first on zero activations)."""
     from orca_backend.worker import model_runner
     from orca_backend.worker.model_runner import ModelRunner
 
@@ -133,8 +139,10 @@ def test_the_runner_sizes_its_pool_from_the_reading_after_the_profile_step(monke
     config = EngineConfig(model="gpt2-tiny", device="cuda", gpu_memory_utilization=0.5, max_num_seqs=4,
                           max_num_batched_tokens=64)  # fmt: skip
     model_config = config.model_config()
-    runner = ModelRunner(config, model_config, torch.device("cpu"))
-    per_token = config.kv_bytes_per_token(model_config)
+    layout = ParallelLayout(tp_size=1, pp_size=2, tp_rank=0, pp_rank=pp_rank)
+    runner = ModelRunner(dataclasses.replace(config, pipeline_parallel_size=2), model_config, torch.device("cpu"),
+                         layout, TensorParallelGroup(1, None))  # fmt: skip
+    per_token = dataclasses.replace(config, pipeline_parallel_size=2).kv_bytes_per_token(model_config)
     # 32 MiB of 64, less the 8 MiB peak and 4 MiB outside torch (64 - 52 free - 8 reserved): 20 MiB.
     expected = 20 * mib // per_token // 16 * 16
     assert steps == [len(runner_pool[0])] and runner.kv_capacity_tokens == expected
