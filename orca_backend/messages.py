@@ -94,6 +94,8 @@ class CoreOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked; else None
     metrics: RequestMetrics | None = None
+    # With its first token, when it asked for prompt logprobs: one per prompt token but the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -218,8 +220,8 @@ _stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
-    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs, o.metrics)
-            for o in outputs.others]  # fmt: skip
+    rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs, o.metrics,
+             o.prompt_logprobs) for o in outputs.others]  # fmt: skip
     return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, _stats_tuple(stats), dead_reason))
 
 

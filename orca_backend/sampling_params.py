@@ -60,6 +60,11 @@ class SamplingParams:
     # the sampled token), from the model's raw logits (vLLM's default "raw_logprobs": before any
     # processing above, but after the structured-output mask); None: no logprobs.
     logprobs: int | None = None
+    # The log-probability of every prompt token given those before it, with this many top
+    # alternatives (0: only the prompt token itself), from the raw logits of the prompt's prefill;
+    # the first prompt token has none (nothing precedes it). None: no prompt logprobs. A request
+    # asking for them never reads the prefix cache (a cached prefix has no logits), as in vLLM.
+    prompt_logprobs: int | None = None
     # Structured output (a JSON schema, a regex, a choice, an EBNF grammar; parsed below): every
     # token is sampled from what the constraint allows, and the request ends ("stop") once the grammar is
     # complete and EOS was sampled. A dict in vLLM's StructuredOutputsParams shape is parsed.
@@ -117,6 +122,11 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives returned per token), "
                f"got {self.logprobs!r}")  # fmt: skip
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives returned per prompt "
+               f"token), got {self.prompt_logprobs!r}")  # fmt: skip
         _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""),
                f"lora_name must be an adapter's name (a non-empty string) or null, got {self.lora_name!r}")
         if isinstance(self.structured_outputs, dict | str):
@@ -171,12 +181,12 @@ def parse_sampling_json(text: str) -> dict[str, Any]:
     return values
 
 
-_INT_KEYS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_INT_KEYS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"}
 _FLOAT_KEYS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 
 
 def _coerce(key: str, raw: Any) -> Any:
-    if raw is None and key in ("seed", "logprobs", "logit_bias"):
+    if raw is None and key in ("seed", "logprobs", "prompt_logprobs", "logit_bias"):
         return None
     if key in _INT_KEYS:
         if isinstance(raw, bool):

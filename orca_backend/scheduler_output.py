@@ -86,6 +86,17 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PromptLogprobsChunk:
+    """What a step's prefill chunk computed of one request's prompt logprobs: those of its prompt
+    tokens `first_token`, `first_token` + 1, ... (each given the tokens before it; the first prompt
+    token has none, so `first_token` >= 1), as the sampler returns logprobs, the prompt token first."""
+
+    position: int  # the request's position in the step's batch
+    first_token: int
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]  # one per scheduled request (one that samples nothing has a placeholder the core ignores)
     # One per request when any asked for logprobs (None for those that did not), else None.
@@ -96,6 +107,9 @@ class SamplerOutput:
     # How the sampling rank's forward ran: "cuda_graph" (replayed), or why it ran eagerly
     # (worker/cuda_graphs.py, EAGER_REASONS).
     step_path: str = ""
+    # The prompt logprobs the step's prefill chunks computed, for the requests that asked
+    # (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
 
 
 def encode_step(step: SchedulerOutput) -> bytes:

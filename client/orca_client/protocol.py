@@ -33,13 +33,17 @@ CUMULATIVE_LOGPROB = "cumulative_logprob"
 LOGPROBS = "logprobs"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+# With the `prompt_logprobs` sampling parameter: JSON, in the response of the first token, one entry per
+# prompt token (null for the first, then {token id: {logprob, rank, decoded_token}}); "null" otherwise.
+PROMPT_LOGPROBS = "prompt_logprobs"
 # The request's timeline (ns on the server host's CLOCK_MONOTONIC, -1 where a moment never came) and
 # counts, in its last response, when `return_perf_metrics` is true (TensorRT-LLM's name).
 PERF_METRICS = "perf_metrics"
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
                 "num_preemptions", "prefix_cache_hit_tokens")
 # Outputs the server sends only when the request's `return_<output>` input is true.
-OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, PERF_METRICS)
+OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, PROMPT_LOGPROBS,
+                    PERF_METRICS)
 # What this project's clients ask for: when a request ended, and how many tokens it counted.
 STATUS_OUTPUTS = (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
 NOT_FINISHED = "None"  # finish_reason of every response but the last

@@ -207,7 +207,8 @@ class EngineCore:
         self._failed_in_a_row = 0
         if sampled.lora_failures:  # never a failed iteration: the adapter's requests end, the rest go on
             outputs += self.scheduler.fail_adapters(sampled.lora_failures)
-        updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs)
+        updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs,
+                                                   sampled.prompt_logprobs)  # fmt: skip
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
         self.steps_by_path[sampled.step_path] = self.steps_by_path.get(sampled.step_path, 0) + 1

@@ -91,7 +91,7 @@ class KVCacheManager(ABC):
         request.block_table = hits + self.pool.allocate(new_blocks)
         request.num_computed = len(hits) * self.block_size
         request.num_registered_blocks = len(hits)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.params.prompt_logprobs is None:  # it queried the cache
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += request.num_computed
         return True
@@ -129,8 +129,10 @@ class KVCacheManager(ABC):
         request.num_registered_blocks = num_full
 
     def _prefix_hits(self, request: Request) -> list[int]:
-        """The cached blocks the request's tokens start with, stopping short of its last token."""
-        if not self.enable_prefix_caching:
+        """The cached blocks the request's tokens start with, stopping short of its last token. A
+        request asking for prompt logprobs reads none (a cached prefix has no logits; vLLM's rule): it
+        computes its whole prompt, and its blocks are cached for others as any request's."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         hits = []
         for key in self._block_keys(request, (request.num_tokens - 1) // self.block_size):

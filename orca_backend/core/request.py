@@ -49,6 +49,9 @@ class Request:
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
     output_logprobs: list[TokenLogprobs] | None = None  # one per output token when it asks for logprobs
+    # When it asks for prompt logprobs: those of its prompt tokens 1, 2, ... computed so far (the
+    # first has none); None once they went out, with its first token.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # What its final output reports (messages.RequestMetrics): when it was first scheduled (time.monotonic),
     # how often it was preempted, and how many prompt tokens its first admission found in the prefix cache.
     first_scheduled_time: float | None = None
@@ -74,6 +77,8 @@ class Request:
         self.structured = p.structured_outputs is not None
         if p.logprobs is not None:
             self.output_logprobs = []
+        if p.prompt_logprobs is not None:
+            self.prompt_logprobs = []
         self.num_prompt_tokens = len(self.prompt_ids)
         self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
             and p.repetition_penalty == 1.0  # fmt: skip

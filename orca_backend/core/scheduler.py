@@ -48,7 +48,7 @@ from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, RequestMetrics, TokenLogprobs
-from orca_backend.scheduler_output import NewRequest, SchedulerOutput
+from orca_backend.scheduler_output import NewRequest, PromptLogprobsChunk, SchedulerOutput
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
@@ -131,6 +131,21 @@ def make_scheduler_output(
 
 _request_id = operator.attrgetter("request_id")
 _structured = operator.attrgetter("structured")
+
+
+def _hold_prompt_logprobs(requests: list[Request], chunks: list[PromptLogprobsChunk]) -> None:
+    """Each chunk's prompt logprobs onto its request, in prompt order. A request's chunks come in
+    order; a recompute after a preemption computes those it holds again, and they are dropped."""
+    for chunk in chunks:
+        request = requests[chunk.position]
+        held = request.prompt_logprobs
+        if held is None or request.status is _FINISHED:  # they went out already, or it ended
+            continue
+        repeated = len(held) + 1 - chunk.first_token
+        if repeated < 0:
+            raise ValueError(f"request {request.request_id}: prompt logprobs from token {chunk.first_token} "
+                             f"while it holds them up to token {len(held)}")  # fmt: skip
+        held += chunk.logprobs[repeated:]
 
 
 def _mark(request: Request, batches: int, tokens: int | None = None) -> None:
@@ -467,10 +482,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None
+        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None,
+        prompt_logprobs: list[PromptLogprobsChunk] | None = None,
     ) -> CoreOutputs:  # fmt: skip
-        """Appends each request's new token (and its logprobs, if it asked) and finishes those that
-        hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
+        """Appends each request's new token (and its logprobs, if it asked; its prompt logprobs go
+        out with its first token) and finishes those that hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
         token and no output. A constrained request's matcher accepts its token first: once its
         grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows
         nothing else); a token its grammar refuses (the mask should make that impossible) ends it
@@ -479,6 +495,8 @@ class Scheduler:
         # The lengths are checked once here, so the loop's zip need not be strict.
         if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
             raise ValueError(f"{len(requests)} requests scheduled, {len(sampled)} tokens sampled")
+        if prompt_logprobs:
+            _hold_prompt_logprobs(requests, prompt_logprobs)
         # This loop runs for every request every iteration. A request that goes on, with nothing to
         # report but its new token (no logprobs, nothing held back), goes out in the two columns.
         outputs: list[CoreOutput] = []
@@ -507,7 +525,8 @@ class Scheduler:
             if token_logprobs is not None:  # the sampler returns them for the rows that asked only
                 request.output_logprobs.append(token_logprobs)
             reason = check_stop(request, token)
-            if reason is None and request.output_logprobs is None and request.num_reported == len(output_ids) - 1:
+            if reason is None and request.output_logprobs is None and request.num_reported == len(output_ids) - 1 \
+                    and request.prompt_logprobs is None:  # fmt: skip
                 request.num_reported += 1
                 request_ids.append(request.request_id)
                 token_ids.append(token)
@@ -626,12 +645,15 @@ class Scheduler:
         new_ids = request.output_ids[reported:]
         request.num_reported = len(request.output_ids)
         logprobs = request.output_logprobs[reported:] if request.output_logprobs is not None else None
+        prompt_logprobs = None
+        if new_ids and request.prompt_logprobs is not None:  # its first token: its prompt's logprobs go with it
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         metrics = None
         if request.finished:
             metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.num_preemptions,
                                      request.num_cached_tokens)  # fmt: skip
         return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs,
-                          metrics)  # fmt: skip
+                          metrics, prompt_logprobs)  # fmt: skip
 
     def _release(self, outputs: CoreOutputs) -> CoreOutputs:
         """Iteration-level: every output goes out now. Request-level: once the batch has ended, every

@@ -71,6 +71,10 @@ class RequestOutput:
     # 1..k), so k or k + 1 entries; and the sum of the sampled tokens' logprobs so far.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # With SamplingParams.prompt_logprobs set, on the event of the first token (else None): one entry
+    # per prompt token, None for the first (nothing precedes it), then a dict as `logprobs` has, the
+    # prompt token first (with its own rank) and the top `prompt_logprobs` alternatives (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # On the final event: the request's timeline and counts (arrival, first scheduled, first and last
     # token, on time.monotonic()), for the latency histograms and `return_perf_metrics`.
     metrics: RequestMetrics | None = None
@@ -248,6 +252,11 @@ class OutputProcessor:
         if state.cumulative_logprob is not None and out.logprobs is not None:
             # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
             self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
+        if out.prompt_logprobs is not None:
+            if len(out.prompt_logprobs) != state.num_prompt_tokens - 1:
+                raise RuntimeError(f"request {request_id}: {len(out.prompt_logprobs)} prompt logprobs for "
+                                   f"{state.num_prompt_tokens} prompt tokens")  # fmt: skip
+            event.prompt_logprobs = [None, *self._logprob_dicts(out.prompt_logprobs)]
         if finished:
             with self._lock:
                 del self._states[request_id]
@@ -282,6 +291,13 @@ class OutputProcessor:
         if len(logprobs) != len(event.new_token_ids):
             raise RuntimeError(f"request {event.request_id}: {len(event.new_token_ids)} new tokens but "
                                f"{len(logprobs)} logprobs")  # fmt: skip
+        for _, values, _ in logprobs:
+            state.cumulative_logprob += values[0]
+        event.logprobs, event.cumulative_logprob = self._logprob_dicts(logprobs), state.cumulative_logprob
+
+    def _logprob_dicts(self, logprobs: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """One dict per token: the scored token first, with its own rank (a token tied with it in the
+        top k keeps that rank), then the top-k alternatives."""
         dicts = []
         texts = self._token_texts  # each token decoded alone once: the top-k repeat from token to token
         for ids, values, ranks in logprobs:
@@ -293,8 +309,7 @@ class OutputProcessor:
                         text = texts[token] = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
                     entry[token] = Logprob(value, rank, text)
             dicts.append(entry)
-            state.cumulative_logprob += values[0]
-        event.logprobs, event.cumulative_logprob = dicts, state.cumulative_logprob
+        return dicts
 
     def _stop_string_hit(self, state: _RequestState, out: CoreOutput) -> bool:
         """Detokenizes the new tokens; True if a stop string completed (text cut before it, later

@@ -30,6 +30,9 @@ class CompletionOutput:
     # With SamplingParams.logprobs set (else None): one dict per output token, and their sum.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # With SamplingParams.prompt_logprobs set (else None): None for the first prompt token, then one
+    # dict per prompt token (RequestOutput.prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finish_time(self) -> float:
@@ -117,6 +120,8 @@ class LLM:
             if e.logprobs is not None:
                 out.logprobs = out.logprobs or []
                 out.logprobs += e.logprobs
+            if e.prompt_logprobs is not None:
+                out.prompt_logprobs = e.prompt_logprobs
         out.cumulative_logprob = last.cumulative_logprob
         if self.tokenizer is not None:
             out.text = "".join(e.new_text for e in events)

@@ -29,7 +29,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.families import AnyModelConfig, model_config_to_json
 from orca_backend.processes import exit_description
-from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput, encode_step
+from orca_backend.scheduler_output import PromptLogprobsChunk, SamplerOutput, SchedulerOutput, encode_step
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -185,7 +185,9 @@ class WorkerPoolExecutor:
         if logprobs is not None:  # JSON made each row's (ids, logprobs, ranks) a list
             logprobs = [tuple(row) if row is not None else None for row in logprobs]
         failures = {int(lora_id): why for lora_id, why in msg.get("lora_failures", {}).items()}  # JSON keys are strings
-        return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""))
+        prompt_logprobs = [PromptLogprobsChunk(position, first, [tuple(row) for row in rows])
+                           for position, first, rows in msg.get("prompt_logprobs", [])]  # fmt: skip
+        return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""), prompt_logprobs)
 
     def _next_message(self, timeout_s: float | None = None, bound: str = "the start timeout") -> dict:
         """The next message from any worker; a dead worker, an error report or no message within

@@ -23,12 +23,14 @@ from orca_backend.server.metrics import FinishedRequest
 
 # Triton's vLLM backend sends these outputs only when the request's input of the same name is true
 # (docs/vllm-backend-contract.md); text_output, and this project's output_ids, are always sent.
+# return_prompt_logprobs is this project's, in the same style (the vLLM backend has no prompt logprobs).
 RETURN_INPUTS = {
     "return_finish_reason": "finish_reason",
     "return_cumulative_logprob": "cumulative_logprob",
     "return_logprobs": "logprobs",
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
+    "return_prompt_logprobs": "prompt_logprobs",
 }
 # `return_perf_metrics` (TensorRT-LLM's name) switches on the request's timeline and counts, in its
 # final response only: times in ns on the server host's CLOCK_MONOTONIC (time.monotonic_ns(), as
@@ -245,8 +247,8 @@ class ResponseBuilder:
 
     Streaming: each flush holds what is new since the previous one (several events may be merged
     when responses fall behind the engine): text, ids, logprobs and `num_output_tokens` are deltas,
-    `num_input_tokens` and `cumulative_logprob` are repeated whole, and `finish_reason` is "None"
-    until the last. The first flush also carries the prompt when it is echoed. After the first
+    `num_input_tokens` and `cumulative_logprob` are repeated whole, `finish_reason` is "None"
+    until the last, and the prompt logprobs go out once, with the first token ("null" after). The first flush also carries the prompt when it is echoed. After the first
     token, a flush waits for `stream_interval` new tokens (or the end): fewer, larger responses,
     each costing the stub and tritonserver the same. Non-streaming: one payload holding
     everything, ready once the request finished.
@@ -270,6 +272,7 @@ class ResponseBuilder:
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
     _logprobs: list[dict[int, Any]] = field(default_factory=list)
+    _prompt_logprobs: list[dict[int, Any] | None] | None = None  # until a flush sends them
     _num_output_sent: int = 0
     _first_sent: bool = False
 
@@ -279,6 +282,8 @@ class ResponseBuilder:
             self._text.append(event.new_text)
         if event.logprobs is not None:
             self._logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self._prompt_logprobs = event.prompt_logprobs
         if event.cumulative_logprob is not None:
             self.cumulative_logprob = event.cumulative_logprob
         self.num_input_tokens = event.num_input_tokens
@@ -309,14 +314,15 @@ class ResponseBuilder:
             ids, text = self.prefix_ids + ids, self.prefix_text + text
             self._first_sent = True
         logprobs = self._logprobs if self.wants_logprobs else None
-        self._ids, self._text, self._logprobs = [], [], []
+        prompt_logprobs = self._prompt_logprobs
+        self._ids, self._text, self._logprobs, self._prompt_logprobs = [], [], [], None
         new_tokens, self._num_output_sent = self.num_output_tokens - self._num_output_sent, self.num_output_tokens
         reason = FINISH_REASONS.get(self.finish_reason, str(self.finish_reason)) if self.finished else NOT_FINISHED
         # The perf metrics are known at the end only: a stream's earlier responses go without them.
         names = self.outputs if self.finished else tuple(n for n in self.outputs if n not in PERF_OUTPUTS)
         return output_arrays(ids, text, reason, self.num_input_tokens, new_tokens, self.batched, names,
                              cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
-                             metrics=self.request_metrics)
+                             prompt_logprobs=prompt_logprobs, metrics=self.request_metrics)
 
 
 def finished_request(builder: ResponseBuilder) -> FinishedRequest:
@@ -353,12 +359,14 @@ def response_builder(request: ParsedRequest, prompt_ids: list[int], tokenizer: A
 def output_arrays(
     ids: list[int], text: str, finish_reason: str, num_input_tokens: int, num_output_tokens: int, batched: bool,
     names: tuple[str, ...] = OUTPUT_NAMES, *, cumulative_logprob: float | None = None,
-    logprobs: list[dict[int, Any]] | None = None, metrics: RequestMetrics | None = None,
+    logprobs: list[dict[int, Any]] | None = None, prompt_logprobs: list[dict[int, Any] | None] | None = None,
+    metrics: RequestMetrics | None = None,
 ) -> dict[str, np.ndarray]:
     """The response payload: the outputs in `names`, with the vLLM backend's dtypes.
 
     `logprobs` holds one {token id: Logprob} dict per token, sent as JSON keyed by the id as a
-    string (None sends the literal "null"); a cumulative logprob that was not computed is NaN.
+    string (None sends the literal "null"); `prompt_logprobs` the same per prompt token, the first
+    null; a cumulative logprob that was not computed is NaN.
     """
     arrays = {}
     if "text_output" in names:
@@ -372,6 +380,8 @@ def output_arrays(
         arrays["cumulative_logprob"] = np.array([value], dtype=np.float32)
     if "logprobs" in names:
         arrays["logprobs"] = np.array([_logprobs_json(logprobs).encode("utf-8")], dtype=np.object_)
+    if "prompt_logprobs" in names:
+        arrays["prompt_logprobs"] = np.array([_logprobs_json(prompt_logprobs).encode("utf-8")], dtype=np.object_)
     if "num_input_tokens" in names:
         arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
     if "num_output_tokens" in names:
@@ -395,12 +405,13 @@ def _perf_arrays(metrics: RequestMetrics | None) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _logprobs_json(logprobs: list[dict[int, Any]] | None) -> str:
+def _logprobs_json(logprobs: list[dict[int, Any] | None] | None) -> str:
     if logprobs is None:
         return "null"
-    return json.dumps([{str(token_id): {"logprob": entry.logprob, "rank": entry.rank,
+    return json.dumps([None if per_token is None else
+                       {str(token_id): {"logprob": entry.logprob, "rank": entry.rank,
                                         "decoded_token": entry.decoded_token}
-                        for token_id, entry in per_token.items()} for per_token in logprobs])
+                        for token_id, entry in per_token.items()} for per_token in logprobs])  # fmt: skip
 
 
 def read_request(request: Any, config: EngineConfig, batched: bool = False) -> ParsedRequest:

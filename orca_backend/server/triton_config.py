@@ -44,7 +44,7 @@ INPUTS: tuple[dict[str, Any], ...] = (
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in (
         "return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
-        "return_num_output_tokens", "return_perf_metrics")),
+        "return_num_output_tokens", "return_prompt_logprobs", "return_perf_metrics")),
 )  # fmt: skip
 OUTPUTS: tuple[dict[str, Any], ...] = (
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -52,6 +52,7 @@ OUTPUTS: tuple[dict[str, Any], ...] = (
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     *({"name": name, "data_type": "TYPE_INT64", "dims": [1]} for name in (

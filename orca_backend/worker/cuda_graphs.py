@@ -94,6 +94,8 @@ EAGER_REASONS = {
                             f"{DEFAULT_MAX_GRAPH_TOKENS} when it is unset)",
     "batch_above_buckets": "more requests than the largest captured batch (max_num_seqs)",
     "static_buffers": "on the graphs' static buffers, not captured (the CPU tests' path)",
+    "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
+                       "per request)",
 }
 
 

@@ -76,6 +76,19 @@ class SamplingBatch:
 
 
 @dataclass
+class PromptLogprobRows:
+    """The logits rows a step adds after its requests' last-token rows, for the prompt logprobs of
+    the requests that asked (SamplingParams.prompt_logprobs): one per prompt position of their
+    chunks whose next token is a prompt token, scoring that token."""
+
+    targets: torch.Tensor  # int64 [R] on the device: the prompt token each row scores
+    target_ids: list[int]  # host: the same
+    # Per asking request, in batch order: (batch position, the prompt index of its first row's
+    # target, its rows, the top alternatives it asked for).
+    chunks: list[tuple[int, int, int, int]]
+
+
+@dataclass
 class StepInputs:
     """A step's flat model inputs (views of the persistent host buffers, valid until the next step)."""
 
@@ -85,13 +98,14 @@ class StepInputs:
     flat64: np.ndarray  # the three above, one buffer [3 * T]
     query_start: np.ndarray  # int32 [B + 1]
     context_lens: np.ndarray  # int32 [B]
-    logits_indices: np.ndarray  # int32 [B]: each request's last token
-    flat32: np.ndarray  # the three above, one buffer [3 * B + 1]
+    logits_indices: np.ndarray  # int32 [B + R]: each request's last token, then the prompt logprobs' rows
+    flat32: np.ndarray  # the three above, one buffer [3 * B + 1 + R]
     block_tables: np.ndarray  # int32 [B, W], W the most blocks any context of the batch fills
     max_query_len: int
     max_context_len: int
     sampling: SamplingBatch
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (-1: none); None when no token has one
+    prompt_logprobs: PromptLogprobRows | None = None  # None: no request of the step computes prompt logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +140,8 @@ class InputBatch:
         self.temperature = np.zeros(max_rows, dtype=np.float32)
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: no prompt logprobs
+        self._prompt_logprob_requests = 0  # rows whose request asks for prompt logprobs: none, the common case
         self.generators: list[torch.Generator | None] = [None] * max_rows
         self.num_stop_ids = np.zeros(max_rows, dtype=np.int64)
         self.staging = StagingArena(device)
@@ -244,6 +260,9 @@ class InputBatch:
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        if p.prompt_logprobs is not None:
+            self.num_prompt_logprobs[row] = p.prompt_logprobs
+            self._prompt_logprob_requests += 1
         self.generators[row] = state.generator
         self._drawn[row] = state.draw
         if not p.greedy or p.min_tokens:  # else the sampler never reads the row's device columns
@@ -286,6 +305,9 @@ class InputBatch:
         self.generators[row] = None
         state.draw, self._drawn[row] = float(self._drawn[row]), np.nan
         self.lora_slot[row] = -1
+        if self.num_prompt_logprobs[row] >= 0:
+            self.num_prompt_logprobs[row] = -1
+            self._prompt_logprob_requests -= 1
         state.row = -1
         self._free_rows.append(row)
         self._layout += 1
@@ -298,8 +320,16 @@ class InputBatch:
         count = len(rows)
         total = sum(step.num_scheduled_tokens)
         first = self.num_computed[rows]  # each request's first new position
-        flat32 = self._flat32.take(3 * count + 1)
-        query_start, context_lens, logits_indices = flat32[: count + 1], flat32[count + 1 : 2 * count + 1], flat32[2 * count + 1 :]
+        prompt_rows, prompt_indices = None, None
+        if self._prompt_logprob_requests:
+            prompt_rows, prompt_indices = self._prompt_logprob_rows(rows, first, step.num_scheduled_tokens)
+        num_extra = 0 if prompt_indices is None else len(prompt_indices)
+        flat32 = self._flat32.take(3 * count + 1 + num_extra)
+        query_start, context_lens = flat32[: count + 1], flat32[count + 1 : 2 * count + 1]
+        logits_indices = flat32[2 * count + 1 :]
+        if prompt_indices is not None:
+            logits_indices[count:] = prompt_indices
+            logits_indices = logits_indices[:count]  # filled below; the view the step takes is the whole tail
         flat64 = self._flat64.take(3 * total)
         input_ids, positions, slot_mapping = flat64[:total], flat64[total : 2 * total], flat64[2 * total :]
         if total == count:  # one token each (decodes): the requests' rows are the tokens' rows
@@ -332,10 +362,40 @@ class InputBatch:
             if row_slots.max() >= 0:
                 lora_slots = row_slots if total == count else np.repeat(row_slots, num_new)
         return StepInputs(
-            input_ids, positions, slot_mapping, flat64, query_start, context_lens, logits_indices, flat32, block_tables,
-            max_query_len=max_query_len, max_context_len=max_context_len,
+            input_ids, positions, slot_mapping, flat64, query_start, context_lens, flat32[2 * count + 1 :], flat32,
+            block_tables, max_query_len=max_query_len, max_context_len=max_context_len,
             sampling=self._sampling(rows, context_lens, step.ahead_rows), lora_slots=lora_slots,
+            prompt_logprobs=prompt_rows,
         )  # fmt: skip
+
+    def _prompt_logprob_rows(
+        self, rows: np.ndarray, first: np.ndarray, num_scheduled: list[int]
+    ) -> tuple[PromptLogprobRows | None, np.ndarray | None]:  # fmt: skip
+        """The step's prompt-logprob rows, and their tokens' indices in the flat batch: position p of a
+        chunk (p from its first new position) scores prompt token p + 1, for every p + 1 < the prompt's
+        length. A request that has sampled already (a recompute after a preemption) computes none:
+        its prompt logprobs went out with its first token."""
+        chunks: list[tuple[int, int, int, int]] = []
+        indices: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        starts = list(itertools.accumulate(num_scheduled, initial=0))
+        for position in np.flatnonzero(self.num_prompt_logprobs[rows] >= 0).tolist():
+            row = int(rows[position])
+            num_prompt = int(self.num_prompt_tokens[row])
+            if self.num_tokens[row] > num_prompt:
+                continue
+            start = int(first[position])
+            end = min(start + num_scheduled[position], num_prompt - 1)
+            if end <= start:
+                continue
+            indices.append(np.arange(starts[position], starts[position] + end - start, dtype=np.int32))
+            targets.append(self.token_ids[row, start + 1 : end + 1].astype(np.int64))
+            chunks.append((position, start + 1, end - start, int(self.num_prompt_logprobs[row])))
+        if not chunks:
+            return None, None
+        target_ids = np.concatenate(targets)
+        rows_out = PromptLogprobRows(self.staging.put(target_ids), target_ids.tolist(), chunks)
+        return rows_out, np.concatenate(indices)
 
     def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int]) -> SamplingBatch:
         """The step's index sets, from the host's columns (numpy over the batch), and each random

@@ -253,6 +253,8 @@ class ModelRunner:
         ahead = self._ahead_tokens(step) if step.ahead_rows else None
         graphs: StepGraphs | None = self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs
         self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
+        if not self._step_path and inputs.prompt_logprobs is not None:
+            self._step_path = "prompt_logprobs"
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
             return graphs.run(inputs, ahead)
@@ -290,7 +292,10 @@ class ModelRunner:
         if step.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
-        sampled = self.sampler.launch(logits, inputs.sampling)
+        prompt_logits = None
+        if inputs.prompt_logprobs is not None:  # the rows after the requests' own score their prompt tokens
+            logits, prompt_logits = logits[: inputs.num_requests], logits[inputs.num_requests :]
+        sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs)
         self.input_batch.draws_used()
         sampled.step_path = self._step_path
         if self._lora_failures:
@@ -311,7 +316,8 @@ class ModelRunner:
             self._copied.record()
         # split_with_sizes, not split: the same views without split's Python wrapper (microseconds a step)
         input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, num_tokens])
-        query_start, context_lens, logits_indices = flat32.split_with_sizes([num_requests + 1, num_requests, num_requests])
+        query_start, context_lens, logits_indices = flat32.split_with_sizes(
+            [num_requests + 1, num_requests, len(inputs.logits_indices)])
         attn_meta = AttentionMetadata(
             query_start=query_start,
             context_lens=context_lens,

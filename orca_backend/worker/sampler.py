@@ -26,8 +26,15 @@ import numpy as np
 import torch
 
 from orca_backend.messages import TokenLogprobs
-from orca_backend.scheduler_output import SamplerOutput
-from orca_backend.worker.input_batch import STOP_IDS, TEMPERATURE, TOP_K, TOP_P, SamplingBatch
+from orca_backend.scheduler_output import PromptLogprobsChunk, SamplerOutput
+from orca_backend.worker.input_batch import (
+    STOP_IDS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    PromptLogprobRows,
+    SamplingBatch,
+)
 
 
 @dataclass
@@ -35,7 +42,8 @@ class SampledTokens:
     """A step's sampled ids on the logits' device (`tokens`) and what the host reads back of the step,
     packed (`packed`: on a GPU the pinned buffer its copy lands in): the ids, then for the requests
     that asked for logprobs their sampled token's ranks, the top ids, and the float32 bits of the
-    sampled token's logprob and the top values."""
+    sampled token's logprob and the top values; then the same of the prompt-logprob rows, their
+    prompt token in the sampled token's place."""
 
     tokens: torch.Tensor  # int64 [B]
     packed: torch.Tensor  # int64, on the host once `copied` is done
@@ -44,6 +52,8 @@ class SampledTokens:
     copied: torch.cuda.Event | None = None
     lora_failures: dict[int, str] = field(default_factory=dict)  # passed on (SamplerOutput.lora_failures)
     step_path: str = ""  # passed on (SamplerOutput.step_path)
+    prompt: PromptLogprobRows | None = None  # the step's prompt-logprob rows, if any
+    prompt_top: int = 0  # top alternatives computed per prompt-logprob row
 
     def result(self) -> SamplerOutput:
         """The ids as a list, and the logprobs, once their copy has landed (a wait for the step on a GPU)."""
@@ -53,9 +63,13 @@ class SampledTokens:
         size = len(self.tokens)
         tokens = packed[:size].tolist()
         logprobs = None
+        end = size + _packed_size(len(self.logprobs_asked), self.top)
         if self.logprobs_asked:
-            logprobs = _unpack_logprobs(packed[size:], tokens, self.logprobs_asked, self.top)
-        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path)
+            logprobs = _unpack_logprobs(packed[size:end], tokens, self.logprobs_asked, self.top)
+        prompt_logprobs = []
+        if self.prompt is not None:
+            prompt_logprobs = _unpack_prompt_logprobs(packed[end:], self.prompt, self.prompt_top)
+        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs)
 
 
 class Sampler:
@@ -65,11 +79,13 @@ class Sampler:
         self._pinned: list[torch.Tensor] = []
         self._turn = 0
 
-    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch, prompt_logits: torch.Tensor | None = None,
+               prompt: PromptLogprobRows | None = None) -> SampledTokens:  # fmt: skip
         """logits: [B, vocab] float32, one row per scheduled request (changed in place). One token id
         per request (the core ignores those of prefill chunks, `batch.sample` False), and the logprobs
         of the requests that asked for them, as `result()` gives them; on a GPU everything stays
-        queued, with its copy to the host."""
+        queued, with its copy to the host. `prompt_logits` [R, vocab]: the rows of `prompt`, whose
+        prompt tokens' logprobs come back too (raw, as the sampled tokens')."""
         raw_logprobs = None
         if len(batch.logprobs):  # before any processing
             raw_logprobs = logits.index_select(0, batch.logprobs).log_softmax(dim=-1)
@@ -89,8 +105,13 @@ class Sampler:
             asked = list(zip(batch.logprobs_at, batch.num_logprobs, strict=True))
             top = min(max(batch.num_logprobs), logits.shape[1])
             packed = torch.cat([tokens, _pack_logprobs(raw_logprobs, tokens.index_select(0, batch.logprobs), top)])
+        prompt_top = 0
+        if prompt is not None:
+            assert prompt_logits is not None
+            prompt_top = min(max(chunk[3] for chunk in prompt.chunks), prompt_logits.shape[1])
+            packed = torch.cat([packed, _pack_logprobs(prompt_logits.log_softmax(dim=-1), prompt.targets, prompt_top)])
         if not tokens.is_cuda:
-            return SampledTokens(tokens, packed, asked, top)
+            return SampledTokens(tokens, packed, asked, top, prompt=prompt, prompt_top=prompt_top)
         # One non-blocking copy into a persistent pinned buffer (a plain `tolist` stages through
         # pageable memory and waits for the stream).
         self._turn ^= 1
@@ -101,7 +122,7 @@ class Sampler:
         host.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return SampledTokens(tokens, host, asked, top, copied)
+        return SampledTokens(tokens, host, asked, top, copied, prompt=prompt, prompt_top=prompt_top)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -141,6 +162,23 @@ def _pack_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, top: int) -> t
     top_values, top_ids = logprobs.topk(top, dim=1)
     values = torch.cat([sampled_logprobs[:, 0], top_values.reshape(-1)])
     return torch.cat([ranks, top_ids.reshape(-1), values.view(torch.int32).to(torch.int64)])
+
+
+def _packed_size(rows: int, top: int) -> int:
+    """The int64 words `_pack_logprobs` writes for `rows` rows of `top` alternatives."""
+    return rows * (2 + 2 * top)
+
+
+def _unpack_prompt_logprobs(packed: np.ndarray, prompt: PromptLogprobRows, top: int) -> list[PromptLogprobsChunk]:
+    """The prompt-logprob rows (`_pack_logprobs`' layout, the prompt tokens in the sampled tokens'
+    place), per request: each chunk's rows keep the top alternatives it asked for."""
+    asked = list(enumerate(k for _, _, num_rows, k in prompt.chunks for _ in range(num_rows)))
+    rows = _unpack_logprobs(packed, prompt.target_ids, asked, top)
+    chunks, at = [], 0
+    for position, first_token, num_rows, _ in prompt.chunks:
+        chunks.append(PromptLogprobsChunk(position, first_token, rows[at : at + num_rows]))  # type: ignore[arg-type]
+        at += num_rows
+    return chunks
 
 
 def _unpack_logprobs(

@@ -76,29 +76,40 @@ def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp, mod
 
 
 def test_penalties_and_logprobs_equal_single_process(checkpoint):
-    """The sampling rank of a worker pool holds the penalty state and returns logprobs as the
-    in-process sampler does: the steps' deltas cross the pipes pickled, the logprobs as JSON."""
+    """The sampling rank of a worker pool holds the penalty state and returns logprobs and prompt
+    logprobs as the in-process sampler does: the steps' deltas cross the pipes as msgpack, the
+    logprobs as JSON. Prompts are prefilled in chunks of 4 tokens, so prompt logprobs come from
+    several steps (with tp = 2 the vocabulary's shards are gathered; with pp = 2 the last stage scores)."""
     prompts = make_prompts(4)
     params = [
-        SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=-0.5, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=-0.5, repetition_penalty=1.3, logprobs=3,
+                       prompt_logprobs=2, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.9, seed=4, presence_penalty=0.7, logit_bias={3: 4.0}, logprobs=0, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=1.0, seed=5, frequency_penalty=1.0, ignore_eos=True),
     ]
     outputs = []
-    for tp in (1, 2):
-        llm = LLM(str(checkpoint), max_num_seqs=4, tensor_parallel_size=tp)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        llm = LLM(str(checkpoint), max_num_seqs=4, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  max_num_batched_tokens=4)  # fmt: skip
         try:
             outputs.append(llm.generate(prompts, params))
         finally:
             llm.engine.shutdown()
-    for one, two in zip(*outputs, strict=True):
-        assert one.output_ids == two.output_ids
-        assert (one.logprobs is None) == (two.logprobs is None)
-        for a, b in zip(one.logprobs or [], two.logprobs or [], strict=True):
-            assert a.keys() == b.keys() and all(a[t].rank == b[t].rank for t in a)
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    for one, *others in zip(*outputs, strict=True):
+        for two in others:
+            assert one.output_ids == two.output_ids
+            for name in ("logprobs", "prompt_logprobs"):
+                ours, theirs = getattr(one, name), getattr(two, name)
+                assert (ours is None) == (theirs is None)
+                for a, b in zip(ours or [], theirs or [], strict=True):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        assert a.keys() == b.keys() and all(a[t].rank == b[t].rank for t in a)
+                        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
     assert outputs[0][0].logprobs is not None and outputs[0][1].logprobs is not None
+    assert [len(o.prompt_logprobs or []) for o in outputs[0]] == [len(prompts[0]), 0, len(prompts[2]), 0]
+    assert max(len(p) for p in prompts[::2]) > 4  # some prompt logprobs came from several chunks
 
 
 def _full_weights(checkpoint) -> list[torch.Tensor]:

@@ -233,6 +233,25 @@ def test_logprobs_and_cumulative_logprob_as_the_vllm_backend_sends_them(server, 
     assert all(b < a for a, b in zip(totals, totals[1:], strict=False))  # a running total of negative logprobs
 
 
+@pytest.mark.parametrize(("model", "stream"), [("orca", True), ("orca", False), ("baseline", False)])
+def test_prompt_logprobs_come_with_the_first_token_on_both_models(server, reference, model, stream):
+    """`return_prompt_logprobs` with the `prompt_logprobs` sampling parameter: the first response holds
+    one entry per prompt token (null for the first), equal to the engine's offline; later ones null."""
+    from orca_client.protocol import build_inputs
+
+    prompt = [3, 4, 5, 90, 17]
+    expected = reference(prompt, 4, prompt_logprobs=1)
+    inputs = build_inputs(input_ids=prompt, max_tokens=4, sampling={**GREEDY, "prompt_logprobs": 1}, stream=stream,
+                          return_outputs=("prompt_logprobs",), batched=model == "baseline")  # fmt: skip
+    responses = raw_responses(server, model, inputs)
+    sent = [json.loads(r.as_numpy("prompt_logprobs").reshape(-1)[0]) for r in responses]
+    assert all(later is None for later in sent[1:])
+    assert len(sent[0]) == len(prompt) and sent[0][0] is None
+    for entry, want, token in zip(sent[0][1:], expected.prompt_logprobs[1:], prompt[1:], strict=True):
+        assert str(token) in entry and {int(k): v["rank"] for k, v in entry.items()} == {k: v.rank for k, v in want.items()}
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx({k: v.logprob for k, v in want.items()})
+
+
 # ---- scheduling: iteration-level vs request-level -------------------------------------------
 def test_orca_short_requests_overtake_a_long_one_token_by_token(server, reference):
     """Four short requests sent while a long one runs join it at the next iterations and finish

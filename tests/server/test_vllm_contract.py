@@ -175,19 +175,38 @@ def test_logprobs_say_null_unless_the_logprobs_parameter_was_set():
     assert math.isnan(float(arrays["cumulative_logprob"][0]))  # not computed: NaN, as vLLM v1 sends
 
 
+def test_prompt_logprobs_go_out_once_with_the_first_token_null_first():
+    """One entry per prompt token, null for the first; a stream sends them with its first response
+    and "null" after; a request that did not ask gets "null"."""
+    parsed = parse(stream=True, sampling={"prompt_logprobs": 1}, return_prompt_logprobs=True)
+    builder = response_builder(parsed, list(PROMPT), CharTokenizer(), stream=True)
+    first = event([65], 1)
+    first.prompt_logprobs = [None] + [{t: Logprob(-0.5 * t, 2, chr(t)), 1: Logprob(-0.1, 1, "x")} for t in PROMPT[1:]]
+    builder.add(first)
+    sent = json.loads(builder.flush()["prompt_logprobs"][0])
+    assert len(sent) == len(PROMPT) and sent[0] is None
+    assert sent[1] == {str(PROMPT[1]): {"logprob": -0.5 * PROMPT[1], "rank": 2, "decoded_token": chr(PROMPT[1])},
+                       "1": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}}  # fmt: skip
+    builder.add(event([66], 2, finished=True, reason="length"))
+    assert builder.flush()["prompt_logprobs"][0] == b"null"
+    plain = response_builder(parse(return_prompt_logprobs=True), list(PROMPT), CharTokenizer(), stream=False)
+    plain.add(event([65], 1, finished=True, reason="length"))
+    assert plain.flush()["prompt_logprobs"][0] == b"null"
+
+
 def test_output_dtypes_are_the_vllm_backends():
     builder = response_builder(parse(**ALL_RETURNS), list(PROMPT), CharTokenizer(), stream=False)
     builder.add(event([65], 1, finished=True, reason="length"))
     dtypes = {name: array.dtype for name, array in builder.flush().items()}
     assert dtypes == {"text_output": np.object_, "output_ids": np.int32, "finish_reason": np.object_,
                       "cumulative_logprob": np.float32, "logprobs": np.object_, "num_input_tokens": np.uint32,
-                      "num_output_tokens": np.uint32}  # fmt: skip
+                      "num_output_tokens": np.uint32, "prompt_logprobs": np.object_}  # fmt: skip
 
 
 # ---- the repository declares it ---------------------------------------------------------------
 VLLM_TYPES = {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "cumulative_logprob": "TYPE_FP32",
               "logprobs": "TYPE_STRING", "num_input_tokens": "TYPE_UINT32", "num_output_tokens": "TYPE_UINT32",
-              "output_ids": "TYPE_INT32"}  # fmt: skip
+              "output_ids": "TYPE_INT32", "prompt_logprobs": "TYPE_STRING"}  # fmt: skip
 # return_perf_metrics' outputs (TensorRT-LLM's names for the times).
 PERF_TYPES = {"arrival_time_ns": "TYPE_INT64", "first_scheduled_time_ns": "TYPE_INT64",
               "first_token_time_ns": "TYPE_INT64", "last_token_time_ns": "TYPE_INT64",

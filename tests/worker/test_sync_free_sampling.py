@@ -1,6 +1,6 @@
 """Sampling on the GPU path waits for nothing (docs/architecture.md, "Sampling"): under the capture
 guard of tests/worker/graph_checks.py, the sampler's launch for sampled traffic (temperature, top-k,
-top-p, seeds, penalties, logit_bias, min_tokens, logprobs) reads no value back and copies to the
+top-p, seeds, penalties, logit_bias, min_tokens, logprobs, prompt logprobs) reads no value back and copies to the
 device only from the registered staging arena; the step's one read is `SampledTokens.result`, which
 async scheduling makes after the next step is launched; and the run-ahead index comes from the
 staging arena too. On a CPU the device's memory is what the runner keeps (the per-row tables, the
@@ -30,6 +30,7 @@ def sampled_traffic(n: int) -> list[SamplingParams]:
             seed=100 + i, repetition_penalty=1.2 if i % 2 else 1.0, presence_penalty=0.3 * (i % 3 == 1),
             frequency_penalty=0.4 * (i % 3 == 2), logit_bias={11: 2.0, 40 + i: -1.5} if i % 4 == 1 else None,
             min_tokens=4 if i % 3 == 0 else 0, stop_token_ids=[3, 19], logprobs=5 if i % 2 == 0 else None,
+            prompt_logprobs=2 if i % 3 == 1 else None,
         ))  # fmt: skip
     return params
 
@@ -49,10 +50,10 @@ def guard_sampling(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> dict
     seen: dict[str, list] = {"batches": [], "reads": []}
     launch, result = runner.sampler.launch, SampledTokens.result
 
-    def guarded_launch(logits, batch):
+    def guarded_launch(logits, batch, *prompt):
         guard = CaptureGuard([logits, *device_memory(runner)], [runner.input_batch.staging.host])
         with capture_guard(monkeypatch, guard):
-            sampled = launch(logits, batch)
+            sampled = launch(logits, batch, *prompt)
         seen["batches"].append(batch)
         return sampled
 
@@ -85,6 +86,8 @@ def test_sampled_traffic_reads_back_once_per_step(monkeypatch, async_scheduling)
     got = llm.generate(PROMPTS, params)
     assert [o.output_ids for o in got] == [o.output_ids for o in expected]  # the guard changed nothing
     assert [o.logprobs for o in got] == [o.logprobs for o in expected]
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in expected]
+    assert sum(o.prompt_logprobs is not None for o in got) == 2
     batches = seen["batches"]
     assert len(batches) > 10 and len(seen["reads"]) == len(batches)
     assert all(reads == ["numpy"] for reads in seen["reads"])  # exactly the one read per step
