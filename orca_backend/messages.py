@@ -66,6 +66,10 @@ class EngineCoreRequest:
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities are FCFS
     timeout_s: float | None = None  # it ends with FinishReason.TIMEOUT this long after arrival
     lora: LoRARequest | None = None  # params.lora_name, resolved by the frontend's registry
+    # A later sample of a request with n > 1: the id of its sample 0, which prefills the prompt they
+    # share; this one then takes those blocks (core/kv_cache_manager.py, `admit`) and computes only
+    # its last prompt token.
+    prefix_from: str | None = None
 
 
 @dataclass(slots=True)

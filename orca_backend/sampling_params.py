@@ -21,6 +21,7 @@ from typing import Any, Literal
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_TOP_K = 2**31 - 1  # anything at or above the vocabulary means no cut
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128  # samples per request: each is a running request of its own
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (vLLM, OpenAI)
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI)
 # A temperature below this samples greedily, as in vLLM (_SAMPLING_EPS): dividing the logits by 1e-300
@@ -47,7 +48,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; excluded from the returned text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    n: int = 1  # outputs per request: only 1 (send n requests, each with its own seed)
+    # Samples of the prompt, each with its own generator (seed + its index, as vLLM derives them),
+    # penalties and stop rules; the prompt is prefilled once (engine/llm_engine.py).
+    n: int = 1
     # Penalties, row-wise before temperature (vLLM v1): a token's logit loses presence_penalty once if
     # the token occurs in the output so far, and frequency_penalty times its count there; the logit of
     # any token of the prompt or the output is divided by repetition_penalty when positive, multiplied
@@ -75,9 +78,8 @@ class SamplingParams:
     lora_name: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
-               f"n must be a positive integer, got {self.n!r}")
-        _check(self.n == 1, f"n > 1 is not supported (got n={self.n}): send n requests, each with its own seed")
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+               f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -159,6 +161,12 @@ class SamplingParams:
         `guided_regex`, `guided_choice`, `guided_grammar`; `parse_structured_output`).
         """
         spec, values = parse_structured_output(values)
+        if "best_of" in values:  # vLLM V1 refuses it too; 1 and null ask for nothing
+            values = dict(values)
+            best_of = values.pop("best_of")
+            _check(best_of is None or _coerce("n", best_of) == 1,
+                   f"best_of is not supported (vLLM V1 removed it), got {best_of!r}: ask for n samples, with "
+                   "logprobs, and rank them by cumulative_logprob")  # fmt: skip
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
         _check(not unknown, f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(known)}")

@@ -16,7 +16,9 @@ keeps the state of every unfinished request it has been sent, in its persistent 
   rows and keeps their tokens and generator; a preempted request that is scheduled again takes a row
   again;
 - `finished_ids`: requests that ended: a runner forgets them;
-- `lora_loads`: adapters to put in slots (multi-LoRA), before the step's rows are taken.
+- `lora_loads`: adapters to put in slots (multi-LoRA), before the step's rows are taken;
+- `block_copies`: blocks whose K/V a forked request (a later sample of a request with n > 1) copies
+  from its sample 0's, before the step's forward.
 
 The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
 position `num_computed`. Every rank gets the same message, so every rank holds the same rows; a
@@ -79,6 +81,9 @@ class SchedulerOutput:
     # LoRA: adapters to load before this step, each into a slot (core/lora_slots.py), replacing the
     # one there; every request of the step whose adapter it is finds it resident.
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # Copy-on-write of forked requests (n > 1): each (source, destination) block's K/V is copied, in
+    # every layer, before this step's forward; the destination is a block of a request this step brings.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -75,13 +75,22 @@ class KVCacheManager(ABC):
     def _watermark_blocks(self) -> int:
         return 0
 
-    def admit(self, request: Request, others_running: bool) -> bool:
+    def admit(self, request: Request, others_running: bool, fork_of: Request | None = None) -> bool:
         """Gives a waiting request its block table if the pool allows; False leaves it untouched.
 
         Cached prefix blocks are shared and count as computed (`request.num_computed`). The
         watermark is only kept while `others_running`: alone, a request that fits is admitted.
+        `fork_of`: a request that has computed all of this one's prompt but its last token (sample 0
+        of the same request with n > 1): its blocks wholly before that token are shared, and its
+        partly filled block there is copied into a block of this one's own (copy-on-write), recorded
+        in `request.block_copy` for the runners; this one computes its last prompt token alone.
         """
-        hits = self._prefix_hits(request)
+        if fork_of is not None:
+            computed = request.num_prompt_tokens - 1
+            hits = fork_of.block_table[: computed // self.block_size]
+        else:
+            hits = self._prefix_hits(request)
+            computed = len(hits) * self.block_size
         new_blocks = self.blocks_for(self._tokens_at_admission(request)) - len(hits)
         from_free = new_blocks + sum(self.pool.blocks[b].ref_count == 0 for b in hits)
         if from_free + (self._watermark_blocks() if others_running else 0) > self.pool.num_free:
@@ -89,9 +98,12 @@ class KVCacheManager(ABC):
         for block_id in hits:
             self.pool.share(block_id)
         request.block_table = hits + self.pool.allocate(new_blocks)
-        request.num_computed = len(hits) * self.block_size
+        request.num_computed = computed
         request.num_registered_blocks = len(hits)
-        if self.enable_prefix_caching and request.params.prompt_logprobs is None:  # it queried the cache
+        if fork_of is not None:
+            if computed % self.block_size:
+                request.block_copy = (fork_of.block_table[len(hits)], request.block_table[len(hits)])
+        elif self.enable_prefix_caching and request.params.prompt_logprobs is None:  # it queried the cache
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += request.num_computed
         return True

@@ -34,6 +34,9 @@ class Request:
     timeout_s: float | None = None  # it ends with finish_reason "timeout" this long after arrival
     arrival_order: int = 0  # set by the scheduler as it takes requests in: breaks ties of arrival_time
     lora: LoRARequest | None = None  # its adapter: resident (core/lora_slots.py) while it runs
+    # A later sample of a request with n > 1: its sample 0's id (EngineCoreRequest.prefix_from), until
+    # it was admitted once (the scheduler then clears it).
+    prefix_from: str | None = None
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -60,6 +63,9 @@ class Request:
     # The blocks of its table the model runners hold (scheduler_output.py): -1 until they are sent the
     # request (whole), 0 after a preemption freed them.
     num_blocks_sent: int = -1
+    # Admitted as a fork (KVCacheManager.admit): the block whose K/V its first block past the shared
+    # ones copies (source, destination), until the scheduler sends the copy to the runners.
+    block_copy: tuple[int, int] | None = None
     # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and the
     # steps it samples in carry its bitmask row (read for every request every iteration: one attribute).
     structured: bool = field(init=False, default=False)
@@ -111,4 +117,4 @@ class Request:
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest) -> Request:
         return cls(r.request_id, r.prompt_ids, r.params, r.arrival_time, r.sampling_seed, r.priority, r.timeout_s,
-                   lora=r.lora)
+                   lora=r.lora, prefix_from=r.prefix_from)

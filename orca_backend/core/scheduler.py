@@ -203,6 +203,8 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         # The requests whose block table was given or grown since the last SchedulerOutput.
         self._tables_changed: list[Request] = []
+        # Blocks to copy before the next step (source, destination): forks' partly filled blocks.
+        self._block_copies: list[tuple[int, int]] = []
         self._step_ids = itertools.count()
 
     def has_work(self) -> bool:
@@ -305,6 +307,8 @@ class Scheduler:
                                        self._preempted_ids, self._finished_ids, self.structured, self._tables_changed)  # fmt: skip
         if self.loras is not None:
             output.lora_loads = self.loras.take_loads()
+        if self._block_copies:
+            output.block_copies, self._block_copies = self._block_copies, []
         self._recorded_ids, self._recorded_tokens, self._preempted_ids, self._finished_ids = [], [], [], []
         self._tables_changed = []
         return output
@@ -376,23 +380,45 @@ class Scheduler:
                 and budget > 0:  # fmt: skip
             request = self.waiting.head(self.clock())
             assert request is not None
+            wait, fork_of = self._fork_source(request) if request.prefix_from is not None else (False, None)
+            if wait:  # a later sample: its sample 0 is computing the prompt it will share
+                self.waiting.remove(request)
+                passed_over.append(request)
+                continue
             if request.lora is not None and self.loras is not None and not self.loras.acquire(request.lora):
                 self.waiting.remove(request)
                 passed_over.append(request)
                 continue
-            if not self.kv.admit(request, others_running=bool(self.running)):
+            if not self.kv.admit(request, others_running=bool(self.running), fork_of=fork_of):
                 self._release_adapter(request)
                 break
             self._tables_changed.append(request)
+            if request.block_copy is not None:
+                self._block_copies.append(request.block_copy)
+                request.block_copy = None
+            request.prefix_from = None  # admitted again (after a preemption), it computes its own
             if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
                 request.first_scheduled_time = self.clock()
-                request.num_cached_tokens = request.num_computed
+                request.num_cached_tokens = request.num_computed if fork_of is None else 0
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= self._add(batch, request, min(request.num_tokens - request.num_computed, budget))
         for request in reversed(passed_over):  # back at the head of its class, in order
             self.waiting.appendleft(request)
+
+    def _fork_source(self, request: Request) -> tuple[bool, Request | None]:
+        """For a later sample of a request with n > 1 (`prefix_from`): (wait, sample 0). It waits
+        while sample 0 computes their prompt; once that one has computed all but the last token, this
+        one is admitted as its fork (KVCacheManager.admit). It computes its own prompt where sample 0
+        has ended, has given back blocks outside a sliding window, or in request-level mode (a batch
+        is admitted at once, so no sample could wait for another)."""
+        source = self._requests.get(request.prefix_from)  # type: ignore[arg-type]
+        if source is None or self.request_level:
+            return False, None
+        if source.status is not RequestStatus.RUNNING or source.num_computed < request.num_prompt_tokens - 1:
+            return True, None
+        return False, (None if source.num_dropped_blocks else source)
 
     def _release_adapter(self, request: Request) -> None:
         """The request no longer runs (or was not admitted after all): its adapter loses a holder."""

@@ -13,6 +13,7 @@ Validation needs only the config, so a launched engine's process never imports t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -20,7 +21,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from orca_backend.config import EngineConfig, check_parallel_layout, fits_in_pool, pool_capacity_tokens
@@ -50,21 +51,24 @@ Prompt = str | Sequence[int]
 
 
 class RequestStream:
-    """Blocking iterator over one request's events, ending after the finished one."""
+    """Blocking iterator over one request's events, ending after the finished one (with n > 1,
+    after every sample's: each event's `index` says whose it is)."""
 
     # The longest wait for the next event before iteration raises TimeoutError naming the request
     # (None: no bound). The test suite sets one (tests/conftest.py), so an event that never comes
     # fails that test with a message instead of hanging the run.
     wait_timeout_s: float | None = None
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_samples: int = 1) -> None:
         self.request_id = request_id
+        self.num_samples = num_samples
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
 
     def put(self, output: RequestOutput) -> None:
         self._queue.put(output)
 
     def __iter__(self) -> Iterator[RequestOutput]:
+        unfinished = self.num_samples
         while True:
             try:
                 output = self._queue.get(timeout=self.wait_timeout_s)
@@ -72,8 +76,42 @@ class RequestStream:
                 raise TimeoutError(f"request {self.request_id}: no event for {self.wait_timeout_s:g} s "
                                    "(RequestStream.wait_timeout_s)") from None
             yield output
-            if output.finished:
+            unfinished -= output.finished
+            if not unfinished:
                 return
+
+
+class _SampleSink:
+    """Where one sample of a request with n > 1 sends its events: to the request's sink, as the
+    request's (its id) with the sample's `index`. The last sample to finish retires the request's id."""
+
+    def __init__(self, request_id: str, index: int, sink: OutputSink, group: _SampleGroup) -> None:
+        self.request_id, self.index, self.sink, self.group = request_id, index, sink, group
+
+    def __call__(self, output: RequestOutput) -> None:
+        output.request_id, output.index = self.request_id, self.index
+        if output.finished:
+            self.group.finished()
+        self.sink(output)
+
+
+class _SampleGroup:
+    """The samples of one request with n > 1 (their ids in the core), until the last one finished."""
+
+    def __init__(self, sample_ids: list[str], retire: Callable[[], None]) -> None:
+        self.sample_ids = sample_ids
+        self._unfinished = len(sample_ids)
+        self._retire = retire
+
+    def finished(self) -> None:
+        self._unfinished -= 1
+        if not self._unfinished:
+            self._retire()
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The id of sample `index` of a request with n > 1, in the core (vLLM's naming)."""
+    return f"{index}_{request_id}"
 
 
 class LLMEngine:
@@ -106,6 +144,8 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)  # seeds of requests that bring none
         self._seeds_lock = threading.Lock()
         self._next_id = itertools.count()
+        # Requests with n > 1, by id, until their last sample finished (abort_request ends them all).
+        self._groups: dict[str, _SampleGroup] = {}
         self.core: EngineCore | EngineCoreProcess | AttachedCore
         if attach_to is not None:
             self.core = AttachedCore(config, attach_to, self._process, self._core_died)
@@ -191,25 +231,51 @@ class LLMEngine:
             check_timeout(timeout)
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
             validated.append((rid, self.validate(prompt, p), p, prio, timeout))
+        clash = sorted({rid for rid, *_ in validated if rid in self._groups})
+        if clash:
+            raise ValueError(f"request id already in use: {clash}")
+        streams = [RequestStream(rid, p.n) for rid, _, p, _, _ in validated]
+        requests: list[EngineCoreRequest] = []
+        sinks: list[OutputSink] = []
+        groups: dict[str, _SampleGroup] = {}
         with self._seeds_lock:
-            requests = [EngineCoreRequest(rid, prompt_ids, p, now,
-                                          p.seed if p.seed is not None else self._seeds.getrandbits(63), prio, timeout,
-                                          self._lora(p))
-                        for rid, prompt_ids, p, prio, timeout in validated]  # fmt: skip
-        streams = [RequestStream(r.request_id) for r in requests]
+            for (rid, prompt_ids, p, prio, timeout), stream in zip(validated, streams, strict=True):
+                sink = on_output or stream.put
+                if p.n == 1:
+                    seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+                    requests.append(EngineCoreRequest(rid, prompt_ids, p, now, seed, prio, timeout, self._lora(p)))
+                    sinks.append(sink)
+                    continue
+                group = groups[rid] = _SampleGroup([sample_id(rid, i) for i in range(p.n)],
+                                                   functools.partial(self._groups.pop, rid, None))  # fmt: skip
+                for index, child_id in enumerate(group.sample_ids):
+                    # vLLM's derivation: sample i of a seeded request draws with seed + i. Only sample 0
+                    # computes the prompt's logprobs (the others compute only its last token).
+                    seed = p.seed + index if p.seed is not None else self._seeds.getrandbits(63)
+                    child = dataclasses.replace(p, n=1, seed=p.seed if p.seed is None else seed,
+                                                prompt_logprobs=p.prompt_logprobs if index == 0 else None)
+                    requests.append(EngineCoreRequest(child_id, prompt_ids, child, now, seed, prio, timeout,
+                                                      self._lora(p), group.sample_ids[0] if index else None))
+                    sinks.append(_SampleSink(rid, index, sink, group))
         new_ids = [r.request_id for r in requests]
-        self.outputs.add(new_ids, [r.prompt_ids for r in requests], [r.params for r in requests],
-                         [on_output or s.put for s in streams], arrival_time=now)  # fmt: skip
+        self.outputs.add(new_ids, [r.prompt_ids for r in requests], [r.params for r in requests], sinks,
+                         arrival_time=now)  # fmt: skip
+        self._groups.update(groups)
         try:
             self.core.add_requests(requests)
         except EngineDeadError:
             self.outputs.discard(new_ids)
+            for rid in groups:
+                self._groups.pop(rid, None)
             raise
         return streams
 
     def abort_request(self, request_id: str) -> None:
-        """Ends the request with finish_reason "cancelled" and frees its K/V; unknown ids are ignored."""
-        self.core.abort(request_id, FinishReason.CANCELLED)
+        """Ends the request (every sample of one with n > 1) with finish_reason "cancelled" and frees
+        its K/V; unknown ids are ignored."""
+        group = self._groups.get(request_id)
+        for core_id in group.sample_ids if group is not None else [request_id]:
+            self.core.abort(core_id, FinishReason.CANCELLED)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -75,6 +75,9 @@ class RequestOutput:
     # per prompt token, None for the first (nothing precedes it), then a dict as `logprobs` has, the
     # prompt token first (with its own rank) and the top `prompt_logprobs` alternatives (vLLM's shape).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With n > 1: the sample the event is of, 0..n-1 (each sample has its own events, and its own final
+    # one; the request's id is every sample's).
+    index: int = 0
     # On the final event: the request's timeline and counts (arrival, first scheduled, first and last
     # token, on time.monotonic()), for the latency histograms and `return_perf_metrics`.
     metrics: RequestMetrics | None = None

@@ -7,6 +7,7 @@ whichever comes first, stops them.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class CompletionOutput:
     # With SamplingParams.prompt_logprobs set (else None): None for the first prompt token, then one
     # dict per prompt token (RequestOutput.prompt_logprobs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    index: int = 0  # the sample, with n > 1
+    # With n > 1: every sample, in order (this output's own fields are sample 0's); else None.
+    samples: list[CompletionOutput] | None = None
 
     @property
     def finish_time(self) -> float:
@@ -101,11 +105,18 @@ class LLM:
             events.setdefault(output.request_id, []).append(output)
 
         streams = self.engine.add_requests(list(prompts), params, on_output=collect)
-        while any(not (events.get(s.request_id) and events[s.request_id][-1].finished) for s in streams):
+        while any(sum(e.finished for e in events.get(s.request_id, ())) < s.num_samples for s in streams):
             self.engine.step()
         while self.engine.has_work():  # aborts of requests a stop string ended: their K/V is freed now
             self.engine.step()
-        return [self._completion(events[s.request_id]) for s in streams]
+        return [self._request_output(events[s.request_id], s.num_samples) for s in streams]
+
+    def _request_output(self, events: list[RequestOutput], num_samples: int) -> CompletionOutput:
+        """One prompt's output: its one sample's, or with n > 1 sample 0's with every sample in `samples`."""
+        if num_samples == 1:
+            return self._completion(events)
+        samples = [self._completion([e for e in events if e.index == i]) for i in range(num_samples)]
+        return dataclasses.replace(samples[0], samples=samples)
 
     def _completion(self, events: list[RequestOutput]) -> CompletionOutput:
         last = events[-1]
@@ -113,7 +124,7 @@ class LLM:
             raise RuntimeError(f"request {last.request_id} failed: {last.error}")
         if last.finish_reason is FinishReason.INVALID:  # the request could not run as sent (e.g. a grammar that does not compile)
             raise ValueError(f"request {last.request_id} was refused: {last.error}")
-        out = CompletionOutput(last.request_id, last.num_input_tokens, finish_reason=last.finish_reason)
+        out = CompletionOutput(last.request_id, last.num_input_tokens, finish_reason=last.finish_reason, index=last.index)
         for e in events:
             out.output_ids += e.new_token_ids
             out.event_times.append(e.time)

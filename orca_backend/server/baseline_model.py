@@ -18,6 +18,7 @@ from orca_backend.server.protocol import (
     EngineUnavailable,
     ParsedRequest,
     ResponseBuilder,
+    SamplesResponseBuilder,
     error_response,
     finished_request,
     make_response,
@@ -61,7 +62,7 @@ class BaselineModel(EngineAdapter):
         responses: list[Any] = [None] * len(requests)
         parsed: dict[int, ParsedRequest] = {}
         prompts: dict[int, list[int]] = {}  # each request's prompt ids, tokenized once
-        builders: dict[int, ResponseBuilder] = {}
+        builders: dict[int, ResponseBuilder | SamplesResponseBuilder] = {}
         for index, request in enumerate(requests):
             try:
                 parsed[index] = read_request(request, self.engine.config, batched=True)
@@ -77,7 +78,7 @@ class BaselineModel(EngineAdapter):
         return responses
 
     def _run_batch(self, requests: list[Any], parsed: dict[int, ParsedRequest], prompts: dict[int, list[int]],
-                   builders: dict[int, ResponseBuilder], responses: list[Any]) -> None:
+                   builders: dict[int, ResponseBuilder | SamplesResponseBuilder], responses: list[Any]) -> None:
         self._batch_ids += 1
         ids = {index: f"batch{self._batch_ids}-{index}" for index in parsed}
         index_of = {request_id: index for index, request_id in ids.items()}
@@ -109,10 +110,10 @@ class BaselineModel(EngineAdapter):
                         self.engine.abort_request(ids[index])
                 continue
             index = index_of[event.request_id]
-            builders[index].add(event)
-            if event.finished:
+            builder = builders[index]
+            builder.add(event)
+            if builder.finished:  # with n > 1, every sample has
                 remaining.discard(index)
-                builder = builders[index]
                 self.metrics.request_finished(finished_request(builder))
                 try:
                     if builder.error is not None:

@@ -157,6 +157,7 @@ class FinishedRequest:
     num_input_tokens: int
     num_output_tokens: int
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    n: int = 1  # its samples (the n sampling parameter); num_output_tokens counts every sample's
 
 
 class EngineMetrics:
@@ -306,7 +307,7 @@ def observations(finished: FinishedRequest) -> dict[str, float]:
     values: dict[str, float] = {
         "vllm:request_prompt_tokens": finished.num_input_tokens,
         "vllm:request_generation_tokens": finished.num_output_tokens,
-        "vllm:request_params_n": 1,
+        "vllm:request_params_n": finished.n,
     }
     m = finished.metrics
     if m is None:

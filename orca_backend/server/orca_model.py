@@ -30,6 +30,7 @@ from orca_backend.server.adapter import EngineAdapter, is_cancelled
 from orca_backend.server.protocol import (
     EngineUnavailable,
     ResponseBuilder,
+    SamplesResponseBuilder,
     error_response,
     finished_request,
     make_response,
@@ -53,7 +54,7 @@ class _Pending:
     request_id: str
     request: Any
     sender: Any
-    builder: ResponseBuilder
+    builder: ResponseBuilder | SamplesResponseBuilder
     abort_requested: bool = False
 
 

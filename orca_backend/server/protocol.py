@@ -325,14 +325,70 @@ class ResponseBuilder:
                              prompt_logprobs=prompt_logprobs, metrics=self.request_metrics)
 
 
-def finished_request(builder: ResponseBuilder) -> FinishedRequest:
+@dataclass
+class SamplesResponseBuilder:
+    """A request with n > 1: one ResponseBuilder per sample (events go to the one of their `index`),
+    and every payload holds one element per sample in each output, in sample order, as the vLLM
+    backend's do: `num_input_tokens` alone is the request's one value, and `output_ids` (ours) holds
+    the samples' ids one after the other (`num_output_tokens` splits them). A stream sends a payload
+    when any sample has something new (the others' elements are empty, a finished one's
+    `finish_reason` repeated); the request ends when every sample has, in an error if any failed."""
+
+    samples: list[ResponseBuilder]
+
+    def add(self, event: RequestOutput) -> None:
+        self.samples[event.index].add(event)
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    @property
+    def ready(self) -> bool:
+        return self.finished or any(sample.ready for sample in self.samples)
+
+    @property
+    def error(self) -> str | None:
+        return next((sample.error for sample in self.samples if sample.error is not None), None)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        failed = next((sample for sample in self.samples if sample.error is not None), self.samples[0])
+        return failed.finish_reason
+
+    def flush(self) -> dict[str, np.ndarray]:
+        payloads = [sample.flush() for sample in self.samples]
+        merged = {name: np.concatenate([payload[name] for payload in payloads], axis=-1) for name in payloads[0]}
+        if "num_input_tokens" in merged:  # the prompt's length, known once any sample had an event
+            merged["num_input_tokens"] = np.maximum.reduce([payload["num_input_tokens"] for payload in payloads])
+        return merged
+
+    def finished_request(self) -> FinishedRequest:
+        """The request's account for the metrics: its samples' tokens together, from its arrival to
+        its last sample's last token."""
+        first, metrics = self.samples[0], [s.request_metrics for s in self.samples if s.request_metrics is not None]
+        merged = None
+        if metrics:
+            scheduled = [m.first_scheduled_time for m in metrics if m.first_scheduled_time is not None]
+            first_tokens = [m.first_token_time for m in metrics if m.first_token_time is not None]
+            last_tokens = [m.last_token_time for m in metrics if m.last_token_time is not None]
+            merged = RequestMetrics(metrics[0].arrival_time, min(scheduled, default=None),
+                                    sum(m.num_preemptions for m in metrics), metrics[0].num_cached_tokens,
+                                    min(first_tokens, default=None), max(last_tokens, default=None))  # fmt: skip
+        return FinishedRequest(self.finish_reason, merged, first.num_input_tokens,
+                               sum(s.num_output_tokens for s in self.samples), first.lora_name, len(self.samples))  # fmt: skip
+
+
+def finished_request(builder: ResponseBuilder | SamplesResponseBuilder) -> FinishedRequest:
     """What a finished request's builder holds for the metrics."""
+    if isinstance(builder, SamplesResponseBuilder):
+        return builder.finished_request()
     return FinishedRequest(builder.finish_reason, builder.request_metrics, builder.num_input_tokens,
                            builder.num_output_tokens, builder.lora_name)  # fmt: skip
 
 
 def response_builder(request: ParsedRequest, prompt_ids: list[int], tokenizer: Any, *, stream: bool,
-                     batched: bool = False, stream_interval: int = 1) -> ResponseBuilder:
+                     batched: bool = False, stream_interval: int = 1) -> ResponseBuilder | SamplesResponseBuilder:
     """The builder for one parsed request, `stream` saying whether it is answered as a stream;
     `prompt_ids` are its prompt's ids (LLMEngine.prompt_ids: a text prompt is tokenized once, there).
 
@@ -351,9 +407,11 @@ def response_builder(request: ParsedRequest, prompt_ids: list[int], tokenizer: A
             prefix_text = request.prompt
         elif tokenizer is not None:
             prefix_text = tokenizer.decode(prefix_ids)
-    return ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
-                           outputs=request.outputs, stream_interval=stream_interval,
-                           wants_logprobs=request.params.logprobs is not None, lora_name=request.params.lora_name)
+    samples = [ResponseBuilder(stream=stream, prefix_ids=prefix_ids, prefix_text=prefix_text, batched=batched,
+                               outputs=request.outputs, stream_interval=stream_interval,
+                               wants_logprobs=request.params.logprobs is not None, lora_name=request.params.lora_name)
+               for _ in range(request.params.n)]  # fmt: skip
+    return samples[0] if len(samples) == 1 else SamplesResponseBuilder(samples)
 
 
 def output_arrays(
@@ -380,12 +438,12 @@ def output_arrays(
         arrays["cumulative_logprob"] = np.array([value], dtype=np.float32)
     if "logprobs" in names:
         arrays["logprobs"] = np.array([_logprobs_json(logprobs).encode("utf-8")], dtype=np.object_)
-    if "prompt_logprobs" in names:
-        arrays["prompt_logprobs"] = np.array([_logprobs_json(prompt_logprobs).encode("utf-8")], dtype=np.object_)
     if "num_input_tokens" in names:
         arrays["num_input_tokens"] = np.array([num_input_tokens], dtype=np.uint32)
     if "num_output_tokens" in names:
         arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+    if "prompt_logprobs" in names:
+        arrays["prompt_logprobs"] = np.array([_logprobs_json(prompt_logprobs).encode("utf-8")], dtype=np.object_)
     if PERF_OUTPUTS[0] in names:
         arrays.update(_perf_arrays(metrics))
     if batched:  # the baseline's outputs carry the batch dimension too

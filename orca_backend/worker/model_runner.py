@@ -206,6 +206,21 @@ class ModelRunner:
                 raise RuntimeError("a step loads LoRA adapters into a runner built without enable_lora")
             self._load_adapters(step.lora_loads)
         self.input_batch.apply(step)
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)
+
+    @torch.inference_mode()
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Each (source, destination) block's K/V into the destination, in every layer of this
+        rank's pool: a forked request's copy of the block its sample 0 goes on writing."""
+        size = self.block_size
+        slots = np.array([[block * size + offset for offset in range(size)] for pair in copies for block in pair],
+                         dtype=np.int64).reshape(len(copies), 2, size)  # fmt: skip
+        index = self.input_batch.staging.put(slots)  # staged: no pageable copy in the step's stream
+        sources, destinations = index[:, 0].reshape(-1), index[:, 1].reshape(-1)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
+            v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
 
     def _load_adapters(self, loads: list[tuple[int, LoRARequest]]) -> None:
         """Loads the step's adapters. The ranks agree on which failed (a file may differ between hosts),

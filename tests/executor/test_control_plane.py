@@ -205,8 +205,8 @@ def every_field_set() -> SchedulerOutput:
     lora = LoRARequest(**{name: samples[_plain(hint)] for name, hint in typing.get_type_hints(LoRARequest).items()})
     constrained = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, top_k=50, seed=2**64 - 1, stop=["\n", "END"],
                                  stop_token_ids=[2, 3], ignore_eos=True, presence_penalty=-1.5, frequency_penalty=0.25,
-                                 repetition_penalty=1.3, logit_bias={5: -100, 9: 2.5}, logprobs=20,
-                                 structured_outputs=StructuredOutputSpec("choice", ("yes", "no")), lora_name="adapter")  # fmt: skip
+                                 repetition_penalty=1.3, logit_bias={5: -100, 9: 2.5}, logprobs=20, prompt_logprobs=5,
+                                 n=3, structured_outputs=StructuredOutputSpec("choice", ("yes", "no")), lora_name="adapter")  # fmt: skip
     bounded = SamplingParams(max_tokens=8, min_tokens=3, temperature=0, top_p=0.0, top_k=-1, seed=0, stop="x",
                              structured_outputs=None, logprobs=0)  # fmt: skip
     json_spec = SamplingParams(structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
@@ -216,11 +216,11 @@ def every_field_set() -> SchedulerOutput:
                       NewRequest("b", [6], 1, [1], bounded, 0), NewRequest("c", [8], 1, [2], json_spec, 1)],
         recorded_ids=["b"], recorded_tokens=[8], grown_ids=["b"], grown_block_ids=[[6, 7]], preempted_ids=["c"],
         finished_ids=["d", "e"], bitmask_rows=[0, 1], bitmask=bytes(range(256)) * 3, ahead_rows=[1],
-        lora_loads=[(1, lora)],
+        lora_loads=[(1, lora)], block_copies=[(3, 8), (4, 9)],
     )  # fmt: skip
     for instances in ([step], [step.new_requests[0]], [constrained, bounded], [lora]):
-        unset = [f.name for f in dataclasses.fields(instances[0]) if f.name != "n"  # n: only 1 exists
-                 and all(getattr(i, f.name) == _default(f) for i in instances)]  # fmt: skip
+        unset = [f.name for f in dataclasses.fields(instances[0])
+                 if all(getattr(i, f.name) == _default(f) for i in instances)]  # fmt: skip
         assert unset == [], f"{type(instances[0]).__name__} fields left at their defaults: {unset}"
     return step
 

@@ -79,19 +79,20 @@ def test_penalties_and_logprobs_equal_single_process(checkpoint):
     """The sampling rank of a worker pool holds the penalty state and returns logprobs and prompt
     logprobs as the in-process sampler does: the steps' deltas cross the pipes as msgpack, the
     logprobs as JSON. Prompts are prefilled in chunks of 4 tokens, so prompt logprobs come from
-    several steps (with tp = 2 the vocabulary's shards are gathered; with pp = 2 the last stage scores)."""
+    several steps (with tp = 2 the vocabulary's shards are gathered; with pp = 2 the last stage scores).
+    The last request has n = 3 samples, forked from sample 0's blocks on every rank."""
     prompts = make_prompts(4)
     params = [
         SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=-0.5, repetition_penalty=1.3, logprobs=3,
                        prompt_logprobs=2, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.9, seed=4, presence_penalty=0.7, logit_bias={3: 4.0}, logprobs=0, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=1.0, seed=5, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=5, frequency_penalty=1.0, n=3, ignore_eos=True),
     ]
     outputs = []
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        llm = LLM(str(checkpoint), max_num_seqs=4, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                  max_num_batched_tokens=4)  # fmt: skip
+        llm = LLM(str(checkpoint), max_num_seqs=6, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  max_num_batched_tokens=4, kv_policy="paged", block_size=4)  # fmt: skip
         try:
             outputs.append(llm.generate(prompts, params))
         finally:
@@ -99,6 +100,8 @@ def test_penalties_and_logprobs_equal_single_process(checkpoint):
     for one, *others in zip(*outputs, strict=True):
         for two in others:
             assert one.output_ids == two.output_ids
+            # n = 3: every rank copies the samples' partly filled block before they run
+            assert [s.output_ids for s in one.samples or []] == [s.output_ids for s in two.samples or []]
             for name in ("logprobs", "prompt_logprobs"):
                 ours, theirs = getattr(one, name), getattr(two, name)
                 assert (ours is None) == (theirs is None)
@@ -110,6 +113,7 @@ def test_penalties_and_logprobs_equal_single_process(checkpoint):
     assert outputs[0][0].logprobs is not None and outputs[0][1].logprobs is not None
     assert [len(o.prompt_logprobs or []) for o in outputs[0]] == [len(prompts[0]), 0, len(prompts[2]), 0]
     assert max(len(p) for p in prompts[::2]) > 4  # some prompt logprobs came from several chunks
+    assert len({tuple(s.output_ids) for s in outputs[0][3].samples}) == 3 and len(prompts[3]) > 5
 
 
 def _full_weights(checkpoint) -> list[torch.Tensor]:

@@ -106,9 +106,9 @@ def test_last_token_logits_match_transformers(checkpoints, case_id):
     captured: list[torch.Tensor] = []
     launch = sampler.launch
 
-    def capture(logits: torch.Tensor, batch_meta):
+    def capture(logits: torch.Tensor, batch_meta, *prompt):
         captured.append(logits.clone())
-        return launch(logits, batch_meta)
+        return launch(logits, batch_meta, *prompt)
 
     sampler.launch = capture
     ps = prompts(320, seed=2)

@@ -7,6 +7,7 @@ request runs for a while: long enough to see short requests overtake it and to c
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import random
@@ -250,6 +251,32 @@ def test_prompt_logprobs_come_with_the_first_token_on_both_models(server, refere
     for entry, want, token in zip(sent[0][1:], expected.prompt_logprobs[1:], prompt[1:], strict=True):
         assert str(token) in entry and {int(k): v["rank"] for k, v in entry.items()} == {k: v.rank for k, v in want.items()}
         assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx({k: v.logprob for k, v in want.items()})
+
+
+@pytest.mark.parametrize(("model", "stream"), [("orca", True), ("orca", False), ("baseline", False)])
+def test_n_samples_come_as_one_element_each_on_both_models(server, reference, model, stream):
+    """n = 3: every response holds one element per sample in each output (the vLLM backend's shape),
+    `output_ids` the samples' ids one after the other, split by `num_output_tokens`; sample i equals
+    the engine's offline request seeded seed + i."""
+    from orca_client.protocol import build_inputs
+
+    prompt, n = [3, 4, 5, 90, 17, 8], 3
+    expected = [reference(prompt, 6, temperature=0.9, seed=11 + i, ignore_eos=True).output_ids for i in range(n)]
+    sampling = {"temperature": 0.9, "seed": 11, "n": n, "ignore_eos": True}
+    inputs = build_inputs(input_ids=prompt, max_tokens=6, sampling=sampling, stream=stream, exclude_input_in_output=True,
+                          return_outputs=("finish_reason", "num_output_tokens", "num_input_tokens"),
+                          batched=model == "baseline")  # fmt: skip
+    responses = raw_responses(server, model, inputs)
+    samples: list[list[int]] = [[] for _ in range(n)]
+    for response in responses:
+        counts = response.as_numpy("num_output_tokens").reshape(-1).tolist()
+        ids = response.as_numpy("output_ids").reshape(-1).tolist()
+        assert len(counts) == n and len(response.as_numpy("text_output").reshape(-1)) == n and sum(counts) == len(ids)
+        for i, start in enumerate(itertools.accumulate(counts[:-1], initial=0)):
+            samples[i] += ids[start : start + counts[i]]
+        assert response.as_numpy("num_input_tokens").reshape(-1).tolist() == [len(prompt)]
+    assert samples == expected and len({tuple(s) for s in samples}) == n
+    assert [r.decode() for r in responses[-1].as_numpy("finish_reason").reshape(-1)] == ["length"] * n
 
 
 # ---- scheduling: iteration-level vs request-level -------------------------------------------

@@ -194,6 +194,39 @@ def test_prompt_logprobs_go_out_once_with_the_first_token_null_first():
     assert plain.flush()["prompt_logprobs"][0] == b"null"
 
 
+def test_n_samples_send_one_element_each_and_count_every_samples_tokens():
+    from orca_backend.server.metrics import observations
+    from orca_backend.server.protocol import finished_request
+
+    returns = {"return_finish_reason": True, "return_num_output_tokens": True, "return_num_input_tokens": True}
+    builder = response_builder(parse(stream=True, sampling={"n": 2}, **returns), list(PROMPT), CharTokenizer(),
+                               stream=True)  # fmt: skip
+
+    def sample_event(index: int, ids: list[int], n_out: int, **kw) -> RequestOutput:
+        out = event(ids, n_out, **kw)
+        out.index = index
+        return out
+
+    builder.add(sample_event(1, [65], 1))
+    assert builder.ready
+    first = builder.flush()
+    assert first["text_output"].tolist() == [b"", b"A"] and first["output_ids"].tolist() == [65]
+    assert first["num_output_tokens"].tolist() == [0, 1] and first["num_input_tokens"].tolist() == [len(PROMPT)]
+    assert first["finish_reason"].tolist() == [b"None", b"None"]
+    builder.add(sample_event(1, [66], 2, finished=True, reason="length"))
+    assert not builder.finished
+    builder.add(sample_event(0, [67, 68], 2))
+    middle = builder.flush()
+    assert middle["output_ids"].tolist() == [67, 68, 66] and middle["finish_reason"].tolist() == [b"None", b"length"]
+    builder.add(sample_event(0, [69], 3, finished=True, reason="stop"))
+    assert builder.finished and builder.error is None
+    last = builder.flush()
+    assert last["finish_reason"].tolist() == [b"stop", b"length"] and last["num_output_tokens"].tolist() == [1, 0]
+    finished = finished_request(builder)
+    assert (finished.n, finished.num_output_tokens) == (2, 5)
+    assert observations(finished)["vllm:request_params_n"] == 2
+
+
 def test_output_dtypes_are_the_vllm_backends():
     builder = response_builder(parse(**ALL_RETURNS), list(PROMPT), CharTokenizer(), stream=False)
     builder.add(event([65], 1, finished=True, reason="length"))
