@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_backend.families import PRESETS, AnyModelConfig, config_from_hf_dict, family_of
+from orca_backend.sampling_params import PoolingConfig, read_pooling_config
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
 
@@ -275,6 +276,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds less than one block of "
                              f"{self.block_size} tokens ({per_token} bytes a token)")  # fmt: skip
         return replace(self, kv_capacity_tokens=tokens)
+
+    def pooling_config(self) -> PoolingConfig:
+        """How embedding requests are pooled (sampling_params.read_pooling_config); a preset's: the default."""
+        if self.model in PRESETS:
+            return PoolingConfig()
+        return read_pooling_config(self.model, json.loads((Path(self.model) / "config.json").read_text()))
 
     def tokenizer_path(self) -> Path | None:
         if self.tokenizer:

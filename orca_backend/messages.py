@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 from orca_backend.lora import LoRARequest
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.sampling_params import PoolingParams, SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -70,6 +70,9 @@ class EngineCoreRequest:
     # share; this one then takes those blocks (core/kv_cache_manager.py, `admit`) and computes only
     # its last prompt token.
     prefix_from: str | None = None
+    # An embedding request: its prompt is prefilled and pooled into one vector (its final output's
+    # `embedding`); no token is generated.
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class CoreOutput:
     metrics: RequestMetrics | None = None
     # With its first token, when it asked for prompt logprobs: one per prompt token but the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's, with its end
 
 
 @dataclass(slots=True)
@@ -225,7 +229,7 @@ _stats_tuple = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 def outputs_frame(outputs: CoreOutputs, stats: EngineStats, dead_reason: str | None) -> bytes:
     rows = [(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.error, o.logprobs, o.metrics,
-             o.prompt_logprobs) for o in outputs.others]  # fmt: skip
+             o.prompt_logprobs, o.embedding) for o in outputs.others]  # fmt: skip
     return dumps(("outputs", outputs.request_ids, outputs.token_ids, rows, _stats_tuple(stats), dead_reason))
 
 

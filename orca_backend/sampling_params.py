@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
@@ -464,3 +465,55 @@ def _subschemas(root: Any, root_path: str) -> Iterator[tuple[str, dict]]:
             if isinstance(node.get(key), dict):
                 children += [(f"{path}/{key}/{name}", child) for name, child in node[key].items()]
         stack += reversed(children)  # depth first, in document order
+
+
+# ---------------------------------------------------------------------------------- embeddings
+POOLING_MODES = ("last", "mean", "cls")  # the last token's, the mean over the prompt's, the first token's
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How a checkpoint's embeddings are pooled: sentence-transformers' `1_Pooling/config.json`
+    (last token, mean or CLS) and whether `modules.json` ends in a Normalize module; without them,
+    vLLM's default for a decoder run as an embedding model: the last token, L2-normalised. `dimensions`
+    (Matryoshka truncation) is allowed where config.json says the model was trained for it
+    (`is_matryoshka`, or the list `matryoshka_dimensions` it was trained at)."""
+
+    mode: str = "last"
+    normalize: bool = True
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request's parameters (vLLM's PoolingParams for task "embed"): `dimensions` keeps
+    the first that many values before the normalisation (Matryoshka models only); None keeps all."""
+
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dimensions is None or (isinstance(self.dimensions, int) and not isinstance(self.dimensions, bool)
+                                           and self.dimensions >= 1),
+               f"dimensions must be a positive integer, got {self.dimensions!r}")  # fmt: skip
+
+
+def read_pooling_config(model_dir: str | Path, hf_config: dict[str, Any]) -> PoolingConfig:
+    """The checkpoint's pooling (PoolingConfig). A sentence-transformers pooling this engine does not
+    compute (max, mean of square-root length, weighted mean, several at once) is kept by its names in
+    `mode`: the engine refuses embedding requests with them, and serves generation as any model's."""
+    model_dir = Path(model_dir)
+    modules_path = model_dir / "modules.json"
+    mode, normalize = "last", True
+    if modules_path.is_file():
+        modules = json.loads(modules_path.read_text())
+        types = [str(m.get("type", "")) for m in modules]
+        normalize = any(t.endswith(".Normalize") for t in types)
+        pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+        if pooling is not None:
+            settings = json.loads((model_dir / pooling.get("path", "") / "config.json").read_text())
+            chosen = [key for key, value in settings.items() if key.startswith("pooling_mode_") and value is True]
+            names = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+            mode = names[chosen[0]] if len(chosen) == 1 and chosen[0] in names else "+".join(chosen) or "none"
+    dims = hf_config.get("matryoshka_dimensions") or ()
+    return PoolingConfig(mode, normalize, bool(hf_config.get("is_matryoshka")) or bool(dims), tuple(dims))

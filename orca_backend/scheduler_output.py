@@ -54,6 +54,9 @@ class NewRequest:
     # short of min_tokens.
     stop_ids: list[int] = field(default_factory=list)
     lora_id: int = 0  # its adapter (LoRARequest.lora_id), resident when it runs; 0: none
+    # An embedding request: how its prompt's final hidden states are pooled ("last", "mean", "cls");
+    # "": a generation request.
+    pooling: str = ""
 
 
 @dataclass(slots=True)
@@ -102,6 +105,16 @@ class PromptLogprobsChunk:
 
 
 @dataclass(slots=True)
+class PooledChunk:
+    """What a step's prefill chunk pooled of one embedding request: the sum of the final hidden
+    states of its rows the request's pooling takes (all of them for "mean"; the last prompt token's
+    for "last", the first's for "cls", in the chunk that holds it)."""
+
+    position: int  # the request's position in the step's batch
+    vector: list[float]
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]  # one per scheduled request (one that samples nothing has a placeholder the core ignores)
     # One per request when any asked for logprobs (None for those that did not), else None.
@@ -115,6 +128,7 @@ class SamplerOutput:
     # The prompt logprobs the step's prefill chunks computed, for the requests that asked
     # (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    pooled: list[PooledChunk] = field(default_factory=list)  # the step's embedding requests' chunks
 
 
 def encode_step(step: SchedulerOutput) -> bytes:

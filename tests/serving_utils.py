@@ -349,3 +349,21 @@ def frontend_inputs(prompt: str, *, stream: bool, max_tokens: int, temperature: 
         inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
         inputs[-1].set_data_from_numpy(array)
     return inputs
+
+
+def frontend_embedding_inputs(prompt: str | list[int], *, dimensions: int | None = None, batched: bool = False) -> list:
+    """/v1/embeddings as the frontend sends it with `--backend vllm` (`_create_vllm_embedding_request`,
+    same file and commit as above): the OpenAI request's input and `dimensions` (as a one-element
+    list) in an `embedding_request` JSON, and the two usage outputs switched on; it reads the vector
+    from text_output as JSON. `batched`: the baseline's batch dimension."""
+    pooling = {"dimensions": [dimensions]} if dimensions is not None else {}
+    tensors = [("embedding_request", np.array([json.dumps({"input": prompt, "pooling_params": pooling}).encode()],
+                                              dtype=np.object_), "BYTES"),
+               ("return_num_input_tokens", np.array([True]), "BOOL"),
+               ("return_num_output_tokens", np.array([True]), "BOOL")]  # fmt: skip
+    inputs = []
+    for name, array, datatype in tensors:
+        array = array[np.newaxis, ...] if batched else array
+        inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+        inputs[-1].set_data_from_numpy(array)
+    return inputs

@@ -66,7 +66,7 @@ class EngineCore:
             pipeline_depth=1 if config.async_scheduling else self.executor.max_in_flight,
             max_num_batched_tokens=config.max_num_batched_tokens, priority_aging_s=config.priority_aging_s,
             structured=self.structured, async_scheduling=config.async_scheduling,
-            max_loras=config.max_loras if config.enable_lora else 0,
+            max_loras=config.max_loras if config.enable_lora else 0, pooling=config.pooling_config(),
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
@@ -208,7 +208,7 @@ class EngineCore:
         if sampled.lora_failures:  # never a failed iteration: the adapter's requests end, the rest go on
             outputs += self.scheduler.fail_adapters(sampled.lora_failures)
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs,
-                                                   sampled.prompt_logprobs)  # fmt: skip
+                                                   sampled.prompt_logprobs, sampled.pooled)  # fmt: skip
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
         self.steps_by_path[sampled.step_path] = self.steps_by_path.get(sampled.step_path, 0) + 1

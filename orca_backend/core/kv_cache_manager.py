@@ -103,7 +103,7 @@ class KVCacheManager(ABC):
         if fork_of is not None:
             if computed % self.block_size:
                 request.block_copy = (fork_of.block_table[len(hits)], request.block_table[len(hits)])
-        elif self.enable_prefix_caching and request.params.prompt_logprobs is None:  # it queried the cache
+        elif self.enable_prefix_caching and request.params.prompt_logprobs is None and request.pooling is None:
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += request.num_computed
         return True
@@ -143,8 +143,9 @@ class KVCacheManager(ABC):
     def _prefix_hits(self, request: Request) -> list[int]:
         """The cached blocks the request's tokens start with, stopping short of its last token. A
         request asking for prompt logprobs reads none (a cached prefix has no logits; vLLM's rule): it
-        computes its whole prompt, and its blocks are cached for others as any request's."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        computes its whole prompt, and its blocks are cached for others as any request's. Nor does an
+        embedding request: its pooling reads the hidden states of its prompt's tokens."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None or request.pooling is not None:
             return []
         hits = []
         for key in self._block_keys(request, (request.num_tokens - 1) // self.block_size):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from orca_backend.core.block_pool import BlockKey
 from orca_backend.lora import LoRARequest
 from orca_backend.messages import EngineCoreRequest, FinishReason, TokenLogprobs
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.sampling_params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +37,11 @@ class Request:
     # A later sample of a request with n > 1: its sample 0's id (EngineCoreRequest.prefix_from), until
     # it was admitted once (the scheduler then clears it).
     prefix_from: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request (EngineCoreRequest.pooling)
+    # An embedding request: the model's pooling (PoolingConfig.mode, set by the scheduler as it takes
+    # the request in), and the sum of the pooled rows its prefill chunks returned so far.
+    pooling_mode: str = ""
+    pooled_sum: list[float] | None = None
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -117,4 +122,4 @@ class Request:
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest) -> Request:
         return cls(r.request_id, r.prompt_ids, r.params, r.arrival_time, r.sampling_seed, r.priority, r.timeout_s,
-                   lora=r.lora, prefix_from=r.prefix_from)
+                   lora=r.lora, prefix_from=r.prefix_from, pooling=r.pooling)

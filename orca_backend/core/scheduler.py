@@ -41,6 +41,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from orca_backend.core.kv_cache_manager import KVCacheManager
 from orca_backend.core.lora_slots import LoRASlots
 from orca_backend.core.request import Request, RequestStatus
@@ -48,7 +50,8 @@ from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, RequestMetrics, TokenLogprobs
-from orca_backend.scheduler_output import NewRequest, PromptLogprobsChunk, SchedulerOutput
+from orca_backend.sampling_params import PoolingConfig
+from orca_backend.scheduler_output import NewRequest, PooledChunk, PromptLogprobsChunk, SchedulerOutput
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
@@ -100,7 +103,7 @@ def make_scheduler_output(
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
                                   request.params, request.sampling_seed, sorted(request.stop_ids),
-                                  request.lora.lora_id if request.lora is not None else 0))  # fmt: skip
+                                  request.lora.lora_id if request.lora is not None else 0, request.pooling_mode))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
             grown_block_ids.append(table[sent:])
@@ -148,6 +151,17 @@ def _hold_prompt_logprobs(requests: list[Request], chunks: list[PromptLogprobsCh
         held += chunk.logprobs[repeated:]
 
 
+def _hold_pooled(request: Request, vector: list[float]) -> None:
+    """Adds a chunk's pooled rows to the embedding request's sum (chunks come in order; a preemption
+    resets the sum, and its recompute pools from the start)."""
+    if request.status is _FINISHED:
+        return
+    if request.pooled_sum is None:
+        request.pooled_sum = list(vector)
+    else:
+        request.pooled_sum = [a + b for a, b in zip(request.pooled_sum, vector, strict=True)]
+
+
 def _mark(request: Request, batches: int, tokens: int | None = None) -> None:
     """Counts a batch (and its tokens; one by default) in flight for the request, or with negative
     numbers one that returned or was taken back."""
@@ -160,9 +174,10 @@ class Scheduler:
         self, kv: KVCacheManager, max_num_seqs: int, request_level: bool, eos_token_id: int | None,
         pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic, structured: StructuredOutputManager | None = None,
-        async_scheduling: bool = False, max_loras: int = 0,
+        async_scheduling: bool = False, max_loras: int = 0, pooling: PoolingConfig | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
+        self.pooling = pooling or PoolingConfig()  # how embedding requests are pooled and normalised
         # Multi-LoRA (max_loras > 0): the adapters resident in the runners' slots; a request is admitted
         # only with its adapter resident, and holds it while it runs.
         self.loras = LoRASlots(max_loras) if max_loras else None
@@ -221,6 +236,8 @@ class Scheduler:
         ends at once with that reason."""
         request.arrival_order = next(self._arrival_order)
         request.stop_ids = stop_token_set(request, self.eos_token_id)
+        if request.pooling is not None:
+            request.pooling_mode = self.pooling.mode
         if request.structured:
             assert request.params.structured_outputs is not None
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -500,6 +517,7 @@ class Scheduler:
         request.num_blocks_sent = 0
         self._preempted_ids.append(request.request_id)
         request.num_computed = 0
+        request.pooled_sum = None  # its recompute pools its prompt again
         self.num_preemptions += 1
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -509,7 +527,7 @@ class Scheduler:
 
     def update_from_output(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None,
-        prompt_logprobs: list[PromptLogprobsChunk] | None = None,
+        prompt_logprobs: list[PromptLogprobsChunk] | None = None, pooled: list[PooledChunk] | None = None,
     ) -> CoreOutputs:  # fmt: skip
         """Appends each request's new token (and its logprobs, if it asked; its prompt logprobs go
         out with its first token) and finishes those that hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
@@ -523,6 +541,8 @@ class Scheduler:
             raise ValueError(f"{len(requests)} requests scheduled, {len(sampled)} tokens sampled")
         if prompt_logprobs:
             _hold_prompt_logprobs(requests, prompt_logprobs)
+        for chunk in pooled or ():
+            _hold_pooled(requests[chunk.position], chunk.vector)
         # This loop runs for every request every iteration. A request that goes on, with nothing to
         # report but its new token (no logprobs, nothing held back), goes out in the two columns.
         outputs: list[CoreOutput] = []
@@ -543,6 +563,9 @@ class Scheduler:
                 self.kv.register_computed(request)
             if num_computed < request.num_prompt_tokens + len(output_ids):
                 continue  # a prefill chunk short of the last token: nothing was sampled
+            if request.pooling is not None:  # an embedding request: its prompt is pooled, no token kept
+                outputs.append(self._embedded(request))
+                continue
             if request.structured:
                 outputs.append(self._land_constrained(request, token, token_logprobs))
                 continue
@@ -566,6 +589,26 @@ class Scheduler:
         self._recorded_ids += request_ids  # the columns' tokens are recorded too
         self._recorded_tokens += token_ids
         return self._release(CoreOutputs(request_ids, token_ids, outputs))
+
+    def _embedded(self, request: Request) -> CoreOutput:
+        """An embedding request whose prompt is computed: its pooled vector (the mean divides the sum
+        by the prompt's length), cut to its `dimensions`, then L2-normalised where the model's pooling
+        says so (vLLM's order); it ends with "stop"."""
+        assert request.pooling is not None
+        if request.pooled_sum is None:
+            self._end(request, FinishReason.ERROR)
+            return self._output(request, "the model returned no pooled hidden state for this embedding request")
+        vector = np.array(request.pooled_sum, dtype=np.float64)
+        if request.pooling_mode == "mean":
+            vector /= request.num_prompt_tokens
+        if request.pooling.dimensions is not None:
+            vector = vector[: request.pooling.dimensions]
+        if self.pooling.normalize:
+            vector /= max(float(np.linalg.norm(vector)), 1e-12)  # torch's F.normalize eps
+        self._end(request, FinishReason.STOP)
+        output = self._output(request)
+        output.embedding = vector.tolist()
+        return output
 
     def _land_constrained(self, request: Request, token: int, token_logprobs: TokenLogprobs | None) -> CoreOutput:
         """A constrained request's sampled token: its matcher accepts it first. Once its grammar

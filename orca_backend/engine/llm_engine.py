@@ -37,7 +37,7 @@ from orca_backend.messages import (
     EngineStats,
     FinishReason,
 )
-from orca_backend.sampling_params import SamplingParams, json_depth
+from orca_backend.sampling_params import POOLING_MODES, PoolingParams, SamplingParams, json_depth
 from orca_backend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ __all__ = ["EngineDeadError", "EngineOverloadedError", "EngineStats", "LLMEngine
            "RequestOutput", "RequestStream"]
 
 Prompt = str | Sequence[int]
+# What an embedding request runs with: its prefill's last step samples one token, which is dropped.
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class RequestStream:
@@ -133,6 +135,7 @@ class LLMEngine:
                 f"tokenizer {tokenizer_path} has {self.tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {self.model_config.vocab_size}"
             )
+        self.pooling_config = config.pooling_config()  # how embedding requests are pooled
         self.outputs = OutputProcessor(self.tokenizer, config.max_queued_requests, config.max_queued_prompt_tokens)
         # Multi-LoRA: the adapters requests may name (orca_backend/lora.py), each checked as it is added.
         self.loras: LoRARegistry | None = None
@@ -193,8 +196,10 @@ class LLMEngine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         on_output: OutputSink | None = None, priority: int = 0, timeout_s: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> RequestStream:  # fmt: skip
-        return self.add_requests([prompt], [params or SamplingParams()], [request_id], on_output, priority, timeout_s)[0]
+        return self.add_requests([prompt], [params or SamplingParams()], [request_id], on_output, priority, timeout_s,
+                                 [pooling])[0]  # fmt: skip
 
     def add_requests(
         self,
@@ -204,19 +209,29 @@ class LLMEngine:
         on_output: OutputSink | None = None,
         priority: int | Sequence[int] = 0,
         timeout_s: float | Sequence[float | None] | None = None,
+        pooling: PoolingParams | Sequence[PoolingParams | None] | None = None,
     ) -> list[RequestStream]:
         """Validates and queues requests, all or none; in request-level mode they are admitted together.
 
         Events go to `on_output` (it must not block) or, without one, to the returned streams.
         `priority` (one for all, or one each): lower is served first (default 0; equal priorities are
         first come, first served). `timeout_s` (likewise): the request ends with finish_reason
-        "timeout" that long after now, queued or running.
+        "timeout" that long after now, queued or running. `pooling` (likewise; None: generation): an
+        embedding request, whose prompt is pooled into one vector (its final event's `embedding`;
+        its `params` are not used).
         Raises ValueError for bad input, EngineOverloadedError when the queue limits are reached
         (config.max_queued_requests / max_queued_prompt_tokens) and EngineDeadError once the loop died.
         """
         if self.core.dead_reason is not None:
             raise EngineDeadError(f"the engine is not serving: {self.core.dead_reason}")
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        poolings = list(pooling) if isinstance(pooling, Sequence) else [pooling] * len(prompts)
+        if len(poolings) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts and {len(poolings)} pooling params")
+        for index, one in enumerate(poolings):
+            if one is not None and index < len(params_list):
+                self.check_pooling(one)
+                params_list[index] = EMBEDDING_PARAMS
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         if not (len(params_list) == len(ids) == len(prompts)):
             raise ValueError(f"got {len(prompts)} prompts, {len(params_list)} sampling params and {len(ids)} request ids")
@@ -239,11 +254,12 @@ class LLMEngine:
         sinks: list[OutputSink] = []
         groups: dict[str, _SampleGroup] = {}
         with self._seeds_lock:
-            for (rid, prompt_ids, p, prio, timeout), stream in zip(validated, streams, strict=True):
+            for (rid, prompt_ids, p, prio, timeout), stream, pool in zip(validated, streams, poolings, strict=True):
                 sink = on_output or stream.put
                 if p.n == 1:
                     seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-                    requests.append(EngineCoreRequest(rid, prompt_ids, p, now, seed, prio, timeout, self._lora(p)))
+                    requests.append(EngineCoreRequest(rid, prompt_ids, p, now, seed, prio, timeout, self._lora(p),
+                                                      pooling=pool))  # fmt: skip
                     sinks.append(sink)
                     continue
                 group = groups[rid] = _SampleGroup([sample_id(rid, i) for i in range(p.n)],
@@ -352,6 +368,24 @@ class LLMEngine:
         # No lock: a registration reads whole adapters (seconds for a large one) under it, and one dict
         # read sees either the adapter before or after a change, never a half-made one.
         return self.loras.get(name)
+
+    def check_pooling(self, pooling: PoolingParams) -> None:
+        """An embedding request's `dimensions`: a Matryoshka model's (one of the sizes it was trained
+        at, where config.json lists them), no more than its hidden size."""
+        config = self.pooling_config
+        if config.mode not in POOLING_MODES:
+            raise ValueError(f"this model's sentence-transformers pooling ({config.mode}) is not computed here: "
+                             f"embedding requests need one of {', '.join(POOLING_MODES)} (1_Pooling/config.json)")  # fmt: skip
+        dims = pooling.dimensions
+        if dims is None:
+            return
+        if not config.matryoshka:
+            raise ValueError(f"this model does not support Matryoshka representation (is_matryoshka or "
+                             f"matryoshka_dimensions in config.json): dimensions={dims} would give poor embeddings")  # fmt: skip
+        if config.matryoshka_dimensions and dims not in config.matryoshka_dimensions:
+            raise ValueError(f"dimensions must be one of {list(config.matryoshka_dimensions)}, got {dims}")
+        if dims > self.model_config.hidden_size:
+            raise ValueError(f"dimensions={dims} exceeds the model's hidden size of {self.model_config.hidden_size}")
 
     def _check_something_can_be_sampled(self, params: SamplingParams) -> None:
         """Before min_tokens, EOS and the stop ids are banned from sampling (core/stop.py): they

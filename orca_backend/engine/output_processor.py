@@ -78,6 +78,7 @@ class RequestOutput:
     # With n > 1: the sample the event is of, 0..n-1 (each sample has its own events, and its own final
     # one; the request's id is every sample's).
     index: int = 0
+    embedding: list[float] | None = None  # an embedding request's, on its final event
     # On the final event: the request's timeline and counts (arrival, first scheduled, first and last
     # token, on time.monotonic()), for the latency histograms and `return_perf_metrics`.
     metrics: RequestMetrics | None = None
@@ -255,6 +256,7 @@ class OutputProcessor:
         if state.cumulative_logprob is not None and out.logprobs is not None:
             # A stop string may have cut this output's tokens: its first len(new_ids) are the ones taken.
             self._add_logprobs(event, state, out.logprobs[: len(new_ids)])
+        event.embedding = out.embedding
         if out.prompt_logprobs is not None:
             if len(out.prompt_logprobs) != state.num_prompt_tokens - 1:
                 raise RuntimeError(f"request {request_id}: {len(out.prompt_logprobs)} prompt logprobs for "

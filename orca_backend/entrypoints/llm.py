@@ -17,7 +17,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import LLMEngine, Prompt, RequestOutput
 from orca_backend.engine.output_processor import Logprob
 from orca_backend.messages import FinishReason
-from orca_backend.sampling_params import SamplingParams
+from orca_backend.sampling_params import PoolingParams, SamplingParams
 
 
 @dataclass
@@ -45,6 +45,13 @@ class CompletionOutput:
     @property
     def first_token_time(self) -> float:
         return self.event_times[0]
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    num_input_tokens: int
+    embedding: list[float]  # pooled as the checkpoint says, cut to `dimensions`, normalised where it says
 
 
 class LLM:
@@ -110,6 +117,25 @@ class LLM:
         while self.engine.has_work():  # aborts of requests a stop string ended: their K/V is freed now
             self.engine.step()
         return [self._request_output(events[s.request_id], s.num_samples) for s in streams]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`), in input order: its prompt's final hidden
+        states pooled as the checkpoint's sentence-transformers config says (default: the last token,
+        L2-normalised). A request the engine failed raises RuntimeError."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        events: dict[str, RequestOutput] = {}
+        streams = self.engine.add_requests(list(prompts), SamplingParams(), on_output=lambda e: events.__setitem__(
+            e.request_id, e), pooling=pooling or PoolingParams())  # fmt: skip
+        while any(s.request_id not in events for s in streams):
+            self.engine.step()
+        outputs = []
+        for s in streams:
+            event = events[s.request_id]
+            if event.embedding is None:
+                raise RuntimeError(f"request {s.request_id} failed: {event.error}")
+            outputs.append(EmbeddingOutput(s.request_id, event.num_input_tokens, event.embedding))
+        return outputs
 
     def _request_output(self, events: list[RequestOutput], num_samples: int) -> CompletionOutput:
         """One prompt's output: its one sample's, or with n > 1 sample 0's with every sample in `samples`."""

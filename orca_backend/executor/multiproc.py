@@ -29,7 +29,13 @@ from orca_backend.config import EngineConfig
 from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.families import AnyModelConfig, model_config_to_json
 from orca_backend.processes import exit_description
-from orca_backend.scheduler_output import PromptLogprobsChunk, SamplerOutput, SchedulerOutput, encode_step
+from orca_backend.scheduler_output import (
+    PooledChunk,
+    PromptLogprobsChunk,
+    SamplerOutput,
+    SchedulerOutput,
+    encode_step,
+)
 from orca_backend.worker.worker_proc import STOP, worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -187,7 +193,8 @@ class WorkerPoolExecutor:
         failures = {int(lora_id): why for lora_id, why in msg.get("lora_failures", {}).items()}  # JSON keys are strings
         prompt_logprobs = [PromptLogprobsChunk(position, first, [tuple(row) for row in rows])
                            for position, first, rows in msg.get("prompt_logprobs", [])]  # fmt: skip
-        return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""), prompt_logprobs)
+        pooled = [PooledChunk(position, vector) for position, vector in msg.get("pooled", [])]
+        return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""), prompt_logprobs, pooled)
 
     def _next_message(self, timeout_s: float | None = None, bound: str = "the start timeout") -> dict:
         """The next message from any worker; a dead worker, an error report or no message within

@@ -71,6 +71,8 @@ class ConstantTimeModel(StageModel):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """[B, vocab] float32 logits: 0 everywhere but CHOSEN_LOGIT at each request's next token."""
+        if stage_input.pool_indices is not None:
+            raise ValueError("the constant-time device has no hidden states: it serves no embedding request")
         last = stage_input.input_ids.index_select(0, logits_indices)
         positions = stage_input.positions.index_select(0, logits_indices)
         chosen = next_tokens(self.config, last, positions)

@@ -349,8 +349,9 @@ class Decoder(StageModel):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, kv heads, d]
         logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
-    ) -> torch.Tensor:
-        """Returns [B, vocab] float32 logits on the last stage, else the [2, T, hidden] activations to pass on."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns [B, vocab] float32 logits on the last stage (with `stage_input.pool_indices`, and the
+        final norm's output at those tokens), else the [2, T, hidden] activations to pass on."""
         cfg, w, ops, tp, hooks = self.config, self.weights, self.ops, self.tp, self.hooks
         t, d, eps = stage_input.input_ids.shape[0], cfg.head_dim, cfg.rms_norm_eps
         hq, hkv = self.num_heads, self.num_kv_heads
@@ -395,18 +396,29 @@ class Decoder(StageModel):
                 x, _ = add_rmsnorm(x, None, layer.post_mlp_norm_w, eps)
         if not self.layout.is_last_stage:
             return stage_output(x, residual)
+        pooled = self._final_hidden(x, None, residual, stage_input.pool_indices)
         # Only the last token of each request needs the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = add_rmsnorm(x, residual, w.norm_w, eps)
         logits = tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
         if hooks.final_softcap:
             logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
-        return logits
+        return logits if pooled is None else (logits, pooled)
+
+    def _final_hidden(self, x: torch.Tensor, pending: torch.Tensor | None, residual: torch.Tensor,
+                      indices: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """The final norm's output at `indices` (what embedding requests pool), float32; None without."""
+        if indices is None:
+            return None
+        x = x.index_select(0, indices)
+        h, _ = self.ops.add_rmsnorm(x if pending is None else x + pending, residual.index_select(0, indices),
+                                    self.weights.norm_w, self.config.rms_norm_eps)  # fmt: skip
+        return h.float()
 
     def _forward_fused(
         self, x: torch.Tensor, residual: torch.Tensor | None, stage_input: StageInput, meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """`forward` with each RMSNorm inside the GEMM it feeds (`ops.norm_linear`, gemm.py): a layer
         is the RMSNorm + q/k/v GEMM (+ bias), the q/k norms where there are, rotary + K/V write +
         attention, the o GEMM, the RMSNorm + gate/up GEMM + activation-and-multiply and the down GEMM.
@@ -432,10 +444,11 @@ class Decoder(StageModel):
             x, pending = row_parallel_linear(h, layer.down_w, None, tp), None
         if not self.layout.is_last_stage:
             return stage_output(x if pending is None else x + pending, residual)
+        pooled = self._final_hidden(x, pending, residual, stage_input.pool_indices)
         # Only the last token of each request needs the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         logits, _ = ops.norm_linear(x, pending, residual, w.norm_w, None, eps, w.lm_head, None)
         logits = tp.gather_vocab(logits.float(), cfg.vocab_size)
         if hooks.final_softcap:
             logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
-        return logits
+        return logits if pooled is None else (logits, pooled)

@@ -126,8 +126,9 @@ class GPT2(StageModel):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, heads, head_dim]
         logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
-    ) -> torch.Tensor:
-        """Returns [B, vocab] float32 logits on the last stage, else the [2, T, hidden] activations to pass on."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns [B, vocab] float32 logits on the last stage (with `stage_input.pool_indices`, and the
+        final norm's output at those tokens), else the [2, T, hidden] activations to pass on."""
         cfg, w, ops = self.config, self.weights, self.ops
         num_tokens = stage_input.input_ids.shape[0]
         if self.layout.is_first_stage:
@@ -138,7 +139,7 @@ class GPT2(StageModel):
         local_hidden = self.num_heads * cfg.head_dim
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS:
-            return self._forward_fused(x, residual, meta, kv_caches, logits_indices)
+            return self._forward_fused(x, residual, meta, kv_caches, logits_indices, stage_input.pool_indices)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
@@ -157,15 +158,28 @@ class GPT2(StageModel):
             x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp, lora and lora.adder(i, "down"))
         if not self.layout.is_last_stage:
             return stage_output(x, residual)
+        pooled = self._final_hidden(x, None, residual, stage_input.pool_indices)
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
-        return self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
+        logits = self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
+        return logits if pooled is None else (logits, pooled)
+
+    def _final_hidden(self, x: torch.Tensor, pending: torch.Tensor | None, residual: torch.Tensor,
+                      indices: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """The final LayerNorm's output at `indices` (what embedding requests pool), float32; None without."""
+        if indices is None:
+            return None
+        x, w = x.index_select(0, indices), self.weights
+        h, _ = self.ops.add_layernorm(x if pending is None else x + pending, residual.index_select(0, indices),
+                                      w.lnf_w, w.lnf_b, self.config.layer_norm_epsilon)  # fmt: skip
+        return h.float()
 
     def _forward_fused(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+        pool_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """`forward` with each LayerNorm inside the GEMM it feeds (`ops.norm_linear`, gemm.py): a layer
         is the LayerNorm + qkv GEMM, attention, the o GEMM, the LayerNorm + fc GEMM + GELU and the
         proj GEMM. The o and proj GEMMs leave their bias (`pending`) to the next norm, which adds it
@@ -186,9 +200,11 @@ class GPT2(StageModel):
             x, pending = row_parallel_linear(h, layer.proj_w, None, self.tp), layer.proj_b
         if not self.layout.is_last_stage:
             return stage_output(x if pending is None else x + pending, residual)
+        pooled = self._final_hidden(x, pending, residual, pool_indices)
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         logits, _ = ops.norm_linear(x, pending, residual, w.lnf_w, w.lnf_b, eps, w.wte, None)
-        return self.tp.gather_vocab(logits.float(), cfg.vocab_size)
+        logits = self.tp.gather_vocab(logits.float(), cfg.vocab_size)
+        return logits if pooled is None else (logits, pooled)
 
 MODEL_CODE = ModelCode(GPT2Weights, GPT2, gpt2_key, random_hf_state_dict)

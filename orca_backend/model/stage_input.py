@@ -24,6 +24,9 @@ class StageInput:
     positions: torch.Tensor  # [T]
     hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
     lora: LoRAMetadata | None = None  # each token's adapter, when some token runs one (model/lora.py)
+    # Embedding requests: the tokens whose final hidden state (after the final norm) the last stage
+    # returns too, as (logits, hidden [len, hidden] float32).
+    pool_indices: torch.Tensor | None = None
 
 
 def stage_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -89,7 +89,8 @@ class BaselineModel(EngineAdapter):
                 self.engine.add_requests([prompts[i] for i in admitted], [parsed[i].params for i in admitted],
                                          request_ids=[ids[i] for i in admitted], on_output=events.put,
                                          priority=[parsed[i].priority for i in admitted],
-                                         timeout_s=[parsed[i].timeout_s for i in admitted])  # fmt: skip
+                                         timeout_s=[parsed[i].timeout_s for i in admitted],
+                                         pooling=[parsed[i].pooling for i in admitted])  # fmt: skip
             except Exception as exc:
                 for index in admitted:
                     responses[index] = error_response(exc)
@@ -135,6 +136,8 @@ class BaselineModel(EngineAdapter):
             try:
                 # add_requests() is all-or-none and does not say which request was bad: check each first.
                 self.engine.validate(prompts[index], request.params)
+                if request.pooling is not None:
+                    self.engine.check_pooling(request.pooling)
                 admitted.append(index)
             except ValueError as exc:
                 responses[index] = error_response(exc)

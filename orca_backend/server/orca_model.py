@@ -115,7 +115,7 @@ class OrcaModel(EngineAdapter):
             self._pending[request_id] = pending
         try:
             self.engine.add_request(prompt_ids, parsed.params, request_id=request_id, on_output=self._events.put,
-                                    priority=parsed.priority, timeout_s=parsed.timeout_s)  # fmt: skip
+                                    priority=parsed.priority, timeout_s=parsed.timeout_s, pooling=parsed.pooling)  # fmt: skip
         except Exception:
             with self._lock:
                 owned = self._pending.pop(request_id, None) is not None

@@ -18,7 +18,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.engine.llm_engine import check_priority, check_timeout
 from orca_backend.engine.output_processor import RequestOutput
 from orca_backend.messages import EngineDeadError, EngineOverloadedError, FinishReason, RequestMetrics
-from orca_backend.sampling_params import SamplingParams, parse_sampling_json
+from orca_backend.sampling_params import PoolingParams, SamplingParams, loads_client_json, parse_sampling_json
 from orca_backend.server.metrics import FinishedRequest
 
 # Triton's vLLM backend sends these outputs only when the request's input of the same name is true
@@ -39,7 +39,9 @@ RETURN_INPUTS = {
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
                 "num_preemptions", "prefix_cache_hit_tokens")
 INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output",
-               *RETURN_INPUTS, "return_perf_metrics")
+               *RETURN_INPUTS, "return_perf_metrics", "embedding_request")
+# The inputs an embedding request may come with (the vLLM backend reads no other).
+EMBEDDING_INPUTS = frozenset({"embedding_request", "return_num_input_tokens", "return_num_output_tokens"})
 ALWAYS_SENT = ("text_output", "output_ids")
 OUTPUT_NAMES = (*ALWAYS_SENT, *RETURN_INPUTS.values(), *PERF_OUTPUTS)
 # The engine's finish reasons as the contract names them (the others end in an error response).
@@ -67,6 +69,9 @@ class ParsedRequest:
     # own request field, which the Python backend cannot read).
     priority: int = 0
     timeout_s: float | None = None  # request parameter `timeout_s`, or Triton's request timeout
+    # An embedding request (the `embedding_request` input, as Triton's OpenAI frontend sends it for
+    # /v1/embeddings): its prompt is pooled into one vector, sent as JSON in text_output.
+    pooling: PoolingParams | None = None
 
 
 def parse_inputs(
@@ -98,6 +103,8 @@ def parse_inputs(
     if unknown:
         raise ValueError(f"unknown input(s) {', '.join(unknown)}; inputs are {', '.join(INPUT_NAMES)}")
 
+    if "embedding_request" in arrays:
+        return _parse_embedding_request(arrays)
     prompt = _parse_prompt(arrays.get("text_input"), arrays.get("input_ids"))
 
     request_parameters = _parameters_dict(parameters)
@@ -125,6 +132,35 @@ def parse_inputs(
     return ParsedRequest(prompt=prompt, params=params, stream=stream, exclude_input=exclude,
                          outputs=ALWAYS_SENT + returned, priority=priority,
                          timeout_s=min(timeouts) if timeouts else None)  # fmt: skip
+
+
+def _parse_embedding_request(arrays: Mapping[str, np.ndarray]) -> ParsedRequest:
+    """The vLLM backend's `embedding_request`: JSON {"input": a string or token ids, "pooling_params":
+    {"dimensions": [d]}} (the OpenAI frontend's shape; a bare d is taken too)."""
+    others = sorted(set(arrays) - EMBEDDING_INPUTS)
+    if others:
+        raise ValueError(f"an embedding_request takes no {', '.join(others)}: the prompt and its pooling are in its JSON")
+    text = _scalar_string("embedding_request", arrays["embedding_request"])
+    request = loads_client_json(text, "embedding_request", '{"input": "some text", "pooling_params": {}}')
+    if not isinstance(request, dict) or "input" not in request:
+        raise ValueError('embedding_request must be a JSON object with "input" (a string or a list of token ids)')
+    prompt = request["input"]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = _parse_prompt(None, np.array(prompt, dtype=np.int64))
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError("embedding_request input must be a non-empty string or a list of token ids (one prompt)")
+    pooling_params = request.get("pooling_params") or {}
+    if not isinstance(pooling_params, dict) or set(pooling_params) - {"dimensions"}:
+        raise ValueError(f"embedding_request pooling_params takes dimensions only, got {pooling_params!r}")
+    dims = pooling_params.get("dimensions")
+    if isinstance(dims, list):
+        if len(dims) != 1:
+            raise ValueError(f"pooling_params.dimensions must hold one size, got {dims!r}")
+        dims = dims[0]
+    returned = tuple(output for flag, output in RETURN_INPUTS.items()
+                     if flag in arrays and _scalar_bool(flag, arrays[flag]))  # fmt: skip
+    return ParsedRequest(prompt=prompt, params=SamplingParams(max_tokens=1), exclude_input=True,
+                         outputs=ALWAYS_SENT + returned, pooling=PoolingParams(dimensions=dims))  # fmt: skip
 
 
 def _parameters_bytes(parameters: Mapping[str, Any] | str | None) -> int:
@@ -284,6 +320,8 @@ class ResponseBuilder:
             self._logprobs.extend(event.logprobs)
         if event.prompt_logprobs is not None:
             self._prompt_logprobs = event.prompt_logprobs
+        if event.embedding is not None:  # an embedding request's one answer: the vector as JSON, as vLLM's
+            self._text.append(json.dumps(event.embedding))
         if event.cumulative_logprob is not None:
             self.cumulative_logprob = event.cumulative_logprob
         self.num_input_tokens = event.num_input_tokens

@@ -45,6 +45,8 @@ INPUTS: tuple[dict[str, Any], ...] = (
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in (
         "return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
         "return_num_output_tokens", "return_prompt_logprobs", "return_perf_metrics")),
+    # The vLLM backend's input for embedding requests (Triton's OpenAI frontend, /v1/embeddings).
+    {"name": "embedding_request", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
 )  # fmt: skip
 OUTPUTS: tuple[dict[str, Any], ...] = (
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},

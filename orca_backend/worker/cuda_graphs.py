@@ -96,6 +96,7 @@ EAGER_REASONS = {
     "static_buffers": "on the graphs' static buffers, not captured (the CPU tests' path)",
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
+    "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
 }
 
 

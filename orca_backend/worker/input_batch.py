@@ -88,6 +88,19 @@ class PromptLogprobRows:
     chunks: list[tuple[int, int, int, int]]
 
 
+POOLING_CODES = {"": 0, "last": 1, "mean": 2, "cls": 3}  # InputBatch.pooling: each row's NewRequest.pooling
+
+
+@dataclass
+class PoolingRows:
+    """The tokens of a step whose final hidden states its embedding requests pool, and the chunk
+    each belongs to: the forward returns their hidden states, summed per chunk."""
+
+    indices: torch.Tensor  # int64 [R] on the device: the tokens, in the flat batch
+    segments: torch.Tensor  # int64 [R] on the device: each token's chunk, 0..len(positions) - 1
+    positions: list[int]  # host: each chunk's request's position in the batch
+
+
 @dataclass
 class StepInputs:
     """A step's flat model inputs (views of the persistent host buffers, valid until the next step)."""
@@ -106,6 +119,7 @@ class StepInputs:
     sampling: SamplingBatch
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (-1: none); None when no token has one
     prompt_logprobs: PromptLogprobRows | None = None  # None: no request of the step computes prompt logprobs
+    pooling: PoolingRows | None = None  # None: no embedding request pools in this step
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +156,8 @@ class InputBatch:
         self.num_logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: no prompt logprobs
         self._prompt_logprob_requests = 0  # rows whose request asks for prompt logprobs: none, the common case
+        self.pooling = np.zeros(max_rows, dtype=np.int8)  # POOLING_CODES: the row's embedding request's pooling
+        self._pooling_requests = 0
         self.generators: list[torch.Generator | None] = [None] * max_rows
         self.num_stop_ids = np.zeros(max_rows, dtype=np.int64)
         self.staging = StagingArena(device)
@@ -263,6 +279,9 @@ class InputBatch:
         if p.prompt_logprobs is not None:
             self.num_prompt_logprobs[row] = p.prompt_logprobs
             self._prompt_logprob_requests += 1
+        if new.pooling:
+            self.pooling[row] = POOLING_CODES[new.pooling]
+            self._pooling_requests += 1
         self.generators[row] = state.generator
         self._drawn[row] = state.draw
         if not p.greedy or p.min_tokens:  # else the sampler never reads the row's device columns
@@ -308,6 +327,9 @@ class InputBatch:
         if self.num_prompt_logprobs[row] >= 0:
             self.num_prompt_logprobs[row] = -1
             self._prompt_logprob_requests -= 1
+        if self.pooling[row]:
+            self.pooling[row] = 0
+            self._pooling_requests -= 1
         state.row = -1
         self._free_rows.append(row)
         self._layout += 1
@@ -366,7 +388,32 @@ class InputBatch:
             block_tables, max_query_len=max_query_len, max_context_len=max_context_len,
             sampling=self._sampling(rows, context_lens, step.ahead_rows), lora_slots=lora_slots,
             prompt_logprobs=prompt_rows,
+            pooling=self._pooling_rows(rows, first, step.num_scheduled_tokens) if self._pooling_requests else None,
         )  # fmt: skip
+
+    def _pooling_rows(self, rows: np.ndarray, first: np.ndarray, num_scheduled: list[int]) -> PoolingRows | None:
+        """The tokens the step's embedding requests pool: every token of a chunk for "mean", the
+        prompt's last for "last" and its first for "cls" where the chunk holds it."""
+        indices: list[np.ndarray] = []
+        positions: list[int] = []
+        starts = list(itertools.accumulate(num_scheduled, initial=0))
+        for position in np.flatnonzero(self.pooling[rows]).tolist():
+            mode, start = int(self.pooling[rows[position]]), int(first[position])
+            end, num_prompt = start + num_scheduled[position], int(self.num_prompt_tokens[rows[position]])
+            if mode == POOLING_CODES["mean"]:
+                taken = np.arange(starts[position], starts[position + 1], dtype=np.int64)
+            elif mode == POOLING_CODES["last"] and end == num_prompt:
+                taken = np.array([starts[position + 1] - 1], dtype=np.int64)
+            elif mode == POOLING_CODES["cls"] and start == 0:
+                taken = np.array([starts[position]], dtype=np.int64)
+            else:
+                continue
+            indices.append(taken)
+            positions.append(position)
+        if not positions:
+            return None
+        segments = np.repeat(np.arange(len(positions), dtype=np.int64), [len(i) for i in indices])
+        return PoolingRows(self.staging.put(np.concatenate(indices)), self.staging.put(segments), positions)
 
     def _prompt_logprob_rows(
         self, rows: np.ndarray, first: np.ndarray, num_scheduled: list[int]

@@ -270,6 +270,8 @@ class ModelRunner:
         self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
         if not self._step_path and inputs.prompt_logprobs is not None:
             self._step_path = "prompt_logprobs"
+        if not self._step_path and inputs.pooling is not None:
+            self._step_path = "pooling"
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
             return graphs.run(inputs, ahead)
@@ -280,7 +282,8 @@ class ModelRunner:
         if inputs.lora_slots is not None:
             assert self.lora is not None
             lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
-        stage_input = StageInput(input_ids, positions, hidden, lora)
+        pool_indices = inputs.pooling.indices if inputs.pooling is not None else None
+        stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices)
         return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
 
     def _ahead_tokens(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,10 +310,15 @@ class ModelRunner:
         if step.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
+        pooled = None
+        if isinstance(logits, tuple):  # the last stage also returned the hidden states embedding requests pool
+            logits, hidden = logits
+            assert inputs.pooling is not None
+            pooled = (hidden, inputs.pooling)
         prompt_logits = None
         if inputs.prompt_logprobs is not None:  # the rows after the requests' own score their prompt tokens
             logits, prompt_logits = logits[: inputs.num_requests], logits[inputs.num_requests :]
-        sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs)
+        sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs, pooled)
         self.input_batch.draws_used()
         sampled.step_path = self._step_path
         if self._lora_failures:

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from orca_backend.messages import TokenLogprobs
-from orca_backend.scheduler_output import PromptLogprobsChunk, SamplerOutput
+from orca_backend.scheduler_output import PooledChunk, PromptLogprobsChunk, SamplerOutput
 from orca_backend.worker.input_batch import (
     STOP_IDS,
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    PoolingRows,
     PromptLogprobRows,
     SamplingBatch,
 )
@@ -54,6 +55,7 @@ class SampledTokens:
     step_path: str = ""  # passed on (SamplerOutput.step_path)
     prompt: PromptLogprobRows | None = None  # the step's prompt-logprob rows, if any
     prompt_top: int = 0  # top alternatives computed per prompt-logprob row
+    pooling: PoolingRows | None = None  # the step's pooled chunks, if any (their sums are packed last)
 
     def result(self) -> SamplerOutput:
         """The ids as a list, and the logprobs, once their copy has landed (a wait for the step on a GPU)."""
@@ -68,8 +70,15 @@ class SampledTokens:
             logprobs = _unpack_logprobs(packed[size:end], tokens, self.logprobs_asked, self.top)
         prompt_logprobs = []
         if self.prompt is not None:
-            prompt_logprobs = _unpack_prompt_logprobs(packed[end:], self.prompt, self.prompt_top)
-        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs)
+            rows = sum(chunk[2] for chunk in self.prompt.chunks)
+            prompt_logprobs = _unpack_prompt_logprobs(packed[end : end + _packed_size(rows, self.prompt_top)],
+                                                      self.prompt, self.prompt_top)  # fmt: skip
+            end += _packed_size(rows, self.prompt_top)
+        pooled = []
+        if self.pooling is not None:
+            sums = packed[end:].astype(np.int32).view(np.float32).reshape(len(self.pooling.positions), -1)
+            pooled = [PooledChunk(p, row) for p, row in zip(self.pooling.positions, sums.tolist(), strict=True)]
+        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs, pooled)
 
 
 class Sampler:
@@ -80,12 +89,14 @@ class Sampler:
         self._turn = 0
 
     def launch(self, logits: torch.Tensor, batch: SamplingBatch, prompt_logits: torch.Tensor | None = None,
-               prompt: PromptLogprobRows | None = None) -> SampledTokens:  # fmt: skip
+               prompt: PromptLogprobRows | None = None,
+               pooled: tuple[torch.Tensor, PoolingRows] | None = None) -> SampledTokens:  # fmt: skip
         """logits: [B, vocab] float32, one row per scheduled request (changed in place). One token id
         per request (the core ignores those of prefill chunks, `batch.sample` False), and the logprobs
         of the requests that asked for them, as `result()` gives them; on a GPU everything stays
         queued, with its copy to the host. `prompt_logits` [R, vocab]: the rows of `prompt`, whose
-        prompt tokens' logprobs come back too (raw, as the sampled tokens')."""
+        prompt tokens' logprobs come back too (raw, as the sampled tokens'). `pooled`: the hidden
+        states of the step's pooled tokens, whose sums per chunk come back too."""
         raw_logprobs = None
         if len(batch.logprobs):  # before any processing
             raw_logprobs = logits.index_select(0, batch.logprobs).log_softmax(dim=-1)
@@ -110,8 +121,13 @@ class Sampler:
             assert prompt_logits is not None
             prompt_top = min(max(chunk[3] for chunk in prompt.chunks), prompt_logits.shape[1])
             packed = torch.cat([packed, _pack_logprobs(prompt_logits.log_softmax(dim=-1), prompt.targets, prompt_top)])
+        pooling = None
+        if pooled is not None:
+            hidden, pooling = pooled
+            sums = hidden.new_zeros((len(pooling.positions), hidden.shape[1])).index_add_(0, pooling.segments, hidden)
+            packed = torch.cat([packed, sums.view(torch.int32).to(torch.int64).reshape(-1)])
         if not tokens.is_cuda:
-            return SampledTokens(tokens, packed, asked, top, prompt=prompt, prompt_top=prompt_top)
+            return SampledTokens(tokens, packed, asked, top, prompt=prompt, prompt_top=prompt_top, pooling=pooling)
         # One non-blocking copy into a persistent pinned buffer (a plain `tolist` stages through
         # pageable memory and waits for the stream).
         self._turn ^= 1
@@ -122,7 +138,7 @@ class Sampler:
         host.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return SampledTokens(tokens, host, asked, top, copied, prompt=prompt, prompt_top=prompt_top)
+        return SampledTokens(tokens, host, asked, top, copied, prompt=prompt, prompt_top=prompt_top, pooling=pooling)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

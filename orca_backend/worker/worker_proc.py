@@ -115,7 +115,8 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
             send_message(conn, kind="tokens", batch_id=step.step_id, tokens=sampled.token_ids,
                          logprobs=sampled.logprobs, lora_failures=sampled.lora_failures,
                          step_path=sampled.step_path,
-                         prompt_logprobs=[[c.position, c.first_token, c.logprobs] for c in sampled.prompt_logprobs])  # fmt: skip
+                         prompt_logprobs=[[c.position, c.first_token, c.logprobs] for c in sampled.prompt_logprobs],
+                         pooled=[[c.position, c.vector] for c in sampled.pooled])  # fmt: skip
     dist.destroy_process_group()
 
 

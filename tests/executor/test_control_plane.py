@@ -212,7 +212,7 @@ def every_field_set() -> SchedulerOutput:
     json_spec = SamplingParams(structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
     step = SchedulerOutput(
         step_id=12, scheduled_ids=["a", "b", "c"], num_scheduled_tokens=[4, 1, 1], num_computed=[0, 9, 0],
-        new_requests=[NewRequest("a", [1, 2, 3, 4], 4, [0, 5], constrained, 99, [2, 3, 50256], lora_id=7),
+        new_requests=[NewRequest("a", [1, 2, 3, 4], 4, [0, 5], constrained, 99, [2, 3, 50256], lora_id=7, pooling="mean"),
                       NewRequest("b", [6], 1, [1], bounded, 0), NewRequest("c", [8], 1, [2], json_spec, 1)],
         recorded_ids=["b"], recorded_tokens=[8], grown_ids=["b"], grown_block_ids=[[6, 7]], preempted_ids=["c"],
         finished_ids=["d", "e"], bitmask_rows=[0, 1], bitmask=bytes(range(256)) * 3, ahead_rows=[1],

@@ -116,6 +116,24 @@ def test_penalties_and_logprobs_equal_single_process(checkpoint):
     assert len({tuple(s.output_ids) for s in outputs[0][3].samples}) == 3 and len(prompts[3]) > 5
 
 
+def test_embeddings_equal_single_process(checkpoint):
+    """Embedding requests under tp = 2 (each rank holds the whole hidden state after its all-reduce)
+    and pp = 2 (the last stage pools, and its chunk sums cross the pipe as JSON)."""
+    from orca_backend.sampling_params import PoolingParams
+
+    prompts = make_prompts(4)
+    vectors = []
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        llm = LLM(str(checkpoint), tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=5)
+        try:
+            vectors.append([o.embedding for o in llm.embed(prompts, PoolingParams())])
+        finally:
+            llm.engine.shutdown()
+    for other in vectors[1:]:
+        for a, b in zip(vectors[0], other, strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+
+
 def _full_weights(checkpoint) -> list[torch.Tensor]:
     from safetensors.torch import load_file
 

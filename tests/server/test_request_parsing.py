@@ -362,3 +362,32 @@ def test_the_fast_byte_serialization_gives_tritons_own_bytes():
     ]  # fmt: skip
     for case in cases:
         assert serialize_byte_tensor(case) == original.serialize_byte_tensor(case), case
+
+
+# ---- embedding requests ---------------------------------------------------------------------
+def embedding(payload: object, **others: np.ndarray):
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return parse_inputs({"embedding_request": np.array([text.encode()], dtype=np.object_), **others})
+
+
+def test_an_embedding_request_as_the_openai_frontend_sends_it():
+    parsed = embedding({"input": "hello", "pooling_params": {"dimensions": [16]}},
+                       return_num_input_tokens=np.array([True]))  # fmt: skip
+    assert parsed.prompt == "hello" and parsed.pooling is not None and parsed.pooling.dimensions == 16
+    assert parsed.exclude_input is True and parsed.outputs[-1] == "num_input_tokens"
+    assert embedding({"input": [5, 6, 7], "pooling_params": {}}).prompt == [5, 6, 7]
+    assert embedding({"input": "x"}).pooling.dimensions is None
+
+
+@pytest.mark.parametrize(("payload", "others", "message"), [
+    ({"input": "x"}, {"sampling_parameters": np.array([b"{}"], dtype=np.object_)}, "takes no sampling_parameters"),
+    ('{"input": ', {}, "embedding_request is not valid JSON"),
+    ({"text": "x"}, {}, 'must be a JSON object with "input"'),
+    ({"input": ["a", "b"]}, {}, "input must be a non-empty string or a list of token ids"),
+    ({"input": "x", "pooling_params": {"dimensions": [8, 16]}}, {}, "must hold one size"),
+    ({"input": "x", "pooling_params": {"normalize": False}}, {}, "takes dimensions only"),
+    ({"input": "x", "pooling_params": {"dimensions": [0]}}, {}, "dimensions must be a positive integer"),
+])  # fmt: skip
+def test_bad_embedding_requests_say_what_to_send(payload, others, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        embedding(payload, **others)

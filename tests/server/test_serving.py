@@ -279,6 +279,43 @@ def test_n_samples_come_as_one_element_each_on_both_models(server, reference, mo
     assert [r.decode() for r in responses[-1].as_numpy("finish_reason").reshape(-1)] == ["length"] * n
 
 
+@pytest.mark.parametrize("model", ["orca", "baseline"])
+def test_embeddings_as_the_openai_frontend_sends_them(server, checkpoint, model):
+    """/v1/embeddings through `--backend vllm`, replayed: the vector (text_output, JSON) equals
+    LLM.embed's, usage counts the prompt and no output token; a `dimensions` the model was not
+    trained for fails that request alone with INVALID_ARG."""
+    from serving_utils import frontend_embedding_inputs
+
+    with LLM(str(checkpoint[0])) as llm:
+        expected = llm.embed(["the kalo mine", [5, 6, 7, 8]])
+    for prompt, want in zip(["the kalo mine", [5, 6, 7, 8]], expected, strict=True):
+        (response,) = raw_responses(server, model, frontend_embedding_inputs(prompt, batched=model == "baseline"))
+        vector = json.loads(response.as_numpy("text_output").reshape(-1)[0])
+        assert max(abs(a - b) for a, b in zip(vector, want.embedding, strict=True)) < 1e-5
+        assert response.as_numpy("num_input_tokens").reshape(-1).tolist() == [want.num_input_tokens]
+        assert response.as_numpy("num_output_tokens").reshape(-1).tolist() == [0]
+    refused = raw_error(server, model, frontend_embedding_inputs("the kalo mine", dimensions=8,
+                                                                 batched=model == "baseline"))  # fmt: skip
+    assert "does not support Matryoshka" in refused
+
+
+def raw_error(server, model: str, inputs: list, timeout_s: float = 60.0) -> str:
+    """The error message a request is answered with (it must be answered with one)."""
+    import queue
+
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id="raw-error")
+        _, error = results.get(timeout=timeout_s)
+        assert error is not None, "the request was answered without an error"
+        return str(error)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 # ---- scheduling: iteration-level vs request-level -------------------------------------------
 def test_orca_short_requests_overtake_a_long_one_token_by_token(server, reference):
     """Four short requests sent while a long one runs join it at the next iterations and finish
