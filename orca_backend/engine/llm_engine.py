@@ -93,20 +93,31 @@ class _SampleSink:
     def __call__(self, output: RequestOutput) -> None:
         output.request_id, output.index = self.request_id, self.index
         if output.finished:
-            self.group.finished()
+            self.group.finished(self.index, output.finish_reason)
         self.sink(output)
+
+
+# A sample ending so fails its request: the other samples are cancelled rather than run on for nothing.
+_FAILED = frozenset({FinishReason.ERROR, FinishReason.TIMEOUT, FinishReason.INVALID})
 
 
 class _SampleGroup:
     """The samples of one request with n > 1 (their ids in the core), until the last one finished."""
 
-    def __init__(self, sample_ids: list[str], retire: Callable[[], None]) -> None:
+    def __init__(self, sample_ids: list[str], retire: Callable[[], None], abort: Callable[[str], None]) -> None:
         self.sample_ids = sample_ids
         self._unfinished = len(sample_ids)
         self._retire = retire
+        self._abort = abort
+        self._failed = False
 
-    def finished(self) -> None:
+    def finished(self, index: int, reason: FinishReason | None) -> None:
         self._unfinished -= 1
+        if reason in _FAILED and not self._failed and self._unfinished:
+            self._failed = True
+            for other, sample in enumerate(self.sample_ids):
+                if other != index:
+                    self._abort(sample)  # a finished one is ignored
         if not self._unfinished:
             self._retire()
 
@@ -263,7 +274,8 @@ class LLMEngine:
                     sinks.append(sink)
                     continue
                 group = groups[rid] = _SampleGroup([sample_id(rid, i) for i in range(p.n)],
-                                                   functools.partial(self._groups.pop, rid, None))  # fmt: skip
+                                                   functools.partial(self._groups.pop, rid, None),
+                                                   functools.partial(self.core.abort, reason=FinishReason.CANCELLED))  # fmt: skip
                 for index, child_id in enumerate(group.sample_ids):
                     # vLLM's derivation: sample i of a seeded request draws with seed + i. Only sample 0
                     # computes the prompt's logprobs (the others compute only its last token).

@@ -387,12 +387,18 @@ class SamplesResponseBuilder:
 
     @property
     def error(self) -> str | None:
-        return next((sample.error for sample in self.samples if sample.error is not None), None)
+        failed = self._failed()
+        return None if failed is None else failed.error
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        failed = next((sample for sample in self.samples if sample.error is not None), self.samples[0])
-        return failed.finish_reason
+        return (self._failed() or self.samples[0]).finish_reason
+
+    def _failed(self) -> ResponseBuilder | None:
+        """The sample whose error the request ends with: one that failed, before the samples the
+        engine cancelled because of it (a stream's cancelled samples carry an error too)."""
+        errors = [sample for sample in self.samples if sample.error is not None]
+        return next((s for s in errors if s.finish_reason is not FinishReason.CANCELLED), errors[0] if errors else None)
 
     def flush(self) -> dict[str, np.ndarray]:
         payloads = [sample.flush() for sample in self.samples]

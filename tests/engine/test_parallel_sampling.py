@@ -102,6 +102,23 @@ def test_abort_ends_every_sample_and_frees_their_blocks():
         engine.shutdown()
 
 
+def test_a_failed_sample_cancels_the_others():
+    """One sample's batch fails (its sampling raises in the runner): bisection ends that sample with
+    the error, and its siblings are cancelled rather than run to max_tokens for a failed request."""
+    from core_hooks import PoisonSampling
+
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", max_num_seqs=8), core_hook=PoisonSampling("1_fan"))
+    try:
+        stream = engine.add_request(PROMPT, replace(SAMPLED, n=3, max_tokens=200), request_id="fan")
+        drain(engine)
+        ends = {e.index: e for e in stream if e.finished}
+        assert ends[1].finish_reason is FinishReason.ERROR
+        assert {ends[0].finish_reason, ends[2].finish_reason} == {FinishReason.CANCELLED}
+        assert max(ends[0].num_output_tokens, ends[2].num_output_tokens) < 200
+    finally:
+        engine.shutdown()
+
+
 def test_only_sample_0_returns_prompt_logprobs():
     with LLM("gpt2-tiny") as llm:
         out = llm.generate([PROMPT], replace(SAMPLED, n=2, prompt_logprobs=1))[0]

@@ -227,6 +227,16 @@ def test_n_samples_send_one_element_each_and_count_every_samples_tokens():
     assert observations(finished)["vllm:request_params_n"] == 2
 
 
+def test_n_samples_end_with_the_failed_samples_error_not_a_cancelled_ones():
+    builder = response_builder(parse(stream=True, sampling={"n": 2}), list(PROMPT), CharTokenizer(), stream=True)
+    cancelled, failed = event([], 0, finished=True, reason="cancelled"), event([], 0, finished=True, reason="error")
+    failed.index, failed.error = 1, "model execution failed: boom"
+    builder.add(cancelled)  # sample 0, cancelled by the engine because sample 1 failed
+    builder.add(failed)
+    assert builder.finished and builder.error == "model execution failed: boom"
+    assert builder.finish_reason is FinishReason.ERROR
+
+
 def test_output_dtypes_are_the_vllm_backends():
     builder = response_builder(parse(**ALL_RETURNS), list(PROMPT), CharTokenizer(), stream=False)
     builder.add(event([65], 1, finished=True, reason="length"))
