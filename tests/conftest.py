@@ -42,6 +42,15 @@ def tiny_checkpoint(make_checkpoint) -> tuple[Path, GPT2Config]:
     return make_checkpoint()
 
 
+@pytest.fixture(scope="session")
+def tiny_hf_float64(tiny_checkpoint) -> torch.nn.Module:
+    """transformers' GPT-2 of `tiny_checkpoint` in float64: the oracle of the sampling and logprobs
+    tests, which process its logits themselves."""
+    import transformers
+
+    return transformers.GPT2LMHeadModel.from_pretrained(tiny_checkpoint[0]).double().eval()
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota (a container's
     `--cpus`), which neither os.cpu_count() nor psutil's core count sees."""

@@ -103,7 +103,7 @@ class KVCacheManager(ABC):
         if fork_of is not None:
             if computed % self.block_size:
                 request.block_copy = (fork_of.block_table[len(hits)], request.block_table[len(hits)])
-        elif self.enable_prefix_caching and request.params.prompt_logprobs is None and request.pooling is None:
+        elif self._reads_prefix_cache(request):
             self.prefix_queried_tokens += request.num_tokens
             self.prefix_hit_tokens += request.num_computed
         return True
@@ -140,12 +140,16 @@ class KVCacheManager(ABC):
             self.pool.cache(request.block_table[index], keys[index], first=index == 0, lora=request.lora)
         request.num_registered_blocks = num_full
 
+    def _reads_prefix_cache(self, request: Request) -> bool:
+        """Whether the request looks its prompt up in the prefix cache. One asking for prompt logprobs
+        does not (a cached prefix has no logits; vLLM's rule), nor does an embedding request (its
+        pooling reads the hidden states of its prompt's tokens): each computes its whole prompt, and
+        its blocks are cached for others as any request's."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None and request.pooling is None
+
     def _prefix_hits(self, request: Request) -> list[int]:
-        """The cached blocks the request's tokens start with, stopping short of its last token. A
-        request asking for prompt logprobs reads none (a cached prefix has no logits; vLLM's rule): it
-        computes its whole prompt, and its blocks are cached for others as any request's. Nor does an
-        embedding request: its pooling reads the hidden states of its prompt's tokens."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None or request.pooling is not None:
+        """The cached blocks the request's tokens start with, stopping short of its last token."""
+        if not self._reads_prefix_cache(request):
             return []
         hits = []
         for key in self._block_keys(request, (request.num_tokens - 1) // self.block_size):

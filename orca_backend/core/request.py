@@ -38,10 +38,7 @@ class Request:
     # it was admitted once (the scheduler then clears it).
     prefix_from: str | None = None
     pooling: PoolingParams | None = None  # an embedding request (EngineCoreRequest.pooling)
-    # An embedding request: the model's pooling (PoolingConfig.mode, set by the scheduler as it takes
-    # the request in), and the sum of the pooled rows its prefill chunks returned so far.
-    pooling_mode: str = ""
-    pooled_sum: list[float] | None = None
+    pooled_sum: list[float] | None = None  # an embedding request: the sum of its chunks' pooled rows so far
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

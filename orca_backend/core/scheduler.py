@@ -85,13 +85,15 @@ def make_scheduler_output(
     batch: ScheduledBatch, step_id: int, recorded: tuple[list[str], list[int]] = ([], []),
     preempted_ids: list[str] | None = None, finished_ids: list[str] | None = None,
     structured: StructuredOutputManager | None = None, tables_changed: list[Request] | None = None,
+    pooling_mode: str = "last",
 ) -> SchedulerOutput:  # fmt: skip
     """The batch as deltas against what the runners hold (scheduler_output.py): a request they have
     never been sent comes whole, any other with the blocks its table gained since (a whole table
     after a preemption); `recorded` are the tokens recorded since the last step (request ids, token
     ids). `tables_changed`: the requests whose table may have changed since the last step (the
     scheduler's record; default: look at every request of the batch). Constrained requests that
-    sample get their grammar's bitmask row from `structured`."""
+    sample get their grammar's bitmask row from `structured`; embedding requests are sent the
+    model's `pooling_mode` (PoolingConfig.mode)."""
     requests = batch.requests
     new: list[NewRequest] = []
     grown_ids: list[str] = []
@@ -103,7 +105,8 @@ def make_scheduler_output(
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
                                   request.params, request.sampling_seed, sorted(request.stop_ids),
-                                  request.lora.lora_id if request.lora is not None else 0, request.pooling_mode))  # fmt: skip
+                                  request.lora.lora_id if request.lora is not None else 0,
+                                  pooling_mode if request.pooling is not None else ""))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
             grown_block_ids.append(table[sent:])
@@ -236,8 +239,6 @@ class Scheduler:
         ends at once with that reason."""
         request.arrival_order = next(self._arrival_order)
         request.stop_ids = stop_token_set(request, self.eos_token_id)
-        if request.pooling is not None:
-            request.pooling_mode = self.pooling.mode
         if request.structured:
             assert request.params.structured_outputs is not None
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -321,7 +322,8 @@ class Scheduler:
 
     def _scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
         output = make_scheduler_output(batch, next(self._step_ids), (self._recorded_ids, self._recorded_tokens),
-                                       self._preempted_ids, self._finished_ids, self.structured, self._tables_changed)  # fmt: skip
+                                       self._preempted_ids, self._finished_ids, self.structured, self._tables_changed,
+                                       self.pooling.mode)  # fmt: skip
         if self.loras is not None:
             output.lora_loads = self.loras.take_loads()
         if self._block_copies:
@@ -530,11 +532,12 @@ class Scheduler:
         prompt_logprobs: list[PromptLogprobsChunk] | None = None, pooled: list[PooledChunk] | None = None,
     ) -> CoreOutputs:  # fmt: skip
         """Appends each request's new token (and its logprobs, if it asked; its prompt logprobs go
-        out with its first token) and finishes those that hit a token-level stop. A request whose prompt chunk did not reach its last token gets no
-        token and no output. A constrained request's matcher accepts its token first: once its
-        grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows
-        nothing else); a token its grammar refuses (the mask should make that impossible) ends it
-        with "error", and the token is dropped."""
+        out with its first token) and finishes those that hit a token-level stop. A request whose
+        prompt chunk did not reach its last token gets no token and no output; an embedding request
+        whose prompt is computed ends with its embedding. A constrained request's matcher accepts
+        its token first: once its grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a
+        complete grammar allows nothing else); a token its grammar refuses (the mask should make
+        that impossible) ends it with "error", and the token is dropped."""
         requests = batch.requests
         # The lengths are checked once here, so the loop's zip need not be strict.
         if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
@@ -599,7 +602,7 @@ class Scheduler:
             self._end(request, FinishReason.ERROR)
             return self._output(request, "the model returned no pooled hidden state for this embedding request")
         vector = np.array(request.pooled_sum, dtype=np.float64)
-        if request.pooling_mode == "mean":
+        if self.pooling.mode == "mean":
             vector /= request.num_prompt_tokens
         if request.pooling.dimensions is not None:
             vector = vector[: request.pooling.dimensions]

@@ -236,25 +236,24 @@ class LLMEngine:
         if self.core.dead_reason is not None:
             raise EngineDeadError(f"the engine is not serving: {self.core.dead_reason}")
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        poolings = list(pooling) if isinstance(pooling, Sequence) else [pooling] * len(prompts)
-        if len(poolings) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts and {len(poolings)} pooling params")
-        for index, one in enumerate(poolings):
-            if one is not None and index < len(params_list):
-                self.check_pooling(one)
-                params_list[index] = EMBEDDING_PARAMS
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         if not (len(params_list) == len(ids) == len(prompts)):
             raise ValueError(f"got {len(prompts)} prompts, {len(params_list)} sampling params and {len(ids)} request ids")
         priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(prompts)
         timeouts = list(timeout_s) if isinstance(timeout_s, Sequence) else [timeout_s] * len(prompts)
-        if not (len(priorities) == len(timeouts) == len(prompts)):
-            raise ValueError(f"got {len(prompts)} prompts, {len(priorities)} priorities and {len(timeouts)} timeouts")
+        poolings = list(pooling) if isinstance(pooling, Sequence) else [pooling] * len(prompts)
+        if not (len(priorities) == len(timeouts) == len(poolings) == len(prompts)):
+            raise ValueError(f"got {len(prompts)} prompts, {len(priorities)} priorities, {len(timeouts)} timeouts and "
+                             f"{len(poolings)} pooling params")  # fmt: skip
         now = time.monotonic()
         validated = []
-        for prompt, p, rid, prio, timeout in zip(prompts, params_list, ids, priorities, timeouts, strict=True):
+        for prompt, p, rid, prio, timeout, pool in zip(prompts, params_list, ids, priorities, timeouts, poolings,
+                                                       strict=True):  # fmt: skip
             check_priority(prio, self.config.max_priority)
             check_timeout(timeout)
+            if pool is not None:  # an embedding request's params are its own
+                self.check_pooling(pool)
+                p = EMBEDDING_PARAMS
             rid = rid if rid is not None else f"req-{next(self._next_id)}"
             validated.append((rid, self.validate(prompt, p), p, prio, timeout))
         clash = sorted({rid for rid, *_ in validated if rid in self._groups})
@@ -382,8 +381,9 @@ class LLMEngine:
         return self.loras.get(name)
 
     def check_pooling(self, pooling: PoolingParams) -> None:
-        """An embedding request's `dimensions`: a Matryoshka model's (one of the sizes it was trained
-        at, where config.json lists them), no more than its hidden size."""
+        """An embedding request, refused (ValueError) where this model's pooling is one not computed
+        here, or its `dimensions` is not a Matryoshka model's (one of the sizes it was trained at,
+        where config.json lists them, and no more than its hidden size)."""
         config = self.pooling_config
         if config.mode not in POOLING_MODES:
             raise ValueError(f"this model's sentence-transformers pooling ({config.mode}) is not computed here: "

@@ -118,8 +118,7 @@ def parse_inputs(
     stream = _scalar_bool("stream", arrays["stream"]) if "stream" in arrays else False
     exclude = _scalar_bool("exclude_input_in_output", arrays["exclude_input_in_output"]) \
         if "exclude_input_in_output" in arrays else None
-    returned = tuple(output for flag, output in RETURN_INPUTS.items()
-                     if flag in arrays and _scalar_bool(flag, arrays[flag]))
+    returned = _returned_outputs(arrays)
     if "return_perf_metrics" in arrays and _scalar_bool("return_perf_metrics", arrays["return_perf_metrics"]):
         returned += PERF_OUTPUTS
     priority = _parameter_int("scheduling_priority", request_parameters.get("scheduling_priority", 0))
@@ -157,10 +156,13 @@ def _parse_embedding_request(arrays: Mapping[str, np.ndarray]) -> ParsedRequest:
         if len(dims) != 1:
             raise ValueError(f"pooling_params.dimensions must hold one size, got {dims!r}")
         dims = dims[0]
-    returned = tuple(output for flag, output in RETURN_INPUTS.items()
-                     if flag in arrays and _scalar_bool(flag, arrays[flag]))  # fmt: skip
     return ParsedRequest(prompt=prompt, params=SamplingParams(max_tokens=1), exclude_input=True,
-                         outputs=ALWAYS_SENT + returned, pooling=PoolingParams(dimensions=dims))  # fmt: skip
+                         outputs=ALWAYS_SENT + _returned_outputs(arrays), pooling=PoolingParams(dimensions=dims))  # fmt: skip
+
+
+def _returned_outputs(arrays: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The optional outputs whose `return_*` input the request set true."""
+    return tuple(output for flag, output in RETURN_INPUTS.items() if flag in arrays and _scalar_bool(flag, arrays[flag]))
 
 
 def _parameters_bytes(parameters: Mapping[str, Any] | str | None) -> int:

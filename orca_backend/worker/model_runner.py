@@ -214,8 +214,7 @@ class ModelRunner:
         """Each (source, destination) block's K/V into the destination, in every layer of this
         rank's pool: a forked request's copy of the block its sample 0 goes on writing."""
         size = self.block_size
-        slots = np.array([[block * size + offset for offset in range(size)] for pair in copies for block in pair],
-                         dtype=np.int64).reshape(len(copies), 2, size)  # fmt: skip
+        slots = np.asarray(copies, dtype=np.int64)[:, :, None] * size + np.arange(size)  # [copies, 2, size]
         index = self.input_batch.staging.put(slots)  # staged: no pageable copy in the step's stream
         sources, destinations = index[:, 0].reshape(-1), index[:, 1].reshape(-1)
         for k_cache, v_cache in self.kv_caches:

@@ -76,7 +76,7 @@ class SampledTokens:
             end += _packed_size(rows, self.prompt_top)
         pooled = []
         if self.pooling is not None:
-            sums = packed[end:].astype(np.int32).view(np.float32).reshape(len(self.pooling.positions), -1)
+            sums = _unpack_floats(packed[end:]).reshape(len(self.pooling.positions), -1)
             pooled = [PooledChunk(p, row) for p, row in zip(self.pooling.positions, sums.tolist(), strict=True)]
         return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs, pooled)
 
@@ -125,7 +125,7 @@ class Sampler:
         if pooled is not None:
             hidden, pooling = pooled
             sums = hidden.new_zeros((len(pooling.positions), hidden.shape[1])).index_add_(0, pooling.segments, hidden)
-            packed = torch.cat([packed, sums.view(torch.int32).to(torch.int64).reshape(-1)])
+            packed = torch.cat([packed, _pack_floats(sums.reshape(-1))])
         if not tokens.is_cuda:
             return SampledTokens(tokens, packed, asked, top, prompt=prompt, prompt_top=prompt_top, pooling=pooling)
         # One non-blocking copy into a persistent pinned buffer (a plain `tolist` stages through
@@ -177,7 +177,17 @@ def _pack_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, top: int) -> t
     ranks = (logprobs > sampled_logprobs).sum(dim=1) + 1  # ties share the better rank
     top_values, top_ids = logprobs.topk(top, dim=1)
     values = torch.cat([sampled_logprobs[:, 0], top_values.reshape(-1)])
-    return torch.cat([ranks, top_ids.reshape(-1), values.view(torch.int32).to(torch.int64)])
+    return torch.cat([ranks, top_ids.reshape(-1), _pack_floats(values)])
+
+
+def _pack_floats(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as int64 words holding their bits, to travel in the step's one packed read."""
+    return values.view(torch.int32).to(torch.int64)
+
+
+def _unpack_floats(words: np.ndarray) -> np.ndarray:
+    """The float32 values `_pack_floats` packed."""
+    return words.astype(np.int32).view(np.float32)
 
 
 def _packed_size(rows: int, top: int) -> int:
@@ -205,7 +215,7 @@ def _unpack_logprobs(
     n = len(asked)
     ranks = packed[:n].tolist()
     top_ids = packed[n : n + n * top].reshape(n, top).tolist()
-    values = packed[n + n * top :].astype(np.int32).view(np.float32)
+    values = _unpack_floats(packed[n + n * top :])
     sampled_values = values[:n].tolist()
     top_values = values[n:].reshape(n, top).tolist()
     out: list[TokenLogprobs | None] = [None] * len(tokens)

@@ -31,11 +31,6 @@ def checkpoint(tiny_checkpoint):
     return tiny_checkpoint[0]
 
 
-@pytest.fixture(scope="module")
-def hf(checkpoint):
-    return transformers.GPT2LMHeadModel.from_pretrained(checkpoint).double().eval()
-
-
 @torch.no_grad()
 def reference(hf, prompt: list[int]) -> torch.Tensor:
     """[len(prompt) - 1, vocab]: row i - 1 is log p(. | prompt[:i]), which scores prompt[i]."""
@@ -58,7 +53,7 @@ def check(prompt_logprobs, prompt: list[int], ref: torch.Tensor, k: int) -> None
 
 
 @pytest.mark.parametrize("chunk", [0, 5], ids=["whole", "chunked"])
-def test_prompt_logprobs_equal_transformers_at_every_position(checkpoint, hf, chunk):
+def test_prompt_logprobs_equal_transformers_at_every_position(checkpoint, tiny_hf_float64, chunk):
     """Chunked: 5 tokens an iteration, so the first prompt's logprobs come from 5 steps, and chunks
     end on every offset of a prompt; whole: one step."""
     llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=4, max_num_batched_tokens=chunk)
@@ -69,13 +64,13 @@ def test_prompt_logprobs_equal_transformers_at_every_position(checkpoint, hf, ch
     finally:
         llm.shutdown()
     for prompt, out, p, base in zip(PROMPTS, outs, params, plain, strict=True):
-        check(out.prompt_logprobs, prompt, reference(hf, prompt), p.prompt_logprobs)
+        check(out.prompt_logprobs, prompt, reference(tiny_hf_float64, prompt), p.prompt_logprobs)
         assert out.output_ids == base.output_ids  # the extra logits rows change no token
     assert all(out.prompt_logprobs is None for out in plain)
     assert outs[2].prompt_logprobs == [None]  # one prompt token: nothing to score
 
 
-def test_a_loglikelihood_equals_the_sum_from_transformers(checkpoint, hf):
+def test_a_loglikelihood_equals_the_sum_from_transformers(checkpoint, tiny_hf_float64):
     """lm-eval's loglikelihood(context, continuation): one request of context + continuation with
     max_tokens 1 and prompt_logprobs 0, summed over the continuation's positions."""
     context, continuation = PROMPTS[0][:15], PROMPTS[0][15:]
@@ -83,14 +78,14 @@ def test_a_loglikelihood_equals_the_sum_from_transformers(checkpoint, hf):
         out = llm.generate([context + continuation], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
     ours = sum(out.prompt_logprobs[i][t].logprob for i, t in enumerate(continuation, start=len(context)))
     with torch.no_grad():
-        logits = hf(torch.tensor([context + continuation])).logits[0].log_softmax(dim=-1)
+        logits = tiny_hf_float64(torch.tensor([context + continuation])).logits[0].log_softmax(dim=-1)
     theirs = sum(float(logits[len(context) + j - 1, t]) for j, t in enumerate(continuation))
     assert ours == pytest.approx(theirs, abs=1e-4)
     is_greedy = all(out.prompt_logprobs[i][t].rank == 1 for i, t in enumerate(continuation, start=len(context)))
     assert not is_greedy  # a random continuation: the test would see a logprob taken one position off
 
 
-def test_batched_with_generation_requests_whose_tokens_stay_exact(checkpoint, hf):
+def test_batched_with_generation_requests_whose_tokens_stay_exact(checkpoint, tiny_hf_float64):
     """Prompt-logprob rows beside sampling requests of every kind: their tokens and logprobs are the
     ones they have alone."""
     others = [SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=2, ignore_eos=True),
@@ -99,13 +94,13 @@ def test_batched_with_generation_requests_whose_tokens_stay_exact(checkpoint, hf
         alone = llm.generate(PROMPTS[1:2] + PROMPTS[3:], others)
         mixed = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]],
                              [replace(GREEDY, prompt_logprobs=2), *others])  # fmt: skip
-    check(mixed[0].prompt_logprobs, PROMPTS[0], reference(hf, PROMPTS[0]), 2)
+    check(mixed[0].prompt_logprobs, PROMPTS[0], reference(tiny_hf_float64, PROMPTS[0]), 2)
     for one, other in zip(alone, mixed[1:], strict=True):
         assert one.output_ids == other.output_ids and one.prompt_logprobs is None is other.prompt_logprobs
     assert [e.keys() for e in alone[0].logprobs] == [e.keys() for e in mixed[1].logprobs]
 
 
-def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(checkpoint, hf):
+def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(checkpoint, tiny_hf_float64):
     """vLLM's rule: a request asking for prompt logprobs reads nothing from the prefix cache (a cached
     block has no logits), so its values are whole; others still hit what it cached."""
     with LLM(str(checkpoint), dtype="float32", block_size=4, enable_prefix_caching=True) as llm:
@@ -115,7 +110,7 @@ def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(checkpoint, hf):
         assert llm.engine.stats().prefix_cache_hit_tokens == hits
         again = llm.generate([PROMPTS[0]], GREEDY)[0]
         assert llm.engine.stats().prefix_cache_hit_tokens > hits
-    check(out.prompt_logprobs, PROMPTS[0], reference(hf, PROMPTS[0]), 1)
+    check(out.prompt_logprobs, PROMPTS[0], reference(tiny_hf_float64, PROMPTS[0]), 1)
     assert again.output_ids == out.output_ids
 
 

@@ -33,11 +33,6 @@ def checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def hf(checkpoint):
-    return transformers.GPT2LMHeadModel.from_pretrained(checkpoint).double().eval()
-
-
-@pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
     return LLM(str(checkpoint), max_num_seqs=16)
 
@@ -106,35 +101,35 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_penalties_and_bias_equal_a_float64_reference(llm, hf, case):
+def test_penalties_and_bias_equal_a_float64_reference(llm, tiny_hf_float64, case):
     params = replace(GREEDY, **CASES[case])
     outs = llm.generate(PROMPTS, params)
     plain = llm.generate(PROMPTS, GREEDY)
     changed = 0
     for prompt, out, base in zip(PROMPTS, outs, plain, strict=True):
-        ref, gap = reference_greedy(hf, prompt, params)
+        ref, gap = reference_greedy(tiny_hf_float64, prompt, params)
         assert gap > 1e-3, "the reference's top-2 gap is too small for an exact comparison: pick other params"
         assert out.output_ids == ref, prompt
         changed += out.output_ids != base.output_ids
     assert changed >= 2  # the params matter here, so the test can fail
 
 
-def test_logprobs_are_the_raw_log_softmax_with_ranks_and_top_k(llm, hf):
+def test_logprobs_are_the_raw_log_softmax_with_ranks_and_top_k(llm, tiny_hf_float64):
     tok = llm.tokenizer
     # Random sampling picks tokens that are not the most likely: ranks above 1 are exercised.
     params = SamplingParams(max_tokens=16, temperature=1.3, seed=5, logprobs=5, ignore_eos=True,
                             presence_penalty=0.8, logit_bias={7: 3.0})  # fmt: skip
     for prompt in PROMPTS[:2]:
         out = llm.generate([prompt], params)[0]
-        check_logprobs(out, reference_logprobs(hf, prompt, out.output_ids), 5, tok)
+        check_logprobs(out, reference_logprobs(tiny_hf_float64, prompt, out.output_ids), 5, tok)
         assert max(entry[t].rank for t, entry in zip(out.output_ids, out.logprobs, strict=True)) > 1
     # Greedy with a penalty: the argmax of the processed logits, logprobs of the raw ones.
     out = llm.generate([PROMPTS[2]], replace(GREEDY, logprobs=3, frequency_penalty=2.0))[0]
-    check_logprobs(out, reference_logprobs(hf, PROMPTS[2], out.output_ids), 3, tok)
+    check_logprobs(out, reference_logprobs(tiny_hf_float64, PROMPTS[2], out.output_ids), 3, tok)
     # logprobs=0: the sampled token alone; without logprobs, none at all.
     out = llm.generate([PROMPTS[3]], replace(GREEDY, logprobs=0))[0]
     assert all(len(entry) == 1 for entry in out.logprobs)
-    check_logprobs(out, reference_logprobs(hf, PROMPTS[3], out.output_ids), 0, tok)
+    check_logprobs(out, reference_logprobs(tiny_hf_float64, PROMPTS[3], out.output_ids), 0, tok)
     plain = llm.generate([PROMPTS[3]], GREEDY)[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
 
