@@ -59,6 +59,65 @@ class KVEventsConfig:
         return config
 
 
+SPECULATIVE_METHODS = ("ngram",)  # the proposers built (core/ngram_proposer.py)
+# vLLM's other methods: refused at load, by name, until their proposer is built here.
+UNBUILT_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` (its names): how a running request's next tokens are proposed and
+    verified in one step (docs/architecture.md, "Speculative decoding"). `method` "ngram" proposes
+    the tokens that followed the latest earlier occurrence of the request's last n tokens (prompt
+    lookup), n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM takes one of them for the
+    other when only one is given."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config must be a JSON object of vLLM's SpeculativeConfig fields")
+        if values.get("model") in ("ngram", "[ngram]") and "method" not in values:  # vLLM's older spelling
+            values = {**{k: v for k, v in values.items() if k != "model"}, "method": "ngram"}
+        method = values.get("method", "ngram")
+        if method in UNBUILT_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not served by this engine yet (served: "
+                             f"{', '.join(SPECULATIVE_METHODS)}); README, \"Speculative decoding\"")  # fmt: skip
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r} (served: {', '.join(SPECULATIVE_METHODS)})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unsupported field(s) {', '.join(unknown)} (read: "
+                             f"{', '.join(sorted(known))})")  # fmt: skip
+        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        values["prompt_lookup_min"] = low if low is not None else high if high is not None else 5
+        values["prompt_lookup_max"] = high if high is not None else values["prompt_lookup_min"]
+        config = cls(**values)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {config.num_speculative_tokens}")  # fmt: skip
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")  # fmt: skip
+        return config
+
+
+MAX_SPECULATIVE_TOKENS = 16  # proposals per request per step: a verify step's query stays short
+
+
 @dataclass
 class EngineConfig:
     model: str = "gpt2-tiny"  # local HF checkpoint directory, or a preset name from PRESETS
@@ -85,6 +144,9 @@ class EngineConfig:
     # for KV-aware routers (core/kv_events.py). "": none.
     kv_events_config: str = ""
     max_num_batched_tokens: int = 0  # tokens per iteration, long prompts chunked to fit; 0: no limit
+    # vLLM's speculative_config (JSON, `SpeculativeConfig`): each running request's next tokens are
+    # proposed and verified with its last one in the same step. "": none.
+    speculative_config: str = ""
     kv_watermark: float = 0.01  # paged: share of blocks admission leaves free for running requests
     # Admission control: requests accepted but not started (no token yet) beyond these are refused
     # at once with a retry-later error; 0 means no limit.
@@ -174,6 +236,7 @@ class EngineConfig:
         if events is not None and events.enable_kv_cache_events and not self.enable_prefix_caching:
             raise ValueError("kv_events_config enables K/V cache events, which describe the prefix cache: set "
                              "enable_prefix_caching too")  # fmt: skip
+        self.speculative()  # a bad speculative_config fails here, naming the field
         if float(self.health_check_interval_s) < 0:
             raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
         if float(self.health_check_interval_s) > 0 and float(self.iteration_timeout_s) == 0:
@@ -251,6 +314,10 @@ class EngineConfig:
     def kv_events(self) -> KVEventsConfig | None:
         """kv_events_config, parsed (None when unset)."""
         return KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, parsed (None when unset)."""
+        return SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
 
     def kv_bytes_per_token(self, model_config: AnyModelConfig) -> int:
         """The bytes a token's K and V take on one rank: over its stage's layers and its KV heads."""

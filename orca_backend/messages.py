@@ -87,6 +87,9 @@ class RequestMetrics:
     num_cached_tokens: int  # prompt tokens its first admission found in the prefix cache
     first_token_time: float | None = None  # set by the output processor
     last_token_time: float | None = None
+    # Speculative decoding: the tokens proposed for it, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)  # one per request per iteration: slots make it cheaper to build
@@ -169,6 +172,12 @@ class EngineStats:
     # Iterations by how their forward ran: "cuda_graph" (replayed), or why it ran eagerly (the reasons
     # of worker/cuda_graphs.py: "no_cuda_device", "tokens_above_buckets", ...).
     steps_by_path: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (vLLM's spec_decode counters): verifications (one per request per step),
+    # proposed tokens, accepted ones, and accepted ones by their place in the proposal (0-based).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def kv_free_blocks(self) -> int:

@@ -18,7 +18,13 @@ keeps the state of every unfinished request it has been sent, in its persistent 
 - `finished_ids`: requests that ended: a runner forgets them;
 - `lora_loads`: adapters to put in slots (multi-LoRA), before the step's rows are taken;
 - `block_copies`: blocks whose K/V a forked request (a later sample of a request with n > 1) copies
-  from its sample 0's, before the step's forward.
+  from its sample 0's, before the step's forward;
+- `shrunk_ids` / `shrunk_num_blocks`: tables cut back to their first blocks (speculative decoding:
+  blocks taken for proposed tokens that were rejected go back to the pool), before any growth.
+
+Speculative decoding: a request of `spec_rows` runs its last token and then its proposed tokens
+(`spec_tokens`, that many more scheduled tokens); the sampler verifies each proposal on the logits
+of the position before it (SamplerOutput.num_accepted).
 
 The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
 position `num_computed`. Every rank gets the same message, so every rank holds the same rows; a
@@ -87,6 +93,12 @@ class SchedulerOutput:
     # Copy-on-write of forked requests (n > 1): each (source, destination) block's K/V is copied, in
     # every layer, before this step's forward; the destination is a block of a request this step brings.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the batch positions of requests whose step verifies proposed tokens, and
+    # those tokens (each request's last len(spec_tokens[i]) scheduled tokens).
+    spec_rows: list[int] = field(default_factory=list)
+    spec_tokens: list[list[int]] = field(default_factory=list)
+    shrunk_ids: list[str] = field(default_factory=list)
+    shrunk_num_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +141,12 @@ class SamplerOutput:
     # (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     pooled: list[PooledChunk] = field(default_factory=list)  # the step's embedding requests' chunks
+    # Speculative decoding, per request of SchedulerOutput.spec_rows: how many of its proposed tokens
+    # were accepted (a leading run). Its entry of `token_ids` is then the token after them: the
+    # target's own where a proposal was rejected, else the one its last row sampled. Logprobs of
+    # such a request (when it asked) are one per emitted token: `spec_logprobs[i]`.
+    num_accepted: list[int] = field(default_factory=list)
+    spec_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
 
 def encode_step(step: SchedulerOutput) -> bytes:

@@ -1,12 +1,14 @@
 """Helpers the engine's test files share: GREEDY (four greedy tokens), `drain` (step an in-process
 engine until it has no work), `chunked_then_cached` (the same prompts twice through chunked prefill
 and the prefix cache), and seeded workloads: short random prompts, long prompts with an optional
-shared prefix, and sampling parameters mixing greedy and seeded random sampling."""
+shared prefix, and sampling parameters mixing greedy and seeded random sampling; `OracleProposer`,
+speculative decoding's proposals made right or wrong to order."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from orca_backend import LLM, SamplingParams
@@ -57,3 +59,35 @@ def mixed_params(n: int, seed: int) -> list[SamplingParams]:
                        top_k=rng.choice([0, 20]), seed=rng.randrange(1000))  # fmt: skip
         for _ in range(n)
     ]
+
+
+class OracleProposer:
+    """Speculative decoding's proposals made to order (in the scheduler's place of its proposer).
+    Proposes each request's true continuation (its tokens from a run without speculation), wrong
+    from a place that cycles from call to call: every proposal is accepted (`wrong` "never"), some
+    are ("cycle": 0, 1, ... k accepted in turn), or none ("always")."""
+
+    K = 4  # tokens a proposal holds at most: the engine's num_speculative_tokens must be as many
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, wrong: str,
+                 strict: bool = True) -> None:  # fmt: skip
+        """`strict`: the engine's tokens must be the reference's (greedy); else it proposes the
+        reference's tokens at the same place, wherever the request went."""
+        self.references, self.vocab_size, self.wrong, self.strict = references, vocab_size, wrong, strict
+        self.proposed = 0
+        self.calls = 0
+
+    def propose(self, context: np.ndarray, limit: int) -> list[int]:
+        """NgramProposer.propose's contract: up to min(K, limit) tokens to follow `context`."""
+        tokens = context.tolist()
+        for prompt, reference in self.references.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                assert not self.strict or tokens[len(prompt) :] == reference[:done], "the tokens left the reference"
+                proposal = reference[done : done + min(self.K, limit)]
+                wrong_from = {"never": self.K, "always": 0, "cycle": self.calls % (self.K + 1)}[self.wrong]
+                self.calls += 1
+                proposal = [t if j < wrong_from else (t + 1) % self.vocab_size for j, t in enumerate(proposal)]
+                self.proposed += len(proposal)
+                return proposal
+        raise AssertionError("a context no reference starts with")

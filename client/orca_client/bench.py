@@ -567,6 +567,8 @@ def serving(args: argparse.Namespace, out: Path, progress: Progress) -> Iterator
     per_model: dict[str, dict[str, str]] = {"orca": {}}
     if args.max_num_seqs:
         per_model["orca"]["max_num_seqs"] = str(args.max_num_seqs)
+    if args.speculative_config:  # speculative decoding on orca only: the A/B measures it against the baseline
+        per_model["orca"]["speculative_config"] = args.speculative_config
     if args.stream_interval:
         per_model["orca"]["stream_interval"] = str(args.stream_interval)
     notes = []
@@ -735,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="orca's engine batch limit, its max_num_seqs parameter (default: its config.pbtxt, 32)")
     g.add_argument("--stream-interval", type=int,
                    help="orca: tokens per streamed response after the first (default: config.pbtxt, 1)")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help="orca: speculative decoding (vLLM's speculative_config JSON, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}')")
     g.add_argument("--max-queue-delay-us", type=int, help="baseline max_queue_delay_microseconds (default: config.pbtxt)")
     g.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size of every engine (default: config.pbtxt)")
     g.add_argument("--url", help="use the tritonserver at this gRPC address instead of starting one")

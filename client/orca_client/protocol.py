@@ -40,7 +40,7 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 # counts, in its last response, when `return_perf_metrics` is true (TensorRT-LLM's name).
 PERF_METRICS = "perf_metrics"
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
-                "num_preemptions", "prefix_cache_hit_tokens")
+                "num_preemptions", "prefix_cache_hit_tokens", "num_draft_tokens", "num_accepted_draft_tokens")
 # Outputs the server sends only when the request's `return_<output>` input is true.
 OPTIONAL_OUTPUTS = (FINISH_REASON, CUMULATIVE_LOGPROB, LOGPROBS, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, PROMPT_LOGPROBS,
                     PERF_METRICS)

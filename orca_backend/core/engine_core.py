@@ -67,6 +67,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, priority_aging_s=config.priority_aging_s,
             structured=self.structured, async_scheduling=config.async_scheduling,
             max_loras=config.max_loras if config.enable_lora else 0, pooling=config.pooling_config(),
+            speculative=config.speculative(),
         )  # fmt: skip
         self._in_flight: deque[ScheduledBatch] = deque()
         # Taken by add_requests and by _die: a request is either refused or failed, never lost.
@@ -125,6 +126,10 @@ class EngineCore:
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             steps_by_path=dict(self.steps_by_path),
+            spec_num_drafts=self.scheduler.num_spec_drafts,
+            spec_num_draft_tokens=self.scheduler.num_spec_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.num_spec_accepted_tokens,
+            spec_accepted_per_pos=list(self.scheduler.spec_accepted_per_pos),
             **self._lora_stats(),
         )
 
@@ -208,7 +213,8 @@ class EngineCore:
         if sampled.lora_failures:  # never a failed iteration: the adapter's requests end, the rest go on
             outputs += self.scheduler.fail_adapters(sampled.lora_failures)
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs,
-                                                   sampled.prompt_logprobs, sampled.pooled)  # fmt: skip
+                                                    sampled.prompt_logprobs, sampled.pooled,
+                                                    sampled.num_accepted, sampled.spec_logprobs)  # fmt: skip
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
         self.steps_by_path[sampled.step_path] = self.steps_by_path.get(sampled.step_path, 0) + 1

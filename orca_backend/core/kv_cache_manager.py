@@ -120,6 +120,18 @@ class KVCacheManager(ABC):
         request.block_table += self.pool.allocate(missing)
         return True
 
+    def trim(self, request: Request) -> bool:
+        """Speculative decoding, after a step landed: gives back the blocks past the request's tokens
+        (taken for proposed tokens that were rejected; never registered, as they hold no computed
+        token). True if its table shrank. Under reservation a table is the reservation, and stays."""
+        keep = self.blocks_for(request.num_tokens)
+        extra = request.block_table[keep:]
+        if not extra:
+            return False
+        self.pool.release(extra)
+        del request.block_table[keep:]
+        return True
+
     def free(self, request: Request) -> None:
         """Returns everything the request holds; a no-op for a request holding nothing."""
         self.pool.release(request.block_table[request.num_dropped_blocks :])
@@ -175,6 +187,9 @@ class ReservationKVManager(KVCacheManager):
 
     def _tokens_at_admission(self, request: Request) -> int:
         return request.max_total_tokens
+
+    def trim(self, request: Request) -> bool:
+        return False
 
 
 class PagedKVManager(KVCacheManager):

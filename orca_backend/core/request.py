@@ -68,6 +68,10 @@ class Request:
     # Admitted as a fork (KVCacheManager.admit): the block whose K/V its first block past the shared
     # ones copies (source, destination), until the scheduler sends the copy to the runners.
     block_copy: tuple[int, int] | None = None
+    # Speculative decoding: the tokens its steps proposed, and how many of them were accepted, so far
+    # (RequestMetrics).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and the
     # steps it samples in carry its bitmask row (read for every request every iteration: one attribute).
     structured: bool = field(init=False, default=False)
@@ -79,6 +83,10 @@ class Request:
     # Async scheduling may run its next step before its token lands: not for a grammar (its next mask
     # needs the token) nor penalties (the runner counts tokens as they are recorded).
     can_run_ahead: bool = field(init=False, default=True)
+    # Speculative decoding proposes for it: the rows that verify its proposals are sampled as its own
+    # last row is, which holds for everything but what depends on the tokens before each row (the
+    # penalties' counts, a grammar's state, a min_tokens ban still on: checked per step).
+    can_speculate: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -90,6 +98,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_ids)
         self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
             and p.repetition_penalty == 1.0  # fmt: skip
+        self.can_speculate = self.can_run_ahead and self.pooling is None
 
     @property
     def num_tokens(self) -> int:

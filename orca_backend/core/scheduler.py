@@ -20,6 +20,15 @@ grammar that does not compile ends it with finish_reason "invalid". Each token i
 grammar's matcher when the batch lands (`update_from_output`); once the grammar accepted EOS it ends
 with "stop".
 
+Speculative decoding (`speculative_config`): as a step is built, each running decode that can
+speculate (`Request.can_speculate`) gets proposed tokens (core/ngram_proposer.py), cut where its
+`max_tokens` or a stop token would end it, and runs them with its last token: 1 + k tokens from the
+token budget, and K/V slots taken as any others, but never by preempting another request (without
+free blocks it decodes plainly). When the step lands it keeps the accepted proposals and the token
+after them; the K/V of the rejected ones is garbage past its computed count, and the blocks that held
+only them go back to the pool (paged). A request's next step needs its tokens to propose from, so
+with speculation no request runs ahead (async scheduling).
+
 A request with a timeout ends with finish_reason "timeout" once its deadline passes, queued or
 running (`expire`). A batch whose forward failed is not failed whole: its requests are re-run in
 halves, each half alone, until the request that fails alone is found (`fail_batch`), so one poison
@@ -39,12 +48,14 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from orca_backend.config import SpeculativeConfig
 from orca_backend.core.kv_cache_manager import KVCacheManager
 from orca_backend.core.lora_slots import LoRASlots
+from orca_backend.core.ngram_proposer import NgramProposer
 from orca_backend.core.request import Request, RequestStatus
 from orca_backend.core.stop import check_stop, stop_token_set
 from orca_backend.core.structured_output import StructuredOutputManager
@@ -71,6 +82,9 @@ class ScheduledBatch:
     rerun: bool = False
     # What the model runners are sent for it (`Scheduler.schedule` sets it).
     output: SchedulerOutput | None = None
+    # Speculative decoding: batch position -> the tokens proposed after that request's last token,
+    # which it runs after it (its num_new_tokens count them).
+    spec: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
@@ -123,6 +137,8 @@ def make_scheduler_output(
         recorded[0], recorded[1], grown_ids, grown_block_ids, preempted_ids or [], finished_ids or [],
     )  # fmt: skip
     output.ahead_rows = [i for i, r in enumerate(requests) if r.in_flight > 1]
+    if batch.spec:
+        output.spec_rows, output.spec_tokens = list(batch.spec), list(batch.spec.values())
     # The bitmask rows of the constrained requests that sample (compute their last token) this step.
     if not any(map(_structured, requests)):
         return output
@@ -178,8 +194,20 @@ class Scheduler:
         pipeline_depth: int = 1, max_num_batched_tokens: int = 0, priority_aging_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic, structured: StructuredOutputManager | None = None,
         async_scheduling: bool = False, max_loras: int = 0, pooling: PoolingConfig | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
+        # Speculative decoding: the proposer, and the counts vLLM's spec_decode metrics export: steps
+        # that verified proposals (one per request), proposed tokens, accepted ones, and accepted ones
+        # by their place in the proposal.
+        self.proposer = None
+        if speculative is not None:
+            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max)  # fmt: skip
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative is not None else 0)
         self.pooling = pooling or PoolingConfig()  # how embedding requests are pooled and normalised
         # Multi-LoRA (max_loras > 0): the adapters resident in the runners' slots; a request is admitted
         # only with its adapter resident, and holds it while it runs.
@@ -223,6 +251,8 @@ class Scheduler:
         self._tables_changed: list[Request] = []
         # Blocks to copy before the next step (source, destination): forks' partly filled blocks.
         self._block_copies: list[tuple[int, int]] = []
+        # Tables cut back since the last step (speculative decoding's rejected blocks): id -> blocks kept.
+        self._shrunk: dict[str, int] = {}
         self._step_ids = itertools.count()
 
     def has_work(self) -> bool:
@@ -328,6 +358,9 @@ class Scheduler:
             output.lora_loads = self.loras.take_loads()
         if self._block_copies:
             output.block_copies, self._block_copies = self._block_copies, []
+        if self._shrunk:
+            output.shrunk_ids, output.shrunk_num_blocks = list(self._shrunk), list(self._shrunk.values())
+            self._shrunk = {}
         self._recorded_ids, self._recorded_tokens, self._preempted_ids, self._finished_ids = [], [], [], []
         self._tables_changed = []
         return output
@@ -343,6 +376,7 @@ class Scheduler:
         prefills: list[Request] = []
         need_block: list[Request] = []
         last_prompt_tokens = 0  # decodes of a prompt's last token (the rest was a prefix-cache hit)
+        proposals: dict[str, list[int]] = {}  # speculative decoding: decodes' proposed tokens
         for request in self.running:
             # In flight: its batch has not returned (pipeline parallelism), unless async scheduling
             # runs its next decode now, on the token that batch samples (counted in `left`).
@@ -361,9 +395,14 @@ class Scheduler:
                 last_prompt_tokens += not num_output
                 if scheduled >= len(request.block_table) * block_size:
                     need_block.append(request)
+                if self.proposer is not None and num_output and request.can_speculate:
+                    drafts = self._propose(request)
+                    if drafts:
+                        proposals[request.request_id] = drafts
             elif left > 1:
                 prefills.append(request)
-        if not prefills and len(decodes) <= min(self.max_num_seqs, budget) and self._grow_all(need_block):
+        if not prefills and not proposals and len(decodes) <= min(self.max_num_seqs, budget) \
+                and self._grow_all(need_block):  # fmt: skip
             # The steady state: every request decodes, all fit, and no block is missing, so nothing is
             # preempted and the loop below would take every decode as it is, in order.
             batch = ScheduledBatch(decodes, [1] * len(decodes), num_decodes=len(decodes))
@@ -379,8 +418,10 @@ class Scheduler:
                 if request.status is not _RUNNING:  # preempted in this loop
                     continue
                 num_new = min(request.num_tokens + (request.in_flight > 0) - request.num_scheduled, budget)
-                if self._make_room(request, num_new, batch):
-                    budget -= self._add(batch, request, num_new)
+                drafts = self._fit_proposals(request, proposals[request.request_id], budget) \
+                    if proposals and request.request_id in proposals else None  # fmt: skip
+                if self._make_room(request, num_new + len(drafts or ()), batch):
+                    budget -= self._add(batch, request, num_new + len(drafts or ()), drafts)
                     batch.num_decodes += i < len(decodes)  # the decodes come first
         # Nobody is admitted in an iteration that had to preempt: the blocks it freed would go straight
         # to a newcomer, and the pool would thrash (vLLM's rule too). In request-level mode a request
@@ -476,13 +517,39 @@ class Scheduler:
                 return batch
         return None
 
-    def _add(self, batch: ScheduledBatch, request: Request, num_new: int) -> int:
+    def _add(self, batch: ScheduledBatch, request: Request, num_new: int, drafts: list[int] | None = None) -> int:
         first = request.num_scheduled
         _mark(request, 1, num_new)
+        if drafts:
+            batch.spec[len(batch.requests)] = drafts
         batch.requests.append(request)
         batch.num_new_tokens.append(num_new)
         self.num_prompt_tokens_computed += max(min(first + num_new, request.num_prompt_tokens) - first, 0)
         return num_new
+
+    def _propose(self, request: Request) -> list[int]:
+        """The tokens proposed after a decode's last one: at most what its `max_tokens` leaves after
+        the token the step samples anyway, and up to (with) the first stop token among them. None
+        while a min_tokens ban is still on: its rows would need it from different counts."""
+        assert self.proposer is not None
+        num_output = len(request.output_ids)
+        if num_output < request.params.min_tokens:
+            return []
+        context = np.fromiter(itertools.chain(request.prompt_ids, request.output_ids), dtype=np.int64,
+                              count=request.num_tokens)  # fmt: skip
+        drafts = self.proposer.propose(context, request.params.max_tokens - num_output - 1)
+        for i, token in enumerate(drafts):
+            if token in request.stop_ids:
+                return drafts[: i + 1]
+        return drafts
+
+    def _fit_proposals(self, request: Request, drafts: list[int], budget: int) -> list[int] | None:
+        """The proposals the decode runs: those the token budget leaves room for after its last
+        token, if the pool has their blocks free (they never preempt a request)."""
+        drafts = drafts[: budget - 1]
+        if drafts and not self._grow(request, 1 + len(drafts)):
+            return None
+        return drafts or None
 
     def _runs_ahead(self, request: Request) -> bool:
         """Async scheduling: whether a request in flight gets its next decode now. Its one batch in
@@ -490,7 +557,7 @@ class Scheduler:
         token must not end it by length, and nothing of its next step may need the token on the host
         (`Request.can_run_ahead`). A stop token found when the batch lands costs the step run ahead,
         which is dropped (`update_from_output`)."""
-        return (self.async_scheduling and request.in_flight == 1 and request.can_run_ahead
+        return (self.async_scheduling and self.proposer is None and request.in_flight == 1 and request.can_run_ahead
                 and request.num_scheduled == request.num_tokens
                 and len(request.output_ids) + 1 < request.params.max_tokens)  # fmt: skip
 
@@ -517,6 +584,7 @@ class Scheduler:
         exactly the tokens the request keeps."""
         self.kv.free(request)
         request.num_blocks_sent = 0
+        self._shrunk.pop(request.request_id, None)  # the runners free its whole table
         self._preempted_ids.append(request.request_id)
         request.num_computed = 0
         request.pooled_sum = None  # its recompute pools its prompt again
@@ -530,6 +598,7 @@ class Scheduler:
     def update_from_output(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None,
         prompt_logprobs: list[PromptLogprobsChunk] | None = None, pooled: list[PooledChunk] | None = None,
+        num_accepted: list[int] | None = None, spec_logprobs: list[list[TokenLogprobs] | None] | None = None,
     ) -> CoreOutputs:  # fmt: skip
         """Appends each request's new token (and its logprobs, if it asked; its prompt logprobs go
         out with its first token) and finishes those that hit a token-level stop. A request whose
@@ -537,7 +606,9 @@ class Scheduler:
         whose prompt is computed ends with its embedding. A constrained request's matcher accepts
         its token first: once its grammar accepted EOS it ends with "stop" (with `ignore_eos` too: a
         complete grammar allows nothing else); a token its grammar refuses (the mask should make
-        that impossible) ends it with "error", and the token is dropped."""
+        that impossible) ends it with "error", and the token is dropped. A request that verified
+        proposals (`batch.spec`) gets its accepted ones and the token after them (`num_accepted`, and
+        `spec_logprobs`, per request of batch.spec in order)."""
         requests = batch.requests
         # The lengths are checked once here, so the loop's zip need not be strict.
         if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
@@ -546,19 +617,28 @@ class Scheduler:
             _hold_prompt_logprobs(requests, prompt_logprobs)
         for chunk in pooled or ():
             _hold_pooled(requests[chunk.position], chunk.vector)
+        verified: dict[int, tuple[list[int], int, list[TokenLogprobs] | None]] = {}
+        if batch.spec:
+            if num_accepted is None or len(num_accepted) != len(batch.spec):
+                raise ValueError(f"{len(batch.spec)} requests verified proposals, {len(num_accepted or ())} results")
+            verified = {position: (drafts, accepted, spec_logprobs[i] if spec_logprobs else None)
+                        for i, ((position, drafts), accepted) in enumerate(zip(batch.spec.items(), num_accepted, strict=True))}  # fmt: skip
         # This loop runs for every request every iteration. A request that goes on, with nothing to
         # report but its new token (no logprobs, nothing held back), goes out in the two columns.
         outputs: list[CoreOutput] = []
         request_ids: list[str] = []
         token_ids: list[int] = []
         prefix_caching, generated = self.kv.enable_prefix_caching, 0
-        for request, num_new, token, token_logprobs in zip(requests, batch.num_new_tokens, sampled,
-                                                           logprobs or itertools.repeat(None), strict=False):  # fmt: skip
+        for position, (request, num_new, token, token_logprobs) in enumerate(zip(
+                requests, batch.num_new_tokens, sampled, logprobs or itertools.repeat(None), strict=False)):  # fmt: skip
             request.in_flight -= 1  # _mark(request, -1, -num_new), inlined: this loop runs for every request
             request.num_in_flight_tokens -= num_new
             if request.status is _FINISHED:  # ended while in flight: only with no batch left is its K/V free
                 if not request.in_flight:
                     self.kv.free(request)
+                continue
+            if verified and position in verified:
+                outputs.append(self._land_speculative(request, token, *verified[position]))
                 continue
             output_ids = request.output_ids
             num_computed = request.num_computed = request.num_computed + num_new
@@ -592,6 +672,39 @@ class Scheduler:
         self._recorded_ids += request_ids  # the columns' tokens are recorded too
         self._recorded_tokens += token_ids
         return self._release(CoreOutputs(request_ids, token_ids, outputs))
+
+    def _land_speculative(self, request: Request, token: int, drafts: list[int], accepted: int,
+                          token_logprobs: list[TokenLogprobs] | None) -> CoreOutput:  # fmt: skip
+        """A request whose step verified `drafts`: its last token and the first `accepted` proposals
+        are computed now, and it gets those proposals and `token` after them, each checked for a stop
+        in turn (what follows a stop is dropped). Blocks taken for rejected proposals go back."""
+        if not 0 <= accepted <= len(drafts):
+            raise ValueError(f"request {request.request_id}: {accepted} of {len(drafts)} proposals accepted")
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(drafts)
+        self.num_spec_accepted_tokens += accepted
+        for i in range(accepted):
+            self.spec_accepted_per_pos[i] += 1
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += accepted
+        request.num_computed += 1 + accepted
+        self.kv.register_computed(request)
+        tokens = [*drafts[:accepted], token]
+        for i, new_token in enumerate(tokens):
+            request.output_ids.append(new_token)
+            self._recorded_ids.append(request.request_id)
+            self._recorded_tokens.append(new_token)
+            self.num_generated_tokens += 1
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs[i])
+            reason = check_stop(request, new_token)
+            if reason is not None:
+                self._end(request, reason)
+                return self._output(request)
+        if self.kv.trim(request):  # the runners cut their copy too
+            self._shrunk[request.request_id] = len(request.block_table)
+            request.num_blocks_sent = min(request.num_blocks_sent, len(request.block_table))
+        return self._output(request)
 
     def _embedded(self, request: Request) -> CoreOutput:
         """An embedding request whose prompt is computed: its pooled vector (the mean divides the sum
@@ -723,7 +836,8 @@ class Scheduler:
         metrics = None
         if request.finished:
             metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.num_preemptions,
-                                     request.num_cached_tokens)  # fmt: skip
+                                     request.num_cached_tokens, num_draft_tokens=request.num_draft_tokens,
+                                     num_accepted_tokens=request.num_accepted_tokens)  # fmt: skip
         return CoreOutput(request.request_id, new_ids, request.finished, request.finish_reason, error, logprobs,
                           metrics, prompt_logprobs)  # fmt: skip
 

@@ -506,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="orca: share the K/V of equal prompt prefixes")
     p.add_argument("--async-scheduling", action="store_true", default=None,
                    help="orca: schedule each step while the last one runs (one process: tp = pp = 1)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='orca: speculative decoding, vLLM\'s speculative_config, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="orca: tokens per engine iteration; longer prompts are prefilled in chunks (0: no limit)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -563,7 +566,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     # The K/V and chunking knobs are orca's: the baseline stays ORCA-reserved, request-level serving.
     orca_params = {
         flag: str(value).lower()
-        for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "async_scheduling")
+        for flag in ("kv_policy", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "async_scheduling",
+                     "speculative_config")
         if (value := getattr(args, flag)) is not None
     }
     model_parameters: dict[str, dict[str, str]] = {"orca": orca_params} if orca_params else {}

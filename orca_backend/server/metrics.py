@@ -48,6 +48,11 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions."),
     "orca_lora_loads_total": ("COUNTER", "LoRA adapters loaded into a slot (a resident one evicted, least recently "
                               "used, when every slot was taken)"),
+    # vLLM's speculative-decoding counters (exported with speculative_config only).
+    "vllm:spec_decode_num_drafts_total": ("COUNTER", "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens_total": ("COUNTER", "Number of draft tokens."),
+    "vllm:spec_decode_num_accepted_tokens_total": ("COUNTER", "Number of accepted tokens."),
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("COUNTER", "Accepted tokens per draft position."),
 }
 _STAT_OF = {
     "orca_requests_waiting": "num_waiting",
@@ -70,6 +75,12 @@ _STAT_OF = {
     "vllm:num_preemptions_total": "num_preemptions",
 }
 _LORA_STATS = {"orca_lora_loads_total": "lora_loads"}  # exported with enable_lora only
+_SPEC_STATS = {  # exported with speculative_config only
+    "vllm:spec_decode_num_drafts_total": "spec_num_drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "spec_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "spec_num_accepted_tokens",
+}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # a series per position, labelled "position"
 LORA_INFO = "vllm:lora_requests_info"  # vLLM's: the running and waiting adapters as labels, the time as value
 LORA_INFO_HELP = "Running stats on lora requests."
 # vLLM's: the K/V cache's configuration as labels (value 1). Autoscalers and routers read the pool's
@@ -165,12 +176,13 @@ class EngineMetrics:
 
     def __init__(
         self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False,
-        engine_stats: bool = True, cache_config: dict[str, str] | None = None,
+        engine_stats: bool = True, cache_config: dict[str, str] | None = None, speculative: bool = False,
     ) -> None:  # fmt: skip
         """`lora` (enable_lora): the per-request series carry a `lora_name` label too ("" for the base
         model), and the adapters' gauges are exported. Without `engine_stats` (a model instance that
         attached to another's engine core) only the requests' ends are: the core's owner exports its
-        stats, and `cache_config` (cache_config_labels) as vLLM's cache_config_info."""
+        stats, and `cache_config` (cache_config_labels) as vLLM's cache_config_info. `speculative`
+        (speculative_config): vLLM's spec_decode counters are exported too."""
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
         self._lora = lora
@@ -183,7 +195,8 @@ class EngineMetrics:
             for name, (kind, text) in families.items()
         }
         self._engine_stats = engine_stats
-        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {})} if engine_stats else {}
+        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {}), **(_SPEC_STATS if speculative else {})} \
+            if engine_stats else {}  # fmt: skip
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
             for name in self._stats
@@ -200,6 +213,7 @@ class EngineMetrics:
         self._lora_info: tuple[Any, Any] | None = None  # (family, its one metric)
         self._lora_info_labels: tuple[str, str, int] | None = None
         self._steps_by_path: dict[str, _Exported] = {}  # orca_model_steps_total, a series per path seen
+        self._accepted_per_pos: list[_Exported] = []  # SPEC_PER_POS, a series per position
         self._cache_config_info: tuple[Any, Any] | None = None  # (family, its one metric)
         if engine_stats and cache_config is not None:
             family = pb_utils.MetricFamily(name=CACHE_CONFIG_INFO, description=CACHE_CONFIG_INFO_HELP,
@@ -220,6 +234,11 @@ class EngineMetrics:
                 metric = self._families["orca_model_steps_total"].Metric(labels={**self._labels, "path": path})
                 exported = self._steps_by_path[path] = _Exported(metric, counter=True)
             self._write(exported, float(count))
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            if position == len(self._accepted_per_pos):
+                metric = self._families[SPEC_PER_POS].Metric(labels={**self._labels, "position": str(position)})
+                self._accepted_per_pos.append(_Exported(metric, counter=True))
+            self._write(self._accepted_per_pos[position], float(count))
         if self._lora:
             self._export_lora_info(stats)
 

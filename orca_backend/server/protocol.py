@@ -37,7 +37,7 @@ RETURN_INPUTS = {
 # TensorRT-LLM's steady clock), -1 where a moment never came (a request that ended before it was
 # scheduled, or without a token).
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
-                "num_preemptions", "prefix_cache_hit_tokens")
+                "num_preemptions", "prefix_cache_hit_tokens", "num_draft_tokens", "num_accepted_draft_tokens")
 INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "sampling_parameters", "stream", "exclude_input_in_output",
                *RETURN_INPUTS, "return_perf_metrics", "embedding_request")
 # The inputs an embedding request may come with (the vLLM backend reads no other).
@@ -420,7 +420,9 @@ class SamplesResponseBuilder:
             last_tokens = [m.last_token_time for m in metrics if m.last_token_time is not None]
             merged = RequestMetrics(metrics[0].arrival_time, min(scheduled, default=None),
                                     sum(m.num_preemptions for m in metrics), metrics[0].num_cached_tokens,
-                                    min(first_tokens, default=None), max(last_tokens, default=None))  # fmt: skip
+                                    min(first_tokens, default=None), max(last_tokens, default=None),
+                                    sum(m.num_draft_tokens for m in metrics),
+                                    sum(m.num_accepted_tokens for m in metrics))  # fmt: skip
         return FinishedRequest(self.finish_reason, merged, first.num_input_tokens,
                                sum(s.num_output_tokens for s in self.samples), first.lora_name, len(self.samples))  # fmt: skip
 
@@ -506,6 +508,8 @@ def _perf_arrays(metrics: RequestMetrics | None) -> dict[str, np.ndarray]:
     arrays = {name: np.array([ns(t)], dtype=np.int64) for name, t in zip(PERF_OUTPUTS[:4], times, strict=True)}
     arrays["num_preemptions"] = np.array([m.num_preemptions], dtype=np.uint32)
     arrays["prefix_cache_hit_tokens"] = np.array([m.num_cached_tokens], dtype=np.uint32)
+    arrays["num_draft_tokens"] = np.array([m.num_draft_tokens], dtype=np.uint32)
+    arrays["num_accepted_draft_tokens"] = np.array([m.num_accepted_tokens], dtype=np.uint32)
     return arrays
 
 

@@ -61,6 +61,8 @@ OUTPUTS: tuple[dict[str, Any], ...] = (
         "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")),
     {"name": "num_preemptions", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "prefix_cache_hit_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_draft_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_accepted_draft_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
 )  # fmt: skip
 BASELINE_MAX_BATCH_SIZE = 32  # the baseline's batch when config.pbtxt gives none (its checked-in one)
 BASELINE_QUEUE_DELAY_US = 10_000
@@ -158,6 +160,7 @@ VLLM_ARGS: dict[str, Callable[[Any], dict[str, str]]] = {
     "distributed_executor_backend": _executor,
     "disable_log_stats": lambda value: {},  # read by report_custom_metrics
     "kv_events_config": lambda value: {"kv_events_config": value if isinstance(value, str) else json.dumps(value)},
+    "speculative_config": lambda value: {"speculative_config": value if isinstance(value, str) else json.dumps(value)},
 }  # fmt: skip
 # Accepted and ignored: each changes nothing this engine does (the reason says why).
 IGNORED_VLLM_ARGS = {

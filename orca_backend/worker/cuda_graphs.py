@@ -97,6 +97,8 @@ EAGER_REASONS = {
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
+    "speculative": "a request verifies proposed tokens (speculative decoding: a logits row per proposal; the "
+                   "graphs hold one per request)",
 }
 
 

@@ -88,6 +88,26 @@ class PromptLogprobRows:
     chunks: list[tuple[int, int, int, int]]
 
 
+@dataclass
+class SpecRows:
+    """Speculative decoding: the logits rows a step adds after its requests' last-token rows, one per
+    proposed token of the requests that verify proposals: row j of a request scores the token after
+    its j-th scheduled token, so it verifies proposal j (its last row, the request's own, is the
+    token after every proposal). Index sets as SamplingBatch's, into these rows."""
+
+    positions: list[int]  # host: the verifying requests' batch positions
+    counts: list[int]  # host: their proposals
+    drafts: torch.Tensor  # int64 [S] on the device: each row's proposed token
+    draft_ids: np.ndarray  # host: the same
+    rows: torch.Tensor  # int64 [S]: each row's request's row of the input batch
+    random: torch.Tensor  # rows of requests sampled at random
+    uniforms: torch.Tensor  # float32 [len(random), 2]: each such row's acceptance and resampling draws
+    biased: torch.Tensor  # rows of requests with a logit_bias
+    logprobs: torch.Tensor  # rows of requests asking for logprobs
+    logprob_rows: np.ndarray  # host: the same
+    num_logprobs: list[int]  # host: the top alternatives each of those rows asks for
+
+
 POOLING_CODES = {"": 0, "last": 1, "mean": 2, "cls": 3}  # InputBatch.pooling: each row's NewRequest.pooling
 
 
@@ -111,7 +131,9 @@ class StepInputs:
     flat64: np.ndarray  # the three above, one buffer [3 * T]
     query_start: np.ndarray  # int32 [B + 1]
     context_lens: np.ndarray  # int32 [B]
-    logits_indices: np.ndarray  # int32 [B + R]: each request's last token, then the prompt logprobs' rows
+    # int32 [B + S + R]: each request's last token, then the rows verifying proposals, then the prompt
+    # logprobs' rows
+    logits_indices: np.ndarray
     flat32: np.ndarray  # the three above, one buffer [3 * B + 1 + R]
     block_tables: np.ndarray  # int32 [B, W], W the most blocks any context of the batch fills
     max_query_len: int
@@ -120,6 +142,7 @@ class StepInputs:
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (-1: none); None when no token has one
     prompt_logprobs: PromptLogprobRows | None = None  # None: no request of the step computes prompt logprobs
     pooling: PoolingRows | None = None  # None: no embedding request pools in this step
+    spec: SpecRows | None = None  # None: no request of the step verifies proposed tokens
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +210,8 @@ class InputBatch:
         self._layout = 0
         self._looked_up: tuple[int, list[str], np.ndarray, bool] | None = None
         self._columns: tuple[np.ndarray, _RowColumns] | None = None
+        # Speculative decoding: a step may record several tokens of one request (set by the runner).
+        self.several_tokens_per_step = False
 
     # ------------------------------------------------------------------ deltas
     def apply(self, step: SchedulerOutput) -> None:
@@ -208,6 +233,11 @@ class InputBatch:
                 self._free(state)
         for new in step.new_requests:
             self._add(new)
+        for request_id, num_blocks in zip(step.shrunk_ids, step.shrunk_num_blocks, strict=True):
+            row = self.row_of.get(request_id, -1)
+            if row >= 0:  # blocks of rejected proposals went back to the pool
+                self.block_table[row, num_blocks : self.num_blocks[row]] = 0
+                self.num_blocks[row] = min(num_blocks, self.num_blocks[row])
         ids = step.scheduled_ids
         rows, missing = self._lookup(ids)
         if missing:  # resumed after a preemption: its tokens go back in a row
@@ -218,19 +248,34 @@ class InputBatch:
             grown = np.fromiter(map(self.row_of.__getitem__, step.grown_ids), dtype=np.int64, count=len(step.grown_ids))
             _append(self.block_table, self.num_blocks, grown, step.grown_block_ids)
         self.num_computed[rows] = step.num_computed
+        for position, drafts in zip(step.spec_rows, step.spec_tokens, strict=True):
+            # Proposals are not the request's tokens: they sit past its count, where the step reads its
+            # inputs, until the core records the accepted ones.
+            row = int(rows[position])
+            end = int(self.num_tokens[row])
+            if end + len(drafts) > self.max_tokens:
+                raise RuntimeError(f"request {ids[position]}: {len(drafts)} proposed tokens outgrow its row "
+                                   f"({self.max_tokens} tokens)")  # fmt: skip
+            self.token_ids[row, end : end + len(drafts)] = drafts
         self._rows = (step.step_id, rows)
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
-        """One recorded token each (a request samples at most one per step), into its row."""
+        """The recorded tokens, into their requests' rows: one each, unless a step can emit several
+        (`several_tokens_per_step`: speculative decoding), whose ids repeat in order."""
         rows, missing = self._lookup(request_ids)
         if missing:
             rowless = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
             raise RuntimeError(f"tokens were recorded for requests that hold no row: {rowless[:5]}")
         ends = self.num_tokens[rows]
+        if self.several_tokens_per_step:  # a request's tokens go one after the other, in order
+            ends = ends + _occurrence(rows)
         if int(ends.max()) >= self.max_tokens:
             raise RuntimeError(f"a request outgrew its row ({self.max_tokens} tokens)")
         self.token_ids[rows, ends] = tokens
-        self.num_tokens[rows] = ends + 1
+        if self.several_tokens_per_step:
+            np.add.at(self.num_tokens, rows, 1)
+        else:
+            self.num_tokens[rows] = ends + 1
         counted = np.flatnonzero(self.processors.penalized[rows]).tolist() if self.processors.penalized.any() else []
         if counted:
             self.processors.count([int(rows[i]) for i in counted], [[tokens[i]] for i in counted])
@@ -345,12 +390,20 @@ class InputBatch:
         prompt_rows, prompt_indices = None, None
         if self._prompt_logprob_requests:
             prompt_rows, prompt_indices = self._prompt_logprob_rows(rows, first, step.num_scheduled_tokens)
-        num_extra = 0 if prompt_indices is None else len(prompt_indices)
+        num_spec, spec_indices = None, None
+        if step.spec_rows:
+            num_spec = np.zeros(count, dtype=np.int64)
+            num_spec[step.spec_rows] = [len(drafts) for drafts in step.spec_tokens]
+            ends = np.cumsum(step.num_scheduled_tokens)[step.spec_rows] - 1  # each one's last token, in the flat batch
+            counts = num_spec[step.spec_rows]
+            spec_indices = np.repeat(ends - counts, counts) + ragged_arange(counts, int(counts.sum()))
+        extra = [part for part in (spec_indices, prompt_indices) if part is not None]
+        num_extra = sum(map(len, extra))
         flat32 = self._flat32.take(3 * count + 1 + num_extra)
         query_start, context_lens = flat32[: count + 1], flat32[count + 1 : 2 * count + 1]
         logits_indices = flat32[2 * count + 1 :]
-        if prompt_indices is not None:
-            logits_indices[count:] = prompt_indices
+        if extra:
+            logits_indices[count:] = np.concatenate(extra)
             logits_indices = logits_indices[:count]  # filled below; the view the step takes is the whole tail
         flat64 = self._flat64.take(3 * total)
         input_ids, positions, slot_mapping = flat64[:total], flat64[total : 2 * total], flat64[2 * total :]
@@ -386,8 +439,8 @@ class InputBatch:
         return StepInputs(
             input_ids, positions, slot_mapping, flat64, query_start, context_lens, flat32[2 * count + 1 :], flat32,
             block_tables, max_query_len=max_query_len, max_context_len=max_context_len,
-            sampling=self._sampling(rows, context_lens, step.ahead_rows), lora_slots=lora_slots,
-            prompt_logprobs=prompt_rows,
+            sampling=self._sampling(rows, context_lens, step.ahead_rows, num_spec), lora_slots=lora_slots,
+            prompt_logprobs=prompt_rows, spec=self._spec_rows(step, rows) if step.spec_rows else None,
             pooling=self._pooling_rows(rows, first, step.num_scheduled_tokens) if self._pooling_requests else None,
         )  # fmt: skip
 
@@ -444,7 +497,36 @@ class InputBatch:
         rows_out = PromptLogprobRows(self.staging.put(target_ids), target_ids.tolist(), chunks)
         return rows_out, np.concatenate(indices)
 
-    def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int]) -> SamplingBatch:
+    def _spec_rows(self, step: SchedulerOutput, rows: np.ndarray) -> SpecRows:
+        """The rows verifying the step's proposals, and the draws of those sampled at random. A
+        request's draws come from a generator seeded by its seed and its length: the same at the
+        same place of its text, whatever ran before (a failed step's retry included)."""
+        positions, drafts = step.spec_rows, step.spec_tokens
+        counts = [len(d) for d in drafts]
+        spec_rows = np.repeat(rows[positions], counts)
+        starts = list(itertools.accumulate(counts, initial=0))
+        random, biased, logprobs, num_logprobs, uniforms = [], [], [], [], []
+        for i, position in enumerate(positions):
+            row = int(rows[position])
+            span = range(starts[i], starts[i + 1])
+            if self.temperature[row] > 0:
+                random += span
+                seed = self.states[step.scheduled_ids[position]].new.seed
+                uniforms.append(np.random.default_rng([seed, int(self.num_tokens[row])]).random((counts[i], 2)))
+            if self.processors.biased[row]:
+                biased += span
+            if self.num_logprobs[row] >= 0:
+                logprobs += span
+                num_logprobs += [int(self.num_logprobs[row])] * counts[i]
+        index = np.concatenate([np.concatenate(drafts), spec_rows, random, biased, logprobs]).astype(np.int64)
+        split = self.staging.put(index).split_with_sizes([len(spec_rows), len(spec_rows), len(random), len(biased),
+                                                          len(logprobs)])  # fmt: skip
+        draws = self.staging.put(np.concatenate(uniforms).astype(np.float32)) if uniforms else self._draws[:0]
+        return SpecRows(list(positions), counts, split[0], index[: len(spec_rows)], split[1], split[2], draws, split[3],
+                        split[4], np.array(logprobs, dtype=np.int64), num_logprobs)  # fmt: skip
+
+    def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int],
+                  num_spec: np.ndarray | None = None) -> SamplingBatch:  # fmt: skip
         """The step's index sets, from the host's columns (numpy over the batch), and each random
         request's draw from its generator, staged for the device in one copy each."""
         columns = self._columns[1] if self._columns is not None and self._columns[0] is rows else None
@@ -455,7 +537,8 @@ class InputBatch:
         if ahead_rows:  # their last token, sampled by the step still in flight, is not recorded yet
             num_tokens = num_tokens.copy()
             num_tokens[ahead_rows] += 1
-        sample = context_lens == num_tokens
+        # A request verifying proposals samples its last row: its count of tokens stops before them.
+        sample = (context_lens if num_spec is None else context_lens - num_spec) == num_tokens
         empty = _NO_POSITIONS
         # A prefill chunk short of its last token samples nothing: its generator must not advance.
         random = np.flatnonzero(columns.random & sample) if columns.random.any() else empty
@@ -502,6 +585,16 @@ class InputBatch:
 
 
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
+
+
+def _occurrence(rows: np.ndarray) -> np.ndarray:
+    """Each entry's count of equal entries before it: [4, 7, 4, 4] -> [0, 0, 1, 2]."""
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    occurrence = np.empty(len(rows), dtype=np.int64)
+    occurrence[order] = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+    return occurrence
 
 
 @dataclass

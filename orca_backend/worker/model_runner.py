@@ -93,6 +93,7 @@ class ModelRunner:
             config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
             config.block_size, model_config.vocab_size, self.device,
         )  # fmt: skip
+        self.input_batch.several_tokens_per_step = bool(config.speculative_config)
         self.sampler = Sampler()
         self._lora_failures: dict[int, str] = {}  # adapters that failed to load, until the next sampled tokens
         if self.lora is not None:
@@ -271,6 +272,8 @@ class ModelRunner:
             self._step_path = "prompt_logprobs"
         if not self._step_path and inputs.pooling is not None:
             self._step_path = "pooling"
+        if not self._step_path and inputs.spec is not None:
+            self._step_path = "speculative"
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
             return graphs.run(inputs, ahead)
@@ -314,10 +317,17 @@ class ModelRunner:
             logits, hidden = logits
             assert inputs.pooling is not None
             pooled = (hidden, inputs.pooling)
-        prompt_logits = None
-        if inputs.prompt_logprobs is not None:  # the rows after the requests' own score their prompt tokens
-            logits, prompt_logits = logits[: inputs.num_requests], logits[inputs.num_requests :]
-        sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs, pooled)
+        # The rows after the requests' own: those verifying proposals, then those scoring prompt tokens.
+        count, spec_logits, prompt_logits = inputs.num_requests, None, None
+        if inputs.spec is not None:
+            spec_logits = logits[count : count + len(inputs.spec.draft_ids)]
+            count += len(inputs.spec.draft_ids)
+        if inputs.prompt_logprobs is not None:
+            prompt_logits = logits[count:]
+        if count > inputs.num_requests or prompt_logits is not None:
+            logits = logits[: inputs.num_requests]
+        sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs, pooled,
+                                      spec_logits, inputs.spec)  # fmt: skip
         self.input_batch.draws_used()
         sampled.step_path = self._step_path
         if self._lora_failures:

@@ -116,7 +116,8 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
                          logprobs=sampled.logprobs, lora_failures=sampled.lora_failures,
                          step_path=sampled.step_path,
                          prompt_logprobs=[[c.position, c.first_token, c.logprobs] for c in sampled.prompt_logprobs],
-                         pooled=[[c.position, c.vector] for c in sampled.pooled])  # fmt: skip
+                         pooled=[[c.position, c.vector] for c in sampled.pooled],
+                         num_accepted=sampled.num_accepted, spec_logprobs=sampled.spec_logprobs)  # fmt: skip
     dist.destroy_process_group()
 
 

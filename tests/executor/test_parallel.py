@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from core_hooks import pid_alive
+from engine_helpers import OracleProposer
 from kv_modes import KV_MODES
 
 from orca_backend import LLM, EngineConfig, SamplingParams
@@ -73,6 +74,26 @@ def test_parallel_tokens_equal_single_process(checkpoint, reference, tp, pp, mod
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in engine.core.executor.processes)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_speculative_decoding_equals_single_process(checkpoint, reference, tp, pp):
+    """Proposals right up to a place that cycles: every rank writes them after the request's tokens,
+    the sampling rank verifies them (the accepted counts cross the pipe), every rank appends the
+    several tokens a step records and cuts the tables of rejected proposals (paged, blocks of 4)."""
+    prompts, lengths, expected = reference
+    spec = f'{{"method": "ngram", "num_speculative_tokens": {OracleProposer.K}}}'
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp, kv_policy="paged", block_size=4,
+                                    speculative_config=spec))  # fmt: skip
+    engine.core.scheduler.proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)},
+                                                    GEOMETRY.vocab_size, "cycle")  # fmt: skip
+    try:
+        assert staggered_run(engine, prompts, lengths) == expected
+        stats = engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    finally:
+        engine.shutdown()
 
 
 def test_penalties_and_logprobs_equal_single_process(checkpoint):

@@ -5,6 +5,7 @@ refusals that name what they refuse, and the engine settings they reach."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_config_pbtxt_parameters_override_model_json_and_the_adapter_forces_its_
 
 @pytest.mark.parametrize(("args", "message"), [
     ({"swap_spaec": 4}, "unsupported engine argument(s) swap_spaec"),
-    ({"quantization": "awq", "speculative_config": {}}, "unsupported engine argument(s) quantization, speculative_config"),
+    ({"quantization": "awq", "kv_transfer_config": {}}, "unsupported engine argument(s) kv_transfer_config, quantization"),
     ({"dtype": "float64"}, "dtype 'float64' is not one of auto"),
     ({"enable_chunked_prefill": "maybe"}, "enable_chunked_prefill must be true or false"),
     ({"distributed_executor_backend": "uni"}, "distributed_executor_backend 'uni' is not supported"),
@@ -178,3 +179,15 @@ def test_a_hub_id_reads_the_hugging_face_cache_or_fails_naming_it(tmp_path, monk
     assert EngineConfig(model="org/tiny").model == str(snapshot)
     with pytest.raises(ValueError, match="reaches no model hub: download it first"):
         EngineConfig(model="org/missing").model_config()
+
+
+def test_model_json_speculative_config_reaches_the_engine_as_vllm_names_it():
+    """vLLM's speculative_config, a JSON object in model.json, is the engine's parameter; a method
+    not served is refused at load with its name."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    parameters = vllm_parameters({"speculative_config": spec})
+    assert json.loads(parameters["speculative_config"]) == spec
+    config = EngineConfig.from_parameters(parameters)
+    assert config.speculative().prompt_lookup_max == 2
+    with pytest.raises(ValueError, match="method 'eagle3' is not served"):
+        EngineConfig.from_parameters(vllm_parameters({"speculative_config": {"method": "eagle3", "model": "x"}}))

@@ -253,7 +253,8 @@ VLLM_TYPES = {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING", "cum
 # return_perf_metrics' outputs (TensorRT-LLM's names for the times).
 PERF_TYPES = {"arrival_time_ns": "TYPE_INT64", "first_scheduled_time_ns": "TYPE_INT64",
               "first_token_time_ns": "TYPE_INT64", "last_token_time_ns": "TYPE_INT64",
-              "num_preemptions": "TYPE_UINT32", "prefix_cache_hit_tokens": "TYPE_UINT32"}  # fmt: skip
+              "num_preemptions": "TYPE_UINT32", "prefix_cache_hit_tokens": "TYPE_UINT32",
+              "num_draft_tokens": "TYPE_UINT32", "num_accepted_draft_tokens": "TYPE_UINT32"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model", ["orca", "baseline"])

@@ -1,0 +1,284 @@
+"""Speculative decoding through the engine: greedy tokens equal the engine's without speculation
+whatever the proposals (all right, right up to a point, all wrong, and the n-gram proposer's own),
+under both K/V policies, chunked prefill, prefix caching and preemption; cuts at max_tokens and stop
+tokens inside a proposal; logprobs of the emitted tokens; the K/V of rejected proposals given back;
+the spec_decode counts; and seeded sampling reproducible. The sampler's rejection rule is checked
+statistically in tests/worker/test_rejection_sampler.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from engine_helpers import OracleProposer, random_prompts
+from kv_modes import KV_MODES
+
+from orca_backend import LLM, SamplingParams
+from orca_backend.config import SpeculativeConfig
+from orca_backend.core.ngram_proposer import NgramProposer
+
+K = OracleProposer.K
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def speculating_llm(path, proposer=None, **options) -> LLM:
+    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    if proposer is not None:
+        llm.engine.core.scheduler.proposer = proposer
+    return llm
+
+
+def references(path, prompts, params=GREEDY, **options) -> list[list[int]]:
+    return [o.output_ids for o in LLM(str(path), **options).generate(prompts, params)]
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+@pytest.mark.parametrize("wrong", ["never", "cycle", "always"])
+def test_greedy_tokens_equal_the_engine_without_speculation(tiny_checkpoint, mode, wrong):
+    path, config = tiny_checkpoint
+    prompts = random_prompts(6, config.vocab_size, seed=3)
+    expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, wrong)
+    llm = speculating_llm(path, proposer, max_num_seqs=8, **KV_MODES[mode])
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert 0 < stats.spec_num_draft_tokens <= proposer.proposed  # a token budget cuts proposals
+    if wrong == "never":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        assert stats.num_iterations < len(prompts) * GREEDY.max_tokens / 2  # several tokens a step
+    elif wrong == "always":
+        assert stats.spec_num_accepted_tokens == 0
+    else:
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert all(stats.spec_accepted_per_pos)  # every place of a proposal was reached
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert llm.engine.core.kv.used_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["reserve", "paged"])
+def test_ngram_proposals_keep_tokens_exact(tiny_checkpoint, mode):
+    """The n-gram proposer on prompts that repeat themselves (and on random ones)."""
+    path, config = tiny_checkpoint
+    rng = np.random.default_rng(7)
+    prompts = [(rng.integers(0, config.vocab_size, 5).tolist() * 4)[:18] for _ in range(4)]
+    prompts += random_prompts(3, config.vocab_size, seed=11)
+    expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
+    llm = speculating_llm(path, max_num_seqs=8, **KV_MODES[mode])
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.core.stats().spec_num_draft_tokens > 0
+
+
+def test_preemption_with_proposals_in_a_small_pool(tiny_checkpoint):
+    """A pool too small for every request: decodes preempt as usual, proposals never do (they go
+    without when no block is free), and no token changes."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(8, config.vocab_size, seed=21)
+    options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 160, "max_num_seqs": 8}
+    expected = references(path, prompts, **options)
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "cycle")
+    llm = speculating_llm(path, proposer, **options)
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
+
+
+def test_rejected_proposals_give_their_blocks_back(tiny_checkpoint):
+    """Paged, blocks of 2: every proposal is wrong, so after each step the request holds blocks for
+    its tokens only, and each step's runner holds the tables the scheduler gave that step."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(2, config.vocab_size, seed=4)
+    expected = references(path, prompts)
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size,
+                              "always")  # fmt: skip
+    llm = speculating_llm(path, proposer, kv_policy="paged", block_size=2)
+    engine, core = llm.engine, llm.engine.core
+    scheduled: dict[str, list[int]] = {}
+    schedule = core.scheduler.schedule
+
+    def schedule_and_note_tables():
+        batch = schedule()
+        scheduled.clear()
+        scheduled.update({r.request_id: list(r.block_table) for r in core.scheduler.running})
+        return batch
+
+    core.scheduler.schedule = schedule_and_note_tables
+    tokens: dict[str, list[int]] = {}
+    ids = [engine.add_request(p, GREEDY, on_output=lambda out: tokens.setdefault(out.request_id, []).extend(
+        out.new_token_ids)).request_id for p in prompts]  # fmt: skip
+    held = []
+    while engine.has_work():
+        engine.step()
+        batch = core.executor.runner.input_batch
+        for request_id, table in scheduled.items():
+            row = batch.row_of.get(request_id)
+            if row is not None:
+                assert batch.block_table[row, : batch.num_blocks[row]].tolist() == table
+        held += [(len(r.block_table), -(-r.num_tokens // 2)) for r in core.scheduler.running]
+    assert held and all(blocks == needed for blocks, needed in held)
+    assert [tokens[i] for i in ids] == expected
+    assert core.stats().spec_num_draft_tokens > 0 and core.kv.used_tokens == 0
+
+
+@pytest.mark.parametrize("wrong", ["never", "cycle"])
+def test_max_tokens_and_stop_tokens_inside_a_proposal(tiny_checkpoint, wrong):
+    """Proposals stop where max_tokens would end the request, and a stop token among the accepted
+    ones ends it there: the same tokens and finish reasons as without speculation."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(4, config.vocab_size, seed=8)
+    plain = references(path, prompts)
+    # Stop at each one's 10th token (its first occurrence), and cut at odd lengths.
+    cases = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=[plain[i][9]])
+             for i, m in enumerate([24, 7, 13, 24])]  # fmt: skip
+    expected_outputs = LLM(str(path)).generate(prompts, cases)
+    expected = {tuple(p): o.output_ids for p, o in zip(prompts, expected_outputs, strict=True)}
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, plain, strict=True)}, config.vocab_size, wrong)
+    outputs = speculating_llm(path, proposer).generate(prompts, cases)
+    for prompt, output, reference in zip(prompts, outputs, expected_outputs, strict=True):
+        assert output.output_ids == expected[tuple(prompt)]
+        assert output.finish_reason == reference.finish_reason
+
+
+def test_logprobs_of_emitted_tokens(tiny_checkpoint):
+    """Each emitted token's logprobs, accepted proposal or not, are the ones the engine gives without
+    speculation (values within float rounding: the rows are computed in a different batch shape)."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(3, config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = LLM(str(path)).generate(prompts, params)
+    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(prompts, plain, strict=True)},
+                              config.vocab_size, "cycle")  # fmt: skip
+    outputs = speculating_llm(path, proposer).generate(prompts, params)
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.output_ids == want.output_ids
+        assert len(got.logprobs) == len(want.logprobs) == 16
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert list(a) == list(b)  # the same ids: the token and its top 3, in order
+            assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            np.testing.assert_allclose([x.logprob for x in a.values()], [x.logprob for x in b.values()], atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(tiny_checkpoint):
+    """A seeded request samples the same tokens in every run with speculation (its acceptance and
+    resampling draws come from its seed and its length), alone or in a batch."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(3, config.vocab_size, seed=12)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(3)]
+    params[2] = SamplingParams(max_tokens=20, temperature=1.0, seed=102, n=3, ignore_eos=True)  # each sample proposes
+    plain = references(path, prompts, GREEDY)  # proposals from the greedy run: some right, some not
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, plain, strict=True)}, config.vocab_size, "never",
+                              strict=False)  # fmt: skip
+    llm = speculating_llm(path, proposer)
+    def run(prompts, params):
+        return [[s.output_ids for s in o.samples or [o]] for o in llm.generate(prompts, params)]
+
+    first, again = run(prompts, params), run(prompts, params)
+    alone = [run([p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+    assert first == again == alone
+    assert len({tuple(s) for s in first[2]}) == 3
+    assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+    proposer = NgramProposer(3, 1, 3)
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 2, 3])  # "2 3" occurs twice; the latest is followed by 8 7 5
+    assert proposer.propose(tokens, 10) == [8, 7, 5]
+    assert proposer.propose(tokens, 2) == [8, 7]
+    longest = np.array([5, 6, 7, 1, 4, 6, 7, 2, 5, 6, 7])  # "5 6 7" beats the later "6 7"
+    assert proposer.propose(longest, 10) == [1, 4, 6]
+    assert proposer.propose(np.array([1, 2, 3, 4]), 10) == []
+    assert proposer.propose(np.array([4, 4]), 10) == [4]  # a match at the end proposes what follows it
+    assert NgramProposer(3, 2, 2).propose(np.array([1, 2, 3, 1]), 10) == []  # below prompt_lookup_min
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"method": "ngram"}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' is not served"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "unknown or unsupported"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min \\(4\\) must be at most"),
+    ('[1]', "must be a JSON object"),
+])  # fmt: skip
+def test_a_bad_speculative_config_is_refused_naming_the_field(text, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_json(text)
+
+
+def test_speculative_config_defaults_follow_vllm():
+    config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    config = SpeculativeConfig.from_json('{"model": "[ngram]", "num_speculative_tokens": 2}')
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 5, 5)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mixtral", "Qwen2"])
+@pytest.mark.parametrize("wrong", ["never", "cycle"])
+def test_llama_family_and_moe_equal_transformers(tmp_path, family, wrong):
+    """The Llama family (and a MoE) with proposals: greedy tokens equal transformers' own."""
+    from hf_tiny import hf_greedy, write_tiny
+
+    model = write_tiny(family, tmp_path, seed=5)
+    prompts = random_prompts(3, model.config.vocab_size, seed=6)
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, model.config.vocab_size,
+                              wrong)  # fmt: skip
+    llm = speculating_llm(tmp_path, proposer, kv_policy="paged", block_size=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+
+
+def test_async_scheduling_with_speculation_runs_nothing_ahead(tiny_checkpoint):
+    """async_scheduling with speculative decoding: a request's next step waits for its tokens (it
+    proposes from them), and the tokens are the engine's without either."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(5, config.vocab_size, seed=13)
+    expected = references(path, prompts)
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "cycle")
+    llm = speculating_llm(path, proposer, async_scheduling=True)
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+
+
+def test_requests_that_cannot_speculate_run_beside_those_that_do(tiny_checkpoint):
+    """Penalties, a min_tokens ban still on, and a grammar: their rows depend on the tokens before
+    each, so they get no proposals, and every request's tokens are the engine's without speculation."""
+    pytest.importorskip("xgrammar")
+    path, config = tiny_checkpoint
+    prompts = ["the cat sat on", "hello there", "kalo mine to", "one two"]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.8, repetition_penalty=1.2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, min_tokens=10),
+        SamplingParams(max_tokens=24, temperature=0.0, structured_outputs={"regex": r"\d{4}-\d{2}-\d{2}"}),
+    ]
+    plain = LLM(str(path)).generate(prompts, params)
+    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
+    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
+                              config.vocab_size, "never")  # fmt: skip
+    llm = speculating_llm(path, proposer)
+    outputs = llm.generate(prompts, params)
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
+    first = len(plain[0].output_ids) - 1  # only the free request proposes (never in its first step)
+    assert 0 < llm.engine.core.stats().spec_num_draft_tokens <= first + 10 - 1  # + the min_tokens one, once free
+
+
+def test_stop_strings_cut_inside_a_step_of_several_tokens(tiny_checkpoint):
+    """A stop string completed by a token in the middle of a step's tokens: the text, tokens and
+    finish reason are the engine's without speculation (the rest of the step is dropped)."""
+    path, config = tiny_checkpoint
+    prompts = ["the cat sat on", "hello there", "kalo mine to"]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(path)).generate(prompts, params)
+    stops = [o.text[len(o.text) // 3 : len(o.text) // 3 + 3] for o in plain]
+    with_stops = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]) for stop in stops]
+    expected = LLM(str(path)).generate(prompts, with_stops)
+    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
+    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
+                              config.vocab_size, "never")  # fmt: skip
+    outputs = speculating_llm(path, proposer).generate(prompts, with_stops)
+    assert [o.text for o in outputs] == [o.text for o in expected]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected] == ["stop"] * 3
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in expected]
