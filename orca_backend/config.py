@@ -59,9 +59,11 @@ class KVEventsConfig:
         return config
 
 
-SPECULATIVE_METHODS = ("ngram",)  # the proposers built (core/ngram_proposer.py)
+# The proposers built: n-gram lookup in the engine core (core/ngram_proposer.py), a draft model in the
+# model runner (worker/draft_proposer.py).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's other methods: refused at load, by name, until their proposer is built here.
-UNBUILT_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,15 @@ class SpeculativeConfig:
     verified in one step (docs/architecture.md, "Speculative decoding"). `method` "ngram" proposes
     the tokens that followed the latest earlier occurrence of the request's last n tokens (prompt
     lookup), n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM takes one of them for the
-    other when only one is given."""
+    other when only one is given. "draft_model" runs `model`, a smaller checkpoint with the target's
+    vocabulary, greedily for `num_speculative_tokens` tokens (vLLM takes that method when a model is
+    named without one)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: a preset name or a checkpoint directory
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -87,7 +92,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config must be a JSON object of vLLM's SpeculativeConfig fields")
         if values.get("model") in ("ngram", "[ngram]") and "method" not in values:  # vLLM's older spelling
             values = {**{k: v for k, v in values.items() if k != "model"}, "method": "ngram"}
-        method = values.get("method", "ngram")
+        method = values.setdefault("method", "draft_model" if values.get("model") else "ngram")
         if method in UNBUILT_SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method {method!r} is not served by this engine yet (served: "
                              f"{', '.join(SPECULATIVE_METHODS)}); README, \"Speculative decoding\"")  # fmt: skip
@@ -98,18 +103,27 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported field(s) {', '.join(unknown)} (read: "
                              f"{', '.join(sorted(known))})")  # fmt: skip
-        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
-        values["prompt_lookup_min"] = low if low is not None else high if high is not None else 5
-        values["prompt_lookup_max"] = high if high is not None else values["prompt_lookup_min"]
+        if method == "draft_model":
+            if not values.get("model") or not isinstance(values["model"], str):
+                raise ValueError("speculative_config: method 'draft_model' needs model, the draft checkpoint")
+            if {"prompt_lookup_min", "prompt_lookup_max"} & set(values):
+                raise ValueError("speculative_config: prompt_lookup_min/max are the ngram method's, not draft_model's")
+        elif values.get("model") is not None:
+            raise ValueError(f"speculative_config: method {method!r} takes no model")
+        else:
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            values["prompt_lookup_min"] = low if low is not None else high if high is not None else 5
+            values["prompt_lookup_max"] = high if high is not None else values["prompt_lookup_min"]
         config = cls(**values)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        lookups = ("prompt_lookup_min", "prompt_lookup_max") if method == "ngram" else ()
+        for name in ("num_speculative_tokens", *lookups):
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
         if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {config.num_speculative_tokens}")  # fmt: skip
-        if config.prompt_lookup_min > config.prompt_lookup_max:
+        if method == "ngram" and config.prompt_lookup_min > config.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")  # fmt: skip
         return config
@@ -236,7 +250,11 @@ class EngineConfig:
         if events is not None and events.enable_kv_cache_events and not self.enable_prefix_caching:
             raise ValueError("kv_events_config enables K/V cache events, which describe the prefix cache: set "
                              "enable_prefix_caching too")  # fmt: skip
-        self.speculative()  # a bad speculative_config fails here, naming the field
+        speculative = self.speculative()  # a bad speculative_config fails here, naming the field
+        if speculative is not None and speculative.method == "draft_model" and (
+                int(self.tensor_parallel_size) != 1 or int(self.pipeline_parallel_size) != 1):  # fmt: skip
+            raise ValueError("speculative_config: method 'draft_model' runs in one process (tensor_parallel_size = "
+                             "pipeline_parallel_size = 1); the ngram method serves any layout")  # fmt: skip
         if float(self.health_check_interval_s) < 0:
             raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
         if float(self.health_check_interval_s) > 0 and float(self.iteration_timeout_s) == 0:
@@ -318,6 +336,15 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """speculative_config, parsed (None when unset)."""
         return SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config else None
+
+    def draft_config(self) -> EngineConfig | None:
+        """The engine config of speculative decoding's draft model (method draft_model), else None: the
+        target's settings with the draft checkpoint, no speculation and no adapters."""
+        speculative = self.speculative()
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        return replace(self, model=speculative.model, tokenizer=None, speculative_config="", enable_lora=False,
+                       lora_modules={}, allow_runtime_lora_updating=False)  # fmt: skip
 
     def kv_bytes_per_token(self, model_config: AnyModelConfig) -> int:
         """The bytes a token's K and V take on one rank: over its stage's layers and its KV heads."""

@@ -23,8 +23,9 @@ keeps the state of every unfinished request it has been sent, in its persistent 
   blocks taken for proposed tokens that were rejected go back to the pool), before any growth.
 
 Speculative decoding: a request of `spec_rows` runs its last token and then its proposed tokens
-(`spec_tokens`, that many more scheduled tokens); the sampler verifies each proposal on the logits
-of the position before it (SamplerOutput.num_accepted).
+(`spec_tokens`, that many more scheduled tokens; -1 for a token the runner's draft model proposes
+first); the sampler verifies each proposal on the logits of the position before it
+(SamplerOutput.num_accepted, and the proposals as verified in SamplerOutput.spec_tokens).
 
 The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
 position `num_computed`. Every rank gets the same message, so every rank holds the same rows; a
@@ -147,6 +148,7 @@ class SamplerOutput:
     # such a request (when it asked) are one per emitted token: `spec_logprobs[i]`.
     num_accepted: list[int] = field(default_factory=list)
     spec_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    spec_tokens: list[list[int]] = field(default_factory=list)  # the proposals verified, per request of spec_rows
 
 
 def encode_step(step: SchedulerOutput) -> bytes:

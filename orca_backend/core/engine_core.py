@@ -214,7 +214,8 @@ class EngineCore:
             outputs += self.scheduler.fail_adapters(sampled.lora_failures)
         updated = self.scheduler.update_from_output(batch, sampled.token_ids, sampled.logprobs,
                                                     sampled.prompt_logprobs, sampled.pooled,
-                                                    sampled.num_accepted, sampled.spec_logprobs)  # fmt: skip
+                                                    sampled.num_accepted, sampled.spec_logprobs,
+                                                    sampled.spec_tokens)  # fmt: skip
         self.num_iterations += 1
         self.last_iteration_seconds = time.perf_counter() - started
         self.steps_by_path[sampled.step_path] = self.steps_by_path.get(sampled.step_path, 0) + 1

@@ -66,6 +66,8 @@ from orca_backend.scheduler_output import NewRequest, PooledChunk, PromptLogprob
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
+# Speculative decoding with a draft model: a proposed token the model runner fills in (SchedulerOutput).
+PROPOSED_BY_RUNNER = -1
 _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED
 
@@ -200,10 +202,13 @@ class Scheduler:
         # Speculative decoding: the proposer, and the counts vLLM's spec_decode metrics export: steps
         # that verified proposals (one per request), proposed tokens, accepted ones, and accepted ones
         # by their place in the proposal.
-        self.proposer = None
-        if speculative is not None:
+        self.proposer: NgramProposer | None = None  # n-gram proposals, made here
+        self.runner_proposes = 0  # draft_model: the tokens each decode leaves the model runner to propose
+        if speculative is not None and speculative.method == "ngram":
             self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                                          speculative.prompt_lookup_max)  # fmt: skip
+                                          speculative.prompt_lookup_max)  # type: ignore[arg-type]
+        elif speculative is not None:
+            self.runner_proposes = speculative.num_speculative_tokens
         self.num_spec_drafts = 0
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
@@ -395,7 +400,7 @@ class Scheduler:
                 last_prompt_tokens += not num_output
                 if scheduled >= len(request.block_table) * block_size:
                     need_block.append(request)
-                if self.proposer is not None and num_output and request.can_speculate:
+                if (self.proposer is not None or self.runner_proposes) and num_output and request.can_speculate:
                     drafts = self._propose(request)
                     if drafts:
                         proposals[request.request_id] = drafts
@@ -530,11 +535,14 @@ class Scheduler:
     def _propose(self, request: Request) -> list[int]:
         """The tokens proposed after a decode's last one: at most what its `max_tokens` leaves after
         the token the step samples anyway, and up to (with) the first stop token among them. None
-        while a min_tokens ban is still on: its rows would need it from different counts."""
-        assert self.proposer is not None
+        while a min_tokens ban is still on: its rows would need it from different counts. With a
+        draft model, placeholders (PROPOSED_BY_RUNNER) the model runner fills in."""
         num_output = len(request.output_ids)
         if num_output < request.params.min_tokens:
             return []
+        if self.runner_proposes:
+            return [PROPOSED_BY_RUNNER] * min(self.runner_proposes, request.params.max_tokens - num_output - 1)
+        assert self.proposer is not None
         context = np.fromiter(itertools.chain(request.prompt_ids, request.output_ids), dtype=np.int64,
                               count=request.num_tokens)  # fmt: skip
         drafts = self.proposer.propose(context, request.params.max_tokens - num_output - 1)
@@ -599,6 +607,7 @@ class Scheduler:
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[TokenLogprobs | None] | None = None,
         prompt_logprobs: list[PromptLogprobsChunk] | None = None, pooled: list[PooledChunk] | None = None,
         num_accepted: list[int] | None = None, spec_logprobs: list[list[TokenLogprobs] | None] | None = None,
+        spec_tokens: list[list[int]] | None = None,
     ) -> CoreOutputs:  # fmt: skip
         """Appends each request's new token (and its logprobs, if it asked; its prompt logprobs go
         out with its first token) and finishes those that hit a token-level stop. A request whose
@@ -608,7 +617,8 @@ class Scheduler:
         complete grammar allows nothing else); a token its grammar refuses (the mask should make
         that impossible) ends it with "error", and the token is dropped. A request that verified
         proposals (`batch.spec`) gets its accepted ones and the token after them (`num_accepted`, and
-        `spec_logprobs`, per request of batch.spec in order)."""
+        `spec_logprobs`, per request of batch.spec in order; `spec_tokens`: the proposals as the runner
+        verified them, which it made itself where the batch holds placeholders)."""
         requests = batch.requests
         # The lengths are checked once here, so the loop's zip need not be strict.
         if not len(requests) == len(batch.num_new_tokens) == len(sampled) or (logprobs and len(logprobs) != len(sampled)):
@@ -621,6 +631,10 @@ class Scheduler:
         if batch.spec:
             if num_accepted is None or len(num_accepted) != len(batch.spec):
                 raise ValueError(f"{len(batch.spec)} requests verified proposals, {len(num_accepted or ())} results")
+            if spec_tokens:  # the runner's own proposals, where it made them
+                if [len(t) for t in spec_tokens] != [len(d) for d in batch.spec.values()]:
+                    raise ValueError("the runner verified proposals of other lengths than the batch scheduled")
+                batch.spec = dict(zip(batch.spec, spec_tokens, strict=True))
             verified = {position: (drafts, accepted, spec_logprobs[i] if spec_logprobs else None)
                         for i, ((position, drafts), accepted) in enumerate(zip(batch.spec.items(), num_accepted, strict=True))}  # fmt: skip
         # This loop runs for every request every iteration. A request that goes on, with nothing to

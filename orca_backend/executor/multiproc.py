@@ -196,7 +196,7 @@ class WorkerPoolExecutor:
         pooled = [PooledChunk(position, vector) for position, vector in msg.get("pooled", [])]
         spec_logprobs = [None if rows is None else [tuple(row) for row in rows] for rows in msg.get("spec_logprobs", [])]
         return SamplerOutput(msg["tokens"], logprobs, failures, msg.get("step_path", ""), prompt_logprobs, pooled,
-                             msg.get("num_accepted", []), spec_logprobs)  # fmt: skip
+                             msg.get("num_accepted", []), spec_logprobs, msg.get("spec_tokens", []))  # fmt: skip
 
     def _next_message(self, timeout_s: float | None = None, bound: str = "the start timeout") -> dict:
         """The next message from any worker; a dead worker, an error report or no message within

@@ -210,8 +210,10 @@ class InputBatch:
         self._layout = 0
         self._looked_up: tuple[int, list[str], np.ndarray, bool] | None = None
         self._columns: tuple[np.ndarray, _RowColumns] | None = None
-        # Speculative decoding: a step may record several tokens of one request (set by the runner).
+        # Speculative decoding: a step may record several tokens of one request (set by the runner),
+        # and how often each row was taken (a draft model's K/V of a row is its holder's only).
         self.several_tokens_per_step = False
+        self.row_epoch = np.zeros(max_rows, dtype=np.int64)
 
     # ------------------------------------------------------------------ deltas
     def apply(self, step: SchedulerOutput) -> None:
@@ -280,6 +282,11 @@ class InputBatch:
         if counted:
             self.processors.count([int(rows[i]) for i in counted], [[tokens[i]] for i in counted])
 
+    def step_rows(self, step: SchedulerOutput) -> np.ndarray:
+        """The rows of the step's scheduled requests, once `apply` took it in."""
+        assert self._rows is not None and self._rows[0] == step.step_id, "step_rows() follows apply() of the same step"
+        return self._rows[1]
+
     def _lookup(self, request_ids: list[str]) -> tuple[np.ndarray, bool]:
         """The rows of these requests (-1 for one without a row; not to be changed by the caller), and
         whether any has none."""
@@ -311,6 +318,7 @@ class InputBatch:
                                f"a row holds {self.max_tokens} and {self.block_table.shape[1]}")  # fmt: skip
         row = state.row = self._free_rows.pop()
         self._layout += 1
+        self.row_epoch[row] += 1
         self.row_of[state.request_id] = row
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)

@@ -39,6 +39,7 @@ from orca_backend.worker.cuda_graphs import (
     mixed_capture_sizes,
     runner_eager_reason,
 )
+from orca_backend.worker.draft_proposer import DraftProposer
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import describe as describe_memory
 from orca_backend.worker.kv_pool import kv_pool_tokens, profile_memory, read_cuda_memory
@@ -82,12 +83,17 @@ class ModelRunner:
         if config.enable_lora:
             self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
+        # Speculative decoding with a draft model: it proposes in this runner, its K/V slot for slot
+        # beside the target's (loaded before the pool is sized, so its weights are counted).
+        self.drafter = DraftProposer(config, model_config, self.device) if config.draft_config() else None
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:
             num_slots = pool_capacity_tokens(config.kv_capacity_tokens, config.block_size)
         self.kv_capacity_tokens = num_slots  # every rank's: the engine core's K/V manager takes it
         self.kv_caches = self._allocate_pool(num_slots, model_config, config)
+        if self.drafter is not None:
+            self.drafter.allocate(num_slots)
         # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
         self.input_batch = InputBatch(
             config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
@@ -139,7 +145,7 @@ class ModelRunner:
                                  lambda: read_cuda_memory(self.device))  # fmt: skip
         del self.kv_caches
         torch.cuda.empty_cache()
-        per_token = config.kv_bytes_per_token(model_config)
+        per_token = config.kv_bytes_per_token(model_config) + (self.drafter.kv_bytes_per_token if self.drafter else 0)
         tokens = smallest_over_ranks(kv_pool_tokens(profile, config.gpu_memory_utilization, per_token,
                                                     config.block_size), self.device)  # fmt: skip
         logger.info("K/V pool: %d tokens (%.2f GiB) from gpu_memory_utilization: %s", tokens,
@@ -263,6 +269,8 @@ class ModelRunner:
     def _run_stage(self, step: SchedulerOutput, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
+        if self.drafter is not None and step.spec_rows:  # the draft model's proposals, before the inputs are read
+            self.drafter.propose(step, self.input_batch, self.input_batch.step_rows(step))
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
         ahead = self._ahead_tokens(step) if step.ahead_rows else None

@@ -81,8 +81,11 @@ class SampledTokens:
             logprobs = _unpack_logprobs(packed[size:end], tokens, self.logprobs_asked, self.top)
         num_accepted: list[int] = []
         spec_logprobs: list[list[TokenLogprobs] | None] = []
+        spec_tokens: list[list[int]] = []
         if self.spec is not None:
             end, num_accepted, spec_logprobs = _unpack_verified(packed, end, self.spec, self.spec_top, tokens, logprobs)
+            bounds = np.cumsum(self.spec.counts)[:-1]
+            spec_tokens = [part.tolist() for part in np.split(self.spec.draft_ids, bounds)]
         prompt_logprobs = []
         if self.prompt is not None:
             rows = sum(chunk[2] for chunk in self.prompt.chunks)
@@ -94,7 +97,7 @@ class SampledTokens:
             sums = _unpack_floats(packed[end:]).reshape(len(self.pooling.positions), -1)
             pooled = [PooledChunk(p, row) for p, row in zip(self.pooling.positions, sums.tolist(), strict=True)]
         return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs, pooled,
-                             num_accepted, spec_logprobs)  # fmt: skip
+                             num_accepted, spec_logprobs, spec_tokens)  # fmt: skip
 
 
 class Sampler:

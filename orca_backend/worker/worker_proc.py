@@ -117,7 +117,8 @@ def _serve(rank: int, config: EngineConfig, model_config: AnyModelConfig, init_m
                          step_path=sampled.step_path,
                          prompt_logprobs=[[c.position, c.first_token, c.logprobs] for c in sampled.prompt_logprobs],
                          pooled=[[c.position, c.vector] for c in sampled.pooled],
-                         num_accepted=sampled.num_accepted, spec_logprobs=sampled.spec_logprobs)  # fmt: skip
+                         num_accepted=sampled.num_accepted, spec_logprobs=sampled.spec_logprobs,
+                         spec_tokens=sampled.spec_tokens)  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -282,3 +282,78 @@ def test_stop_strings_cut_inside_a_step_of_several_tokens(tiny_checkpoint):
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected] == ["stop"] * 3
     assert [o.output_ids for o in outputs] == [o.output_ids for o in expected]
+
+
+def draft_config(path, k: int = K) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_draft_model_the_target_itself_has_every_proposal_accepted(tiny_checkpoint, mode):
+    """The target as its own draft (the upper bound): greedy proposals are the target's own tokens,
+    so all are accepted, and the tokens are the engine's without speculation."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(5, config.vocab_size, seed=14)
+    expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
+    llm = LLM(str(path), max_num_seqs=8, speculative_config=draft_config(path), **KV_MODES[mode])
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert llm.engine.core.kv.used_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["reserve", "paged"])
+def test_draft_model_with_random_weights_still_exact(tiny_checkpoint, make_checkpoint, mode):
+    """A draft of the same geometry with other random weights: almost nothing is accepted, and the
+    tokens are still the engine's without speculation; so are seeded samples reproducible."""
+    path, config = tiny_checkpoint
+    draft, _ = make_checkpoint(config, seed=9)
+    prompts = random_prompts(5, config.vocab_size, seed=15)
+    expected = references(path, prompts, **KV_MODES[mode])
+    llm = LLM(str(path), speculative_config=draft_config(draft, 3), **KV_MODES[mode])
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
+
+
+def test_draft_model_after_preemption_and_with_a_smaller_draft(tiny_checkpoint, make_checkpoint):
+    """A pool small enough to preempt (a resumed request's draft recomputes its context) and a
+    draft of another geometry (one layer, other heads): tokens unchanged."""
+    from orca_backend.families.gpt2 import GPT2Config
+
+    path, config = tiny_checkpoint
+    small = GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=32, n_layer=1, n_head=2,
+                       initializer_range=0.3)  # fmt: skip
+    draft, _ = make_checkpoint(small, seed=1)
+    prompts = random_prompts(8, config.vocab_size, seed=21)
+    options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 160, "max_num_seqs": 8}
+    expected = references(path, prompts, **options)
+    llm = LLM(str(path), speculative_config=draft_config(draft), **options)
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
+
+
+def test_a_draft_model_that_cannot_serve_the_target_is_refused(tiny_checkpoint, make_checkpoint):
+    from orca_backend.families.gpt2 import GPT2Config
+
+    path, config = tiny_checkpoint
+    other_vocab, _ = make_checkpoint(GPT2Config(vocab_size=200, n_positions=128, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="draft model's vocab_size .* is not the target's \\(384\\)"):
+        LLM(str(path), speculative_config=draft_config(other_vocab))
+    with pytest.raises(ValueError, match="'draft_model' runs in one process"):
+        LLM(str(path), speculative_config=draft_config(path), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mixtral"])
+def test_llama_family_and_moe_as_their_own_draft_equal_transformers(tmp_path, family):
+    from hf_tiny import hf_greedy, write_tiny
+
+    model = write_tiny(family, tmp_path, seed=5)
+    prompts = random_prompts(3, model.config.vocab_size, seed=6)
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    llm = LLM(str(tmp_path), kv_policy="paged", block_size=4, speculative_config=draft_config(tmp_path, 3))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
