@@ -17,6 +17,9 @@ BATCHES = {
     # chunked prefill: chunks over earlier K/V, starting and ending mid-block and spanning several
     # blocks, beside a first chunk (n == ctx) and a decode
     "chunked": [(7, 40), (16, 48), (3, 19), (12, 12), (1, 33)],
+    # speculative decoding's verify steps: a last token and k proposals over earlier K/V, beside a
+    # decode, and one of 17 (k = 16, the most a step proposes)
+    "speculative": [(5, 41), (1, 30), (3, 12), (17, 60)],
 }
 
 # Pool block sizes: one token per block, the engine's default, and one that is neither a power of

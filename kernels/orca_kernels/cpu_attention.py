@@ -39,6 +39,12 @@ from orca_kernels.attention import (
 )
 
 
+# Requests of at most this many queries in a step (decodes, speculative verifies of 1 + k tokens,
+# short prompt chunks) are attended by the C kernel, query by query; longer ones by SDPA, whose
+# blocked matmuls win once a request's queries share enough keys.
+SHORT_QUERIES = 32
+
+
 @functools.cache
 def load_decode_kernel() -> ctypes._CFuncPtr:
     """The kernel's entry point with its signature declared: built once per machine, loaded and
@@ -46,10 +52,10 @@ def load_decode_kernel() -> ctypes._CFuncPtr:
     p, i64 = native.PTR, native.I64
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
-    # window, softcap, scratch, num_threads
+    # window, softcap, scratch, num_threads, max_short
     return native.declare("decode_attention", "orca_decode_attention_f32", [
         p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, p,
-        ctypes.c_int,
+        ctypes.c_int, i64,
     ], None)  # fmt: skip
 
 
@@ -136,15 +142,15 @@ def attention_cpu(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
         meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, window,
-        softcap, scratch.data_ptr(), threads,
+        softcap, scratch.data_ptr(), threads, SHORT_QUERIES,
     )  # fmt: skip
-    if meta.max_query_len > 1:
+    if meta.max_query_len > SHORT_QUERIES:
         qs, ctxs = meta.host_lens()  # read once per metadata object, shared by every layer
         for i in range(meta.num_requests):
             q_lo, q_hi = qs[i], qs[i + 1]
             if q_hi - q_lo > 1 and not ctxs[i]:  # no key to see (a CUDA graph bucket's padding request)
                 out[q_lo:q_hi] = 0
-            elif q_hi - q_lo > 1:
+            elif q_hi - q_lo > SHORT_QUERIES:
                 # [kv_heads, ctx - start, head_dim] from the first query's window start on:
                 # prefill_attention shares each K/V head over its group
                 start = first_visible_key(ctxs[i] - (q_hi - q_lo), window)

@@ -269,12 +269,13 @@ class InputBatch:
             rowless = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]
             raise RuntimeError(f"tokens were recorded for requests that hold no row: {rowless[:5]}")
         ends = self.num_tokens[rows]
-        if self.several_tokens_per_step:  # a request's tokens go one after the other, in order
-            ends = ends + _occurrence(rows)
+        repeated = self.several_tokens_per_step and len(set(request_ids)) < len(request_ids)
+        if repeated:  # a request's tokens go one after the other, in order
+            ends = ends + _occurrence(request_ids)
         if int(ends.max()) >= self.max_tokens:
             raise RuntimeError(f"a request outgrew its row ({self.max_tokens} tokens)")
         self.token_ids[rows, ends] = tokens
-        if self.several_tokens_per_step:
+        if repeated:
             np.add.at(self.num_tokens, rows, 1)
         else:
             self.num_tokens[rows] = ends + 1
@@ -595,14 +596,14 @@ class InputBatch:
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
-def _occurrence(rows: np.ndarray) -> np.ndarray:
-    """Each entry's count of equal entries before it: [4, 7, 4, 4] -> [0, 0, 1, 2]."""
-    order = np.argsort(rows, kind="stable")
-    ranked = rows[order]
-    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-    occurrence = np.empty(len(rows), dtype=np.int64)
-    occurrence[order] = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
-    return occurrence
+def _occurrence(ids: list[str]) -> np.ndarray:
+    """Each entry's count of equal entries before it: [a, b, a, a] -> [0, 0, 1, 2]."""
+    seen: dict[str, int] = {}
+    counts = []
+    for key in ids:
+        count = seen[key] = seen.get(key, -1) + 1
+        counts.append(count)
+    return np.array(counts, dtype=np.int64)
 
 
 @dataclass

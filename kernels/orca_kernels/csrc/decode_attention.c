@@ -1,9 +1,12 @@
 /* Decode attention on CPU for selective batching, float32, with grouped-query attention (GQA).
  *
- * For every request whose step has exactly one query (a decode, or a one-token prompt), attends
- * that query over the request's whole context in the paged K/V pool. Requests with more queries
- * (prefills) are skipped: the caller handles them. Semantics equal attention_torch in
- * attention.py: out = softmax(scale * q.K^T) V per head, fp32 throughout.
+ * For every request whose step has at most max_short queries (a decode, a one-token prompt, a
+ * speculative verify of 1 + k tokens, a short prompt chunk), attends each query over the request's
+ * context up to its own position in the paged K/V pool: query t of n sits at position
+ * ctx - n + t, so it is a decode of context ctx - n + t + 1 (causal within the step). Requests with
+ * more queries (long prefills) are skipped: the caller handles them. Semantics equal
+ * attention_torch in attention.py: out = softmax(scale * q.K^T) V per head, fp32 throughout; a
+ * query computes the same whether it came alone or with others of its request.
  *
  * Sliding window and soft-capping (per layer; 0: none). With window > 0 the query, at position
  * ctx - 1, sees only keys [start, ctx) with start = max(ctx - window, 0), and the walk begins at
@@ -127,16 +130,25 @@ void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_h
                                const int32_t *context_lens, const int32_t *block_tables,
                                int64_t block_table_stride, int64_t block_size, int64_t num_requests,
                                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
-                               float scale, int64_t window, float softcap, float *scratch, int num_threads) {
+                               float scale, int64_t window, float softcap, float *scratch, int num_threads,
+                               int64_t max_short) {
     const int64_t out_row = q_heads * head_dim;
+    const int64_t tokens = query_start[num_requests];
+    /* One task per query token (a verify step at batch 1 still fills every thread); its request is
+     * found by bisecting query_start. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t r = 0; r < num_requests; r++) {
-        const int64_t first = query_start[r];
-        if (query_start[r + 1] - first != 1) continue;
-        const int64_t ctx = context_lens[r];
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t lo = 0, hi = num_requests; /* the r with query_start[r] <= t < query_start[r + 1] */
+        while (hi - lo > 1) {
+            const int64_t mid = (lo + hi) / 2;
+            if (query_start[mid] <= t) lo = mid; else hi = mid;
+        }
+        const int64_t r = lo, n = query_start[r + 1] - query_start[r];
+        if (n > max_short) continue;
+        const int64_t ctx = context_lens[r] - n + (t - query_start[r]) + 1; /* this query's own context */
         const int64_t start = window > 0 && ctx > window ? ctx - window : 0; /* the window's first key */
-        attend_one(q + first * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
-                   block_size, out + first * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,
+        attend_one(q + t * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
+                   block_size, out + t * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,
                    scratch + (int64_t)omp_get_thread_num() * q_heads * max_context);
     }
 }
