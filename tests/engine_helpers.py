@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
 
 from orca_backend import LLM, SamplingParams
@@ -77,9 +76,9 @@ class OracleProposer:
         self.proposed = 0
         self.calls = 0
 
-    def propose(self, context: np.ndarray, limit: int) -> list[int]:
-        """NgramProposer.propose's contract: up to min(K, limit) tokens to follow `context`."""
-        tokens = context.tolist()
+    def propose(self, request, limit: int) -> list[int]:  # noqa: ANN001 - a core Request
+        """NgramProposer.propose's contract: up to min(K, limit) tokens to follow the request's."""
+        tokens = request.prompt_ids + request.output_ids
         for prompt, reference in self.references.items():
             if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)
@@ -91,3 +90,6 @@ class OracleProposer:
                 self.proposed += len(proposal)
                 return proposal
         raise AssertionError("a context no reference starts with")
+
+    def forget(self, request_id: str) -> None:
+        pass

@@ -282,6 +282,15 @@ def read_metrics(server: TritonServer) -> dict[tuple[str, frozenset], float]:
     return samples
 
 
+def dashboard_series() -> set[str]:
+    """Every metric the shipped Grafana dashboard (monitoring/grafana/dashboards/orca.json) queries."""
+    root = Path(__file__).resolve().parents[1]
+    dashboard = json.loads((root / "monitoring" / "grafana" / "dashboards" / "orca.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs += [dashboard["templating"]["list"][0]["query"]["query"]]
+    return {name for expr in exprs for name in re.findall(r"\b(?:vllm:|orca_)[a-z0-9_:]+", expr)}
+
+
 def metric(server: TritonServer, name: str, model: str, **labels: str) -> float:
     """Sum of `name` samples of `model` matching `labels` (0 when absent)."""
     wanted = {("model", model), *labels.items()}

@@ -543,9 +543,7 @@ class Scheduler:
         if self.runner_proposes:
             return [PROPOSED_BY_RUNNER] * min(self.runner_proposes, request.params.max_tokens - num_output - 1)
         assert self.proposer is not None
-        context = np.fromiter(itertools.chain(request.prompt_ids, request.output_ids), dtype=np.int64,
-                              count=request.num_tokens)  # fmt: skip
-        drafts = self.proposer.propose(context, request.params.max_tokens - num_output - 1)
+        drafts = self.proposer.propose(request, request.params.max_tokens - num_output - 1)
         for i, token in enumerate(drafts):
             if token in request.stop_ids:
                 return drafts[: i + 1]
@@ -832,6 +830,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._finished_ids.append(request.request_id)
         del self._requests[request.request_id]
         if request.structured:  # its matcher (or its compile) goes with it

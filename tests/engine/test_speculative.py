@@ -181,15 +181,32 @@ def test_seeded_sampling_is_reproducible(tiny_checkpoint):
 
 
 def test_ngram_proposer_takes_the_longest_latest_match():
-    proposer = NgramProposer(3, 1, 3)
-    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 2, 3])  # "2 3" occurs twice; the latest is followed by 8 7 5
-    assert proposer.propose(tokens, 10) == [8, 7, 5]
-    assert proposer.propose(tokens, 2) == [8, 7]
-    longest = np.array([5, 6, 7, 1, 4, 6, 7, 2, 5, 6, 7])  # "5 6 7" beats the later "6 7"
-    assert proposer.propose(longest, 10) == [1, 4, 6]
-    assert proposer.propose(np.array([1, 2, 3, 4]), 10) == []
-    assert proposer.propose(np.array([4, 4]), 10) == [4]  # a match at the end proposes what follows it
-    assert NgramProposer(3, 2, 2).propose(np.array([1, 2, 3, 1]), 10) == []  # below prompt_lookup_min
+    def propose(tokens, limit=10, proposer=None):
+        return (proposer or NgramProposer(3, 1, 3)).propose_tokens("r", tokens, limit)
+
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 2, 3]  # "2 3" occurs thrice; the latest earlier one is followed by 8 7 5
+    assert propose(tokens) == [8, 7, 5]
+    assert propose(tokens, 2) == [8, 7]
+    longest = [5, 6, 7, 1, 4, 6, 7, 2, 5, 6, 7]  # "5 6 7" beats the later "6 7"
+    assert propose(longest) == [1, 4, 6]
+    assert propose([1, 2, 3, 4]) == []
+    assert propose([4, 4]) == [4]  # a match at the end proposes what follows it
+    assert propose([1, 2, 3, 1], proposer=NgramProposer(3, 2, 2)) == []  # below prompt_lookup_min
+
+
+def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
+    """The incremental index answers as a lookup over the whole context would, step after step."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 6, 300).tolist()  # a small alphabet: many matches, of every length
+    grown = NgramProposer(4, 2, 4)
+    for size in range(1, len(tokens) + 1, 3):
+        assert grown.propose_tokens("r", tokens[:size], 4) == NgramProposer(4, 2, 4).propose_tokens("r", tokens[:size], 4)
+    brute = tokens[:50]
+    for n in range(4, 1, -1):  # the definition, written out: latest earlier occurrence of the longest suffix
+        hits = [e for e in range(n, len(brute)) if brute[e - n : e] == brute[-n:]]
+        if hits:
+            assert grown.propose_tokens("s", brute, 4) == brute[hits[-1] : hits[-1] + 4]
+            break
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -16,7 +16,7 @@ from orca_client.protocol import PERF_METRICS, STATUS_OUTPUTS
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="needs the serve extras (tritonclient)")
 
 from engine_helpers import random_prompts  # noqa: E402
-from serving_utils import metric, one_request, start_server, wait_until  # noqa: E402 - after the skip above
+from serving_utils import dashboard_series, metric, one_request, read_metrics, start_server, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -87,3 +87,8 @@ def test_streams_equal_offline_and_the_counts_are_exact(server, offline, model):
     expected = (before[0] + drafts, before[1] + draft_tokens, before[2] + accepted,
                 [b + p for b, p in zip(before[3], per_pos, strict=True)])  # fmt: skip
     assert wait_until(lambda: counters() == expected, timeout_s=10), (counters(), expected)
+    # The dashboard's speculative-decoding panel has its series for this model.
+    samples = read_metrics(server)
+    spec_series = {name for name in dashboard_series() if name.startswith("vllm:spec_decode")}
+    assert len(spec_series) == 3
+    assert all(any(n == name and ("model", model) in labels for n, labels in samples) for name in spec_series)
