@@ -116,7 +116,14 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tupl
     return time.perf_counter() - started, tokens
 
 
-def main() -> None:
+def _geometry(text: str) -> tuple[int, int, int]:
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"a geometry is n_embd,n_layer,n_head, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--requests", type=int, default=16, help="requests per measurement")
@@ -125,20 +132,23 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/orca-speculative-bench"))
+    parser.add_argument("--target", type=_geometry, default=TARGET, metavar="EMBD,LAYERS,HEADS",
+                        help=f"the target's GPT-2 geometry (default {','.join(map(str, TARGET))})")
+    parser.add_argument("--draft", type=_geometry, default=DRAFT, metavar="EMBD,LAYERS,HEADS",
+                        help=f"the draft's (default {','.join(map(str, DRAFT))})")
     parser.add_argument("--reuse-models", action="store_true",
                         help="use the target and draft a previous run trained in --work-dir (the same seeds)")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args = parser.parse_args(argv)
     target_dir, draft_dir = args.work_dir / "target", args.work_dir / "draft"
     random_target, random_draft = args.work_dir / "random-target", args.work_dir / "random-draft"
     losses: dict[str, list[float]] = {"target": [], "draft": []}
     if not (args.reuse_models and (target_dir / "config.json").is_file() and (draft_dir / "config.json").is_file()):
         print(f"training the target and the draft ({args.train_steps} steps each)", flush=True)
-        train(target_dir, *TARGET, args.train_steps, seed=1, log=losses["target"])
-        train(draft_dir, *DRAFT, args.train_steps, seed=2, log=losses["draft"])
-    untrained(random_target, *TARGET, seed=3)
-    untrained(random_draft, *DRAFT, seed=4)
+        train(target_dir, *args.target, args.train_steps, seed=1, log=losses["target"])
+        train(draft_dir, *args.draft, args.train_steps, seed=2, log=losses["draft"])
+    untrained(random_target, *args.target, seed=3)
+    untrained(random_draft, *args.draft, seed=4)
 
     rng = np.random.default_rng(7)
     copying = [spans_text(rng, 64) for _ in range(args.requests)]
@@ -207,8 +217,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"command": " ".join(sys.argv), "commit": machine.code_revision(ROOT),
-                                        "machine": machine.summary(), "k": k, "losses": losses,
-                                        "results": results}, indent=1))  # fmt: skip
+                                        "machine": machine.summary(), "k": k, "target": args.target,
+                                        "draft": args.draft, "losses": losses, "results": results}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

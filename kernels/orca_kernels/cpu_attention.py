@@ -38,7 +38,6 @@ from orca_kernels.attention import (
     prefill_attention,
 )
 
-
 # Requests of at most this many queries in a step (decodes, speculative verifies of 1 + k tokens,
 # short prompt chunks) are attended by the C kernel, query by query; longer ones by SDPA, whose
 # blocked matmuls win once a request's queries share enough keys.
