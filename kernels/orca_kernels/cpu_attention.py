@@ -1,11 +1,12 @@
-"""Selective-batching attention on CPU: decode requests in one C call per layer, prefills by SDPA;
-and the K/V write, one C call per layer.
+"""Selective-batching attention on CPU: requests of few queries (decodes, speculative verifies,
+short prompt chunks) in one C call per layer, longer prefills by SDPA; and the K/V write, one C
+call per layer.
 
 The torch reference (`attention_torch`) loops over requests in Python; at 64 decoding requests
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
-is ~6 small ops. The C kernel (csrc/decode_attention.c) does every one-query request of the batch
-in one call; prefill requests have enough queries per request for SDPA to be efficient, so they
-stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
+is ~6 small ops. The C kernel (csrc/decode_attention.c) does every request of at most
+`SHORT_QUERIES` queries in one call, each query as a decode of its own context; longer prefills
+have enough queries per request for SDPA to be efficient, so they stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
 
 Paged K/V: the C kernel walks each decode's block table itself, reading K/V in place block by
 block; a prefill's context is gathered through its table (`gather_context`) for SDPA.
