@@ -142,10 +142,14 @@ def test_mixed_steps_of_one_bucket_make_identical_launches_and_pass_the_capture_
 
 
 def test_the_capture_guard_fails_host_reads_and_unregistered_host_copies(monkeypatch):
-    """The guard is no tautology: the CPU kernels' prefill loop reads the query lengths back to the
-    host (`AttentionMetadata.host_lens`), which a GPU's graph could not capture; a planted .item() and
-    a tensor built from host memory during a step fail it too; the decode steps of the same kernels
+    """The guard is no tautology: the CPU kernels' prefill loop (requests of more than SHORT_QUERIES
+    queries, here every one of more than one) reads the query lengths back to the host
+    (`AttentionMetadata.host_lens`), which a GPU's graph could not capture; a planted .item() and a
+    tensor built from host memory during a step fail it too; the decode steps of the same kernels
     pass it."""
+    from orca_kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "SHORT_QUERIES", 1)
     llm, runner = _static_llm("gpt2-tiny", "cpu")
     mixed = guard_steps(monkeypatch, runner, runner.mixed_graphs)
     prompts, params = _workload(llm.engine.model_config.vocab_size)

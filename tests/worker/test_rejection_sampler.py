@@ -107,9 +107,12 @@ def test_engine_samples_the_same_distribution_with_speculation(tiny_checkpoint):
     llm = LLM(str(path), max_num_seqs=256, speculative_config=config_json)
 
     class GreedyContinuation:
-        def propose(self, context, limit):
-            done = len(context) - len(prompt)
+        def propose(self, request, limit):
+            done = len(request.output_ids)
             return greedy[done : done + min(2, limit)]
+
+        def forget(self, request_id):
+            pass
 
     llm.engine.core.scheduler.proposer = GreedyContinuation()
     speculative = llm.generate([prompt] * 2000, params)
