@@ -24,6 +24,27 @@ from orca_backend.sampling_params import PoolingConfig, read_pooling_config
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
 
 
+def _json_object(text: str, name: str, cls: type) -> dict[str, Any]:
+    """`text`, the JSON object config `name` holds (`cls`'s fields); ValueError naming it otherwise."""
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} must be a JSON object of vLLM's {cls.__name__} fields")
+    return values
+
+
+def _json_fields(text: str, name: str, cls: type, values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`_json_object`'s values (or `values`, already read from it), refusing a field `cls` lacks."""
+    values = _json_object(text, name, cls) if values is None else values
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return values
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's `kv_events_config` (its names and defaults): where the prefix cache's K/V events go
@@ -40,17 +61,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError("kv_events_config must be a JSON object of vLLM's KVEventsConfig fields")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        config = cls(**values)
+        config = cls(**_json_fields(text, "kv_events_config", cls))
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {config.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
@@ -84,12 +95,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError("speculative_config must be a JSON object of vLLM's SpeculativeConfig fields")
+        values = _json_object(text, "speculative_config", cls)
         if values.get("model") in ("ngram", "[ngram]") and "method" not in values:  # vLLM's older spelling
             values = {**{k: v for k, v in values.items() if k != "model"}, "method": "ngram"}
         method = values.setdefault("method", "draft_model" if values.get("model") else "ngram")
@@ -98,11 +104,7 @@ class SpeculativeConfig:
                              f"{', '.join(SPECULATIVE_METHODS)}); README, \"Speculative decoding\"")  # fmt: skip
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r} (served: {', '.join(SPECULATIVE_METHODS)})")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown or unsupported field(s) {', '.join(unknown)} (read: "
-                             f"{', '.join(sorted(known))})")  # fmt: skip
+        values = _json_fields(text, "speculative_config", cls, values)
         if method == "draft_model":
             if not values.get("model") or not isinstance(values["model"], str):
                 raise ValueError("speculative_config: method 'draft_model' needs model, the draft checkpoint")

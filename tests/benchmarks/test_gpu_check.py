@@ -7,7 +7,6 @@ and sanity, never their values or the clock.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_script import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -25,12 +25,7 @@ MODEL_FREE_TARGETS = {"kernels_per_layer", "host_ms@1", "host_ms@64", "gpu_idle@
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("orca_bench_gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def clean_env() -> dict[str, str]:

@@ -9,28 +9,18 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from bench_script import load_script
 
 from orca_client import served_path
 from orca_client.loadgen import RequestRecord, RunResult
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "serving_cost.py"
 
 
-def load_serving_cost():
-    spec = importlib.util.spec_from_file_location("orca_bench_serving_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sc = load_serving_cost()
+sc = load_script("serving_cost")
 
 
 def test_cpu_lists_and_sets():

@@ -5,27 +5,12 @@ measures: the test checks what they are made of, never their values."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
+from bench_script import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "speculative.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("orca_bench_speculative", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
+bench = load_script("speculative")
 
 
 def test_the_text_repeats_the_corpus_phrases():

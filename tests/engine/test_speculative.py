@@ -212,7 +212,7 @@ def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
 @pytest.mark.parametrize(("text", "message"), [
     ('{"method": "ngram"}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' is not served"),
-    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "unknown or unsupported"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "unknown field\\(s\\) draft_tensor_parallel_size"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min \\(4\\) must be at most"),
     ('[1]', "must be a JSON object"),
