@@ -100,6 +100,10 @@ class SchedulerOutput:
     spec_tokens: list[list[int]] = field(default_factory=list)
     shrunk_ids: list[str] = field(default_factory=list)
     shrunk_num_blocks: list[int] = field(default_factory=list)
+    # Constrained requests that verify proposals: the rows verifying their proposals (indices among
+    # every request's proposals, in spec_rows' order) and their grammars' masks there, as `bitmask`.
+    spec_bitmask_rows: list[int] = field(default_factory=list)
+    spec_bitmask: bytes = b""
 
     @property
     def num_tokens(self) -> int:

@@ -85,7 +85,8 @@ class Request:
     can_run_ahead: bool = field(init=False, default=True)
     # Speculative decoding proposes for it: the rows that verify its proposals are sampled as its own
     # last row is, which holds for everything but what depends on the tokens before each row (the
-    # penalties' counts, a grammar's state, a min_tokens ban still on: checked per step).
+    # penalties' counts, a min_tokens ban still on: checked per step). A grammar's rows get their own
+    # masks (the scheduler walks its matcher along the proposals).
     can_speculate: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +99,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_ids)
         self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
             and p.repetition_penalty == 1.0  # fmt: skip
-        self.can_speculate = self.can_run_ahead and self.pooling is None
+        self.can_speculate = p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 \
+            and self.pooling is None  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

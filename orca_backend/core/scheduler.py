@@ -144,12 +144,22 @@ def make_scheduler_output(
     # The bitmask rows of the constrained requests that sample (compute their last token) this step.
     if not any(map(_structured, requests)):
         return output
+    spec = batch.spec
     bitmask_rows = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens, strict=True))
-                    if r.structured and r.num_computed + n == r.num_tokens]  # fmt: skip
-    if bitmask_rows:
-        assert structured is not None, "a constrained request in a batch built without its matchers"
-        output.bitmask_rows = bitmask_rows
+                    if r.structured and r.num_computed + n - len(spec.get(i, ())) == r.num_tokens]  # fmt: skip
+    if not bitmask_rows:
+        return output
+    assert structured is not None, "a constrained request in a batch built without its matchers"
+    output.bitmask_rows = bitmask_rows
+    if not spec or not any(i in spec for i in bitmask_rows):
         output.bitmask = structured.fill_bitmask([requests[i].request_id for i in bitmask_rows])
+        return output
+    # With proposals: its own row's mask is its grammar's after them, and each row verifying one
+    # gets the grammar's before it (SchedulerOutput.spec_bitmask_rows: those rows among spec_rows').
+    output.bitmask, output.spec_bitmask = structured.fill_bitmask_speculative(
+        [requests[i].request_id for i in bitmask_rows], [spec.get(i, []) for i in bitmask_rows])
+    starts = dict(zip(spec, itertools.accumulate(map(len, spec.values()), initial=0), strict=False))
+    output.spec_bitmask_rows = [starts[i] + j for i in bitmask_rows if i in spec for j in range(len(spec[i]))]
     return output
 
 
@@ -540,13 +550,17 @@ class Scheduler:
         num_output = len(request.output_ids)
         if num_output < request.params.min_tokens:
             return []
-        if self.runner_proposes:
-            return [PROPOSED_BY_RUNNER] * min(self.runner_proposes, request.params.max_tokens - num_output - 1)
+        if self.runner_proposes:  # a grammar's masks need the proposals here: constrained requests go without
+            count = 0 if request.structured else min(self.runner_proposes, request.params.max_tokens - num_output - 1)
+            return [PROPOSED_BY_RUNNER] * count
         assert self.proposer is not None
         drafts = self.proposer.propose(request, request.params.max_tokens - num_output - 1)
         for i, token in enumerate(drafts):
             if token in request.stop_ids:
-                return drafts[: i + 1]
+                drafts = drafts[: i + 1]
+                break
+        if request.structured and drafts:  # what its grammar refuses could never be accepted
+            drafts = drafts[: self.structured.valid_prefix(request.request_id, drafts)]
         return drafts
 
     def _fit_proposals(self, request: Request, drafts: list[int], budget: int) -> list[int] | None:
@@ -703,13 +717,18 @@ class Scheduler:
         self.kv.register_computed(request)
         tokens = [*drafts[:accepted], token]
         for i, new_token in enumerate(tokens):
+            if request.structured and (refused := self._refused_by_grammar(request, new_token)) is not None:
+                return refused
             request.output_ids.append(new_token)
             self._recorded_ids.append(request.request_id)
             self._recorded_tokens.append(new_token)
             self.num_generated_tokens += 1
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs[i])
-            reason = check_stop(request, new_token)
+            if request.structured and self.structured.is_terminated(request.request_id):
+                reason: FinishReason | None = FinishReason.STOP
+            else:
+                reason = check_stop(request, new_token)
             if reason is not None:
                 self._end(request, reason)
                 return self._output(request)
@@ -743,9 +762,8 @@ class Scheduler:
         accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows nothing
         else); a token its grammar refuses (the mask should make that impossible) ends it with
         "error", and the token is dropped."""
-        if not self.structured.accept(request.request_id, token):
-            self._end(request, FinishReason.ERROR)
-            return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
+        if (refused := self._refused_by_grammar(request, token)) is not None:
+            return refused
         self.num_generated_tokens += 1
         request.output_ids.append(token)
         self._recorded_ids.append(request.request_id)
@@ -759,6 +777,14 @@ class Scheduler:
         if reason is not None:
             self._end(request, reason)
         return self._output(request)
+
+    def _refused_by_grammar(self, request: Request, token: int) -> CoreOutput | None:
+        """Advances a constrained request's matcher by its new token; one its grammar refuses (the
+        masks should make that impossible) ends the request with "error" and is dropped."""
+        if self.structured.accept(request.request_id, token):
+            return None
+        self._end(request, FinishReason.ERROR)
+        return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
 
     def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> CoreOutputs:
         """Ends a waiting or running request now (an abort: cancelled, a stop string, an error).

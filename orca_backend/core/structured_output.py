@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from orca_backend.messages import FinishReason
 from orca_backend.sampling_params import StructuredOutputSpec
 
@@ -236,6 +238,34 @@ class StructuredOutputMatchers:
                 matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
+    def fill_bitmask_along(self, request_id: str, tokens: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Speculative decoding: rows row .. row + len(tokens) of the bitmask become the request's allowed
+        next tokens before each of `tokens` and after the last (each must be accepted in turn:
+        `valid_prefix`); the matcher's state is left as it was."""
+        matcher = self._matchers[request_id]
+        for i, token in enumerate(tokens):
+            self.fill_bitmask([request_id], bitmask[row + i : row + i + 1])
+            if not matcher.accept_token(token):
+                if i:
+                    matcher.rollback(i)
+                raise ValueError(f"request {request_id}: proposed token {token} breaks its grammar")
+        self.fill_bitmask([request_id], bitmask[row + len(tokens) : row + len(tokens) + 1])
+        if tokens:
+            matcher.rollback(len(tokens))
+
+    def valid_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """Speculative decoding: how many of `tokens`, in order, the request's grammar accepts from its
+        state (left as it was)."""
+        matcher = self._matchers[request_id]
+        accepted = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return accepted
+
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher by its sampled token. False (state unchanged) means the token
         breaks the grammar, or follows the accepted EOS: the caller must end the request with an error.
@@ -390,6 +420,26 @@ class StructuredOutputManager:
         int32 words, row after row."""
         assert self._matchers is not None
         return self._matchers.fill_bitmask(request_ids).numpy().tobytes()
+
+    def fill_bitmask_speculative(self, request_ids: Sequence[str], proposals: Sequence[Sequence[int]]) -> tuple[bytes, bytes]:
+        """The bitmask rows of requests that verify proposals (`proposals[i]`, each a valid prefix):
+        each one's row after all its proposals (what its own logits row samples), and its rows before
+        each proposal (those verifying them), in order, as SchedulerOutput's `bitmask` and `spec_bitmask`."""
+        assert self._matchers is not None
+        rows = [len(p) + 1 for p in proposals]
+        bitmask = self._matchers.allocate_bitmask(sum(rows))
+        at = 0
+        for request_id, tokens in zip(request_ids, proposals, strict=True):
+            self._matchers.fill_bitmask_along(request_id, tokens, bitmask, at)
+            at += len(tokens) + 1
+        words = bitmask.numpy()
+        ends = np.cumsum(rows) - 1
+        return words[ends].tobytes(), np.delete(words, ends, axis=0).tobytes()
+
+    def valid_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """How many of the proposed `tokens` the request's grammar accepts in order (state unchanged)."""
+        assert self._matchers is not None
+        return self._matchers.valid_prefix(request_id, tokens)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher; False if the token breaks its grammar (state unchanged)."""

@@ -170,7 +170,8 @@ class WorkerPoolExecutor:
     def submit(self, step: SchedulerOutput) -> None:
         data = encode_step(step)
         # Structured output's bitmask rows (a few KB per constrained row) matter to the sampling rank alone.
-        others = encode_step(replace(step, bitmask_rows=[], bitmask=b"")) if step.bitmask_rows else data
+        others = encode_step(replace(step, bitmask_rows=[], bitmask=b"", spec_bitmask_rows=[], spec_bitmask=b"")) \
+            if step.bitmask_rows else data  # fmt: skip
         try:
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(data if rank == self._sampler_rank else others)

@@ -334,6 +334,10 @@ class ModelRunner:
             prompt_logits = logits[count:]
         if count > inputs.num_requests or prompt_logits is not None:
             logits = logits[: inputs.num_requests]
+        if step.spec_bitmask_rows:  # the grammars' masks of the rows verifying constrained requests' proposals
+            assert spec_logits is not None
+            rows = step.spec_bitmask_rows
+            apply_bitmask(spec_logits, decode_bitmask(step.spec_bitmask, len(rows)), rows)
         sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs, pooled,
                                       spec_logits, inputs.spec)  # fmt: skip
         self.input_batch.draws_used()

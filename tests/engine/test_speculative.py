@@ -259,16 +259,15 @@ def test_async_scheduling_with_speculation_runs_nothing_ahead(tiny_checkpoint):
 
 
 def test_requests_that_cannot_speculate_run_beside_those_that_do(tiny_checkpoint):
-    """Penalties, a min_tokens ban still on, and a grammar: their rows depend on the tokens before
-    each, so they get no proposals, and every request's tokens are the engine's without speculation."""
-    pytest.importorskip("xgrammar")
+    """Penalties and a min_tokens ban still on: their rows depend on the tokens before each, so they
+    get no proposals (the min_tokens one once free does), and every request's tokens are the
+    engine's without speculation."""
     path, config = tiny_checkpoint
-    prompts = ["the cat sat on", "hello there", "kalo mine to", "one two"]
+    prompts = ["the cat sat on", "hello there", "kalo mine to"]
     params = [
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.8, repetition_penalty=1.2, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0.0, min_tokens=10),
-        SamplingParams(max_tokens=24, temperature=0.0, structured_outputs={"regex": r"\d{4}-\d{2}-\d{2}"}),
+        SamplingParams(max_tokens=16, temperature=0.0, min_tokens=10, ignore_eos=True),
     ]
     plain = LLM(str(path)).generate(prompts, params)
     engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
@@ -277,9 +276,38 @@ def test_requests_that_cannot_speculate_run_beside_those_that_do(tiny_checkpoint
     llm = speculating_llm(path, proposer)
     outputs = llm.generate(prompts, params)
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
-    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
-    first = len(plain[0].output_ids) - 1  # only the free request proposes (never in its first step)
-    assert 0 < llm.engine.core.stats().spec_num_draft_tokens <= first + 10 - 1  # + the min_tokens one, once free
+    stats = llm.engine.core.stats()
+    # The free request proposes from its first decode on, the min_tokens one from its 10th token on.
+    assert 0 < stats.spec_num_drafts <= (16 - 1) + (16 - 10)
+
+
+@pytest.mark.parametrize("wrong", ["never", "cycle", "always"])
+def test_constrained_requests_speculate_within_their_grammar(tiny_checkpoint, wrong):
+    """A grammar's request proposes only what its grammar allows (a proposal it refuses is cut
+    there), each verifying row carries the grammar's mask at its place, and its matcher advances by
+    every emitted token: the text, tokens and finish reasons are the engine's without speculation."""
+    pytest.importorskip("xgrammar")
+    path, config = tiny_checkpoint
+    prompts = ["the cat sat on", "hello there", "kalo mine to", "one two"]
+    constraints = [{"regex": r"(ab|cd){3,8}x"}, {"choice": ["yes", "no", "maybe so"]},
+                   {"json": {"type": "object", "properties": {"k": {"type": "string", "pattern": "^[a-e]{1,12}$"}},
+                             "required": ["k"]}, "disable_any_whitespace": True},
+                   {"regex": r"\d{4}-\d{2}-\d{2}"}]  # fmt: skip
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=c) for c in constraints]
+    plain = LLM(str(path)).generate(prompts, params)
+    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
+    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
+                              config.vocab_size, wrong)  # fmt: skip
+    llm = speculating_llm(path, proposer)
+    outputs = llm.generate(prompts, params)
+    assert [o.text for o in outputs] == [o.text for o in plain]
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain] == ["stop"] * 4
+    stats = llm.engine.core.stats()
+    if wrong == "never":
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    else:  # a wrong token (its successor in the vocabulary) is mostly one the grammar refuses: cut before verifying
+        assert stats.spec_num_draft_tokens < proposer.proposed
 
 
 def test_stop_strings_cut_inside_a_step_of_several_tokens(tiny_checkpoint):

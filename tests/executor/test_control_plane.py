@@ -217,7 +217,7 @@ def every_field_set() -> SchedulerOutput:
         recorded_ids=["b"], recorded_tokens=[8], grown_ids=["b"], grown_block_ids=[[6, 7]], preempted_ids=["c"],
         finished_ids=["d", "e"], bitmask_rows=[0, 1], bitmask=bytes(range(256)) * 3, ahead_rows=[1],
         lora_loads=[(1, lora)], block_copies=[(3, 8), (4, 9)], spec_rows=[1], spec_tokens=[[5, 6, -1]],
-        shrunk_ids=["b"], shrunk_num_blocks=[1],
+        shrunk_ids=["b"], shrunk_num_blocks=[1], spec_bitmask_rows=[0], spec_bitmask=bytes(range(96)),
     )  # fmt: skip
     for instances in ([step], [step.new_requests[0]], [constrained, bounded], [lora]):
         unset = [f.name for f in dataclasses.fields(instances[0])
