@@ -492,3 +492,21 @@ def test_a_re_read_refuses_each_malformed_adapter_alone(families, tmp_path):
     assert len(errors) == len(MALFORMED)
     for name, (_, message) in MALFORMED.items():
         assert any(f"{tmp_path / name}:" in e and message in e for e in errors), (name, errors)
+
+
+def test_speculative_decoding_with_adapters_equals_peft(families, references):
+    """Proposals verified under each request's adapter (its rows carry its slot like its tokens):
+    right up to a cycling place, every request's tokens stay peft's."""
+    from engine_helpers import OracleProposer
+
+    path, adapters, models = families["Llama"]
+    spec = f'{{"method": "ngram", "num_speculative_tokens": {OracleProposer.K}}}'
+    llm = make_llm(path, adapters, speculative_config=spec)
+    want = expected(references, "Llama", NAMES)
+    llm.engine.core.scheduler.proposer = OracleProposer({tuple(p): w for p, w in zip(PROMPTS, want, strict=True)},
+                                                        models[None].config.vocab_size, "cycle")  # fmt: skip
+    try:
+        assert run(llm, PROMPTS, NAMES) == want
+        assert llm.engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()
