@@ -92,6 +92,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a preset name or a checkpoint directory
+    # No request proposes in a step while more than this many run (vLLM's name; where a batch fills
+    # the device, verifying proposals costs more than it saves). None: always.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -118,7 +121,8 @@ class SpeculativeConfig:
             values["prompt_lookup_max"] = high if high is not None else values["prompt_lookup_min"]
         config = cls(**values)
         lookups = ("prompt_lookup_min", "prompt_lookup_max") if method == "ngram" else ()
-        for name in ("num_speculative_tokens", *lookups):
+        optional = ("disable_by_batch_size",) if config.disable_by_batch_size is not None else ()
+        for name in ("num_speculative_tokens", *lookups, *optional):
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")

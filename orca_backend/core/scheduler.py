@@ -214,11 +214,15 @@ class Scheduler:
         # by their place in the proposal.
         self.proposer: NgramProposer | None = None  # n-gram proposals, made here
         self.runner_proposes = 0  # draft_model: the tokens each decode leaves the model runner to propose
+        # No request proposes while more than this many run (speculative_config.disable_by_batch_size).
+        self.speculate_below = sys.maxsize
         if speculative is not None and speculative.method == "ngram":
             self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
                                           speculative.prompt_lookup_max)  # type: ignore[arg-type]
         elif speculative is not None:
             self.runner_proposes = speculative.num_speculative_tokens
+        if speculative is not None and speculative.disable_by_batch_size is not None:
+            self.speculate_below = speculative.disable_by_batch_size + 1
         self.num_spec_drafts = 0
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
@@ -392,6 +396,7 @@ class Scheduler:
         need_block: list[Request] = []
         last_prompt_tokens = 0  # decodes of a prompt's last token (the rest was a prefix-cache hit)
         proposals: dict[str, list[int]] = {}  # speculative decoding: decodes' proposed tokens
+        speculating = (self.proposer is not None or self.runner_proposes) and len(self.running) < self.speculate_below
         for request in self.running:
             # In flight: its batch has not returned (pipeline parallelism), unless async scheduling
             # runs its next decode now, on the token that batch samples (counted in `left`).
@@ -410,7 +415,7 @@ class Scheduler:
                 last_prompt_tokens += not num_output
                 if scheduled >= len(request.block_table) * block_size:
                     need_block.append(request)
-                if (self.proposer is not None or self.runner_proposes) and num_output and request.can_speculate:
+                if speculating and num_output and request.can_speculate:
                     drafts = self._propose(request)
                     if drafts:
                         proposals[request.request_id] = drafts

@@ -216,6 +216,7 @@ def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min \\(4\\) must be at most"),
     ('[1]', "must be a JSON object"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must be"),
 ])  # fmt: skip
 def test_a_bad_speculative_config_is_refused_naming_the_field(text, message):
     with pytest.raises(ValueError, match=message):
@@ -402,3 +403,30 @@ def test_llama_family_and_moe_as_their_own_draft_equal_transformers(tmp_path, fa
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_disable_by_batch_size_stops_proposals_while_more_requests_run(tiny_checkpoint):
+    """vLLM's disable_by_batch_size: no request proposes while more than that many run; as the batch
+    drains below it, proposals resume. Tokens unchanged either way."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(6, config.vocab_size, seed=23)
+    lengths = [4, 4, 4, 4, 20, 20]  # four end early: the last two then run alone
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    expected = [o.output_ids for o in LLM(str(path)).generate(prompts, params)]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": 2})
+    llm = LLM(str(path), speculative_config=spec)
+    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "never")
+    llm.engine.core.scheduler.proposer = proposer
+    steps = []
+    schedule = llm.engine.core.scheduler.schedule
+
+    def schedule_and_note():
+        batch = schedule()
+        if batch is not None:
+            steps.append((len(llm.engine.core.scheduler.running), len(batch.spec)))
+        return batch
+
+    llm.engine.core.scheduler.schedule = schedule_and_note
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert all(spec == 0 for running, spec in steps if running > 2)
+    assert any(spec for running, spec in steps if running <= 2)
