@@ -84,9 +84,9 @@ class Request:
     # needs the token) nor penalties (the runner counts tokens as they are recorded).
     can_run_ahead: bool = field(init=False, default=True)
     # Speculative decoding proposes for it: the rows that verify its proposals are sampled as its own
-    # last row is, which holds for everything but what depends on the tokens before each row (the
-    # penalties' counts, a min_tokens ban still on: checked per step). A grammar's rows get their own
-    # masks (the scheduler walks its matcher along the proposals).
+    # last row is, with what depends on the tokens before each row made per row (the penalties count
+    # the proposals before it, a grammar's mask is its matcher's after them); a min_tokens ban still
+    # on is checked per step. Not an embedding request.
     can_speculate: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -99,8 +99,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_ids)
         self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
             and p.repetition_penalty == 1.0  # fmt: skip
-        self.can_speculate = p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 \
-            and self.pooling is None  # fmt: skip
+        self.can_speculate = self.pooling is None
 
     @property
     def num_tokens(self) -> int:

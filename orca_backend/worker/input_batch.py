@@ -103,6 +103,13 @@ class SpecRows:
     random: torch.Tensor  # rows of requests sampled at random
     uniforms: torch.Tensor  # float32 [len(random), 2]: each such row's acceptance and resampling draws
     biased: torch.Tensor  # rows of requests with a logit_bias
+    # Requests with penalties: their verifying rows and their own (last) rows, each counting the
+    # proposals before it as output tokens (`unrecorded`: (index into those rows, token) pairs).
+    penalized: torch.Tensor  # rows
+    penalized_unrecorded: torch.Tensor  # int64 [2, n]
+    penalized_own: Positions  # batch positions, and their input-batch rows
+    penalized_own_unrecorded: torch.Tensor  # int64 [2, n]
+    repetition: bool  # some penalized one has a repetition penalty
     logprobs: torch.Tensor  # rows of requests asking for logprobs
     logprob_rows: np.ndarray  # host: the same
     num_logprobs: list[int]  # host: the top alternatives each of those rows asks for
@@ -515,9 +522,18 @@ class InputBatch:
         spec_rows = np.repeat(rows[positions], counts)
         starts = list(itertools.accumulate(counts, initial=0))
         random, biased, logprobs, num_logprobs, uniforms = [], [], [], [], []
+        penalized, unrecorded, own, own_rows, own_unrecorded, repetition = [], [], [], [], [], False
         for i, position in enumerate(positions):
             row = int(rows[position])
             span = range(starts[i], starts[i + 1])
+            if self.processors.penalized[row]:  # row j counts proposals 0 .. j-1; its own row all of them
+                for j in range(counts[i]):
+                    unrecorded += [(len(penalized), token) for token in drafts[i][:j]]
+                    penalized.append(starts[i] + j)
+                own_unrecorded += [(len(own), token) for token in drafts[i]]
+                own.append(position)
+                own_rows.append(row)
+                repetition |= bool(self.processors.repetitive[row])
             if self.temperature[row] > 0:
                 random += span
                 seed = self.states[step.scheduled_ids[position]].new.seed
@@ -527,11 +543,15 @@ class InputBatch:
             if self.num_logprobs[row] >= 0:
                 logprobs += span
                 num_logprobs += [int(self.num_logprobs[row])] * counts[i]
-        index = np.concatenate([np.concatenate(drafts), spec_rows, random, biased, logprobs]).astype(np.int64)
-        split = self.staging.put(index).split_with_sizes([len(spec_rows), len(spec_rows), len(random), len(biased),
-                                                          len(logprobs)])  # fmt: skip
+        pairs = [np.array(p, dtype=np.int64).reshape(-1, 2).T.reshape(-1) for p in (unrecorded, own_unrecorded)]
+        index = np.concatenate([np.concatenate(drafts), spec_rows, random, biased, logprobs, penalized, own, own_rows,
+                                *pairs]).astype(np.int64)  # fmt: skip
+        sizes = [len(spec_rows), len(spec_rows), len(random), len(biased), len(logprobs), len(penalized), len(own),
+                 len(own), len(pairs[0]), len(pairs[1])]  # fmt: skip
+        split = self.staging.put(index).split_with_sizes(sizes)
         draws = self.staging.put(np.concatenate(uniforms).astype(np.float32)) if uniforms else self._draws[:0]
         return SpecRows(list(positions), counts, split[0], index[: len(spec_rows)], split[1], split[2], draws, split[3],
+                        split[5], split[8].view(2, -1), (split[6], split[7]), split[9].view(2, -1), repetition,
                         split[4], np.array(logprobs, dtype=np.int64), num_logprobs)  # fmt: skip
 
     def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int],
@@ -556,7 +576,9 @@ class InputBatch:
             banned = np.flatnonzero((num_tokens - self.num_prompt_tokens[rows] < columns.min_tokens) & columns.has_stop_ids)
         logprobs = np.flatnonzero(columns.asking_logprobs & sample) if columns.asking_logprobs.any() else empty
         biased = np.flatnonzero(columns.biased & sample) if columns.biased.any() else empty
-        penalized = np.flatnonzero(columns.penalized & sample) if columns.penalized.any() else empty
+        penalized = empty
+        if columns.penalized.any():  # a request verifying proposals has its own row penalized with them (SpecRows)
+            penalized = np.flatnonzero(columns.penalized & sample & (num_spec == 0 if num_spec is not None else True))
         sets = (random, biased, penalized, banned)
         sizes = [len(a) for a in sets for _ in range(2)] + [len(logprobs)]
         index = self._no_positions

@@ -99,11 +99,13 @@ class LogitsProcessors:
 
     def apply(
         self, logits: torch.Tensor, biased: tuple[torch.Tensor, torch.Tensor],
-        penalized: tuple[torch.Tensor, torch.Tensor], repetition: bool,
+        penalized: tuple[torch.Tensor, torch.Tensor], repetition: bool, unrecorded: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """logit_bias, then the penalties, in place: `biased` and `penalized` are (batch positions,
         their rows) on the device, of requests that sample this step; `repetition`: whether any
-        penalized one has a repetition penalty."""
+        penalized one has a repetition penalty. `unrecorded` [2, n]: (index into `penalized`, token)
+        of output tokens its counts do not hold yet, counted too (speculative decoding: the proposals
+        before a verifying row)."""
         positions, rows = biased
         if len(positions):
             ids = self.ids.index_select(0, rows)[:, BIAS_IDS:]
@@ -117,6 +119,8 @@ class LogitsProcessors:
         penalties = self.values[:, :BIAS_VALUES].index_select(0, rows).to(logits.dtype).T[:, :, None]
         x = logits.index_select(0, positions)
         counts = self._counts.index_select(0, slots)
+        if unrecorded is not None and unrecorded.shape[1]:
+            counts = counts.index_put((unrecorded[0], unrecorded[1]), counts.new_ones(()), accumulate=True)
         seen = counts > 0
         if repetition:
             rep = penalties[REPETITION]

@@ -124,6 +124,10 @@ class Sampler:
             raw_logprobs = logits.index_select(0, batch.logprobs).log_softmax(dim=-1)
         if len(batch.biased[0]) or len(batch.penalized[0]):
             batch.processors.apply(logits, batch.biased, batch.penalized, batch.repetition)
+        if spec is not None and len(spec.penalized_own[0]):  # with the proposals before it counted
+            no_rows = spec.penalized_own[0][:0]
+            batch.processors.apply(logits, (no_rows, no_rows), spec.penalized_own, spec.repetition,
+                                   spec.penalized_own_unrecorded)  # fmt: skip
         positions, rows = batch.banned
         if len(positions):  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
             stop_ids = batch.ids[:, STOP_IDS:].index_select(0, rows)
@@ -224,9 +228,10 @@ def _verify(logits: torch.Tensor, spec: SpecRows, batch: SamplingBatch) -> tuple
     (for the rows asking for logprobs) the logprobs of the token each row emits (its proposal where
     it accepts it), packed; and the top alternatives computed."""
     raw_logprobs = logits.index_select(0, spec.logprobs).log_softmax(dim=-1) if len(spec.logprobs) else None
-    if len(spec.biased):
-        no_rows = spec.biased[:0]
-        batch.processors.apply(logits, (spec.biased, spec.rows.index_select(0, spec.biased)), (no_rows, no_rows), False)
+    if len(spec.biased) or len(spec.penalized):
+        batch.processors.apply(logits, (spec.biased, spec.rows.index_select(0, spec.biased)),
+                               (spec.penalized, spec.rows.index_select(0, spec.penalized)), spec.repetition,
+                               spec.penalized_unrecorded)  # fmt: skip
     replacement = _argmax(logits).to(torch.int64)
     accept = replacement == spec.drafts
     if len(spec.random):

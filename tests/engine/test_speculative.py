@@ -259,27 +259,30 @@ def test_async_scheduling_with_speculation_runs_nothing_ahead(tiny_checkpoint):
     assert llm.engine.core.stats().spec_num_accepted_tokens > 0
 
 
-def test_requests_that_cannot_speculate_run_beside_those_that_do(tiny_checkpoint):
-    """Penalties and a min_tokens ban still on: their rows depend on the tokens before each, so they
-    get no proposals (the min_tokens one once free does), and every request's tokens are the
-    engine's without speculation."""
+@pytest.mark.parametrize("wrong", ["never", "cycle"])
+def test_penalties_count_the_proposals_before_each_row(tiny_checkpoint, wrong):
+    """Presence, frequency and repetition penalties (beside a logit_bias): each verifying row counts
+    the proposals before it as output, the request's own row all of them, so greedy tokens are the
+    engine's without speculation; a min_tokens ban still on proposes nothing until it is off."""
     path, config = tiny_checkpoint
-    prompts = ["the cat sat on", "hello there", "kalo mine to"]
+    prompts = random_prompts(4, config.vocab_size, seed=31)
     params = [
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.8, repetition_penalty=1.2, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0.0, min_tokens=10, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=0.9, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.6, logit_bias={7: 2.0}, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, frequency_penalty=-0.7),
     ]
     plain = LLM(str(path)).generate(prompts, params)
-    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
-    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
-                              config.vocab_size, "never")  # fmt: skip
+    # Control: the penalties change tokens, so a proposal counted wrong is seen.
+    free = LLM(str(path)).generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert plain[1].output_ids != free[1].output_ids and plain[2].output_ids != free[2].output_ids
+    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(prompts, plain, strict=True)},
+                              config.vocab_size, wrong)  # fmt: skip
     llm = speculating_llm(path, proposer)
     outputs = llm.generate(prompts, params)
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
-    stats = llm.engine.core.stats()
-    # The free request proposes from its first decode on, the min_tokens one from its 10th token on.
-    assert 0 < stats.spec_num_drafts <= (16 - 1) + (16 - 10)
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
+    assert llm.engine.core.stats().spec_num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("wrong", ["never", "cycle", "always"])
