@@ -23,8 +23,8 @@ keeps the state of every unfinished request it has been sent, in its persistent 
   blocks taken for proposed tokens that were rejected go back to the pool), before any growth.
 
 Speculative decoding: a request of `spec_rows` runs its last token and then its proposed tokens
-(`spec_tokens`, that many more scheduled tokens; -1 for a token the runner's draft model proposes
-first); the sampler verifies each proposal on the logits of the position before it
+(`spec_tokens`, that many more scheduled tokens; PROPOSED_BY_RUNNER for a token the runner's draft
+model proposes first); the sampler verifies each proposal on the logits of the position before it
 (SamplerOutput.num_accepted, and the proposals as verified in SamplerOutput.spec_tokens).
 
 The step's batch is `scheduled_ids`, in order, each running `num_scheduled_tokens` tokens from
@@ -45,6 +45,8 @@ from orca_backend.lora import LoRARequest
 from orca_backend.messages import TokenLogprobs
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.wire import decode, encode
+
+PROPOSED_BY_RUNNER = -1  # a proposed token the model runner's draft model fills in (SchedulerOutput.spec_tokens)
 
 
 @dataclass(slots=True)

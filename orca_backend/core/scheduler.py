@@ -62,12 +62,16 @@ from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.messages import CoreOutput, CoreOutputs, FinishReason, RequestMetrics, TokenLogprobs
 from orca_backend.sampling_params import PoolingConfig
-from orca_backend.scheduler_output import NewRequest, PooledChunk, PromptLogprobsChunk, SchedulerOutput
+from orca_backend.scheduler_output import (
+    PROPOSED_BY_RUNNER,
+    NewRequest,
+    PooledChunk,
+    PromptLogprobsChunk,
+    SchedulerOutput,
+)
 
 # The statuses the per-iteration loops test, as module constants: an Enum member read through its
 # class costs several times a global read.
-# Speculative decoding with a draft model: a proposed token the model runner fills in (SchedulerOutput).
-PROPOSED_BY_RUNNER = -1
 _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED
 
@@ -720,23 +724,9 @@ class Scheduler:
         request.num_accepted_tokens += accepted
         request.num_computed += 1 + accepted
         self.kv.register_computed(request)
-        tokens = [*drafts[:accepted], token]
-        for i, new_token in enumerate(tokens):
-            if request.structured and (refused := self._refused_by_grammar(request, new_token)) is not None:
-                return refused
-            request.output_ids.append(new_token)
-            self._recorded_ids.append(request.request_id)
-            self._recorded_tokens.append(new_token)
-            self.num_generated_tokens += 1
-            if token_logprobs is not None:
-                request.output_logprobs.append(token_logprobs[i])
-            if request.structured and self.structured.is_terminated(request.request_id):
-                reason: FinishReason | None = FinishReason.STOP
-            else:
-                reason = check_stop(request, new_token)
-            if reason is not None:
-                self._end(request, reason)
-                return self._output(request)
+        ended = self._land_tokens(request, [*drafts[:accepted], token], token_logprobs)
+        if ended is not None:
+            return ended
         if self.kv.trim(request):  # the runners cut their copy too
             self._shrunk[request.request_id] = len(request.block_table)
             request.num_blocks_sent = min(request.num_blocks_sent, len(request.block_table))
@@ -767,29 +757,34 @@ class Scheduler:
         accepted EOS it ends with "stop" (with `ignore_eos` too: a complete grammar allows nothing
         else); a token its grammar refuses (the mask should make that impossible) ends it with
         "error", and the token is dropped."""
-        if (refused := self._refused_by_grammar(request, token)) is not None:
-            return refused
-        self.num_generated_tokens += 1
-        request.output_ids.append(token)
-        self._recorded_ids.append(request.request_id)
-        self._recorded_tokens.append(token)
-        if token_logprobs is not None:
-            request.output_logprobs.append(token_logprobs)
-        if self.structured.is_terminated(request.request_id):
-            reason: FinishReason | None = FinishReason.STOP
-        else:
-            reason = check_stop(request, token)
-        if reason is not None:
-            self._end(request, reason)
-        return self._output(request)
+        return self._land_tokens(request, [token], None if token_logprobs is None else [token_logprobs]) \
+            or self._output(request)  # fmt: skip
 
-    def _refused_by_grammar(self, request: Request, token: int) -> CoreOutput | None:
-        """Advances a constrained request's matcher by its new token; one its grammar refuses (the
-        masks should make that impossible) ends the request with "error" and is dropped."""
-        if self.structured.accept(request.request_id, token):
-            return None
-        self._end(request, FinishReason.ERROR)
-        return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
+    def _land_tokens(self, request: Request, tokens: list[int],
+                     token_logprobs: list[TokenLogprobs] | None) -> CoreOutput | None:  # fmt: skip
+        """Appends the request's new tokens (and their logprobs) one at a time, recorded for the
+        runners, each checked for a stop in turn (what follows a stop is dropped); a constrained
+        request's matcher accepts each first, and it ends with "stop" once its grammar accepted EOS,
+        or with "error" on a token its grammar refuses (the masks should make that impossible; the
+        token is dropped). Returns the request's output if it ended, else None."""
+        for i, token in enumerate(tokens):
+            if request.structured and not self.structured.accept(request.request_id, token):
+                self._end(request, FinishReason.ERROR)
+                return self._output(request, f"the sampled token {token} breaks the request's structured-output grammar")
+            request.output_ids.append(token)
+            self._recorded_ids.append(request.request_id)
+            self._recorded_tokens.append(token)
+            self.num_generated_tokens += 1
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs[i])
+            if request.structured and self.structured.is_terminated(request.request_id):
+                reason: FinishReason | None = FinishReason.STOP
+            else:
+                reason = check_stop(request, token)
+            if reason is not None:
+                self._end(request, reason)
+                return self._output(request)
+        return None
 
     def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> CoreOutputs:
         """Ends a waiting or running request now (an abort: cancelled, a stop string, an error).

@@ -29,7 +29,7 @@ from orca_backend.families import AnyModelConfig
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
-from orca_backend.scheduler_output import SchedulerOutput
+from orca_backend.scheduler_output import PROPOSED_BY_RUNNER, SchedulerOutput
 from orca_backend.worker.input_batch import InputBatch, ragged_arange
 from orca_kernels import AttentionMetadata
 
@@ -76,7 +76,7 @@ class DraftProposer:
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
         """Fills in the step's placeholder proposals (in `step.spec_tokens`, and past each request's
         tokens in its row, where the target's forward reads them). `rows`: the step's rows."""
-        positions = [i for i, drafts in enumerate(step.spec_tokens) if drafts and drafts[0] < 0]
+        positions = [i for i, drafts in enumerate(step.spec_tokens) if drafts and drafts[0] == PROPOSED_BY_RUNNER]
         if not positions:
             return
         spec_rows = rows[[step.spec_rows[i] for i in positions]]
