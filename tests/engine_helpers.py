@@ -68,11 +68,13 @@ class OracleProposer:
 
     K = 4  # tokens a proposal holds at most: the engine's num_speculative_tokens must be as many
 
-    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, wrong: str,
+    def __init__(self, prompts: list[list[int]], references: list[list[int]], vocab_size: int, wrong: str,
                  strict: bool = True) -> None:  # fmt: skip
-        """`strict`: the engine's tokens must be the reference's (greedy); else it proposes the
-        reference's tokens at the same place, wherever the request went."""
-        self.references, self.vocab_size, self.wrong, self.strict = references, vocab_size, wrong, strict
+        """`references[i]`: the tokens that follow `prompts[i]` (token ids). `strict`: the engine's
+        tokens must be the reference's (greedy); else it proposes the reference's tokens at the same
+        place, wherever the request went."""
+        self.references = {tuple(p): r for p, r in zip(prompts, references, strict=True)}
+        self.vocab_size, self.wrong, self.strict = vocab_size, wrong, strict
         self.proposed = 0
         self.calls = 0
 

@@ -40,7 +40,7 @@ def test_greedy_tokens_equal_the_engine_without_speculation(tiny_checkpoint, mod
     path, config = tiny_checkpoint
     prompts = random_prompts(6, config.vocab_size, seed=3)
     expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, wrong)
+    proposer = OracleProposer(prompts, expected, config.vocab_size, wrong)
     llm = speculating_llm(path, proposer, max_num_seqs=8, **KV_MODES[mode])
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
@@ -77,7 +77,7 @@ def test_preemption_with_proposals_in_a_small_pool(tiny_checkpoint):
     prompts = random_prompts(8, config.vocab_size, seed=21)
     options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 160, "max_num_seqs": 8}
     expected = references(path, prompts, **options)
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "cycle")
+    proposer = OracleProposer(prompts, expected, config.vocab_size, "cycle")
     llm = speculating_llm(path, proposer, **options)
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
@@ -90,8 +90,7 @@ def test_rejected_proposals_give_their_blocks_back(tiny_checkpoint):
     path, config = tiny_checkpoint
     prompts = random_prompts(2, config.vocab_size, seed=4)
     expected = references(path, prompts)
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size,
-                              "always")  # fmt: skip
+    proposer = OracleProposer(prompts, expected, config.vocab_size, "always")
     llm = speculating_llm(path, proposer, kv_policy="paged", block_size=2)
     engine, core = llm.engine, llm.engine.core
     scheduled: dict[str, list[int]] = {}
@@ -133,7 +132,7 @@ def test_max_tokens_and_stop_tokens_inside_a_proposal(tiny_checkpoint, wrong):
              for i, m in enumerate([24, 7, 13, 24])]  # fmt: skip
     expected_outputs = LLM(str(path)).generate(prompts, cases)
     expected = {tuple(p): o.output_ids for p, o in zip(prompts, expected_outputs, strict=True)}
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, plain, strict=True)}, config.vocab_size, wrong)
+    proposer = OracleProposer(prompts, plain, config.vocab_size, wrong)
     outputs = speculating_llm(path, proposer).generate(prompts, cases)
     for prompt, output, reference in zip(prompts, outputs, expected_outputs, strict=True):
         assert output.output_ids == expected[tuple(prompt)]
@@ -147,8 +146,7 @@ def test_logprobs_of_emitted_tokens(tiny_checkpoint):
     prompts = random_prompts(3, config.vocab_size, seed=9)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     plain = LLM(str(path)).generate(prompts, params)
-    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(prompts, plain, strict=True)},
-                              config.vocab_size, "cycle")  # fmt: skip
+    proposer = OracleProposer(prompts, [o.output_ids for o in plain], config.vocab_size, "cycle")
     outputs = speculating_llm(path, proposer).generate(prompts, params)
     for got, want in zip(outputs, plain, strict=True):
         assert got.output_ids == want.output_ids
@@ -167,8 +165,7 @@ def test_seeded_sampling_is_reproducible(tiny_checkpoint):
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(3)]
     params[2] = SamplingParams(max_tokens=20, temperature=1.0, seed=102, n=3, ignore_eos=True)  # each sample proposes
     plain = references(path, prompts, GREEDY)  # proposals from the greedy run: some right, some not
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, plain, strict=True)}, config.vocab_size, "never",
-                              strict=False)  # fmt: skip
+    proposer = OracleProposer(prompts, plain, config.vocab_size, "never", strict=False)
     llm = speculating_llm(path, proposer)
     def run(prompts, params):
         return [[s.output_ids for s in o.samples or [o]] for o in llm.generate(prompts, params)]
@@ -239,8 +236,7 @@ def test_llama_family_and_moe_equal_transformers(tmp_path, family, wrong):
     model = write_tiny(family, tmp_path, seed=5)
     prompts = random_prompts(3, model.config.vocab_size, seed=6)
     expected = [hf_greedy(model, p, 16) for p in prompts]
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, model.config.vocab_size,
-                              wrong)  # fmt: skip
+    proposer = OracleProposer(prompts, expected, model.config.vocab_size, wrong)
     llm = speculating_llm(tmp_path, proposer, kv_policy="paged", block_size=4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
@@ -253,7 +249,7 @@ def test_async_scheduling_with_speculation_runs_nothing_ahead(tiny_checkpoint):
     path, config = tiny_checkpoint
     prompts = random_prompts(5, config.vocab_size, seed=13)
     expected = references(path, prompts)
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "cycle")
+    proposer = OracleProposer(prompts, expected, config.vocab_size, "cycle")
     llm = speculating_llm(path, proposer, async_scheduling=True)
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine.core.stats().spec_num_accepted_tokens > 0
@@ -276,8 +272,7 @@ def test_penalties_count_the_proposals_before_each_row(tiny_checkpoint, wrong):
     # Control: the penalties change tokens, so a proposal counted wrong is seen.
     free = LLM(str(path)).generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     assert plain[1].output_ids != free[1].output_ids and plain[2].output_ids != free[2].output_ids
-    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(prompts, plain, strict=True)},
-                              config.vocab_size, wrong)  # fmt: skip
+    proposer = OracleProposer(prompts, [o.output_ids for o in plain], config.vocab_size, wrong)
     llm = speculating_llm(path, proposer)
     outputs = llm.generate(prompts, params)
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
@@ -299,10 +294,9 @@ def test_constrained_requests_speculate_within_their_grammar(tiny_checkpoint, wr
                    {"regex": r"\d{4}-\d{2}-\d{2}"}]  # fmt: skip
     params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=c) for c in constraints]
     plain = LLM(str(path)).generate(prompts, params)
-    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
-    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
-                              config.vocab_size, wrong)  # fmt: skip
-    llm = speculating_llm(path, proposer)
+    llm = speculating_llm(path)
+    proposer = llm.engine.core.scheduler.proposer = OracleProposer(
+        [llm.engine.prompt_ids(p) for p in prompts], [o.output_ids for o in plain], config.vocab_size, wrong)
     outputs = llm.generate(prompts, params)
     assert [o.text for o in outputs] == [o.text for o in plain]
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
@@ -324,10 +318,10 @@ def test_stop_strings_cut_inside_a_step_of_several_tokens(tiny_checkpoint):
     stops = [o.text[len(o.text) // 3 : len(o.text) // 3 + 3] for o in plain]
     with_stops = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]) for stop in stops]
     expected = LLM(str(path)).generate(prompts, with_stops)
-    engine_prompts = [LLM(str(path)).engine.prompt_ids(p) for p in prompts]
-    proposer = OracleProposer({tuple(p): o.output_ids for p, o in zip(engine_prompts, plain, strict=True)},
-                              config.vocab_size, "never")  # fmt: skip
-    outputs = speculating_llm(path, proposer).generate(prompts, with_stops)
+    llm = speculating_llm(path)
+    llm.engine.core.scheduler.proposer = OracleProposer(
+        [llm.engine.prompt_ids(p) for p in prompts], [o.output_ids for o in plain], config.vocab_size, "never")
+    outputs = llm.generate(prompts, with_stops)
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected] == ["stop"] * 3
     assert [o.output_ids for o in outputs] == [o.output_ids for o in expected]
@@ -418,7 +412,7 @@ def test_disable_by_batch_size_stops_proposals_while_more_requests_run(tiny_chec
     expected = [o.output_ids for o in LLM(str(path)).generate(prompts, params)]
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": 2})
     llm = LLM(str(path), speculative_config=spec)
-    proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, config.vocab_size, "never")
+    proposer = OracleProposer(prompts, expected, config.vocab_size, "never")
     llm.engine.core.scheduler.proposer = proposer
     steps = []
     schedule = llm.engine.core.scheduler.schedule

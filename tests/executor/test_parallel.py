@@ -86,8 +86,7 @@ def test_speculative_decoding_equals_single_process(checkpoint, reference, tp, p
     engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=tp,
                                     pipeline_parallel_size=pp, kv_policy="paged", block_size=4,
                                     speculative_config=spec))  # fmt: skip
-    engine.core.scheduler.proposer = OracleProposer({tuple(p): e for p, e in zip(prompts, expected, strict=True)},
-                                                    GEOMETRY.vocab_size, "cycle")  # fmt: skip
+    engine.core.scheduler.proposer = OracleProposer(prompts, expected, GEOMETRY.vocab_size, "cycle")
     try:
         assert staggered_run(engine, prompts, lengths) == expected
         stats = engine.stats()

@@ -503,8 +503,7 @@ def test_speculative_decoding_with_adapters_equals_peft(families, references):
     spec = f'{{"method": "ngram", "num_speculative_tokens": {OracleProposer.K}}}'
     llm = make_llm(path, adapters, speculative_config=spec)
     want = expected(references, "Llama", NAMES)
-    llm.engine.core.scheduler.proposer = OracleProposer({tuple(p): w for p, w in zip(PROMPTS, want, strict=True)},
-                                                        models[None].config.vocab_size, "cycle")  # fmt: skip
+    llm.engine.core.scheduler.proposer = OracleProposer(PROMPTS, want, models[None].config.vocab_size, "cycle")
     try:
         assert run(llm, PROMPTS, NAMES) == want
         assert llm.engine.stats().spec_num_accepted_tokens > 0
