@@ -248,6 +248,13 @@ def finished_counts(server: TritonServer, model: str = "orca") -> dict[str, floa
             for reason in ("cancelled", "length")}  # fmt: skip
 
 
+def ran_to_length(server: TritonServer, before: dict[str, float], model: str = "orca") -> int:
+    """How many of `model`'s requests ran to max_tokens since `before` (finished_counts): a test that
+    runs the engine in slices until its requests all run stops waiting when one has ended instead (a
+    loaded machine may pass a request to the engine so late that another one has made every token)."""
+    return int(metric(server, "orca_requests_finished_total", model, reason="length") - before["length"])
+
+
 def all_cancelled(server: TritonServer, before: dict[str, float], count: int, model: str = "orca") -> bool:
     """Waits until `count` more requests ended (cancelled, or run to max_tokens) since `before`
     (finished_counts); True when every one was cancelled, False when some ran to max_tokens first."""
