@@ -1,14 +1,15 @@
 """Speculative decoding on CPU, side by side in one run: output tokens/s with n-gram proposals, a
-draft model and the target as its own draft (the upper bound: every greedy proposal accepted),
-against no speculation, at batch 1 and batch 8; with each one's acceptance rate and mean accepted
-length (vLLM's: 1 + accepted / proposals).
+draft model, an EAGLE head and the target as its own draft (the upper bound: every greedy proposal
+accepted), against no speculation, at batch 1 and batch 8; with each one's acceptance rate and mean
+accepted length (vLLM's: 1 + accepted / proposals).
 
     python benchmarks/speculative.py [--out docs/bench/speculative/RUN.json]
 
 Where proposals can be right: the benchmark first trains (seeded, a few minutes on two cores) a
 GPT-2 (25M parameters: two layers 1,024 wide) on text whose continuations repeat earlier spans, as code, templates and quoted text
 do, so a model that learned to copy can be anticipated by looking its context up (n-gram) or by a
-smaller model trained alike (the draft). The held-out prompts come from the same generator. Two rows
+smaller model trained alike (the draft), or by an EAGLE head trained on the target's own hidden states
+(one narrow Llama layer). The held-out prompts come from the same generator. Two rows
 measure what speculation costs when it does not pay: a draft of random weights (every proposal
 wrong: the price of verifying them), and n-gram proposals on a target of random weights whose text
 repeats nothing (little is proposed: the price of looking).
@@ -41,6 +42,10 @@ VOCAB = 512
 # from memory (~100 MB in float32), as a served model's does, and a draft about 1/50 of its size.
 TARGET = (1024, 2, 16)
 DRAFT = (128, 2, 4)
+# The EAGLE head: one Llama layer of the target's width with 4 query heads of 64 (2 KV heads) and a
+# 512-wide MLP, about 1/8 of the target's weights with its fc.
+EAGLE_HEAD = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  intermediate_size=512, max_position_embeddings=256)  # fmt: skip
 
 
 def phrase_book(seed: int = 0, num_phrases: int = 48) -> list[list[int]]:
@@ -96,6 +101,49 @@ def train(path: Path, n_embd: int, n_layer: int, n_head: int, steps: int, seed: 
     model.eval().save_pretrained(path)
 
 
+def train_eagle(path: Path, target_dir: Path, steps: int, seed: int, log: list[float], length: int = 64) -> None:
+    """An EAGLE head over the trained target (EAGLE_HEAD), trained (seeded) on `spans_text` to name
+    the target's token two ahead of a position from the token one ahead and the target's final
+    hidden state there, through the target's LM head; written as an EagleLlamaForCausalLM checkpoint
+    (`fc.weight`, `layers.0.*` without its input norm)."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    target = transformers.GPT2LMHeadModel.from_pretrained(target_dir).eval()
+    width = target.config.n_embd
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, attn_implementation="sdpa", **EAGLE_HEAD)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    layer, fc = LlamaDecoderLayer(config, 0), torch.nn.Linear(2 * width, width, bias=False)
+    layer.input_layernorm = torch.nn.Identity()  # EAGLE's first layer reads fc's output as it is
+    rotary = LlamaRotaryEmbedding(config)
+    embed = target.transformer.wte.weight.detach()  # also the (tied) LM head
+    optimizer = torch.optim.AdamW([*layer.parameters(), *fc.parameters()], lr=2e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    positions = torch.arange(length - 1)[None]
+    mask = torch.full((length - 1, length - 1), float("-inf")).triu(1)[None, None]
+    for step in range(steps):
+        batch = torch.tensor([spans_text(rng, length) for _ in range(16)])
+        with torch.no_grad():
+            hidden = target(batch, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        x = fc(torch.cat([embed[batch[:, 1:]], hidden[:, :-1]], dim=-1))  # position p: token p + 1, hidden p
+        out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        loss = torch.nn.functional.cross_entropy((out[:, :-1] @ embed.t()).reshape(-1, VOCAB), batch[:, 2:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == steps - 1:
+            log.append(round(loss.item(), 4))
+            print(f"  {path.name} step {step}: loss {loss.item():.3f}", flush=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_dict() | {"architectures": ["EagleLlamaForCausalLM"]}))
+    tensors = {f"layers.0.{name}": p.detach().contiguous() for name, p in layer.named_parameters()}
+    save_file(tensors | {"fc.weight": fc.weight.detach().contiguous()}, str(path / "model.safetensors"))
+
+
 def untrained(path: Path, n_embd: int, n_layer: int, n_head: int, seed: int) -> None:
     """A GPT-2 of random weights (initializer_range 0.3: varied tokens, as a model that copies
     nothing), written to `path`."""
@@ -142,11 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     target_dir, draft_dir = args.work_dir / "target", args.work_dir / "draft"
     random_target, random_draft = args.work_dir / "random-target", args.work_dir / "random-draft"
-    losses: dict[str, list[float]] = {"target": [], "draft": []}
+    eagle_dir = args.work_dir / "eagle"
+    losses: dict[str, list[float]] = {"target": [], "draft": [], "eagle": []}
     if not (args.reuse_models and (target_dir / "config.json").is_file() and (draft_dir / "config.json").is_file()):
         print(f"training the target and the draft ({args.train_steps} steps each)", flush=True)
         train(target_dir, *args.target, args.train_steps, seed=1, log=losses["target"])
         train(draft_dir, *args.draft, args.train_steps, seed=2, log=losses["draft"])
+    if not (args.reuse_models and (eagle_dir / "config.json").is_file()):
+        print(f"training the EAGLE head ({args.train_steps} steps)", flush=True)
+        train_eagle(eagle_dir, target_dir, args.train_steps, seed=5, log=losses["eagle"])
     untrained(random_target, *args.target, seed=3)
     untrained(random_draft, *args.draft, seed=4)
 
@@ -164,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         "none": (target_dir, None, copying),
         "ngram": (target_dir, ngram, copying),
         "draft_model": (target_dir, draft(draft_dir), copying),
+        "eagle": (target_dir, {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": k}, copying),
         "self_draft": (target_dir, draft(target_dir), copying),
         "random_draft": (target_dir, draft(random_draft), copying),  # every proposal wrong: what verifying costs
         "none_untrained": (random_target, None, random_tokens),

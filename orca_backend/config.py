@@ -72,9 +72,11 @@ class KVEventsConfig:
 
 # The proposers built: n-gram lookup in the engine core (core/ngram_proposer.py), a draft model in the
 # model runner (worker/draft_proposer.py).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+# The methods whose proposals a model in the model runner makes (the scheduler leaves it placeholders).
+RUNNER_SPECULATIVE_METHODS = ("draft_model", "eagle")
 # vLLM's other methods: refused at load, by name, until their proposer is built here.
-UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+UNBUILT_SPECULATIVE_METHODS = ("eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class SpeculativeConfig:
     lookup), n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM takes one of them for the
     other when only one is given. "draft_model" runs `model`, a smaller checkpoint with the target's
     vocabulary, greedily for `num_speculative_tokens` tokens (vLLM takes that method when a model is
-    named without one)."""
+    named without one). "eagle" runs `model`, an EAGLE head (vLLM's EagleLlamaForCausalLM
+    checkpoints), greedily over the target's own hidden states, embedding and LM head."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -108,11 +111,12 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r} (served: {', '.join(SPECULATIVE_METHODS)})")
         values = _json_fields(text, "speculative_config", cls, values)
-        if method == "draft_model":
+        if method in RUNNER_SPECULATIVE_METHODS:
             if not values.get("model") or not isinstance(values["model"], str):
-                raise ValueError("speculative_config: method 'draft_model' needs model, the draft checkpoint")
+                what = "the draft checkpoint" if method == "draft_model" else "the EAGLE head's checkpoint"
+                raise ValueError(f"speculative_config: method {method!r} needs model, {what}")
             if {"prompt_lookup_min", "prompt_lookup_max"} & set(values):
-                raise ValueError("speculative_config: prompt_lookup_min/max are the ngram method's, not draft_model's")
+                raise ValueError(f"speculative_config: prompt_lookup_min/max are the ngram method's, not {method}'s")
         elif values.get("model") is not None:
             raise ValueError(f"speculative_config: method {method!r} takes no model")
         else:
@@ -257,10 +261,11 @@ class EngineConfig:
             raise ValueError("kv_events_config enables K/V cache events, which describe the prefix cache: set "
                              "enable_prefix_caching too")  # fmt: skip
         speculative = self.speculative()  # a bad speculative_config fails here, naming the field
-        if speculative is not None and speculative.method == "draft_model" and (
+        if speculative is not None and speculative.method in RUNNER_SPECULATIVE_METHODS and (
                 int(self.tensor_parallel_size) != 1 or int(self.pipeline_parallel_size) != 1):  # fmt: skip
-            raise ValueError("speculative_config: method 'draft_model' runs in one process (tensor_parallel_size = "
-                             "pipeline_parallel_size = 1); the ngram method serves any layout")  # fmt: skip
+            raise ValueError(f"speculative_config: method {speculative.method!r} runs in one process "
+                             "(tensor_parallel_size = pipeline_parallel_size = 1); the ngram method serves any "
+                             "layout")  # fmt: skip
         if float(self.health_check_interval_s) < 0:
             raise ValueError(f"health_check_interval_s must be > 0, or 0 for none, got {self.health_check_interval_s!r}")
         if float(self.health_check_interval_s) > 0 and float(self.iteration_timeout_s) == 0:

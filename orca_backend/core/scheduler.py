@@ -217,7 +217,7 @@ class Scheduler:
         # that verified proposals (one per request), proposed tokens, accepted ones, and accepted ones
         # by their place in the proposal.
         self.proposer: NgramProposer | None = None  # n-gram proposals, made here
-        self.runner_proposes = 0  # draft_model: the tokens each decode leaves the model runner to propose
+        self.runner_proposes = 0  # draft_model, eagle: the tokens each decode leaves the model runner to propose
         # No request proposes while more than this many run (speculative_config.disable_by_batch_size).
         self.speculate_below = sys.maxsize
         if speculative is not None and speculative.method == "ngram":
@@ -586,7 +586,8 @@ class Scheduler:
         token must not end it by length, and nothing of its next step may need the token on the host
         (`Request.can_run_ahead`). A stop token found when the batch lands costs the step run ahead,
         which is dropped (`update_from_output`)."""
-        return (self.async_scheduling and self.proposer is None and request.in_flight == 1 and request.can_run_ahead
+        speculates = self.proposer is not None or self.runner_proposes  # proposals are made from the host's tokens
+        return (self.async_scheduling and not speculates and request.in_flight == 1 and request.can_run_ahead
                 and request.num_scheduled == request.num_tokens
                 and len(request.output_ids) + 1 < request.params.max_tokens)  # fmt: skip
 

@@ -346,6 +346,32 @@ def from_hf(raw: dict[str, Any], source: str) -> LlamaConfig:
     return replace(config, fp8=True, fp8_block=block) if quantization else config
 
 
+# EAGLE heads (speculative_config method "eagle"): a few Llama decoder layers over the target's hidden
+# states, under vLLM's architecture names and that of EAGLE's own exports (a plain Llama config).
+EAGLE_HEAD_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """An EAGLE head's config.json: its layers' geometry as a LlamaConfig, and whether it norms its
+    two inputs before joining them (HASS heads' add_para_norm)."""
+
+    decoder: LlamaConfig
+    input_norms: bool = False
+
+
+def eagle_head_config(raw: dict[str, Any], source: str) -> EagleHeadConfig:
+    """An EAGLE head's config, refusing one this engine would not run as vLLM does."""
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in EAGLE_HEAD_ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {arch!r} is not an EAGLE head this engine serves (served: "
+                         f"{', '.join(EAGLE_HEAD_ARCHITECTURES)}; EAGLE-3 heads are not served yet)")  # fmt: skip
+    if raw.get("quantization_config"):
+        raise ValueError(f"{source}: a quantized EAGLE head is not served")
+    decoder = LlamaConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"]}, source)
+    return EagleHeadConfig(decoder, bool(raw.get("add_para_norm", False)))
+
+
 def hf_moe_fields(config: LlamaConfig) -> dict[str, Any]:
     """The mixture-of-experts fields of config.json under the architecture's names, as `_moe_fields`
     reads them back (none for a dense model; benchmarks build transformers' model from them)."""

@@ -104,6 +104,10 @@ class WeightSource:
             _check_fp8_projections(model_dir, entries)
         return cls(entries)
 
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> WeightSource:
+        """This source and `tensors` under their names (what a checkpoint takes from another model)."""
+        return WeightSource({**self._entries, **tensors})
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 

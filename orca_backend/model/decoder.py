@@ -319,6 +319,13 @@ class Decoder(StageModel):
             and gemm.can_fuse_norms(ops, [x for layer in weights.layers for x in (layer.qkv_w, layer.gate_up_w)])
         )
 
+    def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.embed_scale is not None:
+            raise ValueError("speculative_config: method 'eagle' is not served for a model that scales its "
+                             "embedding (Gemma): EAGLE heads read the plain embedding")  # fmt: skip
+        assert self.weights.embed is not None and self.weights.lm_head is not None, "a single-process model"
+        return self.weights.embed, self.weights.lm_head
+
     def _experts(self, h: torch.Tensor, layer: DecoderLayerWeights) -> torch.Tensor:
         """A MoE layer on the flat tokens of the whole batch: router logits in float32, softmax over
         the experts, each token's top k (renormalised where the family does: Mixtral, Qwen3-MoE), then

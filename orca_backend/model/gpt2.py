@@ -119,6 +119,10 @@ class GPT2(StageModel):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.can_fuse_norms = gemm.can_fuse_norms(ops, [layer.qkv_w for layer in weights.layers])
 
+    def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.weights.wte is not None, "a single-process model"
+        return self.weights.wte, self.weights.wte  # the LM head is tied; positions are not the token's
+
     @torch.inference_mode()
     def forward(
         self,

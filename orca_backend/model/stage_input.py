@@ -53,3 +53,8 @@ class StageModel:
         self.num_kv_heads = num_kv_heads // layout.tp_size  # the K/V pool's heads (model_runner.py)
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
+
+    def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token embedding, LM head), [vocab, hidden] each, of a single-process model: what an EAGLE
+        head (model/eagle.py) shares with it."""
+        raise ValueError(f"speculative_config: method 'eagle' is not served for {type(self).__name__} models")

@@ -99,6 +99,8 @@ EAGER_REASONS = {
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
     "speculative": "a request verifies proposed tokens (speculative decoding: a logits row per proposal; the "
                    "graphs hold one per request)",
+    "eagle": "speculative decoding with an EAGLE head reads every step's final hidden states, which the graphs "
+             "do not return",
 }
 
 

@@ -1,22 +1,16 @@
 """Speculative decoding's draft model (vLLM's method "draft_model"): a smaller checkpoint with the
 target's vocabulary, run greedily by the model runner to fill in the proposals the scheduler left
-to it (placeholders: it decided how many, within the token budget, max_tokens and the blocks it
-took), just before the target's forward verifies them.
-
-Its K/V lives in a pool of its own beside the target's, slot for slot: the same block tables and
-slot mapping, its own layers and heads, so the scheduler's blocks serve both models and nothing is
-allocated for it alone. A verify step's table covers the request's last token and its k proposals,
-and the draft writes only up to its (k-1)-th proposal, so it never writes outside the request's
-blocks.
+to it (worker/runner_proposer.py), just before the target's forward verifies them. Its K/V lives
+slot for slot beside the target's; a verify step's table covers the request's last token and its k
+proposals, and the draft writes only up to its (k-1)-th proposal, so it never writes outside the
+request's blocks.
 
 A request's first pass computes the draft's K/V for what the draft has not seen yet: after its
 prompt or a preemption, its whole context; else the tokens accepted since its last proposals (those
 of its proposals the target accepted keep the K/V the draft wrote for them) and its last token.
 Then k - 1 passes of one token each. Drafting is greedy: each proposal names one token, so the
-sampler verifies it as it does an n-gram proposal (q = 1 there), and sampling stays exact.
-
-The draft's passes are not counted in the step's token budget (a first pass after a preemption is
-as long as the context), and on a GPU each pass reads its tokens back to the host (k reads a step).
+sampler verifies it as it does an n-gram proposal (q = 1 there), and sampling stays exact. (A
+first pass after a preemption is as long as the context.)
 """
 
 from __future__ import annotations
@@ -29,12 +23,12 @@ from orca_backend.families import AnyModelConfig
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
-from orca_backend.scheduler_output import PROPOSED_BY_RUNNER, SchedulerOutput
+from orca_backend.scheduler_output import SchedulerOutput
 from orca_backend.worker.input_batch import InputBatch, ragged_arange
-from orca_kernels import AttentionMetadata
+from orca_backend.worker.runner_proposer import RunnerProposer
 
 
-class DraftProposer:
+class DraftProposer(RunnerProposer):
     def __init__(self, config: EngineConfig, target: AnyModelConfig, device: torch.device) -> None:
         """Loads the draft model, refusing one that cannot serve `target` (naming the field)."""
         draft_config = config.draft_config()
@@ -51,32 +45,17 @@ class DraftProposer:
             raise ValueError(f"speculative_config: the draft model's context ({self.model_config.max_context}) is "
                              f"shorter than the target's; set max_model_len to at most it")  # fmt: skip
         self.model = load_model(draft_config, self.model_config, device)
-        self.device, self.dtype = device, torch_dtype(config.dtype)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.block_size = config.block_size
+        super().__init__(len(self.model.weights.layers), self.model.num_kv_heads, self.model_config.head_dim,
+                         config.block_size, torch_dtype(config.dtype), device)  # fmt: skip
         # Per input-batch row: the draft K/V is valid below `valid` while the row holds the request it
         # held then (`epoch`, InputBatch.row_epoch); `last` is where its last proposals started and
         # what they were (those the target accepted keep their K/V).
         self._valid: dict[int, tuple[int, int]] = {}  # row -> (epoch, valid)
         self._last: dict[int, tuple[int, list[int]]] = {}  # row -> (start, proposals)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * element * len(self.model.weights.layers) * self.model.num_kv_heads * self.model_config.head_dim
-
-    def allocate(self, num_slots: int) -> None:
-        """The draft's K/V pool: as many slots as the target's."""
-        from orca_backend.worker.model_runner import allocate_kv_pool
-
-        self.kv_caches = allocate_kv_pool(len(self.model.weights.layers), num_slots, self.model.num_kv_heads,
-                                          self.model_config.head_dim, self.dtype, self.device)  # fmt: skip
-
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
-        """Fills in the step's placeholder proposals (in `step.spec_tokens`, and past each request's
-        tokens in its row, where the target's forward reads them). `rows`: the step's rows."""
-        positions = [i for i, drafts in enumerate(step.spec_tokens) if drafts and drafts[0] == PROPOSED_BY_RUNNER]
+        positions = self.placeholders(step)
         if not positions:
             return
         spec_rows = rows[[step.spec_rows[i] for i in positions]]
@@ -100,8 +79,7 @@ class DraftProposer:
                                               drafts[active, j - 1])  # fmt: skip
         for i, position in enumerate(positions):
             row, proposal = int(spec_rows[i]), drafts[i, : counts[i]].tolist()
-            step.spec_tokens[position] = proposal
-            batch.token_ids[row, ends[i] : ends[i] + counts[i]] = proposal
+            self.fill(step, batch, position, row, proposal)
             self._valid[row] = (int(batch.row_epoch[row]), int(ends[i]))
             self._last[row] = (int(ends[i]), proposal[:-1])  # the last one is never fed to the draft
 
@@ -124,19 +102,7 @@ class DraftProposer:
                  lengths: np.ndarray, context_lens: np.ndarray, input_ids: np.ndarray) -> np.ndarray:  # fmt: skip
         """One draft pass: each request's `lengths` tokens at `token_positions`, attending to its
         first `context_lens` positions; its greedy next token after the last, on the host."""
-        size = self.block_size
-        slots = batch.block_table[token_rows, token_positions // size].astype(np.int64) * size + token_positions % size
-        width = -(-int(context_lens.max()) // size)
-        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        meta = AttentionMetadata(
-            query_start=self._put(query_start), context_lens=self._put(context_lens.astype(np.int32)),
-            block_tables=self._put(np.ascontiguousarray(batch.block_table[rows, :width])),
-            slot_mapping=self._put(slots), block_size=size, max_query_len=int(lengths.max()),
-            max_context_len=int(context_lens.max()), num_requests=len(rows),
-        )  # fmt: skip
-        stage_input = StageInput(self._put(input_ids.astype(np.int64)), self._put(token_positions.astype(np.int64)))
-        logits = self.model.forward(stage_input, meta, self.kv_caches, self._put(query_start[1:] - 1))
+        meta = self.metadata(batch, rows, token_rows, token_positions, lengths, context_lens)
+        stage_input = StageInput(self.put(input_ids.astype(np.int64)), self.put(token_positions.astype(np.int64)))
+        logits = self.model.forward(stage_input, meta, self.kv_caches, self.put(np.cumsum(lengths) - 1))
         return logits.argmax(dim=-1).cpu().numpy()
-
-    def _put(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -40,10 +40,12 @@ from orca_backend.worker.cuda_graphs import (
     runner_eager_reason,
 )
 from orca_backend.worker.draft_proposer import DraftProposer
+from orca_backend.worker.eagle_proposer import EagleProposer
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import describe as describe_memory
 from orca_backend.worker.kv_pool import kv_pool_tokens, profile_memory, read_cuda_memory
 from orca_backend.worker.lora_manager import LoRAManager
+from orca_backend.worker.runner_proposer import RunnerProposer
 from orca_backend.worker.sampler import SampledTokens, Sampler
 from orca_kernels import AttentionMetadata
 from orca_kernels.lora import lora_metadata
@@ -83,9 +85,16 @@ class ModelRunner:
         if config.enable_lora:
             self.lora = LoRAManager(self.model, model_config, layout, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras, torch_dtype(config.dtype), self.device)  # fmt: skip
-        # Speculative decoding with a draft model: it proposes in this runner, its K/V slot for slot
-        # beside the target's (loaded before the pool is sized, so its weights are counted).
-        self.drafter = DraftProposer(config, model_config, self.device) if config.draft_config() else None
+        # Speculative decoding with a draft model or an EAGLE head: it proposes in this runner, its K/V
+        # slot for slot beside the target's (loaded before the pool is sized, so its weights are counted).
+        self.drafter: RunnerProposer | None = None
+        method = config.speculative().method if config.speculative_config else ""
+        if method == "draft_model":
+            self.drafter = DraftProposer(config, model_config, self.device)
+        elif method == "eagle":
+            self.drafter = EagleProposer(config, model_config, self.model, self.device)
+        # The final hidden state of every token of every step, for the EAGLE head (None: not asked).
+        self._every_token: torch.Tensor | None = None
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:
@@ -120,6 +129,8 @@ class ModelRunner:
         self.eager_reason = runner_eager_reason(
             config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
+        if not self.eager_reason and self.drafter is not None and self.drafter.needs_hidden_states:
+            self.eager_reason = "eagle"
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
         if self.eager_reason:
             logger.info("steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
@@ -224,7 +235,7 @@ class ModelRunner:
         slots = np.asarray(copies, dtype=np.int64)[:, :, None] * size + np.arange(size)  # [copies, 2, size]
         index = self.input_batch.staging.put(slots)  # staged: no pageable copy in the step's stream
         sources, destinations = index[:, 0].reshape(-1), index[:, 1].reshape(-1)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
             k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
             v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
 
@@ -293,8 +304,17 @@ class ModelRunner:
             assert self.lora is not None
             lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
         pool_indices = inputs.pooling.indices if inputs.pooling is not None else None
+        if self.drafter is not None and self.drafter.needs_hidden_states:
+            pool_indices = self._every_token_index(inputs.num_tokens)
         stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices)
         return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
+
+    def _every_token_index(self, count: int) -> torch.Tensor:
+        """0..count-1 on the device (a view of one grown by doubling)."""
+        if self._every_token is None or len(self._every_token) < count:
+            size = max(count, 2 * (0 if self._every_token is None else len(self._every_token)))
+            self._every_token = torch.arange(size, device=self.device)
+        return self._every_token[:count]
 
     def _ahead_tokens(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """(token positions, ids) of the requests run ahead: each one's input token is the id the
@@ -320,11 +340,15 @@ class ModelRunner:
         if step.bitmask_rows:  # structured output: the grammar's mask comes before any sampling step
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
-        pooled = None
-        if isinstance(logits, tuple):  # the last stage also returned the hidden states embedding requests pool
+        pooled, every_token = None, None
+        if isinstance(logits, tuple):  # the last stage also returned final hidden states
             logits, hidden = logits
-            assert inputs.pooling is not None
-            pooled = (hidden, inputs.pooling)
+            if self.drafter is not None and self.drafter.needs_hidden_states:  # every token's: the pooled are some
+                every_token = hidden
+                hidden = hidden.index_select(0, inputs.pooling.indices) if inputs.pooling is not None else None
+            if hidden is not None:
+                assert inputs.pooling is not None
+                pooled = (hidden, inputs.pooling)
         # The rows after the requests' own: those verifying proposals, then those scoring prompt tokens.
         count, spec_logits, prompt_logits = inputs.num_requests, None, None
         if inputs.spec is not None:
@@ -345,6 +369,9 @@ class ModelRunner:
         if self._lora_failures:
             sampled.lora_failures, self._lora_failures = self._lora_failures, {}
         self._last_sampled = (step.scheduled_ids, sampled.tokens)
+        if every_token is not None:  # the EAGLE head runs on what the step kept (a wait for it on a GPU)
+            assert self.drafter is not None
+            self.drafter.observe(step, self.input_batch, self.input_batch.step_rows(step), every_token, sampled.result())
         return sampled
 
     def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

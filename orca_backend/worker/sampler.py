@@ -67,9 +67,12 @@ class SampledTokens:
     pooling: PoolingRows | None = None  # the step's pooled chunks, if any (their sums are packed last)
     spec: SpecRows | None = None  # the step's rows verifying proposals, if any (packed after the logprobs)
     spec_top: int = 0  # top alternatives computed per verifying row that asks for logprobs
+    landed: SamplerOutput | None = None  # what `result()` returned, once it has
 
     def result(self) -> SamplerOutput:
         """The ids as a list, and the logprobs, once their copy has landed (a wait for the step on a GPU)."""
+        if self.landed is not None:
+            return self.landed
         if self.copied is not None:
             self.copied.synchronize()
         packed = self.packed.numpy()  # the step's one read of what it computed
@@ -96,8 +99,9 @@ class SampledTokens:
         if self.pooling is not None:
             sums = _unpack_floats(packed[end:]).reshape(len(self.pooling.positions), -1)
             pooled = [PooledChunk(p, row) for p, row in zip(self.pooling.positions, sums.tolist(), strict=True)]
-        return SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs, pooled,
-                             num_accepted, spec_logprobs, spec_tokens)  # fmt: skip
+        self.landed = SamplerOutput(tokens, logprobs, self.lora_failures, self.step_path, prompt_logprobs, pooled,
+                                    num_accepted, spec_logprobs, spec_tokens)  # fmt: skip
+        return self.landed
 
 
 class Sampler:

@@ -208,7 +208,8 @@ def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
 
 @pytest.mark.parametrize(("text", "message"), [
     ('{"method": "ngram"}', "num_speculative_tokens must be an integer >= 1"),
-    ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' is not served"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3' is not served"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' needs model, the EAGLE head's"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "unknown field\\(s\\) draft_tensor_parallel_size"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min \\(4\\) must be at most"),
@@ -345,6 +346,18 @@ def test_draft_model_the_target_itself_has_every_proposal_accepted(tiny_checkpoi
     assert llm.engine.core.kv.used_tokens == 0
 
 
+def test_draft_model_with_async_scheduling_runs_nothing_ahead(tiny_checkpoint):
+    """A request whose next step ran ahead would propose from tokens the host does not have yet: with
+    the target as its own draft, every proposal is still accepted."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(5, config.vocab_size, seed=16)
+    expected = references(path, prompts)
+    llm = LLM(str(path), speculative_config=draft_config(path), async_scheduling=True)
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
 @pytest.mark.parametrize("mode", ["reserve", "paged"])
 def test_draft_model_with_random_weights_still_exact(tiny_checkpoint, make_checkpoint, mode):
     """A draft of the same geometry with other random weights: almost nothing is accepted, and the
@@ -427,3 +440,156 @@ def test_disable_by_batch_size_stops_proposals_while_more_requests_run(tiny_chec
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     assert all(spec == 0 for running, spec in steps if running > 2)
     assert any(spec for running, spec in steps if running <= 2)
+
+
+# ---- EAGLE heads --------------------------------------------------------------------------------
+def eagle_config(head, k: int = K) -> str:
+    return json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory):
+    """A two-layer EAGLE head of random weights over the tiny GPT-2 (hidden size 64)."""
+    import torch
+    from eagle_heads import head_config, random_layers, write_eagle_head
+
+    layers = random_layers(head_config(64, 384, num_layers=2), seed=3)
+    fc = 0.3 * torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+    return write_eagle_head(tmp_path_factory.mktemp("eagle"), layers, fc)
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_eagle_with_a_random_head_still_exact(tiny_checkpoint, random_head, mode):
+    """A head of random weights proposes almost nothing the target accepts: the tokens are the
+    engine's without speculation, and every block is given back."""
+    path, config = tiny_checkpoint
+    prompts = random_prompts(6, config.vocab_size, seed=31)
+    expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
+    llm = LLM(str(path), max_num_seqs=8, speculative_config=eagle_config(random_head), **KV_MODES[mode])
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
+    assert llm.engine.core.kv.used_tokens == 0
+
+
+def mirror_head(target, path):
+    """A head that computes what a one-layer Llama target computes, one position earlier: fc passes
+    the token's embedding through (it ignores the hidden state), its layer is the target's layer, and
+    the target's norms are made all but identities (unit-RMS embedding rows, unit weights; the final
+    norm then scales a vector, which keeps its argmax). It proposes the target's own next tokens but
+    for what the target sees of the first token, which the head never does."""
+    import torch
+    from eagle_heads import write_eagle_head
+
+    with torch.no_grad():
+        embed = target.model.embed_tokens.weight
+        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt())
+        target.model.layers[0].input_layernorm.weight.fill_(1.0)
+        target.model.norm.weight.fill_(1.0)
+    size = target.config.hidden_size
+    return write_eagle_head(path, target.model.layers, torch.cat([torch.eye(size), torch.zeros(size, size)], dim=1))
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_eagle_with_a_head_mirroring_the_target_has_most_proposals_accepted(tmp_path, family):
+    """The head reads the token after each position at that position (EAGLE's shift by one), the
+    target's hidden states and its own: a head that mirrors the target then has most of its
+    proposals accepted (a shift by one position or a token makes them chance: 1/320), and the
+    tokens are transformers' own."""
+    from hf_tiny import hf_greedy, write_tiny
+
+    target = write_tiny(family, tmp_path / "target", seed=5, num_hidden_layers=1)
+    head = mirror_head(target, tmp_path / "head")
+    target.save_pretrained(tmp_path / "target")
+    prompts = random_prompts(4, target.config.vocab_size, seed=6)
+    expected = [hf_greedy(target, p, 24) for p in prompts]
+    llm = LLM(str(tmp_path / "target"), kv_policy="paged", block_size=4, speculative_config=eagle_config(head, 3))
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens > 0
+    assert all(stats.spec_accepted_per_pos)  # the head's own hidden states carry later proposals too
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mixtral"])
+def test_eagle_on_the_llama_family_and_moe_equals_transformers(tmp_path, family):
+    import torch
+    from eagle_heads import head_config, random_layers, write_eagle_head
+    from hf_tiny import hf_greedy, write_tiny
+
+    model = write_tiny(family, tmp_path / "target", seed=5)
+    layers = random_layers(head_config(64, model.config.vocab_size), seed=8)
+    head = write_eagle_head(tmp_path / "head", layers, 0.3 * torch.randn(64, 128), torch.randn(64))
+    prompts = random_prompts(3, model.config.vocab_size, seed=6)
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    llm = LLM(str(tmp_path / "target"), kv_policy="paged", block_size=4, speculative_config=eagle_config(head, 3))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.core.stats().spec_num_draft_tokens > 0
+
+
+def test_eagle_through_preemption_prefix_hits_forks_and_async_scheduling(tmp_path):
+    """The head's K/V where the target's comes from elsewhere: a resumed request's prefill writes it
+    again, a prefix-cache hit finds it in the shared blocks, a forked sample's copied block carries
+    it (n = 2), and async scheduling runs nothing ahead; the mirroring head keeps most proposals
+    accepted through all of it, and the tokens are the engine's without speculation."""
+    from hf_tiny import write_tiny
+
+    target = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=1)
+    head = mirror_head(target, tmp_path / "head")
+    target.save_pretrained(tmp_path / "target")
+    shared = random_prompts(1, 320, seed=40)[0] * 3  # a prefix of whole blocks, then each its own tail
+    prompts = [shared + tail for tail in random_prompts(8, 320, seed=41)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=2)
+    options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 240, "max_num_seqs": 8,
+               "enable_prefix_caching": True, "async_scheduling": True}  # fmt: skip
+    expected = LLM(str(tmp_path / "target"), **options).generate(prompts, params)
+    llm = LLM(str(tmp_path / "target"), speculative_config=eagle_config(head, 3), **options)
+    outputs = llm.generate(prompts, params)
+    assert [[s.output_ids for s in o.samples] for o in outputs] == [[s.output_ids for s in o.samples] for o in expected]
+    stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens > 0
+    assert llm.engine.core.kv.used_tokens == 0
+
+
+def test_eagle_configs_that_cannot_run_are_refused(tiny_checkpoint, random_head):
+    path, _ = tiny_checkpoint
+    with pytest.raises(ValueError, match="method 'eagle' runs in one process"):
+        LLM(str(path), speculative_config=eagle_config(random_head), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="method 'eagle3' is not served by this engine yet"):
+        SpeculativeConfig.from_json(json.dumps({"method": "eagle3", "model": str(random_head)}))
+
+
+def test_eagle_beside_embedding_requests_in_the_same_steps(tmp_path):
+    """With the head on, a step's forward returns every token's final hidden state: the embedding
+    requests of the step pool theirs from among them, as a run without speculation does, and the
+    generated tokens stay the same."""
+    import torch
+    from eagle_heads import head_config, random_layers, write_eagle_head
+    from engine_helpers import drain
+    from hf_tiny import write_tiny
+
+    from orca_backend.config import EngineConfig
+    from orca_backend.engine.llm_engine import LLMEngine
+    from orca_backend.sampling_params import PoolingParams
+
+    write_tiny("Qwen3", tmp_path / "target", seed=1)
+    head = write_eagle_head(tmp_path / "head", random_layers(head_config(64, 320), seed=2), 0.3 * torch.randn(64, 128))
+    prompts = random_prompts(4, 320, seed=44)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(**options):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path / "target"), max_num_seqs=8, max_num_batched_tokens=12,
+                                        **options))  # fmt: skip
+        try:
+            generated = engine.add_requests(prompts[:2], params)
+            embedded = engine.add_requests(prompts, SamplingParams(), pooling=PoolingParams())
+            drain(engine)
+            return [[t for e in s for t in e.new_token_ids] for s in generated], [list(s)[-1].embedding for s in embedded]
+        finally:
+            engine.shutdown()
+
+    tokens, vectors = run()
+    spec_tokens, spec_vectors = run(speculative_config=eagle_config(head, 3))
+    assert spec_tokens == tokens
+    torch.testing.assert_close(torch.tensor(spec_vectors), torch.tensor(vectors), rtol=0, atol=1e-6)
