@@ -130,7 +130,11 @@ def train_eagle(path: Path, target_dir: Path, steps: int, seed: int, log: list[f
         x = fc(torch.cat([embed[batch[:, 1:]], hidden[:, :-1]], dim=-1))  # position p: token p + 1, hidden p
         out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))
         out = out[0] if isinstance(out, tuple) else out
-        loss = torch.nn.functional.cross_entropy((out[:, :-1] @ embed.t()).reshape(-1, VOCAB), batch[:, 2:].reshape(-1))
+        # EAGLE's loss: the output regresses onto the target's hidden state one position on (which it
+        # stands in for when the head proposes further), and its logits name the token after.
+        regression = torch.nn.functional.smooth_l1_loss(out, hidden[:, 1:])
+        loss = regression + 0.1 * torch.nn.functional.cross_entropy((out[:, :-1] @ embed.t()).reshape(-1, VOCAB),
+                                                                    batch[:, 2:].reshape(-1))  # fmt: skip
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
