@@ -72,11 +72,11 @@ class KVEventsConfig:
 
 # The proposers built: n-gram lookup in the engine core (core/ngram_proposer.py), a draft model in the
 # model runner (worker/draft_proposer.py).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # The methods whose proposals a model in the model runner makes (the scheduler leaves it placeholders).
-RUNNER_SPECULATIVE_METHODS = ("draft_model", "eagle")
+RUNNER_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's other methods: refused at load, by name, until their proposer is built here.
-UNBUILT_SPECULATIVE_METHODS = ("eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+UNBUILT_SPECULATIVE_METHODS = ("medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class SpeculativeConfig:
     other when only one is given. "draft_model" runs `model`, a smaller checkpoint with the target's
     vocabulary, greedily for `num_speculative_tokens` tokens (vLLM takes that method when a model is
     named without one). "eagle" runs `model`, an EAGLE head (vLLM's EagleLlamaForCausalLM
-    checkpoints), greedily over the target's own hidden states, embedding and LM head."""
+    checkpoints), greedily over the target's own hidden states, embedding and LM head; "eagle3" an
+    EAGLE-3 head (Eagle3LlamaForCausalLM) over three of the target's layers' hidden states."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0

@@ -81,3 +81,90 @@ def reference_head(layers: torch.nn.ModuleList, fc: torch.Tensor, fc_bias: torch
             x = out[0] if isinstance(out, tuple) else out
         x = x[0]
         return x, (x @ lm_head.t()).argmax(dim=-1).tolist()
+
+
+# ---- EAGLE-3 -------------------------------------------------------------------------------------
+def random_eagle3(hidden: int, vocab: int, draft_vocab: int, seed: int, heads: int = 4, kv_heads: int = 2,
+                  head_dim: int = 16, inter: int = 96, fc_scale: float = 0.3) -> dict[str, torch.Tensor]:  # fmt: skip
+    """An EAGLE-3 head's tensors under SpecForge's and vLLM's names (`midlayer.*`, `fc`, `norm`,
+    `lm_head`, `d2t`, `t2d`): N(0, 0.3) matrices (`fc` N(0, fc_scale): a small one leaves the
+    residual stream to attention), norms 1 + 0.1 N(0, 1), and a draft vocabulary of `draft_vocab`
+    target ids drawn at random (d2t[i] = its i-th id - i)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return 0.3 * torch.randn(*shape, generator=gen)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+
+    m = "midlayer."
+    targets = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    tensors = {
+        m + "self_attn.q_proj.weight": normal(heads * head_dim, 2 * hidden),
+        m + "self_attn.k_proj.weight": normal(kv_heads * head_dim, 2 * hidden),
+        m + "self_attn.v_proj.weight": normal(kv_heads * head_dim, 2 * hidden),
+        m + "self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+        m + "mlp.gate_proj.weight": normal(inter, hidden), m + "mlp.up_proj.weight": normal(inter, hidden),
+        m + "mlp.down_proj.weight": normal(hidden, inter),
+        m + "input_layernorm.weight": norm(), m + "hidden_norm.weight": norm(), m + "post_attention_layernorm.weight": norm(),
+        "norm.weight": norm(), "fc.weight": normal(hidden, 3 * hidden) * (fc_scale / 0.3), "lm_head.weight": normal(draft_vocab, hidden),
+        "d2t": targets - torch.arange(draft_vocab), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, targets, True),
+    }  # fmt: skip
+    return tensors
+
+
+def write_eagle3_head(path: Path, tensors: dict[str, torch.Tensor], vocab: int, aux_layers: list[int] | None,
+                      **config: Any) -> Path:  # fmt: skip
+    """The head's checkpoint: config.json (Eagle3 architecture, draft_vocab_size, and the target
+    layers it reads where `aux_layers` names them) and its tensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    hidden = tensors["norm.weight"].shape[0]
+    heads = tensors["midlayer.self_attn.q_proj.weight"].shape[0] // 16
+    kv_heads = tensors["midlayer.self_attn.k_proj.weight"].shape[0] // 16
+    raw = HEAD | dict(hidden_size=hidden, vocab_size=vocab, num_hidden_layers=1, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=tensors["midlayer.mlp.gate_proj.weight"].shape[0],
+                      draft_vocab_size=tensors["lm_head.weight"].shape[0], architectures=["LlamaForCausalLMEagle3"])  # fmt: skip
+    if aux_layers is not None:
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    (path / "config.json").write_text(json.dumps(raw | config))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def reference_eagle3(tensors: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int], hidden: torch.Tensor,
+                     from_target: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    """The EAGLE-3 head over one sequence, written out (transformers' rotary and norm modules, plain
+    causal attention): position p takes tokens[p] and hidden[p] (the three target hidden states
+    joined, [T, 3H], or with from_target False the head's own [T, H]). Its stream before the final
+    norm [T, H] and greedy tokens as the target's ids."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    m = "midlayer."
+    size = tensors["norm.weight"].shape[0]
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ tensors[name].t()
+
+    with torch.no_grad():
+        t = len(tokens)
+        h = hidden @ tensors["fc.weight"].t() if from_target else hidden
+        e = rms(embed[torch.tensor(tokens)], tensors[m + "input_layernorm.weight"])
+        x = torch.cat([e, rms(h, tensors[m + "hidden_norm.weight"])], dim=-1)
+        q, k, v = (lin(x, m + f"self_attn.{n}_proj.weight").view(t, -1, 16).transpose(0, 1) for n in "qkv")
+        config = LlamaConfig(**(HEAD | dict(hidden_size=size, num_attention_heads=q.shape[0])))
+        cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(t)[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        k, v = k[0].repeat_interleave(q.shape[1] // k.shape[1], 0), v.repeat_interleave(q.shape[1] // v.shape[0], 0)
+        scores = (q[0] @ k.transpose(1, 2)) / 4.0 + torch.full((t, t), float("-inf")).triu(1)  # head_dim 16
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, -1)
+        stream = lin(attn, m + "self_attn.o_proj.weight") + h
+        g = rms(stream, tensors[m + "post_attention_layernorm.weight"])
+        stream = stream + lin(torch.nn.functional.silu(lin(g, m + "mlp.gate_proj.weight")) * lin(g, m + "mlp.up_proj.weight"),
+                              m + "mlp.down_proj.weight")  # fmt: skip
+        draft = (rms(stream, tensors["norm.weight"]) @ tensors["lm_head.weight"].t()).argmax(-1)
+        return stream, (draft + tensors["d2t"][draft]).tolist()

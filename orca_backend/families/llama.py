@@ -346,30 +346,55 @@ def from_hf(raw: dict[str, Any], source: str) -> LlamaConfig:
     return replace(config, fp8=True, fp8_block=block) if quantization else config
 
 
-# EAGLE heads (speculative_config method "eagle"): a few Llama decoder layers over the target's hidden
-# states, under vLLM's architecture names and that of EAGLE's own exports (a plain Llama config).
-EAGLE_HEAD_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM")
+# EAGLE heads (speculative_config methods "eagle" and "eagle3"): a few Llama decoder layers over the
+# target's hidden states, under vLLM's architecture names and that of EAGLE's own exports (a plain
+# Llama config for EAGLE-1).
+EAGLE_HEAD_ARCHITECTURES = {
+    "eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM"),
+    "eagle3": ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"),
+}
 
 
 @dataclass(frozen=True)
 class EagleHeadConfig:
-    """An EAGLE head's config.json: its layers' geometry as a LlamaConfig, and whether it norms its
-    two inputs before joining them (HASS heads' add_para_norm)."""
+    """An EAGLE head's config.json: its layers' geometry as a LlamaConfig, and what its method adds.
+    EAGLE-1: whether it norms its two inputs before joining them (HASS heads' add_para_norm).
+    EAGLE-3: the target layers whose input hidden states it joins (None: vLLM's default, layers 2,
+    L // 2 and L - 3 of an L-layer target), the target's hidden size, its own vocabulary (mapped
+    onto the target's by the checkpoint's d2t), and whether its first layer's residual is the
+    normed hidden state (norm_before_residual)."""
 
     decoder: LlamaConfig
+    method: str = "eagle"
     input_norms: bool = False
+    aux_layers: tuple[int, ...] | None = None
+    target_hidden_size: int = 0
+    draft_vocab_size: int = 0
+    norm_before_residual: bool = False
 
 
-def eagle_head_config(raw: dict[str, Any], source: str) -> EagleHeadConfig:
+def eagle_head_config(raw: dict[str, Any], source: str, method: str) -> EagleHeadConfig:
     """An EAGLE head's config, refusing one this engine would not run as vLLM does."""
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in EAGLE_HEAD_ARCHITECTURES:
-        raise ValueError(f"{source}: architecture {arch!r} is not an EAGLE head this engine serves (served: "
-                         f"{', '.join(EAGLE_HEAD_ARCHITECTURES)}; EAGLE-3 heads are not served yet)")  # fmt: skip
+    if arch not in EAGLE_HEAD_ARCHITECTURES[method]:
+        raise ValueError(f"{source}: architecture {arch!r} is not a head of method {method!r} (served: "
+                         f"{', '.join(EAGLE_HEAD_ARCHITECTURES[method])})")  # fmt: skip
     if raw.get("quantization_config"):
         raise ValueError(f"{source}: a quantized EAGLE head is not served")
     decoder = LlamaConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"]}, source)
-    return EagleHeadConfig(decoder, bool(raw.get("add_para_norm", False)))
+    if method == "eagle":
+        return EagleHeadConfig(decoder, method, input_norms=bool(raw.get("add_para_norm", False)))
+    eagle = raw.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state", True) is False:
+        raise ValueError(f"{source}: an EAGLE-3 head without auxiliary hidden states (use_aux_hidden_state "
+                         "false) is not served")  # fmt: skip
+    layers = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if layers is not None and (len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers)):
+        raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids must name three layers, got {layers!r}")
+    return EagleHeadConfig(decoder, method, aux_layers=tuple(layers) if layers is not None else None,
+                           target_hidden_size=int(raw.get("target_hidden_size") or decoder.hidden_size),
+                           draft_vocab_size=int(raw.get("draft_vocab_size") or decoder.vocab_size),
+                           norm_before_residual=bool(raw.get("norm_before_residual", False)))  # fmt: skip
 
 
 def hf_moe_fields(config: LlamaConfig) -> dict[str, Any]:

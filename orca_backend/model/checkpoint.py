@@ -92,14 +92,15 @@ class WeightSource:
         for f in files:
             handle = safe_open(str(f), framework="pt")
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                name = rename(key)
+                if name is None:  # not read by the model: neither checked nor kept
+                    continue
                 entry = handle.get_slice(key)
                 if fp8 and key.endswith(".input_scale"):
                     continue  # activations are not quantized here (model/fp8.py)
                 if not (fp8 and _fp8_tensor(key, entry.get_dtype())):
                     _refuse_quantized(model_dir, key, entry.get_dtype())
-                name = rename(key)
-                if name is not None:
-                    entries[name] = entry
+                entries[name] = entry
         if fp8:
             _check_fp8_projections(model_dir, entries)
         return cls(entries)

@@ -319,6 +319,15 @@ class Decoder(StageModel):
             and gemm.can_fuse_norms(ops, [x for layer in weights.layers for x in (layer.qkv_w, layer.gate_up_w)])
         )
 
+    def eagle3_layers(self, layers: tuple[int, ...] | None) -> tuple[int, ...]:
+        count = self.config.num_hidden_layers
+        chosen = layers if layers is not None else (2, count // 2, count - 3)  # vLLM's default
+        if len(set(chosen)) != 3 or not all(0 <= i < count for i in chosen):
+            raise ValueError(f"speculative_config: an EAGLE-3 head reads three distinct layers of the target's "
+                             f"{count}, got {list(chosen)} (set eagle_config.eagle_aux_hidden_state_layer_ids in "
+                             "the head's config.json)")  # fmt: skip
+        return tuple(chosen)
+
     def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embed_scale is not None:
             raise ValueError("speculative_config: method 'eagle' is not served for a model that scales its "
@@ -375,7 +384,10 @@ class Decoder(StageModel):
         if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS:
             return self._forward_fused(x, residual, stage_input, meta, kv_caches, logits_indices)
         layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
+        aux_layers, aux = stage_input.aux_layers, []
         for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
+            if i in aux_layers:
+                aux.append(x if residual is None else x + residual)
             h, residual = add_rmsnorm(x, residual, layer.input_norm_w, eps)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
             if lora is not None:
@@ -403,7 +415,7 @@ class Decoder(StageModel):
                 x, _ = add_rmsnorm(x, None, layer.post_mlp_norm_w, eps)
         if not self.layout.is_last_stage:
             return stage_output(x, residual)
-        pooled = self._final_hidden(x, None, residual, stage_input.pool_indices)
+        pooled = self._final_hidden(x, None, residual, stage_input.pool_indices, aux)
         # Only the last token of each request needs the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = add_rmsnorm(x, residual, w.norm_w, eps)
@@ -413,13 +425,16 @@ class Decoder(StageModel):
         return logits if pooled is None else (logits, pooled)
 
     def _final_hidden(self, x: torch.Tensor, pending: torch.Tensor | None, residual: torch.Tensor,
-                      indices: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
-        """The final norm's output at `indices` (what embedding requests pool), float32; None without."""
+                      indices: torch.Tensor | None, aux: list[torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
+        """The final norm's output at `indices` (what embedding requests pool), float32, then the
+        `aux` hidden states there (StageInput.aux_layers); None without indices."""
         if indices is None:
             return None
         x = x.index_select(0, indices)
         h, _ = self.ops.add_rmsnorm(x if pending is None else x + pending, residual.index_select(0, indices),
                                     self.weights.norm_w, self.config.rms_norm_eps)  # fmt: skip
+        if aux:
+            h = torch.cat([h, *(a.index_select(0, indices) for a in aux)], dim=-1)
         return h.float()
 
     def _forward_fused(
@@ -435,7 +450,10 @@ class Decoder(StageModel):
         hq, hkv = self.num_heads, self.num_kv_heads
         pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
         layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
-        for layer, (window, cos_sin), (k_cache, v_cache) in layers:
+        aux_layers, aux = stage_input.aux_layers, []
+        for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
+            if i in aux_layers:  # (no bias is pending between layers)
+                aux.append(x if residual is None else x + residual)
             qkv, residual = ops.norm_linear(x, pending, residual, layer.input_norm_w, None, eps, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
@@ -451,7 +469,7 @@ class Decoder(StageModel):
             x, pending = row_parallel_linear(h, layer.down_w, None, tp), None
         if not self.layout.is_last_stage:
             return stage_output(x if pending is None else x + pending, residual)
-        pooled = self._final_hidden(x, pending, residual, stage_input.pool_indices)
+        pooled = self._final_hidden(x, pending, residual, stage_input.pool_indices, aux)
         # Only the last token of each request needs the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         logits, _ = ops.norm_linear(x, pending, residual, w.norm_w, None, eps, w.lm_head, None)

@@ -27,6 +27,9 @@ class StageInput:
     # Embedding requests: the tokens whose final hidden state (after the final norm) the last stage
     # returns too, as (logits, hidden [len, hidden] float32).
     pool_indices: torch.Tensor | None = None
+    # EAGLE-3: with pool_indices, the hidden states entering these layers too (the residual stream
+    # before each), after the final one in the same rows: [len, hidden * (1 + len(aux_layers))].
+    aux_layers: tuple[int, ...] = ()
 
 
 def stage_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -53,6 +56,11 @@ class StageModel:
         self.num_kv_heads = num_kv_heads // layout.tp_size  # the K/V pool's heads (model_runner.py)
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
+
+    def eagle3_layers(self, layers: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The layers whose input hidden states an EAGLE-3 head joins: `layers` as its config names
+        them (checked), or vLLM's default for the model."""
+        raise ValueError(f"speculative_config: method 'eagle3' is not served for {type(self).__name__} models")
 
     def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token embedding, LM head), [vocab, hidden] each, of a single-process model: what an EAGLE

@@ -1,9 +1,11 @@
-"""Speculative decoding's EAGLE head (vLLM's method "eagle", model/eagle.py) in the model runner:
+"""Speculative decoding's EAGLE heads (vLLM's methods "eagle" and "eagle3", model/eagle.py) in the
+model runner:
 it proposes from the target's own hidden states, so it runs at two moments of a step.
 
 After the target's step (`observe`): over every position the step kept (a prefill chunk's, a
 decode's, a verify step's last token and its accepted proposals; not the rejected ones), the head
-runs on (the token after the position, the target's hidden state at it) and writes its K/V there.
+runs on (the token after the position, the target's hidden states at it: its final one, or with
+EAGLE-3 those entering three of its layers) and writes its K/V there.
 Its output at a request's last position, where the token after is the one just sampled, is the
 request's first proposal for its next step, kept with the head's hidden state there.
 
@@ -46,12 +48,14 @@ class EagleProposer(RunnerProposer):
                  device: torch.device) -> None:  # fmt: skip
         """Loads the head over `target`, refusing one that cannot serve it (naming the field)."""
         speculative = config.speculative()
-        assert speculative is not None and speculative.method == "eagle" and speculative.model
+        assert speculative is not None and speculative.method in ("eagle", "eagle3") and speculative.model
         if target_config.kv_window:
-            raise ValueError("speculative_config: method eagle is not served for a model whose every layer has a "
-                             "sliding window (the K/V blocks it gives back are ones the head re-reads); use the "
-                             "ngram method")  # fmt: skip
-        self.head: EagleHead = load_eagle_head(speculative.model, target, torch_dtype(config.dtype), device)
+            raise ValueError(f"speculative_config: method {speculative.method} is not served for a model whose every "
+                             "layer has a sliding window (the K/V blocks it gives back are ones the head re-reads); "
+                             "use the ngram method")  # fmt: skip
+        self.head: EagleHead = load_eagle_head(speculative.model, speculative.method, target,
+                                               torch_dtype(config.dtype), device)  # fmt: skip
+        self.aux_layers = self.head.aux_layers
         head_config = self.head.config
         if head_config.max_context < min(target_config.max_context, config.max_model_len or target_config.max_context):
             raise ValueError(f"speculative_config: the EAGLE head's context ({head_config.max_context}) is shorter "
@@ -89,8 +93,8 @@ class EagleProposer(RunnerProposer):
         next_ids[ends[sampled]] = tokens[sampled]
         meta = self.metadata(batch, rows, token_rows, positions, kept, starts + kept)
         source = self.put(np.repeat(flat_start, kept) + offsets)
-        out, proposals = self.head.propose(self.put(next_ids), hidden.index_select(0, source), self.put(positions),
-                                           meta, self.kv_caches, self.put(ends))  # fmt: skip
+        out, proposals = self.head.propose(self.put(next_ids), self.head.from_target(hidden.index_select(0, source)),
+                                           self.put(positions), meta, self.kv_caches, self.put(ends))  # fmt: skip
         proposals = proposals.cpu().numpy()
         last_hidden = out.index_select(0, self.put(ends))
         for i in np.flatnonzero(sampled).tolist():

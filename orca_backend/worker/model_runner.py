@@ -91,10 +91,11 @@ class ModelRunner:
         method = config.speculative().method if config.speculative_config else ""
         if method == "draft_model":
             self.drafter = DraftProposer(config, model_config, self.device)
-        elif method == "eagle":
+        elif method in ("eagle", "eagle3"):
             self.drafter = EagleProposer(config, model_config, self.model, self.device)
         # The final hidden state of every token of every step, for the EAGLE head (None: not asked).
         self._every_token: torch.Tensor | None = None
+        self.hidden_size = model_config.hidden_size
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:
@@ -306,7 +307,8 @@ class ModelRunner:
         pool_indices = inputs.pooling.indices if inputs.pooling is not None else None
         if self.drafter is not None and self.drafter.needs_hidden_states:
             pool_indices = self._every_token_index(inputs.num_tokens)
-        stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices)
+        stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices,
+                                 self.drafter.aux_layers if self.drafter is not None else ())  # fmt: skip
         return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
 
     def _every_token_index(self, count: int) -> torch.Tensor:
@@ -344,8 +346,9 @@ class ModelRunner:
         if isinstance(logits, tuple):  # the last stage also returned final hidden states
             logits, hidden = logits
             if self.drafter is not None and self.drafter.needs_hidden_states:  # every token's: the pooled are some
-                every_token = hidden
-                hidden = hidden.index_select(0, inputs.pooling.indices) if inputs.pooling is not None else None
+                every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
+                hidden = (hidden.index_select(0, inputs.pooling.indices)[:, : self.hidden_size]
+                          if inputs.pooling is not None else None)  # fmt: skip
             if hidden is not None:
                 assert inputs.pooling is not None
                 pooled = (hidden, inputs.pooling)

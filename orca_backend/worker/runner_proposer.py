@@ -23,6 +23,9 @@ class RunnerProposer:
     # Whether the runner hands `observe` every step's final hidden states (the target's forward then
     # returns them for every token).
     needs_hidden_states = False
+    # With `needs_hidden_states`: the target layers whose input hidden states `observe` reads too
+    # (StageInput.aux_layers), after the final ones.
+    aux_layers: tuple[int, ...] = ()
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:  # fmt: skip

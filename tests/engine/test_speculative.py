@@ -208,7 +208,7 @@ def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
 
 @pytest.mark.parametrize(("text", "message"), [
     ('{"method": "ngram"}', "num_speculative_tokens must be an integer >= 1"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3' is not served"),
+    ('{"method": "medusa", "num_speculative_tokens": 3}', "method 'medusa' is not served"),
     ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' needs model, the EAGLE head's"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "unknown field\\(s\\) draft_tensor_parallel_size"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
@@ -556,8 +556,9 @@ def test_eagle_configs_that_cannot_run_are_refused(tiny_checkpoint, random_head)
     path, _ = tiny_checkpoint
     with pytest.raises(ValueError, match="method 'eagle' runs in one process"):
         LLM(str(path), speculative_config=eagle_config(random_head), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="method 'eagle3' is not served by this engine yet"):
-        SpeculativeConfig.from_json(json.dumps({"method": "eagle3", "model": str(random_head)}))
+    with pytest.raises(ValueError, match="architecture 'EagleLlamaForCausalLM' is not a head of method 'eagle3'"):
+        LLM(str(path), speculative_config=json.dumps({"method": "eagle3", "model": str(random_head),
+                                                      "num_speculative_tokens": 2}))  # fmt: skip
 
 
 def test_eagle_beside_embedding_requests_in_the_same_steps(tmp_path):
@@ -593,3 +594,89 @@ def test_eagle_beside_embedding_requests_in_the_same_steps(tmp_path):
     spec_tokens, spec_vectors = run(speculative_config=eagle_config(head, 3))
     assert spec_tokens == tokens
     torch.testing.assert_close(torch.tensor(spec_vectors), torch.tensor(vectors), rtol=0, atol=1e-6)
+
+
+# ---- EAGLE-3 heads, and every head's proposals against its reference ----------------------------
+def recorded_first_proposals(llm: LLM) -> list[tuple[str, int, int]]:
+    """Wraps the runner's head so that each step's first proposal of each request is recorded:
+    (request id, the request's token count then, the proposal)."""
+    proposer = llm.engine.core.executor.runner.drafter
+    propose, seen = proposer.propose, []
+
+    def recording(step, batch, rows):
+        propose(step, batch, rows)
+        for position, drafts in zip(step.spec_rows, step.spec_tokens, strict=True):
+            seen.append((step.scheduled_ids[position], int(batch.num_tokens[rows[position]]), drafts[0]))
+
+    proposer.propose = recording
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_each_first_proposal_is_the_reference_heads_on_transformers_hidden_states(tmp_path, method):
+    """A request's first proposal of a step is what the head, fed the target's hidden states at every
+    earlier position (transformers' own: the final one for EAGLE-1, those entering three layers for
+    EAGLE-3) and the token after each, names at the position before its last token: the engine's
+    shift by one, its K/V and its hidden states are the reference's (a shift or a wrong layer makes
+    them chance). The tokens are transformers' own."""
+    import torch
+    from eagle_heads import (
+        head_config,
+        random_eagle3,
+        random_layers,
+        reference_eagle3,
+        reference_head,
+        write_eagle3_head,
+        write_eagle_head,
+    )
+    from hf_tiny import hf_greedy, write_tiny
+
+    model = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=4)
+    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    if method == "eagle":
+        layers = random_layers(head_config(64, 320), seed=6)
+        fc = 0.3 * torch.randn(64, 128, generator=torch.Generator().manual_seed(7))
+        head = write_eagle_head(tmp_path / "head", layers, fc)
+    else:
+        tensors = random_eagle3(64, 320, draft_vocab=120, seed=6, fc_scale=0.01)  # the earlier positions matter
+        head = write_eagle3_head(tmp_path / "head", tensors, 320, [1, 2, 3])
+    prompts = random_prompts(4, 320, seed=8)
+    llm = LLM(str(tmp_path / "target"), kv_policy="paged", block_size=4,
+              speculative_config=json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3}))  # fmt: skip
+    seen = recorded_first_proposals(llm)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.output_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    expected = {}
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens = prompt + output.output_ids
+        with torch.no_grad():
+            states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        if method == "eagle":
+            _, names = reference_head(layers, fc, None, embed, lm_head, tokens[1:], states[-1][0, :-1])
+        else:
+            joined = torch.cat([states[i][0, :-1] for i in (1, 2, 3)], dim=-1)
+            _, names = reference_eagle3(tensors, embed, tokens[1:], joined)
+        expected[output.request_id] = names
+    assert len(seen) > 20
+    agree = [proposal == expected[request_id][count - 2] for request_id, count, proposal in seen]
+    assert sum(agree) >= 0.9 * len(agree), agree  # near-ties of float sums aside
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_eagle3_with_a_random_head_still_exact_through_preemption_and_prefix_hits(tmp_path, family):
+    from eagle_heads import random_eagle3, write_eagle3_head
+    from hf_tiny import hf_greedy, write_tiny
+
+    model = write_tiny(family, tmp_path / "target", seed=5, num_hidden_layers=4)
+    head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [3, 1, 2])
+    shared = random_prompts(1, 320, seed=40)[0] * 3
+    prompts = [shared + tail for tail in random_prompts(6, 320, seed=42)]
+    options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 200, "max_num_seqs": 6,
+               "enable_prefix_caching": True}  # fmt: skip
+    llm = LLM(str(tmp_path / "target"), speculative_config=eagle_config(head, 3).replace('"eagle"', '"eagle3"'),
+              **options)  # fmt: skip
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == [hf_greedy(model, p, GREEDY.max_tokens)
+                                                                      for p in prompts]  # fmt: skip
+    stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0 and stats.spec_num_draft_tokens > 0
+    assert llm.engine.core.kv.used_tokens == 0
