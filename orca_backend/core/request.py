@@ -85,8 +85,8 @@ class Request:
     can_run_ahead: bool = field(init=False, default=True)
     # Speculative decoding proposes for it: the rows that verify its proposals are sampled as its own
     # last row is, with what depends on the tokens before each row made per row (the penalties count
-    # the proposals before it, a grammar's mask is its matcher's after them); a min_tokens ban still
-    # on is checked per step. Not an embedding request.
+    # the proposals before it, a grammar's mask is its matcher's after them, a min_tokens ban counts
+    # them too). Not an embedding request.
     can_speculate: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:

@@ -553,12 +553,10 @@ class Scheduler:
 
     def _propose(self, request: Request) -> list[int]:
         """The tokens proposed after a decode's last one: at most what its `max_tokens` leaves after
-        the token the step samples anyway, and up to (with) the first stop token among them. None
-        while a min_tokens ban is still on: its rows would need it from different counts. With a
-        draft model, placeholders (PROPOSED_BY_RUNNER) the model runner fills in."""
+        the token the step samples anyway, and up to (with) the first stop token among them (while
+        a min_tokens ban is on, the rows it covers reject a stop token). With a draft model or an
+        EAGLE head, placeholders (PROPOSED_BY_RUNNER) the model runner fills in."""
         num_output = len(request.output_ids)
-        if num_output < request.params.min_tokens:
-            return []
         if self.runner_proposes:  # a grammar's masks need the proposals here: constrained requests go without
             count = 0 if request.structured else min(self.runner_proposes, request.params.max_tokens - num_output - 1)
             return [PROPOSED_BY_RUNNER] * count

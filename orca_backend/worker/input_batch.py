@@ -113,6 +113,8 @@ class SpecRows:
     logprobs: torch.Tensor  # rows of requests asking for logprobs
     logprob_rows: np.ndarray  # host: the same
     num_logprobs: list[int]  # host: the top alternatives each of those rows asks for
+    # Rows short of min_tokens (with the proposals before each counted): their stop ids are banned.
+    banned: Positions = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
 
 
 POOLING_CODES = {"": 0, "last": 1, "mean": 2, "cls": 3}  # InputBatch.pooling: each row's NewRequest.pooling
@@ -523,9 +525,13 @@ class InputBatch:
         starts = list(itertools.accumulate(counts, initial=0))
         random, biased, logprobs, num_logprobs, uniforms = [], [], [], [], []
         penalized, unrecorded, own, own_rows, own_unrecorded, repetition = [], [], [], [], [], False
+        banned: list[int] = []
         for i, position in enumerate(positions):
             row = int(rows[position])
             span = range(starts[i], starts[i + 1])
+            short = int(self.min_tokens[row]) - int(self.num_tokens[row] - self.num_prompt_tokens[row])
+            if short > 0 and self.num_stop_ids[row]:  # row j follows j proposals: banned while still short
+                banned += span[:short]
             if self.processors.penalized[row]:  # row j counts proposals 0 .. j-1; its own row all of them
                 for j in range(counts[i]):
                     unrecorded += [(len(penalized), token) for token in drafts[i][:j]]
@@ -545,14 +551,14 @@ class InputBatch:
                 num_logprobs += [int(self.num_logprobs[row])] * counts[i]
         pairs = [np.array(p, dtype=np.int64).reshape(-1, 2).T.reshape(-1) for p in (unrecorded, own_unrecorded)]
         index = np.concatenate([np.concatenate(drafts), spec_rows, random, biased, logprobs, penalized, own, own_rows,
-                                *pairs]).astype(np.int64)  # fmt: skip
+                                *pairs, banned, spec_rows[banned]]).astype(np.int64)  # fmt: skip
         sizes = [len(spec_rows), len(spec_rows), len(random), len(biased), len(logprobs), len(penalized), len(own),
-                 len(own), len(pairs[0]), len(pairs[1])]  # fmt: skip
+                 len(own), len(pairs[0]), len(pairs[1]), len(banned), len(banned)]  # fmt: skip
         split = self.staging.put(index).split_with_sizes(sizes)
         draws = self.staging.put(np.concatenate(uniforms).astype(np.float32)) if uniforms else self._draws[:0]
         return SpecRows(list(positions), counts, split[0], index[: len(spec_rows)], split[1], split[2], draws, split[3],
                         split[5], split[8].view(2, -1), (split[6], split[7]), split[9].view(2, -1), repetition,
-                        split[4], np.array(logprobs, dtype=np.int64), num_logprobs)  # fmt: skip
+                        split[4], np.array(logprobs, dtype=np.int64), num_logprobs, (split[10], split[11]))  # fmt: skip
 
     def _sampling(self, rows: np.ndarray, context_lens: np.ndarray, ahead_rows: list[int],
                   num_spec: np.ndarray | None = None) -> SamplingBatch:  # fmt: skip
@@ -572,8 +578,9 @@ class InputBatch:
         # A prefill chunk short of its last token samples nothing: its generator must not advance.
         random = np.flatnonzero(columns.random & sample) if columns.random.any() else empty
         banned = empty
-        if columns.min_tokens.any():
-            banned = np.flatnonzero((num_tokens - self.num_prompt_tokens[rows] < columns.min_tokens) & columns.has_stop_ids)
+        if columns.min_tokens.any():  # a verifying request's own row follows its proposals
+            outputs = num_tokens - self.num_prompt_tokens[rows] + (num_spec if num_spec is not None else 0)
+            banned = np.flatnonzero((outputs < columns.min_tokens) & columns.has_stop_ids)
         logprobs = np.flatnonzero(columns.asking_logprobs & sample) if columns.asking_logprobs.any() else empty
         biased = np.flatnonzero(columns.biased & sample) if columns.biased.any() else empty
         penalized = empty

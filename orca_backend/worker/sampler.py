@@ -132,11 +132,7 @@ class Sampler:
             no_rows = spec.penalized_own[0][:0]
             batch.processors.apply(logits, (no_rows, no_rows), spec.penalized_own, spec.repetition,
                                    spec.penalized_own_unrecorded)  # fmt: skip
-        positions, rows = batch.banned
-        if len(positions):  # before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics)
-            stop_ids = batch.ids[:, STOP_IDS:].index_select(0, rows)
-            # -inf made on the device (a Python float in `logits[...] = ` is a host tensor copied over).
-            logits.index_put_((positions[:, None].expand_as(stop_ids), stop_ids), logits.new_full((), float("-inf")))
+        _ban_stop_ids(logits, batch.banned, batch)
         tokens = _argmax(logits)
         positions = batch.random[0]
         if len(positions):
@@ -227,6 +223,16 @@ def rejection_sample(
     return accept, _draw(residual, u_resample).squeeze(1)
 
 
+def _ban_stop_ids(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor], batch: SamplingBatch) -> None:
+    """Before min_tokens, EOS and stop tokens cannot be sampled (vLLM's semantics): -inf at the
+    (logits rows, input-batch rows) of `banned`, for each row's stop ids."""
+    positions, rows = banned
+    if len(positions):
+        stop_ids = batch.ids[:, STOP_IDS:].index_select(0, rows)
+        # -inf made on the device (a Python float in `logits[...] = ` is a host tensor copied over).
+        logits.index_put_((positions[:, None].expand_as(stop_ids), stop_ids), logits.new_full((), float("-inf")))
+
+
 def _verify(logits: torch.Tensor, spec: SpecRows, batch: SamplingBatch) -> tuple[torch.Tensor, int]:
     """The verifying rows: whether each accepts its proposal, the token each gives in its place, and
     (for the rows asking for logprobs) the logprobs of the token each row emits (its proposal where
@@ -236,6 +242,7 @@ def _verify(logits: torch.Tensor, spec: SpecRows, batch: SamplingBatch) -> tuple
         batch.processors.apply(logits, (spec.biased, spec.rows.index_select(0, spec.biased)),
                                (spec.penalized, spec.rows.index_select(0, spec.penalized)), spec.repetition,
                                spec.penalized_unrecorded)  # fmt: skip
+    _ban_stop_ids(logits, spec.banned, batch)
     replacement = _argmax(logits).to(torch.int64)
     accept = replacement == spec.drafts
     if len(spec.random):

@@ -260,7 +260,7 @@ def test_async_scheduling_with_speculation_runs_nothing_ahead(tiny_checkpoint):
 def test_penalties_count_the_proposals_before_each_row(tiny_checkpoint, wrong):
     """Presence, frequency and repetition penalties (beside a logit_bias): each verifying row counts
     the proposals before it as output, the request's own row all of them, so greedy tokens are the
-    engine's without speculation; a min_tokens ban still on proposes nothing until it is off."""
+    engine's without speculation (beside a request with a min_tokens ban)."""
     path, config = tiny_checkpoint
     prompts = random_prompts(4, config.vocab_size, seed=31)
     params = [
@@ -279,6 +279,48 @@ def test_penalties_count_the_proposals_before_each_row(tiny_checkpoint, wrong):
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
     assert llm.engine.core.stats().spec_num_accepted_tokens > 0
+
+
+class StopProposer:
+    """Proposes each request's stop token (its stop_token_ids' first) wherever it may propose."""
+
+    def propose(self, request, limit: int) -> list[int]:  # noqa: ANN001 - a core Request
+        return [request.params.stop_token_ids[0]] * min(K, limit)
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("proposals", ["reference", "stop"])
+def test_min_tokens_holds_with_proposals_on_both_sides_of_the_ban(tiny_checkpoint, proposals):
+    """Requests short of min_tokens propose too: a verifying row bans the stop tokens while the
+    output before it (the proposals before it counted) is short of min_tokens, and the request's own
+    row counts every proposal. Two kinds of request: one whose stop token is its first unbanned
+    token at 5 or 10 (with every proposal right, a step's own row lands exactly there: banned by a
+    count without the proposals), and one whose stop token it would make at 2 but for a ban to 6 (a
+    proposed stop token there is accepted where the verifying row does not ban it). Tokens and
+    finish reasons are the engine's without speculation."""
+    path, config = tiny_checkpoint
+    candidates = random_prompts(24, config.vocab_size, seed=33)
+    free = LLM(str(path)).generate(candidates, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    prompts, params = [], []
+    for (stop_at, min_tokens, wanted) in ((5, 5, 2), (10, 10, 1), (2, 6, 2)):
+        chosen = [(p, o.output_ids[stop_at]) for p, o in zip(candidates, free, strict=True)
+                  if o.output_ids[stop_at] not in o.output_ids[:stop_at] and p not in prompts][:wanted]  # fmt: skip
+        assert len(chosen) == wanted
+        for prompt, stop in chosen:
+            prompts.append(prompt)
+            params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, min_tokens=min_tokens,
+                                         stop_token_ids=[stop]))  # fmt: skip
+    plain = LLM(str(path)).generate(prompts, params)
+    assert [o.finish_reason for o in plain[:3]] == ["stop"] * 3 and [len(o.output_ids) for o in plain[:3]] == [6, 6, 11]
+    proposer = (OracleProposer(prompts, [o.output_ids for o in plain], config.vocab_size, "never")
+                if proposals == "reference" else StopProposer())  # fmt: skip
+    llm = speculating_llm(path, proposer)
+    outputs = llm.generate(prompts, params)
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in plain]
+    assert llm.engine.core.stats().spec_num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("wrong", ["never", "cycle", "always"])
