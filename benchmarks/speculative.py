@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from orca_backend import LLM, SamplingParams  # noqa: E402
+from orca_backend.families.llama import EAGLE_HEAD_ARCHITECTURES  # noqa: E402
 from orca_client import machine  # noqa: E402
 
 VOCAB = 512
@@ -143,7 +144,8 @@ def train_eagle(path: Path, target_dir: Path, steps: int, seed: int, log: list[f
             log.append(round(loss.item(), 4))
             print(f"  {path.name} step {step}: loss {loss.item():.3f}", flush=True)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_dict() | {"architectures": ["EagleLlamaForCausalLM"]}))
+    architecture = EAGLE_HEAD_ARCHITECTURES["eagle"][0]  # vLLM's name for it
+    (path / "config.json").write_text(json.dumps(config.to_dict() | {"architectures": [architecture]}))
     tensors = {f"layers.0.{name}": p.detach().contiguous() for name, p in layer.named_parameters()}
     save_file(tensors | {"fc.weight": fc.weight.detach().contiguous()}, str(path / "model.safetensors"))
 

@@ -34,8 +34,8 @@ def test_a_short_run_writes_every_configuration(tmp_path):
                 "--target", "32,1,2", "--draft", "16,1,2", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
     report = json.loads(out.read_text())
     assert set(report) >= {"command", "commit", "machine", "k", "losses", "results"}
-    assert len(report["losses"]["target"]) == 2  # steps 0 and the last
-    names = ["none", "ngram", "draft_model", "self_draft", "random_draft", "none_untrained", "ngram_untrained"]
+    assert len(report["losses"]["target"]) == len(report["losses"]["eagle"]) == 2  # steps 0 and the last
+    names = ["none", "ngram", "draft_model", "eagle", "self_draft", "random_draft", "none_untrained", "ngram_untrained"]
     assert set(report["results"]) == {f"{n}@batch{b}" for n in names for b in (1, 2)}
     for name, result in report["results"].items():
         assert len(result["tok_s"]) == len(result["speedup"]) == 1

@@ -189,5 +189,5 @@ def test_model_json_speculative_config_reaches_the_engine_as_vllm_names_it():
     assert json.loads(parameters["speculative_config"]) == spec
     config = EngineConfig.from_parameters(parameters)
     assert config.speculative().prompt_lookup_max == 2
-    with pytest.raises(ValueError, match="method 'eagle3' is not served"):
-        EngineConfig.from_parameters(vllm_parameters({"speculative_config": {"method": "eagle3", "model": "x"}}))
+    with pytest.raises(ValueError, match="method 'medusa' is not served"):
+        EngineConfig.from_parameters(vllm_parameters({"speculative_config": {"method": "medusa", "model": "x"}}))
