@@ -76,6 +76,18 @@ def spans_text(rng: np.random.Generator, length: int, num_spans: int = 5) -> lis
     return text[:length]
 
 
+def descend(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler, loss: torch.Tensor,
+            step: int, steps: int, log: list[float], name: str) -> None:  # fmt: skip
+    """One training step on `loss`; the loss logged at every 50th step and the last."""
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+    if step % 50 == 0 or step == steps - 1:
+        log.append(round(loss.item(), 4))
+        print(f"  {name} step {step}: loss {loss.item():.3f}", flush=True)
+
+
 def train(path: Path, n_embd: int, n_layer: int, n_head: int, steps: int, seed: int, log: list[float],
           length: int = 64) -> None:  # fmt: skip
     """A GPT-2 trained on `spans_text` (seeded), written to `path` in the HF format."""
@@ -91,14 +103,7 @@ def train(path: Path, n_embd: int, n_layer: int, n_head: int, steps: int, seed: 
     model.train()
     for step in range(steps):
         batch = torch.tensor([spans_text(rng, length) for _ in range(16)])
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 50 == 0 or step == steps - 1:
-            log.append(round(loss.item(), 4))
-            print(f"  {path.name} step {step}: loss {loss.item():.3f}", flush=True)
+        descend(optimizer, schedule, model(batch, labels=batch).loss, step, steps, log, path.name)
     model.eval().save_pretrained(path)
 
 
@@ -136,13 +141,7 @@ def train_eagle(path: Path, target_dir: Path, steps: int, seed: int, log: list[f
         regression = torch.nn.functional.smooth_l1_loss(out, hidden[:, 1:])
         loss = regression + 0.1 * torch.nn.functional.cross_entropy((out[:, :-1] @ embed.t()).reshape(-1, VOCAB),
                                                                     batch[:, 2:].reshape(-1))  # fmt: skip
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 50 == 0 or step == steps - 1:
-            log.append(round(loss.item(), 4))
-            print(f"  {path.name} step {step}: loss {loss.item():.3f}", flush=True)
+        descend(optimizer, schedule, loss, step, steps, log, path.name)
     path.mkdir(parents=True, exist_ok=True)
     architecture = EAGLE_HEAD_ARCHITECTURES["eagle"][0]  # vLLM's name for it
     (path / "config.json").write_text(json.dumps(config.to_dict() | {"architectures": [architecture]}))

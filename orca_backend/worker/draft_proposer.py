@@ -55,11 +55,9 @@ class DraftProposer(RunnerProposer):
 
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
-        positions = self.placeholders(step)
+        positions, spec_rows, counts = self.placeholders(step, rows)
         if not positions:
             return
-        spec_rows = rows[[step.spec_rows[i] for i in positions]]
-        counts = np.array([len(step.spec_tokens[i]) for i in positions], dtype=np.int64)
         ends = batch.num_tokens[spec_rows].astype(np.int64)  # each one's tokens: its last one is at ends - 1
         starts = np.array([self._valid_from(row, end, batch) for row, end in
                            zip(spec_rows.tolist(), ends.tolist(), strict=True)], dtype=np.int64)  # fmt: skip

@@ -103,11 +103,9 @@ class EagleProposer(RunnerProposer):
 
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
-        positions = self.placeholders(step)
+        positions, spec_rows, counts = self.placeholders(step, rows)
         if not positions:
             return
-        spec_rows = rows[[step.spec_rows[i] for i in positions]]
-        counts = np.array([len(step.spec_tokens[i]) for i in positions], dtype=np.int64)
         drafts = np.zeros((len(positions), int(counts.max())), dtype=np.int64)
         hidden = []
         for i, row in enumerate(spec_rows.tolist()):

@@ -55,9 +55,12 @@ class RunnerProposer:
         """What a step computed, once sampled: `hidden` [T, H], the target's final hidden states of its
         tokens (with `needs_hidden_states`)."""
 
-    def placeholders(self, step: SchedulerOutput) -> list[int]:
-        """The batch positions of the step's requests whose proposals are left to this proposer."""
-        return [i for i, drafts in enumerate(step.spec_tokens) if drafts and drafts[0] == PROPOSED_BY_RUNNER]
+    def placeholders(self, step: SchedulerOutput, rows: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The step's requests whose proposals are left to this proposer: their places among the
+        step's proposals (`spec_tokens`), their input-batch rows, and how many each proposes."""
+        places = [i for i, drafts in enumerate(step.spec_tokens) if drafts and drafts[0] == PROPOSED_BY_RUNNER]
+        counts = np.array([len(step.spec_tokens[i]) for i in places], dtype=np.int64)
+        return places, rows[[step.spec_rows[i] for i in places]], counts
 
     @staticmethod
     def fill(step: SchedulerOutput, batch: InputBatch, position: int, row: int, proposal: list[int]) -> None:
