@@ -14,6 +14,9 @@ captured at load, largest first, all in one memory pool:
 - Decode-only steps (`DecodeGraphs`): one query per request, padded to a batch size of 1, 2, 4, 8,
   ... below max_num_seqs, and max_num_seqs (`capture_sizes`). Their attention is the split-K decode
   kernel, whose grid comes from the batch size.
+- Speculative decoding's verify steps in which every request verifies k proposals (`VerifyGraphs`):
+  1 + k queries and as many logits rows per request, padded to a batch size as decode steps are (up
+  to MAX_VERIFY_BATCH); a verify step with fewer proposals for some request runs eagerly.
 - Every other step (`MixedGraphs`): padded to a token count of 16, 32, 64, ... below the largest,
   and the largest: max_num_batched_tokens, or `DEFAULT_MAX_GRAPH_TOKENS` when that is unset
   (`mixed_capture_sizes`; 8 sizes at most from 16 to 2048, so capture time and the pool, sized by
@@ -97,8 +100,8 @@ EAGER_REASONS = {
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
-    "speculative": "a request verifies proposed tokens (speculative decoding: a logits row per proposal; the "
-                   "graphs hold one per request)",
+    "speculative": "a step with proposed tokens to verify (speculative decoding) in which not every request "
+                   "verifies num_speculative_tokens of them (the verify graphs hold such steps only)",
     "eagle": "speculative decoding with an EAGLE head reads every step's final hidden states, which the graphs "
              "do not return",
 }
@@ -143,6 +146,15 @@ def _doubling(smallest: int, largest: int) -> list[int]:
     return [*sizes, largest]
 
 
+def verify_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes a verify graph is captured for: as decode's, up to MAX_VERIFY_BATCH (a verify
+    graph's logits hold (1 + k) rows per request, and speculation pays at small batches)."""
+    return _doubling(1, min(max_num_seqs, MAX_VERIFY_BATCH))
+
+
+MAX_VERIFY_BATCH = 64
+
+
 def is_decode_only(inputs: StepInputs) -> bool:
     """One new token per request: the steps of `DecodeGraphs` (and of the split-K decode kernel)."""
     return inputs.max_query_len == 1 and inputs.num_tokens == inputs.num_requests
@@ -165,10 +177,11 @@ class StepGraphs:
         self.device = device
         num_tokens = max(self.shape(size)[0] for size in self.sizes)
         num_requests = max(self.shape(size)[1] for size in self.sizes)
+        num_logits = max(self.num_logits(size) for size in self.sizes)
         # Device buffers a graph reads: (token ids, positions, K/V slots); (query starts, context
-        # lengths, logits indices), the last two [:R] of their rows; block tables.
+        # lengths, logits indices), the second [:R] of its row, the last [:L]; block tables.
         self.tokens = torch.zeros((3, num_tokens), dtype=torch.int64, device=device)
-        self.requests = torch.zeros((3, num_requests + 1), dtype=torch.int32, device=device)
+        self.requests = torch.zeros((3, max(num_requests + 1, num_logits)), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((num_requests, max_blocks), dtype=torch.int32, device=device)
         # LoRA (`lora_slots` adapter slots): each token's slot, the tokens sorted by slot, each slot's
         # start and count among them (orca_kernels.lora.LoRAMetadata), in one int32 buffer.
@@ -204,6 +217,10 @@ class StepGraphs:
         """A bucket's (tokens, requests, max query length): its metadata's host integers."""
         raise NotImplementedError
 
+    def num_logits(self, size: int) -> int:
+        """A bucket's logits rows: one per request, unless the kind says otherwise."""
+        return self.shape(size)[1]
+
     def describe(self, size: int) -> str:
         """A bucket, in words (the log and capture errors)."""
         raise NotImplementedError
@@ -226,19 +243,20 @@ class StepGraphs:
         return GRAPH_REPLAYED if self.bucket(self.size_of(inputs)) in self.graphs else "static_buffers"
 
     def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The logits [B, vocab] of a step that fits (no `eager_reason`): its graph replayed on CUDA, the
-        same static-buffer forward run eagerly elsewhere. On CUDA the view is valid until the next run.
-        `ahead` (async scheduling): (token positions, ids) written over the input tokens on the device."""
-        num_requests = inputs.num_requests
+        """The logits of a step that fits (no `eager_reason`), a row per logits index of the step: its
+        graph replayed on CUDA, the same static-buffer forward run eagerly elsewhere. On CUDA the view
+        is valid until the next run. `ahead` (async scheduling): (token positions, ids) written over
+        the input tokens on the device."""
+        rows = len(inputs.logits_indices)
         size = self.load(inputs)
         if ahead is not None:
             self.tokens[0].index_copy_(0, *ahead)
         graph = self.graphs.get(size)
         if graph is None:
-            return self.forward(*self.views(size))[:num_requests]
+            return self.forward(*self.views(size))[:rows]
         graph.replay()
         assert self.logits is not None
-        return self.logits[:num_requests]
+        return self.logits[:rows]
 
     def load(self, inputs: StepInputs) -> int:
         """Writes the live step into the first tokens and requests of the static buffers and padding
@@ -250,7 +268,7 @@ class StepGraphs:
         starts, context_lens, logits_indices = self._host_requests
         starts[: requests + 1] = inputs.query_start
         context_lens[:requests] = inputs.context_lens
-        logits_indices[:requests] = inputs.logits_indices
+        logits_indices[: len(inputs.logits_indices)] = inputs.logits_indices
         width = inputs.block_tables.shape[1]
         self._tables(requests, width)[:] = inputs.block_tables  # entries past a row's context are never read
         self._pad(tokens, requests, size)
@@ -280,7 +298,11 @@ class StepGraphs:
         ends = np.minimum(tokens + self._ramp[:padding] * max_query_len, num_tokens)
         starts[requests + 1 : num_requests + 1] = ends
         context_lens[requests:num_requests] = 0
-        logits_indices[requests:num_requests] = np.maximum(ends - 1, 0)
+        self._pad_logits(tokens, requests, size, ends)
+
+    def _pad_logits(self, tokens: int, requests: int, size: int, ends: np.ndarray) -> None:
+        """The padding's logits rows: each padding request's last token (`ends` - 1)."""
+        self._host_requests[2, requests : self.shape(size)[1]] = np.maximum(ends - 1, 0)
 
     def _load_lora(self, token_slots: np.ndarray | None, size: int) -> None:
         """The step's token->slot mapping over the bucket's tokens (padding and tokens without an
@@ -346,7 +368,7 @@ class StepGraphs:
             lora = LoRAMetadata(mapping[:num_tokens], mapping[max_tokens : max_tokens + num_tokens],
                                 mapping[2 * max_tokens : 2 * max_tokens + slots], mapping[2 * max_tokens + slots :],
                                 None, None)  # fmt: skip
-        return StageInput(input_ids, positions, None, lora), meta, self.requests[2, :num_requests]
+        return StageInput(input_ids, positions, None, lora), meta, self.requests[2, : self.num_logits(size)]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -367,8 +389,8 @@ class StepGraphs:
                 try:
                     self.load_padding(size)
                     warm = self.forward(*self.views(size))
-                    if self.logits is None:  # the largest bucket's requests are every bucket's most
-                        rows = max(self.shape(s)[1] for s in self.sizes)
+                    if self.logits is None:  # the largest bucket's rows are every bucket's most
+                        rows = max(self.num_logits(s) for s in self.sizes)
                         self.logits = torch.empty((rows, warm.shape[1]), dtype=warm.dtype, device=self.device)
                     del warm
                     torch.cuda.synchronize(self.device)
@@ -441,3 +463,45 @@ class MixedGraphs(StepGraphs):
         if inputs.num_requests > self.max_num_seqs:
             return "batch_above_buckets"
         return ""
+
+
+class VerifyGraphs(StepGraphs):
+    """Speculative decoding's steps in which every request verifies k proposed tokens, bucketed by
+    batch size: a bucket of B requests holds B (1 + k) tokens, a query length of 1 + k, and a logits
+    row per token, in the order the sampler reads them (`SpecRows`): each request's own row (its
+    last token), then every request's rows verifying its proposals."""
+
+    def __init__(
+        self, forward: Forward, sizes: list[int], num_speculative_tokens: int, max_blocks: int, block_size: int,
+        device: torch.device, lora_slots: int = 0,
+    ) -> None:  # fmt: skip
+        self.query_len = 1 + num_speculative_tokens
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots)
+
+    def size_of(self, inputs: StepInputs) -> int:
+        return inputs.num_requests
+
+    def shape(self, size: int) -> tuple[int, int, int]:
+        return size * self.query_len, size, self.query_len
+
+    def num_logits(self, size: int) -> int:
+        return size * self.query_len
+
+    def describe(self, size: int) -> str:
+        return f"verify steps of batch size {size} ({self.query_len} tokens each)"
+
+    def describe_all(self) -> str:
+        return f"verify steps of {self.sizes} requests ({self.query_len} tokens each)"
+
+    def eager_reason(self, inputs: StepInputs) -> str:
+        spec, k = inputs.spec, self.query_len - 1
+        if spec is None or len(spec.positions) != inputs.num_requests or any(count != k for count in spec.counts) \
+                or inputs.num_tokens != inputs.num_requests * self.query_len:  # fmt: skip
+            return "speculative"
+        if inputs.num_requests > self.max_size:
+            return "batch_above_buckets"
+        return ""
+
+    def _pad_logits(self, tokens: int, requests: int, size: int, ends: np.ndarray) -> None:
+        """A live step has a logits row per token: the padding's rows are the padding tokens'."""
+        self._host_requests[2, tokens : self.num_logits(size)] = np.arange(tokens, self.num_logits(size))

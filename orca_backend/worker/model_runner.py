@@ -34,10 +34,12 @@ from orca_backend.worker.cuda_graphs import (
     GraphCaptureError,
     MixedGraphs,
     StepGraphs,
+    VerifyGraphs,
     capture_sizes,
     is_decode_only,
     mixed_capture_sizes,
     runner_eager_reason,
+    verify_capture_sizes,
 )
 from orca_backend.worker.draft_proposer import DraftProposer
 from orca_backend.worker.eagle_proposer import EagleProposer
@@ -88,7 +90,8 @@ class ModelRunner:
         # Speculative decoding with a draft model or an EAGLE head: it proposes in this runner, its K/V
         # slot for slot beside the target's (loaded before the pool is sized, so its weights are counted).
         self.drafter: RunnerProposer | None = None
-        method = config.speculative().method if config.speculative_config else ""
+        speculative = config.speculative()
+        method = speculative.method if speculative is not None else ""
         if method == "draft_model":
             self.drafter = DraftProposer(config, model_config, self.device)
         elif method in ("eagle", "eagle3"):
@@ -122,10 +125,12 @@ class ModelRunner:
         # last copies done (the host buffers are not written again before it).
         self._device_buffers: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
-        # The CUDA graphs of decode-only steps and of the others (worker/cuda_graphs.py), None where a
-        # step of that kind runs eagerly.
+        # The CUDA graphs of decode-only steps, of speculative decoding's verify steps and of the others
+        # (worker/cuda_graphs.py), None where a step of that kind runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
             config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
@@ -140,6 +145,9 @@ class ModelRunner:
             self.mixed_graphs = self._capture(self.static_mixed(mixed_capture_sizes(config.max_num_batched_tokens)))
             self.decode_graphs = self._capture(self.static_decode(capture_sizes(config.max_num_seqs)),
                                                self.mixed_graphs.pool)  # fmt: skip
+            if self.num_speculative_tokens:
+                self.verify_graphs = self._capture(self.static_verify(verify_capture_sizes(config.max_num_seqs)),
+                                                   self.mixed_graphs.pool)  # fmt: skip
 
     def _allocate_pool(self, num_slots: int, model_config: AnyModelConfig,
                        config: EngineConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
@@ -207,6 +215,11 @@ class ModelRunner:
         that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
         return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device,
                             self._lora_slots())  # fmt: skip
+
+    def static_verify(self, sizes: list[int]) -> VerifyGraphs:
+        """The static buffers of verify steps padded to `sizes` requests (as `static_decode`)."""
+        return VerifyGraphs(self._forward, sizes, self.num_speculative_tokens, self.input_batch.block_table.shape[1],
+                            self.block_size, self.device, self._lora_slots())  # fmt: skip
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
         """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
@@ -286,13 +299,14 @@ class ModelRunner:
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
         ahead = self._ahead_tokens(step) if step.ahead_rows else None
-        graphs: StepGraphs | None = self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs
+        graphs: StepGraphs | None = (self.verify_graphs if inputs.spec is not None else
+                                     self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs)  # fmt: skip
         self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
         if not self._step_path and inputs.prompt_logprobs is not None:
             self._step_path = "prompt_logprobs"
         if not self._step_path and inputs.pooling is not None:
             self._step_path = "pooling"
-        if not self._step_path and inputs.spec is not None:
+        if not self._step_path and graphs is None:  # a runner with graphs that has none of this kind
             self._step_path = "speculative"
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)

@@ -318,7 +318,7 @@ def guard_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, graphs: St
 
 
 class StepRecorder:
-    """Records every forward on `graphs` from its creation on, under its bucket (the token count):
+    """Records every forward on `graphs` from its creation on, under its bucket (`graphs.bucket`):
     `recordings` maps a bucket to [(the step, its launches)], the step named by its live (tokens,
     requests), or "padding" for the all-padding step a capture records (`record_padding`)."""
 
@@ -326,10 +326,12 @@ class StepRecorder:
         self.runner, self.graphs = runner, graphs
         self.recordings: dict[int, list[tuple[object, list[tuple]]]] = {}
         self.label: object = None
+        self.size = 0  # the bucket of the step being run
         self._forward, run = graphs.forward, graphs.run
 
         def labelled_run(inputs, ahead=None):
             self.label = (inputs.num_tokens, inputs.num_requests)
+            self.size = graphs.bucket(graphs.size_of(inputs))
             return run(inputs, ahead)
 
         graphs.forward, graphs.run = self._recorded_forward, labelled_run
@@ -342,14 +344,14 @@ class StepRecorder:
                 logits = self._forward(stage_input, meta, logits_indices)
         finally:
             _RecordedKernel.active = None
-        self.recordings.setdefault(stage_input.input_ids.shape[0], []).append((self.label, recorder.launches))
+        self.recordings.setdefault(self.size, []).append((self.label, recorder.launches))
         return logits
 
     def record_padding(self) -> None:
         """Records, for each bucket recorded so far, the all-padding step its capture would run."""
         for size in list(self.recordings):
             self.graphs.load_padding(size)
-            self.label = "padding"
+            self.label, self.size = "padding", size
             self.graphs.forward(*self.graphs.views(size))
 
     def assert_identical_launches(self) -> None:

@@ -1,0 +1,127 @@
+"""The CUDA-graph path of speculative decoding's verify steps (worker/cuda_graphs.py's `VerifyGraphs`),
+checked on the CPU (CI has no GPU): steps in which every request verifies k proposals run on the
+static buffers padded to batch-size buckets, return a logits row per token in the sampler's order
+(each request's own row, then the rows verifying its proposals) and give the engine's tokens
+without speculation, right and wrong proposals alike, writing no K/V for padding; a step in which
+some request verifies fewer runs eagerly and says so ("speculative"); and, on the Triton kernels a
+GPU captures, steps of one bucket and the all-padding step a capture records make identical
+launches and pass the capture guard (tests/worker/graph_checks.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_helpers import OracleProposer, random_prompts
+from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
+
+from orca_backend import LLM, SamplingParams
+from orca_backend.worker.cuda_graphs import (
+    VerifyGraphs,
+    capture_sizes,
+    mixed_capture_sizes,
+    verify_capture_sizes,
+)
+from orca_backend.worker.model_runner import ModelRunner
+
+K = OracleProposer.K
+MAX_NUM_SEQS = 8
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": K})
+MAX_TOKENS = [40, 29, 52, 33, 45, 26]
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the Triton cases run in this process")
+def test_triton_cases_in_fresh_process() -> None:
+    run_in_fresh_process(__file__)
+
+
+def test_verify_capture_sizes_stop_at_small_batches():
+    assert verify_capture_sizes(8) == [1, 2, 4, 8]
+    assert verify_capture_sizes(256) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def _static_llm(model: str, kernels: str, wrong: str) -> tuple[LLM, ModelRunner, OracleProposer, list, list, list]:
+    """An engine whose every step runs on the graphs' static buffers (eagerly: a CPU captures
+    nothing), proposing each request's true continuation (wrong from a place: `wrong`); its prompts,
+    their parameters and the tokens an engine without speculation makes of them."""
+    plain = LLM(model, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=2048, kernels=kernels)
+    prompts = random_prompts(len(MAX_TOKENS), plain.engine.model_config.vocab_size, seed=19)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    expected = [o.output_ids for o in plain.generate(prompts, params)]
+    llm = LLM(model, max_num_seqs=MAX_NUM_SEQS, kv_capacity_tokens=2048, kernels=kernels, speculative_config=SPECULATIVE)
+    proposer = llm.engine.core.scheduler.proposer = OracleProposer(prompts, expected, plain.engine.model_config.vocab_size,
+                                                                   wrong)  # fmt: skip
+    runner = llm.engine.core.executor.runner
+    runner.decode_graphs = runner.static_decode(capture_sizes(MAX_NUM_SEQS))
+    runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(0))
+    runner.verify_graphs = runner.static_verify(verify_capture_sizes(MAX_NUM_SEQS))
+    return llm, runner, proposer, prompts, params, expected
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("wrong", ["never", "cycle"])
+def test_verify_steps_on_static_buffers_give_the_tokens_and_padding_writes_no_kv(model, wrong):
+    llm, runner, _, prompts, params, expected = _static_llm(model, "cpu", wrong)
+    graphs: VerifyGraphs = runner.verify_graphs
+    run = graphs.run
+    seen: list[tuple[int, int]] = []  # (live requests, bucket) of every verify step on the buffers
+
+    def checked_run(inputs, ahead=None):
+        """The pool after the step differs from before only in the live tokens' slots; a row per token."""
+        before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        logits = run(inputs, ahead)
+        untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
+        untouched[torch.from_numpy(inputs.slot_mapping.copy())] = False
+        for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
+            assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+        assert logits.shape[0] == inputs.num_tokens == inputs.num_requests * (1 + K)
+        seen.append((inputs.num_requests, graphs.bucket(inputs.num_requests)))
+        return logits
+
+    graphs.run = checked_run
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    stats, spec = llm.engine.stats(), llm.engine.core.stats()
+    # Steps near a request's max_tokens propose fewer than k tokens: those run eagerly, saying why.
+    assert set(stats.steps_by_path) == {"static_buffers", "speculative"}, stats.steps_by_path
+    assert len(seen) > 3 and any(live < bucket for live, bucket in seen)  # padded steps among them
+    if wrong == "never":
+        assert spec.spec_num_accepted_tokens == spec.spec_num_draft_tokens
+    else:
+        assert 0 < spec.spec_num_accepted_tokens < spec.spec_num_draft_tokens
+
+
+def test_a_step_with_fewer_proposals_than_k_is_no_verify_bucket():
+    llm, runner, _, prompts, params, _ = _static_llm("gpt2-tiny", "cpu", "never")
+    graphs = runner.verify_graphs
+    reasons = []
+    eager_reason = graphs.eager_reason
+
+    def noted(inputs):
+        reasons.append((eager_reason(inputs), inputs.spec.counts))
+        return reasons[-1][0]
+
+    graphs.eager_reason = noted
+    llm.generate(prompts, params)
+    assert {reason for reason, counts in reasons if set(counts) == {K}} == {""}
+    assert {reason for reason, counts in reasons if set(counts) != {K}} == {"speculative"}
+
+
+@pytest.mark.slow
+def test_verify_steps_of_one_bucket_make_identical_launches_and_pass_the_capture_guard(monkeypatch):
+    """The Triton path a GPU captures: verify steps run under the capture guard, and within each
+    bucket every step (of whatever acceptance) and the all-padding step make identical launches."""
+    from graph_checks import StepRecorder, guard_steps, record_triton_kernels
+
+    use_import_mode(monkeypatch)  # skips when this process cannot run Triton (the fresh-process test does)
+    if not INTERPRETED:  # a CUDA machine: captured graphs are tests/model/test_cuda.py's
+        pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
+    record_triton_kernels(monkeypatch)
+    llm, runner, _, prompts, params, expected = _static_llm("llama-tiny", "triton", "cycle")
+    guarded = guard_steps(monkeypatch, runner, runner.verify_graphs)
+    recorder = StepRecorder(runner, runner.verify_graphs)
+    assert [o.output_ids for o in llm.generate(prompts[:3], params[:3])] == expected[:3]
+    assert guarded.passed and not guarded.failures
+    recorder.record_padding()
+    recorder.assert_identical_launches()
+    assert any(len(steps) >= 3 for steps in recorder.recordings.values())  # steps and the padding in a bucket
