@@ -57,6 +57,21 @@ def write_eagle_head(path: Path, layers: torch.nn.ModuleList, fc: torch.Tensor, 
     return path
 
 
+def mirror_head(target: torch.nn.Module, path: Path) -> Path:
+    """A head that computes what a one-layer Llama target computes, one position earlier: fc passes
+    the token's embedding through (it ignores the hidden state), its layer is the target's layer, and
+    the target's norms are made all but identities (unit-RMS embedding rows, unit weights; the final
+    norm then scales a vector, which keeps its argmax). It proposes the target's own next tokens but
+    for what the target sees of the first token, which the head never does."""
+    with torch.no_grad():
+        embed = target.model.embed_tokens.weight
+        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt())
+        target.model.layers[0].input_layernorm.weight.fill_(1.0)
+        target.model.norm.weight.fill_(1.0)
+    size = target.config.hidden_size
+    return write_eagle_head(path, target.model.layers, torch.cat([torch.eye(size), torch.zeros(size, size)], dim=1))
+
+
 def reference_head(layers: torch.nn.ModuleList, fc: torch.Tensor, fc_bias: torch.Tensor | None, embed: torch.Tensor,
                    lm_head: torch.Tensor, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
     """The head over one sequence: position p takes tokens[p] (the token after the target's p) and

@@ -102,8 +102,6 @@ EAGER_REASONS = {
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
     "speculative": "a step with proposed tokens to verify (speculative decoding) in which not every request "
                    "verifies num_speculative_tokens of them (the verify graphs hold such steps only)",
-    "eagle": "speculative decoding with an EAGLE head reads every step's final hidden states, which the graphs "
-             "do not return",
 }
 
 
@@ -167,8 +165,10 @@ class StepGraphs:
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_blocks: int, block_size: int, device: torch.device,
-        lora_slots: int = 0,
+        lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
+        """`hidden_layers` (an EAGLE head's): not None, each step returns every token's final hidden
+        state too, and the hidden states entering those layers (StageInput.aux_layers)."""
         self.forward = forward
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
@@ -181,6 +181,8 @@ class StepGraphs:
         # Device buffers a graph reads: (token ids, positions, K/V slots); (query starts, context
         # lengths, logits indices), the second [:R] of its row, the last [:L]; block tables.
         self.tokens = torch.zeros((3, num_tokens), dtype=torch.int64, device=device)
+        self.hidden_layers = hidden_layers
+        self.every_token = torch.arange(num_tokens, device=device) if hidden_layers is not None else None
         self.requests = torch.zeros((3, max(num_requests + 1, num_logits)), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((num_requests, max_blocks), dtype=torch.int32, device=device)
         # LoRA (`lora_slots` adapter slots): each token's slot, the tokens sorted by slot, each slot's
@@ -204,7 +206,8 @@ class StepGraphs:
         self._ramp = np.arange(1, num_requests + 1, dtype=np.int64)  # padding requests 1, 2, 3, ... after the live ones
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: torch.Tensor | None = None  # [max requests, vocab]: every graph's output (CUDA)
+        self.logits: torch.Tensor | None = None  # [max logits rows, vocab]: every graph's output (CUDA)
+        self.hidden: torch.Tensor | None = None  # [max tokens, width]: with hidden_layers, the hidden states (CUDA)
         self.pool: tuple | None = None  # the memory pool of the graphs, shared with the runner's other object
         self.graph_bytes = 0
 
@@ -253,10 +256,12 @@ class StepGraphs:
             self.tokens[0].index_copy_(0, *ahead)
         graph = self.graphs.get(size)
         if graph is None:
-            return self.forward(*self.views(size))[:rows]
+            out = self.forward(*self.views(size))
+            return (out[0][:rows], out[1]) if isinstance(out, tuple) else out[:rows]
         graph.replay()
         assert self.logits is not None
-        return self.logits[:rows]
+        # With hidden_layers, every token's hidden states too (the live tokens' rows first).
+        return self.logits[:rows] if self.hidden is None else (self.logits[:rows], self.hidden)
 
     def load(self, inputs: StepInputs) -> int:
         """Writes the live step into the first tokens and requests of the static buffers and padding
@@ -368,7 +373,9 @@ class StepGraphs:
             lora = LoRAMetadata(mapping[:num_tokens], mapping[max_tokens : max_tokens + num_tokens],
                                 mapping[2 * max_tokens : 2 * max_tokens + slots], mapping[2 * max_tokens + slots :],
                                 None, None)  # fmt: skip
-        return StageInput(input_ids, positions, None, lora), meta, self.requests[2, : self.num_logits(size)]
+        every_token = self.every_token[:num_tokens] if self.every_token is not None else None
+        stage_input = StageInput(input_ids, positions, None, lora, every_token, self.hidden_layers or ())
+        return stage_input, meta, self.requests[2, : self.num_logits(size)]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -389,16 +396,24 @@ class StepGraphs:
                 try:
                     self.load_padding(size)
                     warm = self.forward(*self.views(size))
+                    warm_logits, warm_hidden = warm if isinstance(warm, tuple) else (warm, None)
                     if self.logits is None:  # the largest bucket's rows are every bucket's most
                         rows = max(self.num_logits(s) for s in self.sizes)
-                        self.logits = torch.empty((rows, warm.shape[1]), dtype=warm.dtype, device=self.device)
-                    del warm
+                        self.logits = torch.empty((rows, warm_logits.shape[1]), dtype=warm_logits.dtype,
+                                                  device=self.device)  # fmt: skip
+                    if warm_hidden is not None and self.hidden is None:
+                        self.hidden = torch.empty((self.tokens.shape[1], warm_hidden.shape[1]), dtype=warm_hidden.dtype,
+                                                  device=self.device)  # fmt: skip
+                    del warm, warm_logits, warm_hidden
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits = self.forward(*self.views(size))
+                        out = self.forward(*self.views(size))
+                        logits, hidden = out if isinstance(out, tuple) else (out, None)
                         self.logits[: logits.shape[0]].copy_(logits)
-                    del logits
+                        if hidden is not None:
+                            self.hidden[: hidden.shape[0]].copy_(hidden)
+                    del out, logits, hidden
                 except Exception as e:
                     raise GraphCaptureError(self.describe(size), e) from e
                 pool = graph.pool() if pool is None else pool
@@ -440,10 +455,10 @@ class MixedGraphs(StepGraphs):
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_num_seqs: int, max_blocks: int, block_size: int,
-        device: torch.device, lora_slots: int = 0,
+        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.max_num_seqs = max_num_seqs
-        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers)
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_tokens
@@ -473,10 +488,10 @@ class VerifyGraphs(StepGraphs):
 
     def __init__(
         self, forward: Forward, sizes: list[int], num_speculative_tokens: int, max_blocks: int, block_size: int,
-        device: torch.device, lora_slots: int = 0,
+        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.query_len = 1 + num_speculative_tokens
-        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers)
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_requests

@@ -18,8 +18,9 @@ So the head's K/V covers every position the target computed: a prefix-cache hit 
 K/V beside the target's in the same blocks (written when another request computed them), a forked
 request's copied block carries it (the runner copies both pools), and a resumed request's prefill
 writes it again. Drafting is greedy, so the sampler verifies each proposal as an n-gram one (q = 1)
-and sampling stays exact. With the head on, every step's forward returns the final hidden state
-of every token, and steps run eagerly (no CUDA graph returns them).
+and sampling stays exact. With the head on, every step's forward returns the hidden states of
+every token (a CUDA graph's too, from a buffer of its bucket's size); the head's own passes run
+eagerly.
 """
 
 from __future__ import annotations

@@ -135,8 +135,6 @@ class ModelRunner:
         self.eager_reason = runner_eager_reason(
             config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
-        if not self.eager_reason and self.drafter is not None and self.drafter.needs_hidden_states:
-            self.eager_reason = "eagle"
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
         if self.eager_reason:
             logger.info("steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
@@ -180,7 +178,7 @@ class ModelRunner:
         size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
         max_blocks = -(-model_config.max_context // config.block_size)
         static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
-                             self._lora_slots())  # fmt: skip
+                             self._lora_slots(), self._hidden_layers())  # fmt: skip
         static.load_padding(size)
         stage_input, meta, logits_indices = static.views(size)
         if not self.layout.is_first_stage:
@@ -214,17 +212,22 @@ class ModelRunner:
         """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
         that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
         return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device,
-                            self._lora_slots())  # fmt: skip
+                            self._lora_slots(), self._hidden_layers())  # fmt: skip
 
     def static_verify(self, sizes: list[int]) -> VerifyGraphs:
         """The static buffers of verify steps padded to `sizes` requests (as `static_decode`)."""
         return VerifyGraphs(self._forward, sizes, self.num_speculative_tokens, self.input_batch.block_table.shape[1],
-                            self.block_size, self.device, self._lora_slots())  # fmt: skip
+                            self.block_size, self.device, self._lora_slots(), self._hidden_layers())  # fmt: skip
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
         """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
         return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[1],
-                           self.block_size, self.device, self._lora_slots())  # fmt: skip
+                           self.block_size, self.device, self._lora_slots(), self._hidden_layers())  # fmt: skip
+
+    def _hidden_layers(self) -> tuple[int, ...] | None:
+        """What the graphs return beside the logits: for an EAGLE head, every token's hidden states
+        (StepGraphs' hidden_layers); else nothing (None)."""
+        return self.drafter.aux_layers if self.drafter is not None and self.drafter.needs_hidden_states else None
 
     def _lora_slots(self) -> int:
         """The adapter slots the graphs' static token->slot mapping covers (0: LoRA is off)."""

@@ -514,30 +514,13 @@ def test_eagle_with_a_random_head_still_exact(tiny_checkpoint, random_head, mode
     assert llm.engine.core.kv.used_tokens == 0
 
 
-def mirror_head(target, path):
-    """A head that computes what a one-layer Llama target computes, one position earlier: fc passes
-    the token's embedding through (it ignores the hidden state), its layer is the target's layer, and
-    the target's norms are made all but identities (unit-RMS embedding rows, unit weights; the final
-    norm then scales a vector, which keeps its argmax). It proposes the target's own next tokens but
-    for what the target sees of the first token, which the head never does."""
-    import torch
-    from eagle_heads import write_eagle_head
-
-    with torch.no_grad():
-        embed = target.model.embed_tokens.weight
-        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt())
-        target.model.layers[0].input_layernorm.weight.fill_(1.0)
-        target.model.norm.weight.fill_(1.0)
-    size = target.config.hidden_size
-    return write_eagle_head(path, target.model.layers, torch.cat([torch.eye(size), torch.zeros(size, size)], dim=1))
-
-
 @pytest.mark.parametrize("family", ["Llama", "Qwen2"])
 def test_eagle_with_a_head_mirroring_the_target_has_most_proposals_accepted(tmp_path, family):
     """The head reads the token after each position at that position (EAGLE's shift by one), the
     target's hidden states and its own: a head that mirrors the target then has most of its
     proposals accepted (a shift by one position or a token makes them chance: 1/320), and the
     tokens are transformers' own."""
+    from eagle_heads import mirror_head
     from hf_tiny import hf_greedy, write_tiny
 
     target = write_tiny(family, tmp_path / "target", seed=5, num_hidden_layers=1)
@@ -574,6 +557,7 @@ def test_eagle_through_preemption_prefix_hits_forks_and_async_scheduling(tmp_pat
     again, a prefix-cache hit finds it in the shared blocks, a forked sample's copied block carries
     it (n = 2), and async scheduling runs nothing ahead; the mirroring head keeps most proposals
     accepted through all of it, and the tokens are the engine's without speculation."""
+    from eagle_heads import mirror_head
     from hf_tiny import write_tiny
 
     target = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=1)

@@ -141,7 +141,7 @@ def record_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> bool:
 def named_buffers(runner: ModelRunner, graphs: StepGraphs) -> dict[str, torch.Tensor]:
     """The memory a step of `graphs` may read that lives longer than the step, by name: the static
     buffers, the K/V pool, and every tensor the model holds (weights, rope tables, LoRA slots)."""
-    named = {name: getattr(graphs, name) for name in ("tokens", "requests", "block_tables", "lora_map")}
+    named = {name: getattr(graphs, name) for name in ("tokens", "requests", "block_tables", "lora_map", "every_token")}
     named = {name: tensor for name, tensor in named.items() if tensor is not None}
     for i, (k, v) in enumerate(runner.kv_caches):
         named[f"k_cache{i}"], named[f"v_cache{i}"] = k, v

@@ -125,3 +125,69 @@ def test_verify_steps_of_one_bucket_make_identical_launches_and_pass_the_capture
     recorder.record_padding()
     recorder.assert_identical_launches()
     assert any(len(steps) >= 3 for steps in recorder.recordings.values())  # steps and the padding in a bucket
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_steps_on_static_buffers_return_every_tokens_hidden_states(tmp_path, method):
+    """With an EAGLE head every step's graph returns, beside the logits, every token's hidden states
+    (the final one, and for EAGLE-3 those entering the head's layers) from a buffer of the bucket's
+    size: a head mirroring a one-layer target keeps most proposals accepted, an EAGLE-3 head of
+    random weights keeps the tokens, and every step ran on the static buffers but the verify steps
+    with fewer proposals than k."""
+    from eagle_heads import mirror_head, random_eagle3, write_eagle3_head
+    from hf_tiny import hf_greedy, write_tiny
+
+    target = tmp_path / "target"
+    if method == "eagle":
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
+        head = mirror_head(model, tmp_path / "head")
+        model.save_pretrained(target)
+    else:
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=4)
+        head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    prompts = random_prompts(4, 320, seed=6)
+    spec = json.dumps({"method": method, "model": str(head), "num_speculative_tokens": K})
+    llm = LLM(str(target), kv_policy="paged", block_size=4, max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
+    runner = llm.engine.core.executor.runner
+    runner.decode_graphs = runner.static_decode(capture_sizes(MAX_NUM_SEQS))
+    runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(0))
+    runner.verify_graphs = runner.static_verify(verify_capture_sizes(MAX_NUM_SEQS))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == [hf_greedy(model, p, 24) for p in prompts]
+    assert set(llm.engine.stats().steps_by_path) <= {"static_buffers", "speculative"}
+    assert llm.engine.stats().steps_by_path["static_buffers"] > 0
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens > 0
+    if method == "eagle":
+        assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_eagle3_steps_pass_the_capture_guard_with_their_hidden_states(tmp_path, monkeypatch):
+    """The Triton path a GPU captures, with an EAGLE-3 head: every graphed step (prompt, decode,
+    verify) returns its hidden states without reading a value back to the host, and a verify bucket's
+    steps make identical launches."""
+    from eagle_heads import random_eagle3, write_eagle3_head
+    from graph_checks import StepRecorder, guard_steps, record_triton_kernels
+    from hf_tiny import hf_greedy, write_tiny
+
+    use_import_mode(monkeypatch)
+    if not INTERPRETED:
+        pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
+    record_triton_kernels(monkeypatch)
+    model = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=4)
+    head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+    llm = LLM(str(tmp_path / "target"), kernels="triton", max_num_seqs=4, speculative_config=spec)
+    runner = llm.engine.core.executor.runner
+    runner.decode_graphs = runner.static_decode(capture_sizes(4))
+    runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(32))
+    runner.verify_graphs = runner.static_verify(verify_capture_sizes(4))
+    guarded = [guard_steps(monkeypatch, runner, g) for g in (runner.mixed_graphs, runner.verify_graphs)]
+    recorder = StepRecorder(runner, runner.verify_graphs)
+    prompts = random_prompts(2, 320, seed=6)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == [hf_greedy(model, p, 10) for p in prompts]
+    assert all(g.passed and not g.failures for g in guarded)
+    recorder.record_padding()
+    recorder.assert_identical_launches()
