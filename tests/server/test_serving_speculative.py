@@ -92,3 +92,35 @@ def test_streams_equal_offline_and_the_counts_are_exact(server, offline, model):
     spec_series = {name for name in dashboard_series() if name.startswith("vllm:spec_decode")}
     assert len(spec_series) == 3
     assert all(any(n == name and ("model", model) in labels for n, labels in samples) for name in spec_series)
+
+
+def test_an_eagle_head_serves_both_models_with_the_offline_tokens_and_counts(checkpoint, tmp_path):
+    """An EAGLE head (random weights: its proposals are mostly rejected) through tritonserver: the
+    engine core process runs the head after each step and before the next, and both models stream
+    the offline engine's tokens and count its drafts."""
+    import torch
+    from eagle_heads import head_config, random_layers, write_eagle_head
+
+    layers = random_layers(head_config(64, 384), seed=3)
+    head = write_eagle_head(tmp_path / "head", layers, 0.3 * torch.randn(64, 128, generator=torch.Generator().manual_seed(4)))
+    spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    prompts = random_prompts(3, 384, seed=5)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(checkpoint), speculative_config=spec)
+    expected = []
+    for prompt in prompts:  # one at a time, as the server is sent them
+        before = llm.engine.core.stats().spec_num_draft_tokens
+        expected.append((llm.generate([prompt], params)[0].output_ids, llm.engine.core.stats().spec_num_draft_tokens - before))
+    assert [t for t, _ in expected] == [o.output_ids for o in LLM(str(checkpoint)).generate(prompts, params)]
+    server = start_server(tmp_path / "server", checkpoint, parameters={"kv_capacity_tokens": "2048",
+                                                                        "speculative_config": spec})  # fmt: skip
+    try:
+        for model in ("orca", "baseline"):
+            for prompt, (tokens, drafts) in zip(prompts, expected, strict=True):
+                result = one_request(server.grpc_url, model, input_ids=prompt, max_tokens=MAX_TOKENS,
+                                     sampling={"temperature": 0, "ignore_eos": True}, stream=True,
+                                     return_outputs=(*STATUS_OUTPUTS, PERF_METRICS))  # fmt: skip
+                assert result.error is None and result.ids == tokens
+                assert result.deltas[-1].perf["num_draft_tokens"] == drafts > 0
+    finally:
+        server.stop()
