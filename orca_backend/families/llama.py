@@ -360,16 +360,14 @@ class EagleHeadConfig:
     """An EAGLE head's config.json: its layers' geometry as a LlamaConfig, and what its method adds.
     EAGLE-1: whether it norms its two inputs before joining them (HASS heads' add_para_norm).
     EAGLE-3: the target layers whose input hidden states it joins (None: vLLM's default, layers 2,
-    L // 2 and L - 3 of an L-layer target), the target's hidden size, its own vocabulary (mapped
-    onto the target's by the checkpoint's d2t), and whether its first layer's residual is the
-    normed hidden state (norm_before_residual)."""
+    L // 2 and L - 3 of an L-layer target), the target's hidden size, and whether its first layer's
+    residual is the normed hidden state (norm_before_residual). (Its own vocabulary's size is its
+    LM head's, model/eagle.py.)"""
 
     decoder: LlamaConfig
-    method: str = "eagle"
     input_norms: bool = False
     aux_layers: tuple[int, ...] | None = None
     target_hidden_size: int = 0
-    draft_vocab_size: int = 0
     norm_before_residual: bool = False
 
 
@@ -383,7 +381,7 @@ def eagle_head_config(raw: dict[str, Any], source: str, method: str) -> EagleHea
         raise ValueError(f"{source}: a quantized EAGLE head is not served")
     decoder = LlamaConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"]}, source)
     if method == "eagle":
-        return EagleHeadConfig(decoder, method, input_norms=bool(raw.get("add_para_norm", False)))
+        return EagleHeadConfig(decoder, input_norms=bool(raw.get("add_para_norm", False)))
     eagle = raw.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state", True) is False:
         raise ValueError(f"{source}: an EAGLE-3 head without auxiliary hidden states (use_aux_hidden_state "
@@ -391,9 +389,8 @@ def eagle_head_config(raw: dict[str, Any], source: str, method: str) -> EagleHea
     layers = eagle.get("eagle_aux_hidden_state_layer_ids")
     if layers is not None and (len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers)):
         raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids must name three layers, got {layers!r}")
-    return EagleHeadConfig(decoder, method, aux_layers=tuple(layers) if layers is not None else None,
+    return EagleHeadConfig(decoder, aux_layers=tuple(layers) if layers is not None else None,
                            target_hidden_size=int(raw.get("target_hidden_size") or decoder.hidden_size),
-                           draft_vocab_size=int(raw.get("draft_vocab_size") or decoder.vocab_size),
                            norm_before_residual=bool(raw.get("norm_before_residual", False)))  # fmt: skip
 
 

@@ -25,8 +25,6 @@ eagerly.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
@@ -38,8 +36,6 @@ from orca_backend.model.stage_input import StageModel
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
 from orca_backend.worker.input_batch import InputBatch, ragged_arange
 from orca_backend.worker.runner_proposer import RunnerProposer
-
-logger = logging.getLogger("orca.worker")
 
 
 class EagleProposer(RunnerProposer):
@@ -56,7 +52,6 @@ class EagleProposer(RunnerProposer):
                              "use the ngram method")  # fmt: skip
         self.head: EagleHead = load_eagle_head(speculative.model, speculative.method, target,
                                                torch_dtype(config.dtype), device)  # fmt: skip
-        self.aux_layers = self.head.aux_layers
         head_config = self.head.config
         if head_config.max_context < min(target_config.max_context, config.max_model_len or target_config.max_context):
             raise ValueError(f"speculative_config: the EAGLE head's context ({head_config.max_context}) is shorter "
@@ -67,6 +62,10 @@ class EagleProposer(RunnerProposer):
         # InputBatch.row_epoch; the position the head last ran at; its proposal for the token after
         # the next; its hidden state there).
         self._next: dict[int, tuple[int, int, int, torch.Tensor]] = {}
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.head.aux_layers
 
     @torch.inference_mode()
     def observe(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray, hidden: torch.Tensor,

@@ -322,10 +322,10 @@ class ModelRunner:
             assert self.lora is not None
             lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
         pool_indices = inputs.pooling.indices if inputs.pooling is not None else None
-        if self.drafter is not None and self.drafter.needs_hidden_states:
+        hidden_layers = self._hidden_layers()
+        if hidden_layers is not None:
             pool_indices = self._every_token_index(inputs.num_tokens)
-        stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices,
-                                 self.drafter.aux_layers if self.drafter is not None else ())  # fmt: skip
+        stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices, hidden_layers or ())
         return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
 
     def _every_token_index(self, count: int) -> torch.Tensor:
@@ -362,7 +362,7 @@ class ModelRunner:
         pooled, every_token = None, None
         if isinstance(logits, tuple):  # the last stage also returned final hidden states
             logits, hidden = logits
-            if self.drafter is not None and self.drafter.needs_hidden_states:  # every token's: the pooled are some
+            if self._hidden_layers() is not None:  # every token's: the pooled are some
                 every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
                 hidden = (hidden.index_select(0, inputs.pooling.indices)[:, : self.hidden_size]
                           if inputs.pooling is not None else None)  # fmt: skip

@@ -52,8 +52,8 @@ class RunnerProposer:
 
     def observe(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray, hidden: torch.Tensor,
                 output: SamplerOutput) -> None:  # fmt: skip
-        """What a step computed, once sampled: `hidden` [T, H], the target's final hidden states of its
-        tokens (with `needs_hidden_states`)."""
+        """What a step computed, once sampled: `hidden` [T, H (1 + len(aux_layers))], the target's final
+        hidden states of its tokens, then those entering `aux_layers` (with `needs_hidden_states`)."""
 
     def placeholders(self, step: SchedulerOutput, rows: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
         """The step's requests whose proposals are left to this proposer: their places among the
