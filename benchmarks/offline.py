@@ -108,7 +108,7 @@ def hf_model(config) -> torch.nn.Module:  # noqa: ANN001
 
 # ----------------------------------------------------------------------------------------- suites
 def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
-    llm = LLM(str(ckpt), max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
+    llm = LLM(str(ckpt), dtype=args.dtype, max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
     result = {"orca": timed_generate(llm, trace, args.repeat)}
     print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
           f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
@@ -204,7 +204,7 @@ def _timeit(fn) -> float:
 
 
 def suite_roofline(args, model: str) -> dict:
-    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=2048))
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=1, kv_capacity_tokens=2048))
     weights = engine.core.executor.runner.model.weights
     # A decode step reads every weight once, except the position table (one row).
     wpe = getattr(weights, "wpe", None)  # GPT-2's position table: a decode step reads one row of it
@@ -370,7 +370,7 @@ def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     # -P: benchmarks/ stays off the peer's path, where our kernels.py would shadow the `kernels` package that
     # transformers probes for on import.
     proc = subprocess.run([str(python), "-P", str(ROOT / "benchmarks" / "peer_vllm.py"), str(ckpt), f.name,
-                           str(args.repeat)], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
+                           str(args.repeat), args.dtype], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
     results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -401,6 +401,8 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2-small", help="preset or checkpoint for modes/roofline")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the transformers-written GPT-2-small checkpoint for throughput lives")  # fmt: skip
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the engine's (and the vLLM peer's) dtype in the throughput and roofline suites")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-dist", default="uniform:16:256")
     ap.add_argument("--output-dist", default="lognormal:32:256")

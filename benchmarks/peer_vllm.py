@@ -1,6 +1,6 @@
 """vLLM's CPU build on the same checkpoint and requests: run by offline.py inside vLLM's own venv.
 
-    python peer_vllm.py CHECKPOINT_DIR WORKLOAD_JSON REPEAT   -> prints one line "RESULT {json}"
+    python peer_vllm.py CHECKPOINT_DIR WORKLOAD_JSON REPEAT DTYPE   -> prints one line "RESULT {json}"
 
 Tuned as vLLM's CPU docs say (offline.py sets the environment: VLLM_CPU_OMP_THREADS_BIND over every
 core, tcmalloc and Intel OpenMP preloaded, VLLM_CPU_KVCACHE_SPACE); prompts go in as token ids with
@@ -18,14 +18,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    checkpoint, workload_path, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    checkpoint, workload_path, repeat, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with open(workload_path) as f:
         workload = json.load(f)
     llm = LLM(
         model=checkpoint,
         skip_tokenizer_init=True,
         enable_prefix_caching=False,
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=len(workload),
         max_model_len=1024,
         seed=0,

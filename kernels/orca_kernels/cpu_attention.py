@@ -6,7 +6,9 @@ The torch reference (`attention_torch`) loops over requests in Python; at 64 dec
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
 is ~6 small ops. The C kernel (csrc/decode_attention.c) does every request of at most
 `SHORT_QUERIES` queries in one call, each query as a decode of its own context; longer prefills
-have enough queries per request for SDPA to be efficient, so they stay on the torch path. float32 only: other dtypes use the reference (a documented choice).
+have enough queries per request for SDPA to be efficient, so they stay on the torch path. float32
+and bfloat16 (widened to float32 as it is read, its output rounded once); other dtypes use the
+reference (a documented choice).
 
 Paged K/V: the C kernel walks each decode's block table itself, reading K/V in place block by
 block; a prefill's context is gathered through its table (`gather_context`) for SDPA.
@@ -46,17 +48,20 @@ SHORT_QUERIES = 32
 
 
 @functools.cache
-def load_decode_kernel() -> ctypes._CFuncPtr:
-    """The kernel's entry point with its signature declared: built once per machine, loaded and
-    declared once per process (every layer calls it). Raises NativeBuildError with the reason."""
+def load_decode_kernel() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The kernel's entry points by dtype (float32, bfloat16) with their signatures declared: built
+    once per machine, loaded and declared once per process (every layer calls one). Raises
+    NativeBuildError with the reason."""
     p, i64 = native.PTR, native.I64
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
     # window, softcap, scratch, num_threads, max_short
-    return native.declare("decode_attention", "orca_decode_attention_f32", [
-        p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, p,
-        ctypes.c_int, i64,
-    ], None)  # fmt: skip
+    argtypes = [p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                ctypes.c_float, p, ctypes.c_int, i64]  # fmt: skip
+    return {
+        torch.float32: native.declare("decode_attention", "orca_decode_attention_f32", argtypes, None),
+        torch.bfloat16: native.declare("decode_attention", "orca_decode_attention_bf16", argtypes, None),
+    }
 
 
 @functools.cache
@@ -113,7 +118,7 @@ def attention_cpu(
         )
     gqa_group_size(heads, kv_heads)  # ValueError unless heads is a multiple of kv_heads (>= 1)
     check_window(window, softcap)
-    if q.dtype != torch.float32 or q.device.type != "cpu":
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype or q.device.type != "cpu":
         return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
@@ -137,8 +142,12 @@ def attention_cpu(
         )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
-    scratch = torch.empty((threads, heads, meta.max_context_len), dtype=torch.float32)
-    load_decode_kernel()(
+    # per thread: the scores; in bfloat16 also the query and one K/V row widened to float32, and the output
+    per_thread = heads * meta.max_context_len
+    if q.dtype == torch.bfloat16:
+        per_thread += heads * 2 * head_dim + head_dim
+    scratch = torch.empty((threads, per_thread), dtype=torch.float32)
+    load_decode_kernel()[q.dtype](
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
         meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, window,

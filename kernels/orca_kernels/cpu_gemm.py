@@ -1,18 +1,24 @@
-"""The CPU float32 matrix multiply of linear layers (weights `[out, in]`, torch.nn.Linear's layout).
+"""The CPU matrix multiply of linear layers (weights `[out, in]`, torch.nn.Linear's layout), float32
+and bfloat16.
 
 No one GEMM is best over the 1 to thousands of tokens an iteration has, so the multiply is picked
 by the number of tokens:
-- up to `NATIVE_MAX_TOKENS` (a decode iteration of a small batch): the C kernel
-  `csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth;
-- up to `ONEDNN_MAX_TOKENS`: oneDNN (the op torch.compile's CPU backend uses for linear layers);
-- beyond (prefill): MKL's sgemm through F.linear, the fastest of the three at hundreds of tokens.
+- up to `native_max_tokens()` (a decode iteration of a small batch; 32 tokens with AVX2, 12 with
+  AVX-512, where the libraries' wider tiles catch up sooner): the C kernel `csrc/decode_gemm.c`,
+  which reads each weight once at streaming bandwidth, float32 or bfloat16;
+- then, in float32, oneDNN up to `ONEDNN_MAX_TOKENS` and MKL's sgemm through F.linear beyond (the
+  fastest of the three at hundreds of tokens); in bfloat16, F.linear (oneDNN's bf16 GEMM).
 docs/cpu-gemm.md has the measurements behind the thresholds.
 
-The C kernel is built on first use (native.py). Without a C compiler the engine logs a warning once
-and uses oneDNN at every size. `ORCA_CPU_GEMM` overrides the choice for A/B runs: `auto` (the
-above), `native` (the C kernel required, an error if it cannot be built), `onednn` (oneDNN at every
-size) or `torch` (F.linear at every size). The choice is logged once per process. The dense layers
-(orca_backend/model/gemm.py) and the CPU mixture-of-experts path (moe.py) both multiply through here.
+The C kernel is built on first use (native.py) and runs the widest instruction set this CPU has
+(`cpu_isa()`: AVX2, AVX-512, or AVX-512 with its bfloat16 dot product); `ORCA_CPU_ISA` forces a
+narrower one (what a machine of that kind would run: the tests and benchmarks use it to cover every
+kind on one machine). Without a C compiler (or on a CPU without AVX2) the engine logs a warning
+once and uses the libraries at every size. `ORCA_CPU_GEMM` overrides the choice for A/B runs:
+`auto` (the above), `native` (the C kernel required, an error if it cannot be built), `onednn`
+(oneDNN at every size) or `torch` (F.linear at every size). The choice is logged once per process.
+The dense layers (orca_backend/model/gemm.py) and the CPU mixture-of-experts path (moe.py) both
+multiply through here.
 """
 
 from __future__ import annotations
@@ -31,13 +37,39 @@ logger = logging.getLogger("orca.kernels")
 
 GEMM_ENV = "ORCA_CPU_GEMM"
 CHOICES = ("auto", "native", "onednn", "torch")
-NATIVE_MAX_TOKENS = 32
+ISA_ENV = "ORCA_CPU_ISA"
+# decode_gemm.c's ISA_* ids, narrowest first.
+ISAS = {"avx2": 0, "avx512": 1, "avx512_bf16": 2}
+# The C kernel up to this many tokens, per instruction set: past it the libraries' blocked GEMMs are
+# faster (docs/cpu-gemm.md; measured on AVX2 and AVX-512 EPYCs, float32 and bfloat16 alike).
+NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
 ONEDNN_MAX_TOKENS = 512
 
 
 @functools.cache
+def cpu_isa() -> str:
+    """The instruction set the C kernel runs: $ORCA_CPU_ISA, else the widest this CPU (and OS) has."""
+    supported = _native_isa_supported()
+    have = [isa for isa, code in ISAS.items() if supported(code)]
+    wanted = os.environ.get(ISA_ENV, "auto")
+    if wanted not in ("auto", *ISAS):
+        raise ValueError(f"{ISA_ENV} must be auto or one of {', '.join(ISAS)}, got {wanted!r}")
+    if not have:
+        raise native.NativeBuildError("the C decode GEMM needs AVX2 and FMA, which this CPU does not have")
+    if wanted != "auto" and wanted not in have:
+        raise RuntimeError(f"{ISA_ENV}={wanted}, but this CPU runs only {', '.join(have)}")
+    isa = have[-1] if wanted == "auto" else wanted
+    logger.info("CPU decode GEMM: %s instructions (this CPU has %s)", isa, ", ".join(have))
+    return isa
+
+
+def native_max_tokens() -> int:
+    return NATIVE_MAX_TOKENS[cpu_isa()]
+
+
+@functools.cache
 def cpu_gemm_choice() -> str:
-    """"native" (C kernel for few tokens, oneDNN, then MKL), "onednn" or "torch": decided once per process."""
+    """"native" (C kernel for few tokens, then the libraries), "onednn" or "torch": decided once per process."""
     choice = os.environ.get(GEMM_ENV, "auto")
     if choice not in CHOICES:
         raise ValueError(f"{GEMM_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
@@ -45,7 +77,8 @@ def cpu_gemm_choice() -> str:
         raise RuntimeError(f"{GEMM_ENV}=onednn, but this torch build has no oneDNN (mkldnn)")
     if choice in ("auto", "native"):
         try:
-            _native_kernel()
+            _native_kernels()
+            cpu_isa()
         except (native.NativeBuildError, OSError) as exc:
             if choice == "native":
                 raise RuntimeError(f"{GEMM_ENV}=native: {exc}") from exc
@@ -53,40 +86,61 @@ def cpu_gemm_choice() -> str:
             choice = "onednn" if torch.backends.mkldnn.is_available() else "torch"
         else:
             choice = "native"
-    logger.info("CPU float32 linear layers: %s", {
-        "native": f"C kernel up to {NATIVE_MAX_TOKENS} tokens, oneDNN up to {ONEDNN_MAX_TOKENS}, MKL beyond",
-        "onednn": "oneDNN", "torch": "torch F.linear (MKL)"}[choice])  # fmt: skip
+    if choice == "native":
+        isa = cpu_isa()
+        logger.info("CPU linear layers: the C kernel (%s) up to %d tokens, then float32 oneDNN up to %d and MKL "
+                    "beyond, bfloat16 oneDNN", isa, NATIVE_MAX_TOKENS[isa], ONEDNN_MAX_TOKENS)  # fmt: skip
+    else:
+        logger.info("CPU linear layers: %s", "oneDNN" if choice == "onednn" else "torch F.linear (MKL)")
     return choice
 
 
 @functools.cache
-def _native_kernel() -> ctypes._CFuncPtr:
-    p, i64 = native.PTR, native.I64
-    # x, x_stride, M, W, N, K, bias, y, num_threads
-    return native.declare("decode_gemm", "orca_decode_linear_f32", [p, i64, i64, p, i64, i64, p, p, ctypes.c_int], None)
+def _native_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    p, i64, c_int = native.PTR, native.I64, ctypes.c_int
+    # x, x_stride, M, W, N, K, bias, y, num_threads, isa
+    argtypes = [p, i64, i64, p, i64, i64, p, p, c_int, c_int]
+    return {
+        torch.float32: native.declare("decode_gemm", "orca_decode_linear_f32", argtypes, None),
+        torch.bfloat16: native.declare("decode_gemm", "orca_decode_linear_bf16", argtypes, None),
+    }
 
 
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through the C kernel: CPU float32, x [M, K] with unit column stride, weight contiguous."""
-    assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and x.dtype == weight.dtype == torch.float32
-    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32)
+@functools.cache
+def _native_isa_supported() -> ctypes._CFuncPtr:
+    return native.declare("decode_gemm", "orca_decode_gemm_isa_supported", [ctypes.c_int], ctypes.c_int)
+
+
+def native_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
+    """F.linear through the C kernel: CPU float32 or bfloat16 (x, weight and bias alike), x [M, K]
+    with unit column stride, weight contiguous; `isa` (default `cpu_isa()`) one this CPU runs."""
+    dtype = x.dtype
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == dtype
+    assert bias is None or (bias.is_contiguous() and bias.dtype == dtype)
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
-    y = torch.empty(m, n, dtype=torch.float32)
-    _native_kernel()(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, bias.data_ptr() if bias is not None else None,
-                     y.data_ptr(), torch.get_num_threads())  # fmt: skip
+    kernel = _native_kernels().get(dtype)
+    if kernel is None:
+        raise ValueError(f"the C decode GEMM takes float32 or bfloat16, got {dtype}")
+    if isa is not None and not _native_isa_supported()(ISAS[isa]):
+        raise RuntimeError(f"this CPU does not run {isa} instructions")
+    y = torch.empty(m, n, dtype=dtype)
+    kernel(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, bias.data_ptr() if bias is not None else None,
+           y.data_ptr(), torch.get_num_threads(), ISAS[isa or cpu_isa()])  # fmt: skip
     return y
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a contiguous weight, by the choice above on CPU float32;
-    F.linear itself for any other device or dtype."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    """F.linear(x, weight, bias) for 2-D x and a contiguous weight, by the choice above on CPU float32
+    and bfloat16; F.linear itself for any other device or dtype."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     choice, tokens = cpu_gemm_choice(), x.shape[0]
-    if choice == "native" and tokens <= NATIVE_MAX_TOKENS:
+    if choice == "native" and tokens <= native_max_tokens():
         return native_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-    if choice == "onednn" or (choice == "native" and tokens <= ONEDNN_MAX_TOKENS):
+    if x.dtype == torch.float32 and (choice == "onednn" or (choice == "native" and tokens <= ONEDNN_MAX_TOKENS)):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

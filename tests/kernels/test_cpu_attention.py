@@ -15,7 +15,7 @@ from torch_threads import torch_threads
 
 from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
 from orca_kernels.attention import attention_torch, write_kv_torch
-from orca_kernels.cpu_attention import attention_cpu, load_decode_kernel, write_kv_cpu
+from orca_kernels.cpu_attention import SHORT_QUERIES, attention_cpu, load_decode_kernel, write_kv_cpu
 
 
 def _inputs(meta, heads: int, head_dim: int, seed: int, dtype=torch.float32):
@@ -156,9 +156,29 @@ def test_rejects_query_heads_not_a_multiple_of_kv_heads() -> None:
 
 def test_other_dtypes_use_the_reference() -> None:
     meta = make_meta("cpu", BATCHES["mixed"])
-    q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0, dtype=torch.bfloat16)
+    q, k_cache, v_cache = _inputs(meta, 2, 64, seed=0, dtype=torch.float16)
     out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out, attention_torch(q, k_cache, v_cache, meta, 0.125))
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 20.0)])
+def test_bfloat16_equals_float32_on_the_same_values(batch, heads, kv_heads, window, softcap) -> None:
+    """In bfloat16 the kernel widens q and K/V to float32 as it reads them, attends in float32 and
+    rounds its output once: it equals the float32 kernel on the same (bfloat16-valued) inputs,
+    rounded to bfloat16, bit for bit."""
+    meta = make_meta("cpu", BATCHES[batch])
+    q, k_cache, v_cache = _gqa_inputs(meta, heads, kv_heads, 24, seed=3)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    out = attention_cpu(q, k_cache, v_cache, meta, 0.2, window, softcap)
+    assert out.dtype == torch.bfloat16
+    wide = attention_cpu(q.float(), k_cache.float(), v_cache.float(), meta, 0.2, window, softcap)
+    short = meta.host_lens()[0]
+    decode_rows = torch.cat([torch.arange(short[i], short[i + 1]) for i in range(meta.num_requests)
+                             if short[i + 1] - short[i] <= SHORT_QUERIES])  # fmt: skip
+    # the C kernel's rows; longer prefills go to SDPA, which computes bfloat16 its own way
+    assert torch.equal(out[decode_rows], wide[decode_rows].bfloat16())
 
 
 def test_rejects_index_tensors_of_the_wrong_type() -> None:

@@ -5,7 +5,8 @@ torch picks the vector width of its CPU kernels by the CPU (AVX512 on Intel Xeon
 AVX2 on older EPYCs) and `ATEN_CPU_CAPABILITY` forces a narrower one. The C kernels that
 reproduce torch's rounding probe the width per kernel (orca_kernels.native.probe_torch_order):
 this runs their tests and the exact-token oracles again in a fresh process under each capability
-other than the machine's own, so both widths are checked on whichever machine CI gets; DEFAULT
+other than the machine's own, so both widths are checked on whichever machine CI gets (under AVX2
+the C decode GEMM runs its AVX2 path too, `ORCA_CPU_ISA=avx2`: the whole of an AVX2 machine); DEFAULT
 (torch's unvectorised build) checks that an op whose order matches nowhere keeps its reference and
 the tokens stay transformers'.
 """
@@ -40,6 +41,8 @@ SUITE = [
 @pytest.mark.parametrize("capability", [c for c in ("AVX2", "DEFAULT") if c != NATIVE])
 def test_kernels_and_oracles_under_a_forced_capability(capability: str) -> None:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
+    if capability == "AVX2":
+        env["ORCA_CPU_ISA"] = "avx2"
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
         env=env, capture_output=True, text=True, check=True,

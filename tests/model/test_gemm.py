@@ -1,6 +1,7 @@
 """The linear-layer matmul the model runs (orca_backend.model.gemm over
-kernels/orca_kernels/cpu_gemm.py: the C kernel for few tokens on CPU float32, oneDNN, then MKL) and
-kernels/orca_kernels/csrc/decode_gemm.c against F.linear."""
+kernels/orca_kernels/cpu_gemm.py: the C kernel for few tokens on CPU float32 and bfloat16, then the
+libraries) and kernels/orca_kernels/csrc/decode_gemm.c, on every instruction set this CPU runs,
+against the exact result."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isas import SUPPORTED_ISAS, force_isa
 from torch_threads import torch_threads
 
 from orca_backend.model import gemm
@@ -28,41 +30,109 @@ def choice(monkeypatch):
     cpu_gemm.cpu_gemm_choice.cache_clear()
 
 
-# Odd sizes on purpose: N not a multiple of the kernel's 4-row blocks, K not a multiple of 8 (the
-# scalar tail), an odd token count (the single-token block after the pairs).
+ISAS = SUPPORTED_ISAS
+# bfloat16 results are rounded once from float32 sums: within half a bfloat16 step (2^-9 relative)
+# of the exact result, plus the float32 sums' own error.
+BF16_RTOL = 2**-8
+
+
+def reference(x, w, bias):
+    """The exact result (in float64) of x W^T + bias for the values x, w and bias hold."""
+    return F.linear(x.double(), w.double(), bias.double() if bias is not None else None)
+
+
+# Odd sizes on purpose: N not a multiple of any tile's rows, K not a multiple of 8, 16 or 32 (the
+# tails), token counts past every tile's tokens (the single-token tiles after them).
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 32])
 @pytest.mark.parametrize(("n", "k"), [(96, 80), (13, 37), (3, 8), (257, 1031)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_native_kernel_equals_f_linear(rows, n, k, with_bias):
+def test_native_kernel_equals_f_linear(isa, rows, n, k, with_bias):
     torch.manual_seed(rows * 1000 + n + k)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     bias = b if with_bias else None
-    expected = F.linear(x.double(), w.double(), bias.double() if bias is not None else None).float()
-    torch.testing.assert_close(cpu_gemm.native_linear(x, w, bias), expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    expected = reference(x, w, bias).float()
+    torch.testing.assert_close(cpu_gemm.native_linear(x, w, bias, isa), expected, rtol=1e-5, atol=1e-5 * k**0.5)
+    w, x, bias = w.bfloat16(), x.bfloat16(), bias.bfloat16() if bias is not None else None
+    y = cpu_gemm.native_linear(x, w, bias, isa)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=BF16_RTOL, atol=1e-5 * k**0.5)
 
 
-def test_native_kernel_reads_strided_rows():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_reads_strided_rows(isa, dtype):
     """x rows at a stride wider than K (a view into a larger buffer) are read in place."""
     torch.manual_seed(0)
-    w, buf = torch.randn(40, 24), torch.randn(5, 64)
+    w, buf = torch.randn(40, 24, dtype=dtype), torch.randn(5, 64, dtype=dtype)
     x = buf[:, 8:32]
     assert x.stride(0) == 64
-    torch.testing.assert_close(cpu_gemm.native_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_gemm.native_linear(x, w, None, isa), cpu_gemm.native_linear(x.contiguous(), w, None, isa))
+    torch.testing.assert_close(cpu_gemm.native_linear(x, w, None, isa).double(), reference(x, w, None),
+                               rtol=BF16_RTOL if dtype == torch.bfloat16 else 1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_native_kernel_is_batch_invariant():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_is_batch_invariant(isa, dtype):
     """A token's output is bit-identical whatever else is in the batch and wherever it sits in it."""
     torch.manual_seed(1)
-    w, b, x = torch.randn(203, 777), torch.randn(203), torch.randn(32, 777)
+    w, b, x = torch.randn(203, 777, dtype=dtype), torch.randn(203, dtype=dtype), torch.randn(32, 777, dtype=dtype)
     with torch_threads(2):
-        alone = torch.cat([cpu_gemm.native_linear(x[i : i + 1], w, b) for i in range(32)])
-    for rows in (2, 3, 5, 16, 31, 32):  # both tilings: 4 rows x 2 tokens under 4 tokens, 3 x 4 from 4 on
-        assert torch.equal(cpu_gemm.native_linear(x[:rows], w, b), alone[:rows])
+        alone = torch.cat([cpu_gemm.native_linear(x[i : i + 1], w, b, isa) for i in range(32)])
+    for rows in (2, 3, 5, 6, 7, 16, 31, 32):  # every tiling: the memory-bound tiles under 4 tokens, then the others
+        assert torch.equal(cpu_gemm.native_linear(x[:rows], w, b, isa), alone[:rows])
     perm = torch.randperm(32)
-    assert torch.equal(cpu_gemm.native_linear(x[perm].contiguous(), w, b), alone[perm])
+    assert torch.equal(cpu_gemm.native_linear(x[perm].contiguous(), w, b, isa), alone[perm])
     # The OpenMP split of the rows does not matter either.
     with torch_threads(1):
-        assert torch.equal(cpu_gemm.native_linear(x, w, b), alone)
+        assert torch.equal(cpu_gemm.native_linear(x, w, b, isa), alone)
+
+
+def test_isas_differ_in_order_only():
+    """Each instruction set sums in its own order: on a machine with several, their float32 results
+    agree to rounding but (on these sizes) not bit for bit, so a test that ran one path for another
+    would show it."""
+    if len(ISAS) < 2:
+        pytest.skip(f"this CPU runs only {ISAS}")
+    torch.manual_seed(2)
+    w, x = torch.randn(64, 1000), torch.randn(3, 1000)
+    results = {isa: cpu_gemm.native_linear(x, w, None, isa) for isa in ISAS}
+    assert not torch.equal(results["avx2"], results[ISAS[-1]])
+    for y in results.values():
+        torch.testing.assert_close(y, results["avx2"], rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture
+def isa_env(monkeypatch):
+    """Sets ORCA_CPU_ISA for one test; the process-wide choice is re-made before and after."""
+
+    yield lambda isa: force_isa(monkeypatch, isa)
+    monkeypatch.undo()
+    cpu_gemm.cpu_isa.cache_clear()
+
+
+def test_the_isa_is_the_widest_unless_forced(isa_env):
+    isa_env("auto")
+    assert cpu_gemm.cpu_isa() == ISAS[-1]
+    for isa in ISAS:
+        isa_env(isa)
+        assert cpu_gemm.cpu_isa() == isa
+        assert cpu_gemm.native_max_tokens() == cpu_gemm.NATIVE_MAX_TOKENS[isa]
+    isa_env("avx1024")
+    with pytest.raises(ValueError, match="ORCA_CPU_ISA must be auto or one of avx2, avx512, avx512_bf16"):
+        cpu_gemm.cpu_isa()
+
+
+def test_an_isa_the_cpu_lacks_is_an_error(isa_env):
+    missing = [isa for isa in cpu_gemm.ISAS if isa not in ISAS]
+    if not missing:
+        pytest.skip("this CPU runs every instruction set of the kernel")
+    isa_env(missing[0])
+    with pytest.raises(RuntimeError, match=f"ORCA_CPU_ISA={missing[0]}, but this CPU runs only"):
+        cpu_gemm.cpu_isa()
+    with pytest.raises(RuntimeError, match=f"this CPU does not run {missing[0]} instructions"):
+        cpu_gemm.native_linear(torch.randn(1, 8), torch.randn(4, 8), None, missing[0])
 
 
 @pytest.mark.parametrize("setting", ["auto", "native", "onednn", "torch"])
@@ -78,16 +148,21 @@ def test_every_choice_and_size_equals_f_linear(choice, setting, rows):
 
 
 def test_auto_takes_the_c_kernel_up_to_its_threshold(choice, monkeypatch):
-    """The path really taken: the C kernel at <= NATIVE_MAX_TOKENS tokens, not beyond."""
+    """The path really taken: the C kernel at <= native_max_tokens() tokens, not beyond, in float32
+    and bfloat16."""
     choice("auto")
     assert cpu_gemm.cpu_gemm_choice() == "native"  # this machine has a C compiler
     calls = []
     real = cpu_gemm.native_linear
     monkeypatch.setattr(cpu_gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    w = gemm.pack(torch.randn(8, 8))
-    for rows in (1, cpu_gemm.NATIVE_MAX_TOKENS, cpu_gemm.NATIVE_MAX_TOKENS + 1):
-        gemm.linear(torch.randn(rows, 8), w)
-    assert calls == [1, cpu_gemm.NATIVE_MAX_TOKENS]
+    most = cpu_gemm.native_max_tokens()
+    for dtype in (torch.float32, torch.bfloat16):
+        calls.clear()
+        w = gemm.pack(torch.randn(8, 8, dtype=dtype))
+        for rows in (1, most, most + 1):
+            y = gemm.linear(torch.randn(rows, 8, dtype=dtype), w)
+            assert y.dtype == dtype and y.shape == (rows, 8)
+        assert calls == [1, most]
 
 
 def test_pack_makes_a_strided_shard_contiguous():
@@ -98,10 +173,10 @@ def test_pack_makes_a_strided_shard_contiguous():
     torch.testing.assert_close(gemm.linear(x, packed), F.linear(x, w))
 
 
-def test_half_precision_uses_f_linear():
-    w = torch.randn(8, 8, dtype=torch.bfloat16)
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    torch.testing.assert_close(gemm.linear(x, gemm.pack(w)), F.linear(x, w))
+def test_float16_uses_f_linear():
+    w = torch.randn(8, 8, dtype=torch.float16)
+    x = torch.randn(3, 8, dtype=torch.float16)
+    assert torch.equal(gemm.linear(x, gemm.pack(w)), F.linear(x, w))
 
 
 def test_bad_choice_is_an_error(choice):
@@ -115,7 +190,7 @@ def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatc
         raise native.NativeBuildError("no C compiler found")
 
     monkeypatch.setattr(native, "load", no_compiler)
-    cpu_gemm._native_kernel.cache_clear()
+    cpu_gemm._native_kernels.cache_clear()
     try:
         choice("auto")
         with caplog.at_level(logging.WARNING, logger="orca.kernels"):
@@ -128,4 +203,4 @@ def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatc
         with pytest.raises(RuntimeError, match="ORCA_CPU_GEMM=native: no C compiler found"):
             cpu_gemm.cpu_gemm_choice()
     finally:
-        cpu_gemm._native_kernel.cache_clear()
+        cpu_gemm._native_kernels.cache_clear()

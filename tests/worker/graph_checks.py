@@ -101,8 +101,9 @@ class _RecordedKernel:
 
 
 def record_c_kernels(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Patches every C kernel loader (functools.cache'd functions returning a ctypes function) of the
-    CPU kernel modules and the GEMM to return a recording wrapper; returns how many."""
+    """Patches every C kernel loader (functools.cache'd functions returning a ctypes function, or a
+    dict of them by dtype) of the CPU kernel modules and the GEMM to return recording wrappers;
+    returns how many."""
     patched = 0
     for module in (orca_kernels.cpu_attention, orca_kernels.cpu_gpt2_ops, orca_kernels.cpu_llama_ops, gemm):
         for attribute, loader in list(vars(module).items()):
@@ -112,10 +113,15 @@ def record_c_kernels(monkeypatch: pytest.MonkeyPatch) -> int:
                 kernel = loader()
             except Exception:  # noqa: BLE001 - a loader this machine cannot build is not called either
                 continue
+            name = f"{module.__name__}.{attribute}"
             if isinstance(kernel, ctypes._CFuncPtr):
-                wrapped = _RecordedKernel(f"{module.__name__}.{attribute}", kernel)
-                monkeypatch.setattr(module, attribute, lambda wrapped=wrapped: wrapped)
-                patched += 1
+                wrapped = _RecordedKernel(name, kernel)
+            elif isinstance(kernel, dict) and all(isinstance(k, ctypes._CFuncPtr) for k in kernel.values()):
+                wrapped = {dtype: _RecordedKernel(name, k) for dtype, k in kernel.items()}
+            else:
+                continue
+            monkeypatch.setattr(module, attribute, lambda wrapped=wrapped: wrapped)
+            patched += 1
     return patched
 
 

@@ -1,4 +1,4 @@
-/* Decode attention on CPU for selective batching, float32, with grouped-query attention (GQA).
+/* Decode attention on CPU for selective batching, float32 or bfloat16, with grouped-query attention (GQA).
  *
  * For every request whose step has at most max_short queries (a decode, a one-token prompt, a
  * speculative verify of 1 + k tokens, a short prompt chunk), attends each query over the request's
@@ -36,7 +36,7 @@
  * tokens are consecutive rows, so the walk goes block by block and, inside a block, straight
  * through memory: one table lookup per block, and the prefetcher sees block_size-row runs.
  *
- * Layouts: q rows at q_row_stride floats, heads at q_head_stride; caches are contiguous
+ * Layouts: q rows at q_row_stride elements, heads at q_head_stride; caches are contiguous
  * [slots, kv_heads, head_dim] (slots = num_blocks * block_size); block_tables is [requests,
  * block_table_stride] int32; out is contiguous [tokens, q_heads, head_dim]; scratch is
  * [num_threads, q_heads, max_context] (a window only shortens the rows used).
@@ -46,6 +46,22 @@
 #include <string.h>
 #include <omp.h>
 
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch rounds float32 to bfloat16 (NaN kept a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -53,72 +69,101 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-/* One query token (q_heads heads) at position ctx - 1 over its visible keys [start, ctx) of K/V
- * (kv_heads heads each) held in the blocks listed by `blocks`, into out (q_heads * head_dim
- * floats); start is 0, or the sliding window's first key. scores holds q_heads rows of ctx - start
- * floats.
+/* A K or V row as float32: a float32 pool's own row; a bfloat16 one's widened into `buf` (exact). */
+#define F32_ROW(row, buf, n) (row)
+static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) {
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(row[i]);
+    return buf;
+}
+
+/* One query token (q_heads heads, float32) at position ctx - 1 over its visible keys [start, ctx) of
+ * K/V (kv_heads heads each, elements of KV_T, each row as float32 through ROW) held in the blocks
+ * listed by `blocks`, into out (q_heads * head_dim floats); start is 0, or the sliding window's
+ * first key. scores holds q_heads rows of ctx - start floats; row_buf head_dim floats (bfloat16).
  *
  * Both passes walk the keys in token order, block by block; a block's tokens are consecutive
  * kv_heads * head_dim rows of the pool, so within a block the walk is in memory order. Within a
- * token it goes KV head by KV head; each KV head's head_dim floats are then reused for the `group`
+ * token it goes KV head by KV head; each KV head's head_dim elements are then reused for the `group`
  * consecutive query heads g * group .. g * group + group - 1. Per (query head, token) the
  * arithmetic, and the order in which a head's output sums over tokens, depend neither on group nor
- * on the block layout, so kv_heads == q_heads computes exactly what the multi-head kernel did. */
-static void attend_one(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
-                       const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t start,
-                       int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, float softcap,
-                       float *scores) {
-    const int64_t group = q_heads / kv_heads;
-    const int64_t kv_row = kv_heads * head_dim; /* floats per token in the K/V pool */
-    const int64_t block_floats = block_size * kv_row;
-    const int64_t keys = ctx - start; /* the length of each query head's row of scores */
-    for (int64_t i = 0; i < q_heads * head_dim; i++) out[i] = 0.0f;
-    /* nothing to attend to: a padded row of a CUDA-graph bucket gets zeros (and s[0] is never read) */
-    if (keys < 1) return;
-
-    /* Block b holds keys t0 = b * block_size onwards; the walk starts at start's block, which it
-     * enters at row start - t0 (0 without a window). Key t0 + t's score is entry t0 + t - start of
-     * its head's row. */
-    const int64_t first = start / block_size;
-    for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {
-        const float *kb = k_cache + blocks[b] * block_floats; /* int64: the offset can pass 2**31 */
-        const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)
-            for (int64_t g = 0; g < kv_heads; g++) {
-                const float *kt = kb + t * kv_row + g * head_dim; /* read from memory once for the group */
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    float s = scale * dot(q + h * q_head_stride, kt, head_dim);
-                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                    scores[h * keys + t0 + t - start] = s;
-                }
-            }
+ * on the block layout, so kv_heads == q_heads computes exactly what the multi-head kernel did.
+ * A bfloat16 pool's rows are widened to float32 as they are read (exact), so its arithmetic is the
+ * float32 kernel's, operation for operation. */
+#define DEFINE_ATTEND_ONE(NAME, KV_T, ROW)                                                                   \
+    static void NAME(const float *q, int64_t q_head_stride, const KV_T *k_cache, const KV_T *v_cache,         \
+                     const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t start,       \
+                     int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, float softcap,         \
+                     float *scores, float *row_buf) {                                                        \
+        const int64_t group = q_heads / kv_heads;                                                            \
+        const int64_t kv_row = kv_heads * head_dim; /* elements per token in the K/V pool */                 \
+        const int64_t block_elems = block_size * kv_row;                                                     \
+        const int64_t keys = ctx - start; /* the length of each query head's row of scores */                \
+        for (int64_t i = 0; i < q_heads * head_dim; i++) out[i] = 0.0f;                                      \
+        /* nothing to attend to: a padded row of a CUDA-graph bucket gets zeros (s[0] is never read) */     \
+        if (keys < 1) return;                                                                                \
+        /* Block b holds keys t0 = b * block_size onwards; the walk starts at start's block, which it        \
+         * enters at row start - t0 (0 without a window). Key t0 + t's score is entry t0 + t - start of      \
+         * its head's row. */                                                                                \
+        const int64_t first = start / block_size;                                                            \
+        for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {                 \
+            const KV_T *kb = k_cache + blocks[b] * block_elems; /* int64: the offset can pass 2**31 */       \
+            const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;                               \
+            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)                                      \
+                for (int64_t g = 0; g < kv_heads; g++) {                                                     \
+                    /* read from memory once for the group */                                                \
+                    const float *kt = ROW(kb + t * kv_row + g * head_dim, row_buf, head_dim);                \
+                    for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
+                        float s = scale * dot(q + h * q_head_stride, kt, head_dim);                          \
+                        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);                                \
+                        scores[h * keys + t0 + t - start] = s;                                               \
+                    }                                                                                        \
+                }                                                                                            \
+        }                                                                                                    \
+        for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */       \
+            float *s = scores + h * keys, max = s[0], sum = 0.0f;                                            \
+            for (int64_t t = 1; t < keys; t++) max = s[t] > max ? s[t] : max;                                \
+            for (int64_t t = 0; t < keys; t++) {                                                             \
+                s[t] = expf(s[t] - max);                                                                     \
+                sum += s[t];                                                                                 \
+            }                                                                                                \
+            const float inv = 1.0f / sum; /* sum >= 1: the max term is expf(0) */                            \
+            for (int64_t t = 0; t < keys; t++) s[t] *= inv;                                                  \
+        }                                                                                                    \
+        for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {                 \
+            const KV_T *vb = v_cache + blocks[b] * block_elems;                                              \
+            const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;                               \
+            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)                                      \
+                for (int64_t g = 0; g < kv_heads; g++) {                                                     \
+                    const float *vt = ROW(vb + t * kv_row + g * head_dim, row_buf, head_dim);                \
+                    for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
+                        const float p = scores[h * keys + t0 + t - start];                                   \
+                        float *o = out + h * head_dim;                                                       \
+                        _Pragma("omp simd")                                                                  \
+                        for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];                            \
+                    }                                                                                        \
+                }                                                                                            \
+        }                                                                                                    \
     }
+DEFINE_ATTEND_ONE(attend_one, float, F32_ROW)
+DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, bf16_row)
 
-    for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */
-        float *s = scores + h * keys, max = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < keys; t++) max = s[t] > max ? s[t] : max;
-        for (int64_t t = 0; t < keys; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        const float inv = 1.0f / sum; /* sum >= 1: the max term is expf(0) */
-        for (int64_t t = 0; t < keys; t++) s[t] *= inv;
+/* The query token t of a step: its request r (bisecting query_start), and whether it is attended
+ * here (its request has at most max_short queries); then its context and window start. */
+static inline int locate(const int32_t *query_start, const int32_t *context_lens, int64_t num_requests,
+                         int64_t t, int64_t max_short, int64_t window, int64_t *r_out, int64_t *ctx_out,
+                         int64_t *start_out) {
+    int64_t lo = 0, hi = num_requests; /* the r with query_start[r] <= t < query_start[r + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (query_start[mid] <= t) lo = mid; else hi = mid;
     }
-
-    for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {
-        const float *vb = v_cache + blocks[b] * block_floats;
-        const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)
-            for (int64_t g = 0; g < kv_heads; g++) {
-                const float *vt = vb + t * kv_row + g * head_dim; /* read from memory once for the group */
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                    const float p = scores[h * keys + t0 + t - start];
-                    float *o = out + h * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];
-                }
-            }
-    }
+    const int64_t r = lo, n = query_start[r + 1] - query_start[r];
+    if (n > max_short) return 0;
+    const int64_t ctx = context_lens[r] - n + (t - query_start[r]) + 1; /* this query's own context */
+    *r_out = r;
+    *ctx_out = ctx;
+    *start_out = window > 0 && ctx > window ? ctx - window : 0; /* the window's first key */
+    return 1;
 }
 
 /* The caller guarantees (attention_cpu checks) q_heads % kv_heads == 0, kv_heads >= 1,
@@ -134,22 +179,42 @@ void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_h
                                int64_t max_short) {
     const int64_t out_row = q_heads * head_dim;
     const int64_t tokens = query_start[num_requests];
-    /* One task per query token (a verify step at batch 1 still fills every thread); its request is
-     * found by bisecting query_start. */
+    /* One task per query token (a verify step at batch 1 still fills every thread). */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < tokens; t++) {
-        int64_t lo = 0, hi = num_requests; /* the r with query_start[r] <= t < query_start[r + 1] */
-        while (hi - lo > 1) {
-            const int64_t mid = (lo + hi) / 2;
-            if (query_start[mid] <= t) lo = mid; else hi = mid;
-        }
-        const int64_t r = lo, n = query_start[r + 1] - query_start[r];
-        if (n > max_short) continue;
-        const int64_t ctx = context_lens[r] - n + (t - query_start[r]) + 1; /* this query's own context */
-        const int64_t start = window > 0 && ctx > window ? ctx - window : 0; /* the window's first key */
+        int64_t r, ctx, start;
+        if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start)) continue;
         attend_one(q + t * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
                    block_size, out + t * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,
-                   scratch + (int64_t)omp_get_thread_num() * q_heads * max_context);
+                   scratch + (int64_t)omp_get_thread_num() * q_heads * max_context, NULL);
+    }
+}
+
+/* The same for bfloat16 q, pool and out (their 16-bit patterns): each query is widened to float32,
+ * attended in float32 as above, and its output rounded to bfloat16 once. scratch is [num_threads,
+ * q_heads * (max_context + 2 * head_dim) + head_dim] floats: the scores, the widened query, the
+ * output and one widened K/V row. */
+void orca_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
+                                const int32_t *query_start, const int32_t *context_lens,
+                                const int32_t *block_tables, int64_t block_table_stride, int64_t block_size,
+                                int64_t num_requests, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t max_context, float scale, int64_t window, float softcap, float *scratch,
+                                int num_threads, int64_t max_short) {
+    const int64_t out_row = q_heads * head_dim;
+    const int64_t tokens = query_start[num_requests];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t r, ctx, start;
+        if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start)) continue;
+        float *scores = scratch + (int64_t)omp_get_thread_num() * (q_heads * (max_context + 2 * head_dim) + head_dim);
+        float *q32 = scores + q_heads * max_context, *o32 = q32 + out_row, *row_buf = o32 + out_row;
+        for (int64_t h = 0; h < q_heads; h++)
+            for (int64_t d = 0; d < head_dim; d++)
+                q32[h * head_dim + d] = bf16_to_f32(q[t * q_row_stride + h * q_head_stride + d]);
+        attend_one_bf16(q32, head_dim, k_cache, v_cache, block_tables + r * block_table_stride, block_size, o32,
+                        ctx, start, q_heads, kv_heads, head_dim, scale, softcap, scores, row_buf);
+        for (int64_t i = 0; i < out_row; i++) out[t * out_row + i] = f32_to_bf16(o32[i]);
     }
 }
 

@@ -1,0 +1,19 @@
+"""The instruction sets of the C decode GEMM (kernels/orca_kernels/csrc/decode_gemm.c) this CPU
+runs, and forcing one for a test, as `ORCA_CPU_ISA` does for a process: the tests cover every kind
+of x86 machine this one can stand in for (an AVX-512 machine runs the AVX2 path too)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orca_kernels import cpu_gemm
+
+SUPPORTED_ISAS = [isa for isa, code in cpu_gemm.ISAS.items() if cpu_gemm._native_isa_supported()(code)]
+
+
+def force_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    """ORCA_CPU_ISA=isa for the rest of the test (monkeypatch undoes it); the process-wide choice is
+    made again now and once more after the test, which must then call `cpu_gemm.cpu_isa.cache_clear()`
+    (the `isa_env` fixtures do)."""
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, isa)
+    cpu_gemm.cpu_isa.cache_clear()
