@@ -6,8 +6,8 @@ by the number of tokens:
 - up to `native_max_tokens()` (a decode iteration of a small batch; 32 tokens with AVX2, 12 with
   AVX-512, where the libraries' wider tiles catch up sooner): the C kernel `csrc/decode_gemm.c`,
   which reads each weight once at streaming bandwidth, float32 or bfloat16;
-- then, in float32, oneDNN up to `ONEDNN_MAX_TOKENS` and MKL's sgemm through F.linear beyond (the
-  fastest of the three at hundreds of tokens); in bfloat16, F.linear (oneDNN's bf16 GEMM).
+- then, in float32, oneDNN (with AVX2, up to 512 tokens, and MKL's sgemm through F.linear beyond:
+  the faster there); in bfloat16, F.linear (oneDNN's bf16 GEMM).
 docs/cpu-gemm.md has the measurements behind the thresholds.
 
 The C kernel is built on first use (native.py) and runs the widest instruction set this CPU has
@@ -43,7 +43,10 @@ ISAS = {"avx2": 0, "avx512": 1, "avx512_bf16": 2}
 # The C kernel up to this many tokens, per instruction set: past it the libraries' blocked GEMMs are
 # faster (docs/cpu-gemm.md; measured on AVX2 and AVX-512 EPYCs, float32 and bfloat16 alike).
 NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
-ONEDNN_MAX_TOKENS = 512
+# float32 beyond the C kernel: oneDNN up to this many tokens, MKL's sgemm past it. On AVX2 MKL is up
+# to 7% faster on prefills of a thousand tokens or more; on AVX-512 oneDNN is faster at every size
+# (on AMD CPUs MKL runs its AVX2 code: 2.2x slower than oneDNN on a Zen 5 EPYC), so MKL never runs.
+ONEDNN_MAX_TOKENS = {"avx2": 512, "avx512": None, "avx512_bf16": None}
 
 
 @functools.cache
@@ -87,9 +90,9 @@ def cpu_gemm_choice() -> str:
         else:
             choice = "native"
     if choice == "native":
-        isa = cpu_isa()
-        logger.info("CPU linear layers: the C kernel (%s) up to %d tokens, then float32 oneDNN up to %d and MKL "
-                    "beyond, bfloat16 oneDNN", isa, NATIVE_MAX_TOKENS[isa], ONEDNN_MAX_TOKENS)  # fmt: skip
+        isa, onednn_max = cpu_isa(), ONEDNN_MAX_TOKENS[cpu_isa()]
+        logger.info("CPU linear layers: the C kernel (%s) up to %d tokens, then float32 %s, bfloat16 oneDNN", isa,
+                    NATIVE_MAX_TOKENS[isa], f"oneDNN up to {onednn_max} and MKL beyond" if onednn_max else "oneDNN")  # fmt: skip
     else:
         logger.info("CPU linear layers: %s", "oneDNN" if choice == "onednn" else "torch F.linear (MKL)")
     return choice
@@ -141,6 +144,12 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     choice, tokens = cpu_gemm_choice(), x.shape[0]
     if choice == "native" and tokens <= native_max_tokens():
         return native_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-    if x.dtype == torch.float32 and (choice == "onednn" or (choice == "native" and tokens <= ONEDNN_MAX_TOKENS)):
+    if x.dtype == torch.float32 and (choice == "onednn" or (choice == "native" and _onednn_takes(tokens))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _onednn_takes(tokens: int) -> bool:
+    """Whether a float32 multiply of this many tokens past the C kernel's goes to oneDNN (else MKL)."""
+    most = ONEDNN_MAX_TOKENS[cpu_isa()]
+    return most is None or tokens <= most

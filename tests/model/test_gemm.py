@@ -165,6 +165,20 @@ def test_auto_takes_the_c_kernel_up_to_its_threshold(choice, monkeypatch):
         assert calls == [1, most]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_float32_prefills_go_to_mkl_only_on_avx2(choice, isa_env, isa, monkeypatch):
+    """Past oneDNN's range MKL takes float32 prefills on AVX2 machines; on AVX-512 ones (where MKL
+    runs its AVX2 code on AMD CPUs) oneDNN keeps them."""
+    choice("auto")
+    isa_env(isa)
+    calls, real = [], F.linear
+    monkeypatch.setattr(cpu_gemm.F, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w = gemm.pack(torch.randn(8, 8))
+    for rows in (cpu_gemm.native_max_tokens() + 1, 600):
+        gemm.linear(torch.randn(rows, 8), w)
+    assert calls == ([600] if isa == "avx2" else [])
+
+
 def test_pack_makes_a_strided_shard_contiguous():
     w = torch.randn(8, 16)[:, 4:12]  # a row-parallel shard: a column slice
     packed = gemm.pack(w)
