@@ -20,9 +20,10 @@ Suites:
   lora        output tokens/s with --lora N random adapters of rank --lora-rank mixed (request i runs
               adapter i mod N) against the base model without LoRA and with LoRA on but unused, on the
               same requests, --repeat alternating rounds (README target: mixed >= 0.8x the base model).
-  gemm        the three CPU GEMMs of kernels/orca_kernels/cpu_gemm.py (the C decode kernel, oneDNN, MKL)
-              over the model's own linear weights, at 1 to 2,048 tokens, interleaved: the
-              measurements behind its thresholds (docs/cpu-gemm.md).
+  gemm        the CPU GEMMs of kernels/orca_kernels/cpu_gemm.py (the C decode kernel on this CPU's
+              widest instruction set and on AVX2, oneDNN on plain and on packed weights, MKL) over
+              matrices of the model's linear layers' shapes in --dtype, at 1 to 2,048 tokens,
+              interleaved: the measurements behind its choices (docs/cpu-gemm.md).
 """
 
 from __future__ import annotations
@@ -238,16 +239,23 @@ def suite_gemm(args, model: str) -> dict:
     from orca_kernels import cpu_gemm
 
     weights = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).core.executor.runner.model.weights
-    layer_matrices = [t for layer in weights.layers for t in vars(layer).values() if t.dim() == 2]
+    # Plain matrices of the model's shapes (the engine may hold its own packed for oneDNN), in --dtype.
+    dtype = getattr(torch, args.dtype)
+    layer_shapes = [t.shape for layer in weights.layers for t in vars(layer).values() if len(t.shape) == 2]
+    layer_matrices = [torch.randn(shape, dtype=dtype) for shape in layer_shapes]
     lm_head = weights.lm_head if hasattr(weights, "lm_head") else weights.wte  # Llama's, or GPT-2's tied one
+    lm_head = torch.randn(lm_head.shape, dtype=dtype)
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, None) for w in [*layer_matrices, lm_head]}
     kinds = {
-        "native": cpu_gemm.native_linear,
+        f"native_{cpu_gemm.cpu_isa()}": cpu_gemm.native_linear,
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-        # oneDNN on weights reordered once into its blocked layout (this engine's choice before the C kernel)
+        # oneDNN on weights reordered once into its blocked layout (the engine's choice on AVX-512)
         "onednn_packed": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], ""),
-        "mkl": torch.nn.functional.linear,
     }
+    if cpu_gemm.cpu_isa() != "avx2":  # what an AVX2 machine's C kernel does, on this one
+        kinds["native_avx2"] = lambda x, w: cpu_gemm.native_linear(x, w, None, "avx2")
+    if dtype == torch.float32:
+        kinds["mkl"] = torch.nn.functional.linear
     bandwidth = measure_read_bandwidth()
     result: dict = {"read_bandwidth_gb_s": bandwidth / 1e9, "tokens": {}}
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; the LM head (only sampled rows reach it: one per request) "
@@ -256,9 +264,9 @@ def suite_gemm(args, model: str) -> dict:
         matrices = layer_matrices + ([lm_head] if tokens <= 256 else [])
         weight_bytes = sum(w.numel() * w.element_size() for w in matrices)
         flops = 2 * tokens * sum(w.numel() for w in matrices)
-        xs = [torch.randn(tokens, w.shape[1]) for w in matrices]
+        xs = [torch.randn(tokens, w.shape[1], dtype=dtype) for w in matrices]
         pairs = list(zip(xs, matrices, strict=True))
-        best = {kind: float("inf") for kind in kinds if kind != "native" or tokens <= 64}
+        best = {kind: float("inf") for kind in kinds if not kind.startswith("native") or tokens <= 64}
         for _ in range(args.gemm_repeat):  # interleaved: noise on this shared machine hits all three alike
             for kind in best:
                 fn = kinds[kind]
@@ -402,7 +410,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the transformers-written GPT-2-small checkpoint for throughput lives")  # fmt: skip
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="the engine's (and the vLLM peer's) dtype in the throughput and roofline suites")  # fmt: skip
+                    help="the engine's (and the vLLM peer's) dtype in the throughput and roofline suites, "
+                         "the matrices' in the gemm suite")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-dist", default="uniform:16:256")
     ap.add_argument("--output-dist", default="lognormal:32:256")

@@ -12,8 +12,13 @@ SUPPORTED_ISAS = [isa for isa, code in cpu_gemm.ISAS.items() if cpu_gemm._native
 
 
 def force_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
-    """ORCA_CPU_ISA=isa for the rest of the test (monkeypatch undoes it); the process-wide choice is
-    made again now and once more after the test, which must then call `cpu_gemm.cpu_isa.cache_clear()`
-    (the `isa_env` fixtures do)."""
+    """ORCA_CPU_ISA=isa for the rest of the test (monkeypatch undoes it); the process-wide choices
+    (the instruction set, and the GEMM choice that follows from it) are made again now and must be
+    once more after the test (`forget_choices`, which the fixtures call)."""
     monkeypatch.setenv(cpu_gemm.ISA_ENV, isa)
+    forget_choices()
+
+
+def forget_choices() -> None:
     cpu_gemm.cpu_isa.cache_clear()
+    cpu_gemm.cpu_gemm_choice.cache_clear()

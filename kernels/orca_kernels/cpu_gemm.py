@@ -1,24 +1,27 @@
 """The CPU matrix multiply of linear layers (weights `[out, in]`, torch.nn.Linear's layout), float32
 and bfloat16.
 
-No one GEMM is best over the 1 to thousands of tokens an iteration has, so the multiply is picked
-by the number of tokens:
-- up to `native_max_tokens()` (a decode iteration of a small batch; 32 tokens with AVX2, 12 with
-  AVX-512, where the libraries' wider tiles catch up sooner): the C kernel `csrc/decode_gemm.c`,
-  which reads each weight once at streaming bandwidth, float32 or bfloat16;
-- then, in float32, oneDNN (with AVX2, up to 512 tokens, and MKL's sgemm through F.linear beyond:
-  the faster there); in bfloat16, F.linear (oneDNN's bf16 GEMM).
-docs/cpu-gemm.md has the measurements behind the thresholds.
+No one GEMM is best over the 1 to thousands of tokens an iteration has, nor on every kind of x86
+CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GEMM=auto`):
+- AVX2 machines ("native"): plain weights; up to 32 tokens (a decode iteration of a small batch)
+  the C kernel `csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth; then
+  oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
+- AVX-512 machines ("packed"): the layers' weights are reordered once, at load (`pack_weight`), into
+  oneDNN's blocked layout, and oneDNN multiplies them at every size: from 4 tokens 1.3-1.5x faster
+  than the C kernel, within 5% of it at one token, and on prefills up to 2.2x faster than MKL (which
+  runs its AVX2 code on AMD CPUs). A weight left plain (a tied embedding that is also the LM head)
+  takes the C kernel up to 12 tokens, oneDNN beyond.
+docs/cpu-gemm.md has the measurements behind these choices.
 
 The C kernel is built on first use (native.py) and runs the widest instruction set this CPU has
 (`cpu_isa()`: AVX2, AVX-512, or AVX-512 with its bfloat16 dot product); `ORCA_CPU_ISA` forces a
 narrower one (what a machine of that kind would run: the tests and benchmarks use it to cover every
 kind on one machine). Without a C compiler (or on a CPU without AVX2) the engine logs a warning
-once and uses the libraries at every size. `ORCA_CPU_GEMM` overrides the choice for A/B runs:
-`auto` (the above), `native` (the C kernel required, an error if it cannot be built), `onednn`
-(oneDNN at every size) or `torch` (F.linear at every size). The choice is logged once per process.
-The dense layers (orca_backend/model/gemm.py) and the CPU mixture-of-experts path (moe.py) both
-multiply through here.
+once and uses oneDNN at every size. `ORCA_CPU_GEMM` overrides the choice for A/B runs: `auto` (the
+above), `native` (plain weights, the C kernel required: an error if it cannot be built), `packed`,
+`onednn` (plain weights, oneDNN at every size) or `torch` (F.linear at every size). The choice is
+logged once per process. The dense layers (orca_backend/model/gemm.py) and the CPU
+mixture-of-experts path (moe.py, plain expert weights) both multiply through here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import ctypes
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +40,12 @@ from . import native
 logger = logging.getLogger("orca.kernels")
 
 GEMM_ENV = "ORCA_CPU_GEMM"
-CHOICES = ("auto", "native", "onednn", "torch")
+CHOICES = ("auto", "native", "packed", "onednn", "torch")
 ISA_ENV = "ORCA_CPU_ISA"
 # decode_gemm.c's ISA_* ids, narrowest first.
 ISAS = {"avx2": 0, "avx512": 1, "avx512_bf16": 2}
-# The C kernel up to this many tokens, per instruction set: past it the libraries' blocked GEMMs are
-# faster (docs/cpu-gemm.md; measured on AVX2 and AVX-512 EPYCs, float32 and bfloat16 alike).
+# The C kernel up to this many tokens on plain weights, per instruction set: past it oneDNN is faster
+# (docs/cpu-gemm.md; measured on AVX2 and AVX-512 EPYCs, float32 and bfloat16 alike).
 NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
 # float32 beyond the C kernel: oneDNN up to this many tokens, MKL's sgemm past it. On AVX2 MKL is up
 # to 7% faster on prefills of a thousand tokens or more; on AVX-512 oneDNN is faster at every size
@@ -72,30 +76,61 @@ def native_max_tokens() -> int:
 
 @functools.cache
 def cpu_gemm_choice() -> str:
-    """"native" (C kernel for few tokens, then the libraries), "onednn" or "torch": decided once per process."""
+    """"native", "packed", "onednn" or "torch" (the module docstring says what each runs): decided
+    once per process."""
     choice = os.environ.get(GEMM_ENV, "auto")
     if choice not in CHOICES:
         raise ValueError(f"{GEMM_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == "onednn" and not torch.backends.mkldnn.is_available():
-        raise RuntimeError(f"{GEMM_ENV}=onednn, but this torch build has no oneDNN (mkldnn)")
-    if choice in ("auto", "native"):
+    if choice in ("packed", "onednn") and not torch.backends.mkldnn.is_available():
+        raise RuntimeError(f"{GEMM_ENV}={choice}, but this torch build has no oneDNN (mkldnn)")
+    if choice in ("auto", "native", "packed"):
         try:
             _native_kernels()
             cpu_isa()
         except (native.NativeBuildError, OSError) as exc:
-            if choice == "native":
-                raise RuntimeError(f"{GEMM_ENV}=native: {exc}") from exc
+            if choice != "auto":
+                raise RuntimeError(f"{GEMM_ENV}={choice}: {exc}") from exc
             logger.warning("CPU linear layers: the C decode GEMM is unavailable (%s); using oneDNN at every size", exc)
             choice = "onednn" if torch.backends.mkldnn.is_available() else "torch"
-        else:
-            choice = "native"
+    if choice == "auto":
+        packs = cpu_isa() != "avx2" and torch.backends.mkldnn.is_available()
+        choice = "packed" if packs else "native"
+    isa = cpu_isa() if choice in ("native", "packed") else ""
     if choice == "native":
-        isa, onednn_max = cpu_isa(), ONEDNN_MAX_TOKENS[cpu_isa()]
+        onednn_max = ONEDNN_MAX_TOKENS[isa]
         logger.info("CPU linear layers: the C kernel (%s) up to %d tokens, then float32 %s, bfloat16 oneDNN", isa,
                     NATIVE_MAX_TOKENS[isa], f"oneDNN up to {onednn_max} and MKL beyond" if onednn_max else "oneDNN")  # fmt: skip
+    elif choice == "packed":
+        logger.info("CPU linear layers: weights in oneDNN's blocked layout, oneDNN at every size; plain weights "
+                    "(a tied LM head) the C kernel (%s) up to %d tokens, then oneDNN", isa, NATIVE_MAX_TOKENS[isa])  # fmt: skip
     else:
         logger.info("CPU linear layers: %s", "oneDNN" if choice == "onednn" else "torch F.linear (MKL)")
     return choice
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's weight [out, in] reordered into oneDNN's blocked layout (an opaque tensor:
+    only oneDNN's linear reads it); `pack_weight` makes it, `linear_cpu` multiplies by it."""
+
+    packed: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """The weight as `linear_cpu` multiplies it fastest: reordered for oneDNN under the "packed"
+    choice (CPU float32 or bfloat16), else contiguous."""
+    weight = weight.contiguous()
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return weight
+    if cpu_gemm_choice() != "packed":
+        return weight
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, None), weight.shape, weight.dtype)
 
 
 @functools.cache
@@ -136,15 +171,19 @@ def native_linear(
     return y
 
 
-def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a contiguous weight, by the choice above on CPU float32
-    and bfloat16; F.linear itself for any other device or dtype."""
+def linear_cpu(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 2-D x and a `pack_weight`ed weight, by the choice above on CPU
+    float32 and bfloat16; F.linear itself for any other device or dtype."""
+    if isinstance(weight, PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     choice, tokens = cpu_gemm_choice(), x.shape[0]
-    if choice == "native" and tokens <= native_max_tokens():
+    if choice in ("native", "packed") and tokens <= native_max_tokens():
         return native_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-    if x.dtype == torch.float32 and (choice == "onednn" or (choice == "native" and _onednn_takes(tokens))):
+    if x.dtype == torch.float32 and (choice in ("onednn", "packed") or (choice == "native" and _onednn_takes(tokens))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -176,7 +176,14 @@ class Eagle3Head(EagleHead):
 def load_eagle_head(head_dir: str, method: str, target: StageModel, dtype: torch.dtype,
                     device: torch.device) -> EagleHead:  # fmt: skip
     """The head of `method` ("eagle" or "eagle3") in `head_dir` over `target` (a single-process
-    model), refusing, naming the field, a head that does not fit it."""
+    model), refusing, naming the field, a head that does not fit it; its weights packed as the
+    target's kernel set multiplies them."""
+    with gemm.packing_for(target.ops):
+        return _load_eagle_head(head_dir, method, target, dtype, device)
+
+
+def _load_eagle_head(head_dir: str, method: str, target: StageModel, dtype: torch.dtype,
+                     device: torch.device) -> EagleHead:  # fmt: skip
     path = Path(head_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"speculative_config: the EAGLE head {head_dir!r} is not a checkpoint directory with a "

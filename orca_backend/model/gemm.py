@@ -1,8 +1,9 @@
 """The matrix multiply of every linear layer (weights `[out, in]`, torch.nn.Linear's layout).
 
-On CPU in float32 the weights stay plain and contiguous, and kernels/orca_kernels/cpu_gemm.py picks
-the multiply by the number of tokens (a C kernel for decodes, oneDNN, then MKL; `ORCA_CPU_GEMM` overrides it).
-CUDA and half precision use F.linear; FP8 weights (CUDA only) a Triton dequantizing GEMM.
+On CPU in float32 and bfloat16 kernels/orca_kernels/cpu_gemm.py picks the weights' layout (plain, or
+oneDNN's blocked one on AVX-512 machines) and the multiply by the number of tokens (a C kernel for
+decodes, oneDNN, MKL; `ORCA_CPU_GEMM` overrides it). CUDA and float16 use F.linear; FP8 weights
+(CUDA only) a Triton dequantizing GEMM.
 
 On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
@@ -12,13 +13,15 @@ norm, so no linear of a decode step has a bias cuBLAS would add with a launch of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 
 from orca_backend.model.fp8 import Fp8Weight
 from orca_kernels import KernelOps
-from orca_kernels.cpu_gemm import linear_cpu
+from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
 
 # Up to this many tokens a step is launch- and weight-bandwidth-bound (arithmetic intensity at most
 # 2 * 256 flops per weight byte pair, below an H100's bf16 ridge), where a Triton GEMM streaming the
@@ -36,12 +39,34 @@ def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
     return ops.norm_linear is not None and not any(isinstance(w, Fp8Weight) for w in weights)
 
 
-def pack(weight: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
-    """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view)."""
-    return weight if isinstance(weight, Fp8Weight) else weight.contiguous()
+# Whether `pack` may reorder weights for oneDNN: set around a model's load by `packing_for` its kernel
+# set. Only the CPU sets multiply every weight through `linear`; the Triton set's fused norm + GEMM
+# (and a GPU) read plain weights.
+_PACKS_FOR_ONEDNN: ContextVar[bool] = ContextVar("packs_for_onednn", default=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+@contextlib.contextmanager
+def packing_for(ops: KernelOps) -> Iterator[None]:
+    """Weights `pack`ed inside this block are for a model running `ops`."""
+    token = _PACKS_FOR_ONEDNN.set(ops.name in ("cpu", "torch"))
+    try:
+        yield
+    finally:
+        _PACKS_FOR_ONEDNN.reset(token)
+
+
+def pack(weight: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight | PackedWeight:
+    """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view), and
+    for the CPU kernel sets on AVX-512 CPUs reordered for oneDNN (cpu_gemm.pack_weight, inside
+    `packing_for`)."""
+    if isinstance(weight, Fp8Weight):
+        return weight
+    return pack_weight(weight) if _PACKS_FOR_ONEDNN.get() else weight.contiguous()
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight; an FP8 weight (only on CUDA:
     elsewhere they are dequantized at load, model/fp8.py) through the Triton dequantizing GEMM."""
     if isinstance(weight, Fp8Weight):

@@ -60,7 +60,7 @@ class GPT2Weights:
     def num_bytes(self) -> int:
         tensors = [self.wte, self.wpe, self.lnf_w, self.lnf_b]
         tensors += [t for layer in self.layers for t in vars(layer).values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if t is not None)
 
     @classmethod
     def load(

@@ -12,6 +12,7 @@ from orca_backend.config import PRESETS, EngineConfig
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families import AnyModelConfig
+from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.registry import model_code
@@ -31,5 +32,7 @@ def load_model(
     else:
         logger.info("model: checkpoint %s (%s)", config.model, model_config.architecture)
         source = WeightSource.from_dir(config.model, code.checkpoint_key, fp8=getattr(model_config, "fp8", False))
-    weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
-    return code.model(model_config, weights, get_ops(device, config.kernels), layout, tp)
+    ops = get_ops(device, config.kernels)
+    with gemm.packing_for(ops):
+        weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
+    return code.model(model_config, weights, ops, layout, tp)

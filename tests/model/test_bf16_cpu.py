@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bf16_oracle import MAX_TOKENS, assert_near_top, prompts_for
-from cpu_isas import SUPPORTED_ISAS, force_isa
+from cpu_isas import SUPPORTED_ISAS, force_isa, forget_choices
 from hf_tiny import write_tiny
 
 from orca_backend import LLM, SamplingParams
@@ -44,7 +44,7 @@ def bf16_decodes(monkeypatch):
 
     yield force
     monkeypatch.undo()
-    cpu_gemm.cpu_isa.cache_clear()
+    forget_choices()
 
 
 def generate_bf16(path, vocab: int) -> tuple[list[list[int]], list[list[int]]]:

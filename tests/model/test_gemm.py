@@ -10,11 +10,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from cpu_isas import SUPPORTED_ISAS, force_isa
+from cpu_isas import SUPPORTED_ISAS, force_isa, forget_choices
 from torch_threads import torch_threads
 
 from orca_backend.model import gemm
 from orca_kernels import cpu_gemm, native
+from orca_kernels.dispatch import CPU_OPS
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def isa_env(monkeypatch):
 
     yield lambda isa: force_isa(monkeypatch, isa)
     monkeypatch.undo()
-    cpu_gemm.cpu_isa.cache_clear()
+    forget_choices()
 
 
 def test_the_isa_is_the_widest_unless_forced(isa_env):
@@ -135,34 +136,46 @@ def test_an_isa_the_cpu_lacks_is_an_error(isa_env):
         cpu_gemm.native_linear(torch.randn(1, 8), torch.randn(4, 8), None, missing[0])
 
 
-@pytest.mark.parametrize("setting", ["auto", "native", "onednn", "torch"])
+@pytest.mark.parametrize("setting", ["auto", "native", "packed", "onednn", "torch"])
 @pytest.mark.parametrize("rows", [1, 32, 33, 512, 600])
 def test_every_choice_and_size_equals_f_linear(choice, setting, rows):
-    if setting == "onednn" and not torch.backends.mkldnn.is_available():
+    if setting in ("packed", "onednn") and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
     choice(setting)
     torch.manual_seed(rows)
     w, b, x = torch.randn(96, 80), torch.randn(96), torch.randn(rows, 80)
-    packed = gemm.pack(w)
+    with gemm.packing_for(CPU_OPS):
+        packed = gemm.pack(w)
     torch.testing.assert_close(gemm.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_takes_the_c_kernel_up_to_its_threshold(choice, monkeypatch):
-    """The path really taken: the C kernel at <= native_max_tokens() tokens, not beyond, in float32
-    and bfloat16."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_auto_packs_on_avx512_and_takes_the_c_kernel_for_plain_weights(choice, isa_env, isa, monkeypatch):
+    """The path really taken, in float32 and bfloat16: on AVX2 the layers' weights stay plain and the
+    C kernel multiplies up to native_max_tokens() tokens, not beyond; on AVX-512 they are packed for
+    oneDNN, which multiplies them at every size, and a weight left plain (a tied LM head) still
+    takes the C kernel up to its threshold."""
     choice("auto")
-    assert cpu_gemm.cpu_gemm_choice() == "native"  # this machine has a C compiler
+    isa_env(isa)
+    assert cpu_gemm.cpu_gemm_choice() == ("native" if isa == "avx2" else "packed")
     calls = []
     real = cpu_gemm.native_linear
     monkeypatch.setattr(cpu_gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     most = cpu_gemm.native_max_tokens()
     for dtype in (torch.float32, torch.bfloat16):
-        calls.clear()
-        w = gemm.pack(torch.randn(8, 8, dtype=dtype))
-        for rows in (1, most, most + 1):
-            y = gemm.linear(torch.randn(rows, 8, dtype=dtype), w)
-            assert y.dtype == dtype and y.shape == (rows, 8)
-        assert calls == [1, most]
+        plain = torch.randn(8, 8, dtype=dtype)
+        with gemm.packing_for(CPU_OPS):
+            layer = gemm.pack(plain)
+        assert not isinstance(gemm.pack(plain), cpu_gemm.PackedWeight)  # outside a CPU model's load: plain
+        assert isinstance(layer, cpu_gemm.PackedWeight) == (isa != "avx2")
+        for weight in (layer, plain):
+            calls.clear()
+            for rows in (1, most, most + 1):
+                x = torch.randn(rows, 8, dtype=dtype)
+                y = gemm.linear(x, weight)
+                assert y.dtype == dtype and y.shape == (rows, 8)
+                torch.testing.assert_close(y.double(), reference(x, plain, None), rtol=BF16_RTOL, atol=1e-5)
+            assert calls == ([] if weight is layer and isa != "avx2" else [1, most])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -179,12 +192,21 @@ def test_float32_prefills_go_to_mkl_only_on_avx2(choice, isa_env, isa, monkeypat
     assert calls == ([600] if isa == "avx2" else [])
 
 
-def test_pack_makes_a_strided_shard_contiguous():
+@pytest.mark.parametrize("setting", ["native", "packed"])
+def test_pack_takes_a_strided_shard(choice, setting):
+    if setting == "packed" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    choice(setting)
     w = torch.randn(8, 16)[:, 4:12]  # a row-parallel shard: a column slice
-    packed = gemm.pack(w)
-    assert packed.is_contiguous() and torch.equal(packed, w)
-    x = torch.randn(2, 8)
-    torch.testing.assert_close(gemm.linear(x, packed), F.linear(x, w))
+    with gemm.packing_for(CPU_OPS):
+        packed = gemm.pack(w)
+    if setting == "native":
+        assert packed.is_contiguous() and torch.equal(packed, w)
+    else:
+        assert isinstance(packed, cpu_gemm.PackedWeight) and packed.shape == w.shape and packed.nbytes == w.nbytes
+    for rows in (2, 40):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(gemm.linear(x, packed), F.linear(x, w))
 
 
 def test_float16_uses_f_linear():

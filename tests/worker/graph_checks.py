@@ -34,12 +34,17 @@ class LaunchRecorder(TorchDispatchMode):
     def __init__(self, named: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.regions: list[tuple[int, int, str]] = []  # (start, end, name), the newest last
+        # Opaque tensors (oneDNN's packed weights: no storage a pointer could name) by identity.
+        self.opaque: dict[int, str] = {}
         self.temporaries = 0
         for name, tensor in named.items():
             self._add_region(tensor, name)
         self.launches: list[tuple] = []
 
     def _add_region(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.layout == torch._mkldnn:
+            self.opaque[id(tensor)] = name
+            return
         storage = tensor.untyped_storage()
         if storage.nbytes():
             self.regions.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
@@ -51,6 +56,10 @@ class LaunchRecorder(TorchDispatchMode):
         return None
 
     def _describe(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.layout == torch._mkldnn:
+            if id(value) not in self.opaque:
+                self._add_region(value, f"opaque{len(self.opaque)}")
+            return ("opaque", self.opaque[id(value)], tuple(value.shape), str(value.dtype))
         if isinstance(value, torch.Tensor):
             where = self.name_of(value.data_ptr()) if value.numel() else ("empty", 0)
             if where is None:  # memory no op made and no name covers: name it by first appearance
@@ -67,7 +76,8 @@ class LaunchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.layout != torch._mkldnn]  # fmt: skip
         described = (self._describe(args), self._describe(kwargs))
         out = func(*args, **kwargs)
         input_storages = {t.untyped_storage().data_ptr() for t in inputs}
@@ -196,9 +206,14 @@ class CaptureGuard(TorchDispatchMode):
         super().__init__()
         self.regions: list[tuple[int, int]] = []
         self.staging: list[tuple[int, int]] = []
+        # Opaque tensors (oneDNN's packed weights: no storage to locate) registered by identity.
+        self.opaque: set[int] = set()
         self.suspended = 0
         for tensor in device_tensors:
-            self._add(self.regions, tensor)
+            if tensor.layout == torch._mkldnn:
+                self.opaque.add(id(tensor))
+            else:
+                self._add(self.regions, tensor)
         for buffer in staging:
             self._add(self.staging, torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer)
 
@@ -216,6 +231,10 @@ class CaptureGuard(TorchDispatchMode):
     def check_read(self, what: str, tensor: torch.Tensor) -> None:
         """`tensor`, read by `what`, must be device memory (on a CPU: registered, or made by the step),
         or a registered staging buffer being copied to the device."""
+        if tensor.layout == torch._mkldnn:
+            if id(tensor) not in self.opaque:
+                raise HostReadError(f"{what} reads an opaque tensor that is no registered buffer: {tuple(tensor.shape)}")
+            return
         if not tensor.numel():
             return
         host = tensor.device.type == "cpu" and not self._inside(self.regions, tensor)
@@ -233,7 +252,9 @@ class CaptureGuard(TorchDispatchMode):
         out = func(*args, **kwargs)
         for tensor in tree_flatten(out)[0]:
             # Made by the step: device memory from here on (a view of a staging buffer stays host memory).
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not self._inside(self.staging, tensor):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch._mkldnn:
+                self.opaque.add(id(tensor))
+            elif isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not self._inside(self.staging, tensor):
                 self._add(self.regions, tensor)
         return out
 
