@@ -46,6 +46,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "expf_sleef.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -122,11 +124,13 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
         for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */       \
             float *s = scores + h * keys, max = s[0], sum = 0.0f;                                            \
             for (int64_t t = 1; t < keys; t++) max = s[t] > max ? s[t] : max;                                \
+            /* a vectorised exp (SLEEF's, 1 ulp): libm's expf, one call a key, cost as much as the rest */   \
+            _Pragma("omp simd reduction(+ : sum)")                                                           \
             for (int64_t t = 0; t < keys; t++) {                                                             \
-                s[t] = expf(s[t] - max);                                                                     \
+                s[t] = expf_sleef_u10(s[t] - max);                                                           \
                 sum += s[t];                                                                                 \
             }                                                                                                \
-            const float inv = 1.0f / sum; /* sum >= 1: the max term is expf(0) */                            \
+            const float inv = 1.0f / sum; /* sum >= 1: the max term is exp(0) */                             \
             for (int64_t t = 0; t < keys; t++) s[t] *= inv;                                                  \
         }                                                                                                    \
         for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {                 \

@@ -1,7 +1,8 @@
 /* exp for the element-wise kernels (llama_ops.c, gpt2_ops.c), computed as torch's vectorised CPU
- * kernels compute it. Each including file compiles its own static copy; both include it after
+ * kernels compute it, and for decode_attention.c's softmax (where it vectorises and libm's expf does
+ * not). Each including file compiles its own static copy; the element-wise ones include it after
  * turning floating-point contraction off, so it rounds as written (its fused multiply-adds are
- * explicit fmaf calls). kernels/orca_kernels/native.py rebuilds a kernel when this header changes. */
+ * explicit fmaf calls; it has no other multiply-add a compiler could fuse). kernels/orca_kernels/native.py rebuilds a kernel when this header changes. */
 #ifndef ORCA_EXPF_SLEEF_H
 #define ORCA_EXPF_SLEEF_H
 
