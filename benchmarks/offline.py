@@ -14,6 +14,7 @@ Suites:
   modes       iteration-level (ORCA) vs request-level scheduling with max batch 16 < 64 requests,
               so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
   roofline    batch-1 decode step vs the memory roofline: each step against reads of its weight bytes beside it.
+  prefill     one prefill step of 8 x 512 tokens against this CPU's measured multiply-add peak for --dtype.
   overhead    engine time per iteration that is not the model forward, on a tiny model: 64 and 256
               requests decoding in lockstep, ~256 churning (requests ending and joining), and the
               engine core process's share of the 256 (without the frontend's events).
@@ -204,6 +205,62 @@ def _timeit(fn) -> float:
     return time.perf_counter() - start
 
 
+def measure_flops_peak(dtype: torch.dtype, repeat: int = 3) -> float:
+    """GFLOP/s of this CPU's multiply-adds on every torch thread (csrc/flops_peak.c), for `dtype` on the
+    widest instruction set the C kernels run here: float32 FMAs, or VDPBF16PS for bfloat16 where the
+    CPU has it (elsewhere bfloat16 is multiplied in float32, so the float32 peak is its own)."""
+    import ctypes
+
+    from orca_kernels import cpu_gemm, native
+
+    peak = native.declare("flops_peak", "orca_flops_peak", [ctypes.c_int, native.I64, ctypes.c_int], ctypes.c_double)
+    isa = cpu_gemm.cpu_isa()
+    if dtype == torch.float32 and isa == "avx512_bf16":
+        isa = "avx512"
+    return max(peak(cpu_gemm.ISAS[isa], 20_000_000, torch.get_num_threads()) for _ in range(repeat))
+
+
+def suite_prefill(args, model: str) -> dict:
+    """One prefill step of 8 prompts of 512 tokens against the machine's measured multiply-add peak
+    for the dtype: the flops of its linear layers (every token), its causal attention and the LM
+    head (the 8 sampled rows), over the step's time."""
+    dtype = getattr(torch, args.dtype)
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=8, kv_capacity_tokens=8 * 600,
+                                    max_num_batched_tokens=8 * 512))  # fmt: skip
+    config = engine.model_config
+    weights = engine.core.executor.runner.model.weights
+    layer_params = sum(t.shape.numel() for layer in weights.layers for t in vars(layer).values()
+                       if t is not None and len(t.shape) == 2)  # fmt: skip
+    hidden, layers, vocab = weights_geometry(config)
+    tokens, prompt = 8 * 512, 512
+    flops = (2 * tokens * layer_params  # the linear layers
+             + 8 * layers * 2 * 2 * hidden * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
+             + 2 * 8 * vocab * hidden)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(args.repeat):
+        for _ in range(8):
+            engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), on_output=lambda o: None)  # fmt: skip
+        times.append(_timeit(engine.step))
+        while engine.has_work():
+            engine.step()
+    peak = measure_flops_peak(dtype)
+    result = {"tokens": tokens, "flops": flops, "step_s": times, "peak_gflop_s": peak,
+              "fraction_of_peak": [flops / t / 1e9 / peak for t in times]}  # fmt: skip
+    print(f"prefill of 8 x 512 tokens: {min(times) * 1e3:.0f}-{max(times) * 1e3:.0f} ms, "
+          f"{flops / max(times) / 1e9:.0f}-{flops / min(times) / 1e9:.0f} GFLOP/s against a measured peak of {peak:.0f} "
+          f"({args.dtype}) -> {min(result['fraction_of_peak']):.0%}-{max(result['fraction_of_peak']):.0%}")  # fmt: skip
+    return result
+
+
+def weights_geometry(config) -> tuple[int, int, int]:  # noqa: ANN001
+    """(hidden size, layers, vocabulary) of a GPT-2 or Llama-family config."""
+    if hasattr(config, "n_embd"):
+        return config.n_embd, config.n_layer, config.vocab_size
+    return config.hidden_size, config.num_hidden_layers, config.vocab_size
+
+
 def suite_roofline(args, model: str) -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=1, kv_capacity_tokens=2048))
     weights = engine.core.executor.runner.model.weights
@@ -256,9 +313,9 @@ def suite_gemm(args, model: str) -> dict:
         kinds["native_avx2"] = lambda x, w: cpu_gemm.native_linear(x, w, None, "avx2")
     if dtype == torch.float32:
         kinds["mkl"] = torch.nn.functional.linear
-    bandwidth = measure_read_bandwidth()
-    result: dict = {"read_bandwidth_gb_s": bandwidth / 1e9, "tokens": {}}
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; the LM head (only sampled rows reach it: one per request) "
+    bandwidth, peak = measure_read_bandwidth(), measure_flops_peak(dtype)
+    result: dict = {"read_bandwidth_gb_s": bandwidth / 1e9, "flops_peak_gflop_s": peak, "tokens": {}}
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, multiply-add peak {peak:.0f} GFLOP/s; the LM head (only sampled rows reach it: one per request) "
           "is in up to 256 tokens, the C kernel is run up to 64")  # fmt: skip
     for tokens in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 2048):
         matrices = layer_matrices + ([lm_head] if tokens <= 256 else [])
@@ -449,6 +506,8 @@ def main() -> None:
             results[suite] = suite_lora(args, args.model, trace)
         elif suite == "gemm":
             results[suite] = suite_gemm(args, args.model)
+        elif suite == "prefill":
+            results[suite] = suite_prefill(args, args.model)
         else:
             raise SystemExit(f"unknown suite {suite!r}")
     if args.json:

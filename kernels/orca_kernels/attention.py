@@ -229,11 +229,13 @@ def prefill_attention(
         if n < keys:  # queries are the last n positions: bottom-right aligned causal mask
             rows = torch.arange(n, device=qi.device)[:, None] + (keys - n)
             mask = torch.arange(keys, device=qi.device)[None, :] <= rows
+        # A batch of one: on CPU only 4-D inputs take torch's fused flash-attention kernel (3-D ones
+        # fall back to the unfused math path: 2.7-3.4x slower on a 512-token prompt).
         oi = F.scaled_dot_product_attention(
-            qi.transpose(0, 1), ki, vi, attn_mask=mask, is_causal=(n == keys), scale=scale,
+            qi.transpose(0, 1)[None], ki[None], vi[None], attn_mask=mask, is_causal=(n == keys), scale=scale,
             **({"enable_gqa": True} if gqa else {}),
         )  # fmt: skip
-        return oi.transpose(0, 1)
+        return oi[0].transpose(0, 1)
     # Soft-capping sits between the scores and the softmax, where SDPA takes nothing: the scores
     # are computed here, in fp32 as transformers' eager attention does for Gemma.
     group = qi.shape[1] // ki.shape[0]
