@@ -46,23 +46,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "bf16.h"
 #include "expf_sleef.h"
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch rounds float32 to bfloat16 (NaN kept a quiet NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (isnan(f)) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;

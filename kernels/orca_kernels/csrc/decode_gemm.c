@@ -39,8 +39,9 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 #include <omp.h>
+
+#include "bf16.h"
 
 enum { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
 
@@ -63,21 +64,6 @@ int orca_decode_gemm_isa_supported(int isa) {
 #define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define T_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch rounds float32 to bfloat16 (NaN kept a quiet NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (isnan(f)) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* ------------------------------------------------------------------------------------ AVX2 */
 T_AVX2 static inline float hsum8(__m256 v) {
