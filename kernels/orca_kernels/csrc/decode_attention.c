@@ -49,6 +49,13 @@
 #include "bf16.h"
 #include "expf_sleef.h"
 
+/* Asks for the `bytes` at p ahead of their use: each token of a block fetches its row of the next
+ * block (a block's rows are contiguous, but the next block can sit anywhere in the pool, where the
+ * hardware prefetcher does not follow). */
+static inline void prefetch(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -95,7 +102,9 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
         for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {                 \
             const KV_T *kb = k_cache + blocks[b] * block_elems; /* int64: the offset can pass 2**31 */       \
             const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;                               \
-            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)                                      \
+            const KV_T *next = t0 + block_size < ctx ? k_cache + blocks[b + 1] * block_elems : NULL;          \
+            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++) {                                   \
+                if (next) prefetch(next + t * kv_row, kv_row * (int64_t)sizeof(KV_T));                       \
                 for (int64_t g = 0; g < kv_heads; g++) {                                                     \
                     /* read from memory once for the group */                                                \
                     const float *kt = ROW(kb + t * kv_row + g * head_dim, row_buf, head_dim);                \
@@ -105,6 +114,7 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
                         scores[h * keys + t0 + t - start] = s;                                               \
                     }                                                                                        \
                 }                                                                                            \
+            }                                                                                                \
         }                                                                                                    \
         for (int64_t h = 0; h < q_heads; h++) { /* softmax of each query head's row, max-subtracted */       \
             float *s = scores + h * keys, max = s[0], sum = 0.0f;                                            \
@@ -121,7 +131,9 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
         for (int64_t t0 = first * block_size, b = first; t0 < ctx; t0 += block_size, b++) {                 \
             const KV_T *vb = v_cache + blocks[b] * block_elems;                                              \
             const int64_t len = ctx - t0 < block_size ? ctx - t0 : block_size;                               \
-            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++)                                      \
+            const KV_T *next = t0 + block_size < ctx ? v_cache + blocks[b + 1] * block_elems : NULL;          \
+            for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++) {                                   \
+                if (next) prefetch(next + t * kv_row, kv_row * (int64_t)sizeof(KV_T));                       \
                 for (int64_t g = 0; g < kv_heads; g++) {                                                     \
                     const float *vt = ROW(vb + t * kv_row + g * head_dim, row_buf, head_dim);                \
                     for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
@@ -131,6 +143,7 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
                         for (int64_t d = 0; d < head_dim; d++) o[d] += p * vt[d];                            \
                     }                                                                                        \
                 }                                                                                            \
+            }                                                                                                \
         }                                                                                                    \
     }
 DEFINE_ATTEND_ONE(attend_one, float, F32_ROW)
