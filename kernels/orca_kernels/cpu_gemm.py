@@ -8,7 +8,7 @@ CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GE
   oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
 - AVX-512 machines ("packed"): the layers' weights are reordered once, at load (`pack_weight`), into
   oneDNN's blocked layout, and oneDNN multiplies them at every size: from 4 tokens 1.2-1.6x faster
-  than the C kernel, within 5% of it at one token, and on prefills up to 2.2x faster than MKL (which
+  than the C kernel, 7-12% slower at one token, and on prefills up to 2.2x faster than MKL (which
   runs its AVX2 code on AMD CPUs). A weight left plain (a tied embedding that is also the LM head)
   takes the C kernel up to 12 tokens, oneDNN beyond.
 docs/cpu-gemm.md has the measurements behind these choices.
