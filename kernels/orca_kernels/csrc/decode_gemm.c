@@ -64,6 +64,17 @@ int orca_decode_gemm_isa_supported(int isa) {
 #define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define T_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
+/* What a tile writes for an output: its float32 sum plus the bias, as float32 or rounded once to
+ * bfloat16. */
+#define OUT_F32(s, bias, i) ((s) + ((bias) ? (bias)[i] : 0.0f))
+#define OUT_BF16(s, bias, i) f32_to_bf16((s) + ((bias) ? bf16_to_f32((bias)[i]) : 0.0f))
+#define AS_F32(v) (v)
+
+/* The tiles each instruction set instantiates: rows x tokens (the drivers below say which runs when). */
+#define AVX2_TILES(TILE) TILE(4, 1) TILE(4, 2) TILE(3, 1) TILE(3, 2) TILE(3, 3) TILE(3, 4) \
+                         TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
+#define AVX512_TILES(TILE) TILE(8, 1) TILE(8, 2) TILE(4, 1) TILE(4, 2) TILE(4, 3) TILE(4, 4) TILE(4, 5) \
+                           TILE(4, 6) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(1, 5) TILE(1, 6)
 
 /* ------------------------------------------------------------------------------------ AVX2 */
 T_AVX2 static inline float hsum8(__m256 v) {
@@ -84,127 +95,55 @@ T_AVX2 static inline void widen16_bf16(const uint16_t *p, __m256 *lo, __m256 *hi
     *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-/* float32 weights: rows n..n+R-1 of W against tokens m..m+T-1, fully unrolled by the compiler; the
- * scalar tail past the last multiple of 8, then the bias. */
-#define AVX2_F32(R, T)                                                                                     \
-    T_AVX2 static void avx2_f32_##R##_##T(const float *x, int64_t xs, const float *W, int64_t K,          \
-                                          const float *bias, float *y, int64_t N, int64_t m, int64_t n) {  \
-        __m256 acc[R][T];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();                                   \
-        const int64_t k8 = K & ~(int64_t)7;                                                                \
-        for (int64_t k = 0; k < k8; k += 8) {                                                              \
-            __m256 w[R];                                                                                   \
-            for (int r = 0; r < R; r++) w[r] = _mm256_loadu_ps(W + (n + r) * K + k);                       \
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m256 xv = _mm256_loadu_ps(x + (m + t) * xs + k);                                         \
-                for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);              \
+/* One step of an AVX2 tile at column k0, WIDTH elements of every row and token into acc. */
+#define AVX2_F32_STEP(R, T, k0)                                                                            \
+    {                                                                                                      \
+        __m256 w[R];                                                                                       \
+        for (int r = 0; r < R; r++) w[r] = _mm256_loadu_ps(W + (n + r) * K + k0);                          \
+        for (int t = 0; t < T; t++) {                                                                      \
+            __m256 xv = _mm256_loadu_ps(x + (m + t) * xs + k0);                                            \
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);                  \
+        }                                                                                                  \
+    }
+#define AVX2_BF16_STEP(R, T, k0)                                                                           \
+    {                                                                                                      \
+        __m256 wlo[R], whi[R];                                                                             \
+        for (int r = 0; r < R; r++) widen16_bf16(W + (n + r) * K + k0, &wlo[r], &whi[r]);                  \
+        for (int t = 0; t < T; t++) {                                                                      \
+            __m256 xlo, xhi;                                                                               \
+            widen16_bf16(x + (m + t) * xs + k0, &xlo, &xhi);                                               \
+            for (int r = 0; r < R; r++) {                                                                  \
+                acc[r][t] = _mm256_fmadd_ps(wlo[r], xlo, acc[r][t]);                                       \
+                acc[r][t] = _mm256_fmadd_ps(whi[r], xhi, acc[r][t]);                                       \
             }                                                                                              \
         }                                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++) {                                                                  \
-                float s = hsum8(acc[r][t]);                                                                \
-                for (int64_t k = k8; k < K; k++) s = fmaf(x[(m + t) * xs + k], W[(n + r) * K + k], s);     \
-                y[(m + t) * N + n + r] = s + (bias ? bias[n + r] : 0.0f);                                  \
-            }                                                                                              \
     }
-AVX2_F32(4, 2)
-AVX2_F32(4, 1)
-AVX2_F32(3, 1)
-AVX2_F32(3, 2)
-AVX2_F32(3, 3)
-AVX2_F32(3, 4)
-AVX2_F32(1, 1)
-AVX2_F32(1, 2)
-AVX2_F32(1, 3)
-AVX2_F32(1, 4)
 
-/* bfloat16 weights, tokens and bias, float32 sums, one rounding to bfloat16 at the end. */
-#define AVX2_BF16(R, T)                                                                                    \
-    T_AVX2 static void avx2_bf16_##R##_##T(const uint16_t *x, int64_t xs, const uint16_t *W, int64_t K,   \
-                                           const uint16_t *bias, uint16_t *y, int64_t N, int64_t m,        \
-                                           int64_t n) {                                                    \
+/* Rows n..n+R-1 of W against tokens m..m+T-1, fully unrolled by the compiler: STEP over the
+ * multiples of WIDTH, then per output the horizontal sum, the scalar tail (TO_F32 reads an element
+ * as float32) and OUT. */
+#define AVX2_TILE(NAME, TYPE, WIDTH, STEP, TO_F32, OUT, R, T)                                              \
+    T_AVX2 static void NAME##_##R##_##T(const TYPE *x, int64_t xs, const TYPE *W, int64_t K,              \
+                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n) {      \
         __m256 acc[R][T];                                                                                  \
         for (int r = 0; r < R; r++)                                                                        \
             for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();                                   \
-        const int64_t k16 = K & ~(int64_t)15;                                                              \
-        for (int64_t k = 0; k < k16; k += 16) {                                                            \
-            __m256 wlo[R], whi[R];                                                                         \
-            for (int r = 0; r < R; r++) widen16_bf16(W + (n + r) * K + k, &wlo[r], &whi[r]);               \
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m256 xlo, xhi;                                                                           \
-                widen16_bf16(x + (m + t) * xs + k, &xlo, &xhi);                                            \
-                for (int r = 0; r < R; r++) {                                                              \
-                    acc[r][t] = _mm256_fmadd_ps(wlo[r], xlo, acc[r][t]);                                   \
-                    acc[r][t] = _mm256_fmadd_ps(whi[r], xhi, acc[r][t]);                                   \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
+        const int64_t kw = K & ~(int64_t)(WIDTH - 1);                                                      \
+        for (int64_t k = 0; k < kw; k += WIDTH) STEP(R, T, k)                                              \
         for (int r = 0; r < R; r++)                                                                        \
             for (int t = 0; t < T; t++) {                                                                  \
                 float s = hsum8(acc[r][t]);                                                                \
-                for (int64_t k = k16; k < K; k++)                                                          \
-                    s = fmaf(bf16_to_f32(x[(m + t) * xs + k]), bf16_to_f32(W[(n + r) * K + k]), s);        \
-                y[(m + t) * N + n + r] = f32_to_bf16(s + (bias ? bf16_to_f32(bias[n + r]) : 0.0f));       \
+                for (int64_t k = kw; k < K; k++)                                                           \
+                    s = fmaf(TO_F32(x[(m + t) * xs + k]), TO_F32(W[(n + r) * K + k]), s);                  \
+                y[(m + t) * N + n + r] = OUT(s, bias, n + r);                                              \
             }                                                                                              \
     }
-AVX2_BF16(4, 2)
-AVX2_BF16(4, 1)
-AVX2_BF16(3, 1)
-AVX2_BF16(3, 2)
-AVX2_BF16(3, 3)
-AVX2_BF16(3, 4)
-AVX2_BF16(1, 1)
-AVX2_BF16(1, 2)
-AVX2_BF16(1, 3)
-AVX2_BF16(1, 4)
+#define AVX2_F32(R, T) AVX2_TILE(avx2_f32, float, 8, AVX2_F32_STEP, AS_F32, OUT_F32, R, T)
+#define AVX2_BF16(R, T) AVX2_TILE(avx2_bf16, uint16_t, 16, AVX2_BF16_STEP, bf16_to_f32, OUT_BF16, R, T)
+AVX2_TILES(AVX2_F32)
+AVX2_TILES(AVX2_BF16)
 
 /* ---------------------------------------------------------------------------------- AVX-512 */
-/* The K tail (K % 16 elements) is one masked step: zeros past the end add nothing. */
-#define AVX512_F32(R, T)                                                                                   \
-    T_AVX512 static void avx512_f32_##R##_##T(const float *x, int64_t xs, const float *W, int64_t K,      \
-                                              const float *bias, float *y, int64_t N, int64_t m,           \
-                                              int64_t n) {                                                 \
-        __m512 acc[R][T];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();                                   \
-        const int64_t k16 = K & ~(int64_t)15;                                                              \
-        for (int64_t k = 0; k < k16; k += 16) {                                                            \
-            __m512 w[R];                                                                                   \
-            for (int r = 0; r < R; r++) w[r] = _mm512_loadu_ps(W + (n + r) * K + k);                       \
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512 xv = _mm512_loadu_ps(x + (m + t) * xs + k);                                         \
-                for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);              \
-            }                                                                                              \
-        }                                                                                                  \
-        if (k16 < K) {                                                                                     \
-            const __mmask16 tail = (__mmask16)((1u << (K - k16)) - 1);                                     \
-            __m512 w[R];                                                                                   \
-            for (int r = 0; r < R; r++) w[r] = _mm512_maskz_loadu_ps(tail, W + (n + r) * K + k16);         \
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512 xv = _mm512_maskz_loadu_ps(tail, x + (m + t) * xs + k16);                           \
-                for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);              \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++)                                                                    \
-                y[(m + t) * N + n + r] = _mm512_reduce_add_ps(acc[r][t]) + (bias ? bias[n + r] : 0.0f);   \
-    }
-AVX512_F32(8, 1)
-AVX512_F32(8, 2)
-AVX512_F32(4, 1)
-AVX512_F32(4, 2)
-AVX512_F32(4, 3)
-AVX512_F32(4, 4)
-AVX512_F32(4, 5)
-AVX512_F32(4, 6)
-AVX512_F32(1, 1)
-AVX512_F32(1, 2)
-AVX512_F32(1, 3)
-AVX512_F32(1, 4)
-AVX512_F32(1, 5)
-AVX512_F32(1, 6)
-
 /* 32 bfloat16s (those `mask` keeps, zeros elsewhere) widened to float32 as widen16_bf16 does. */
 T_AVX512 static inline void widen32_bf16(const uint16_t *p, __mmask32 mask, __m512 *lo, __m512 *hi) {
     const __m512i v = _mm512_maskz_loadu_epi16(mask, p), zero = _mm512_setzero_si512();
@@ -212,107 +151,75 @@ T_AVX512 static inline void widen32_bf16(const uint16_t *p, __mmask32 mask, __m5
     *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
 }
 
-/* bfloat16 on AVX-512 without its dot-product instruction: widened in registers, float32 FMAs;
- * 32 weights a step, the tail one masked step. */
-#define AVX512_BF16_FMA(R, T)                                                                              \
-    T_AVX512 static void avx512_bf16_##R##_##T(const uint16_t *x, int64_t xs, const uint16_t *W,          \
-                                               int64_t K, const uint16_t *bias, uint16_t *y, int64_t N,    \
-                                               int64_t m, int64_t n) {                                     \
-        __m512 acc[R][T];                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();                                   \
-        const int64_t k32 = K & ~(int64_t)31;                                                              \
-        for (int64_t k = 0; k < k32; k += 32) {                                                            \
-            __m512 wlo[R], whi[R];                                                                         \
-            for (int r = 0; r < R; r++) widen32_bf16(W + (n + r) * K + k, (__mmask32)0xffffffffu, &wlo[r], &whi[r]);\
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512 xlo, xhi;                                                                           \
-                widen32_bf16(x + (m + t) * xs + k, (__mmask32)0xffffffffu, &xlo, &xhi);                                 \
-                for (int r = 0; r < R; r++) {                                                              \
-                    acc[r][t] = _mm512_fmadd_ps(wlo[r], xlo, acc[r][t]);                                   \
-                    acc[r][t] = _mm512_fmadd_ps(whi[r], xhi, acc[r][t]);                                   \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
-        if (k32 < K) {                                                                                     \
-            const __mmask32 tail = (__mmask32)((1u << (K - k32)) - 1);                                     \
-            __m512 wlo[R], whi[R];                                                                         \
-            for (int r = 0; r < R; r++) widen32_bf16(W + (n + r) * K + k32, tail, &wlo[r], &whi[r]);\
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512 xlo, xhi;                                                                           \
-                widen32_bf16(x + (m + t) * xs + k32, tail, &xlo, &xhi);                                 \
-                for (int r = 0; r < R; r++) {                                                              \
-                    acc[r][t] = _mm512_fmadd_ps(wlo[r], xlo, acc[r][t]);                                   \
-                    acc[r][t] = _mm512_fmadd_ps(whi[r], xhi, acc[r][t]);                                   \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++)                                                                    \
-                y[(m + t) * N + n + r] =                                                                   \
-                    f32_to_bf16(_mm512_reduce_add_ps(acc[r][t]) + (bias ? bf16_to_f32(bias[n + r]) : 0.0f));\
-    }
-AVX512_BF16_FMA(8, 1)
-AVX512_BF16_FMA(8, 2)
-AVX512_BF16_FMA(4, 1)
-AVX512_BF16_FMA(4, 2)
-AVX512_BF16_FMA(4, 3)
-AVX512_BF16_FMA(4, 4)
-AVX512_BF16_FMA(4, 5)
-AVX512_BF16_FMA(4, 6)
-AVX512_BF16_FMA(1, 1)
-AVX512_BF16_FMA(1, 2)
-AVX512_BF16_FMA(1, 3)
-AVX512_BF16_FMA(1, 4)
-AVX512_BF16_FMA(1, 5)
-AVX512_BF16_FMA(1, 6)
+/* One step of an AVX-512 tile at column k0. WHICH is FULL (every element of the step: plain loads)
+ * or TAIL (the K tail: masked loads of the elements `tail` keeps, zeros past the end adding
+ * nothing). The main loops of float32 and VDPBF16PS keep plain loads: a constant all-ones mask there
+ * gives the same values, but GCC then kept the accumulators in memory (1.5x slower). */
+#define F32_LOAD_FULL(p) _mm512_loadu_ps(p)
+#define F32_LOAD_TAIL(p) _mm512_maskz_loadu_ps(tail, p)
+#define BH_LOAD_FULL(p) ((__m512bh)_mm512_loadu_si512(p))
+#define BH_LOAD_TAIL(p) ((__m512bh)_mm512_maskz_loadu_epi16(tail, p))
+#define WIDEN_FULL(p, lo, hi) widen32_bf16(p, (__mmask32)0xffffffffu, lo, hi)
+#define WIDEN_TAIL(p, lo, hi) widen32_bf16(p, tail, lo, hi)
 
-/* VDPBF16PS: each float32 lane adds the products of one pair of bfloat16s (exact in float32) per
- * instruction, 32 weights a step; the tail is one masked step over the remaining pairs. */
-#define AVX512_DPBF16(R, T)                                                                                \
-    T_BF16 static void dpbf16_##R##_##T(const uint16_t *x, int64_t xs, const uint16_t *W, int64_t K,      \
-                                        const uint16_t *bias, uint16_t *y, int64_t N, int64_t m,           \
-                                        int64_t n) {                                                       \
+#define AVX512_F32_STEP(R, T, k0, WHICH)                                                                   \
+    {                                                                                                      \
+        __m512 w[R];                                                                                       \
+        for (int r = 0; r < R; r++) w[r] = F32_LOAD_##WHICH(W + (n + r) * K + k0);                         \
+        for (int t = 0; t < T; t++) {                                                                      \
+            __m512 xv = F32_LOAD_##WHICH(x + (m + t) * xs + k0);                                           \
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);                  \
+        }                                                                                                  \
+    }
+/* bfloat16 on AVX-512 without its dot-product instruction: widened in registers, float32 FMAs. */
+#define AVX512_BF16_STEP(R, T, k0, WHICH)                                                                  \
+    {                                                                                                      \
+        __m512 wlo[R], whi[R];                                                                             \
+        for (int r = 0; r < R; r++) WIDEN_##WHICH(W + (n + r) * K + k0, &wlo[r], &whi[r]);                 \
+        for (int t = 0; t < T; t++) {                                                                      \
+            __m512 xlo, xhi;                                                                               \
+            WIDEN_##WHICH(x + (m + t) * xs + k0, &xlo, &xhi);                                              \
+            for (int r = 0; r < R; r++) {                                                                  \
+                acc[r][t] = _mm512_fmadd_ps(wlo[r], xlo, acc[r][t]);                                       \
+                acc[r][t] = _mm512_fmadd_ps(whi[r], xhi, acc[r][t]);                                       \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+/* VDPBF16PS: each float32 lane adds the products of one pair of bfloat16s (exact in float32). */
+#define DPBF16_STEP(R, T, k0, WHICH)                                                                       \
+    {                                                                                                      \
+        __m512bh w[R];                                                                                     \
+        for (int r = 0; r < R; r++) w[r] = BH_LOAD_##WHICH(W + (n + r) * K + k0);                          \
+        for (int t = 0; t < T; t++) {                                                                      \
+            __m512bh xv = BH_LOAD_##WHICH(x + (m + t) * xs + k0);                                          \
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], xv);                \
+        }                                                                                                  \
+    }
+
+/* Rows n..n+R-1 of W against tokens m..m+T-1: STEP over the multiples of WIDTH, one masked STEP
+ * for the K tail, then per output the horizontal sum and OUT. */
+#define AVX512_TILE(NAME, TARGET, TYPE, WIDTH, MASK_T, STEP, OUT, R, T)                                    \
+    TARGET static void NAME##_##R##_##T(const TYPE *x, int64_t xs, const TYPE *W, int64_t K,              \
+                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n) {      \
         __m512 acc[R][T];                                                                                  \
         for (int r = 0; r < R; r++)                                                                        \
             for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();                                   \
-        const int64_t k32 = K & ~(int64_t)31;                                                              \
-        for (int64_t k = 0; k < k32; k += 32) {                                                            \
-            __m512bh w[R];                                                                                 \
-            for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_loadu_si512(W + (n + r) * K + k);          \
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m + t) * xs + k);                          \
-                for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], xv);            \
-            }                                                                                              \
-        }                                                                                                  \
-        if (k32 < K) {                                                                                     \
-            const __mmask32 tail = (__mmask32)((1u << (K - k32)) - 1);                                     \
-            __m512bh w[R];                                                                                 \
-            for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(tail, W + (n + r) * K + k32);\
-            for (int t = 0; t < T; t++) {                                                                  \
-                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + (m + t) * xs + k32);           \
-                for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], xv);            \
-            }                                                                                              \
+        const int64_t kw = K & ~(int64_t)(WIDTH - 1);                                                      \
+        for (int64_t k = 0; k < kw; k += WIDTH) STEP(R, T, k, FULL)                                        \
+        if (kw < K) {                                                                                      \
+            const MASK_T tail = (MASK_T)((1u << (K - kw)) - 1);                                            \
+            STEP(R, T, kw, TAIL)                                                                           \
         }                                                                                                  \
         for (int r = 0; r < R; r++)                                                                        \
-            for (int t = 0; t < T; t++)                                                                    \
-                y[(m + t) * N + n + r] =                                                                   \
-                    f32_to_bf16(_mm512_reduce_add_ps(acc[r][t]) + (bias ? bf16_to_f32(bias[n + r]) : 0.0f));\
+            for (int t = 0; t < T; t++) y[(m + t) * N + n + r] = OUT(_mm512_reduce_add_ps(acc[r][t]), bias, n + r); \
     }
-AVX512_DPBF16(8, 1)
-AVX512_DPBF16(8, 2)
-AVX512_DPBF16(4, 1)
-AVX512_DPBF16(4, 2)
-AVX512_DPBF16(4, 3)
-AVX512_DPBF16(4, 4)
-AVX512_DPBF16(4, 5)
-AVX512_DPBF16(4, 6)
-AVX512_DPBF16(1, 1)
-AVX512_DPBF16(1, 2)
-AVX512_DPBF16(1, 3)
-AVX512_DPBF16(1, 4)
-AVX512_DPBF16(1, 5)
-AVX512_DPBF16(1, 6)
+#define AVX512_F32(R, T) AVX512_TILE(avx512_f32, T_AVX512, float, 16, __mmask16, AVX512_F32_STEP, OUT_F32, R, T)
+#define AVX512_BF16(R, T)                                                                                  \
+    AVX512_TILE(avx512_bf16, T_AVX512, uint16_t, 32, __mmask32, AVX512_BF16_STEP, OUT_BF16, R, T)
+#define DPBF16(R, T) AVX512_TILE(dpbf16, T_BF16, uint16_t, 32, __mmask32, DPBF16_STEP, OUT_BF16, R, T)
+AVX512_TILES(AVX512_F32)
+AVX512_TILES(AVX512_BF16)
+AVX512_TILES(DPBF16)
 
 /* ----------------------------------------------------------------------------------- drivers */
 /* One instruction set's tiles for one dtype: R_MEM rows against 1..T_MEM tokens (the memory-bound
