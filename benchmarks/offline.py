@@ -231,7 +231,7 @@ def suite_prefill(args, model: str) -> dict:
     weights = engine.core.executor.runner.model.weights
     layer_params = sum(t.shape.numel() for layer in weights.layers for t in vars(layer).values()
                        if t is not None and len(t.shape) == 2)  # fmt: skip
-    hidden, layers, vocab = weights_geometry(config)
+    hidden, layers, vocab = config.hidden_size, config.num_layers, config.vocab_size
     tokens, prompt = 8 * 512, 512
     flops = (2 * tokens * layer_params  # the linear layers
              + 8 * layers * 2 * 2 * hidden * prompt * (prompt + 1) / 2  # q.k and p.v over the causal half
@@ -252,13 +252,6 @@ def suite_prefill(args, model: str) -> dict:
           f"{flops / max(times) / 1e9:.0f}-{flops / min(times) / 1e9:.0f} GFLOP/s against a measured peak of {peak:.0f} "
           f"({args.dtype}) -> {min(result['fraction_of_peak']):.0%}-{max(result['fraction_of_peak']):.0%}")  # fmt: skip
     return result
-
-
-def weights_geometry(config) -> tuple[int, int, int]:  # noqa: ANN001
-    """(hidden size, layers, vocabulary) of a GPT-2 or Llama-family config."""
-    if hasattr(config, "n_embd"):
-        return config.n_embd, config.n_layer, config.vocab_size
-    return config.hidden_size, config.num_hidden_layers, config.vocab_size
 
 
 def suite_roofline(args, model: str) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from orca_kernels import cpu_gemm
 
-SUPPORTED_ISAS = [isa for isa, code in cpu_gemm.ISAS.items() if cpu_gemm._native_isa_supported()(code)]
+SUPPORTED_ISAS = list(cpu_gemm.supported_isas())
 
 
 def force_isa(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:

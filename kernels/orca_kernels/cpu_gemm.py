@@ -54,10 +54,16 @@ ONEDNN_MAX_TOKENS = {"avx2": 512, "avx512": None, "avx512_bf16": None}
 
 
 @functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets of the C kernel this CPU (and its OS) runs, narrowest first."""
+    supported = _native_isa_supported()
+    return tuple(isa for isa, code in ISAS.items() if supported(code))
+
+
+@functools.cache
 def cpu_isa() -> str:
     """The instruction set the C kernel runs: $ORCA_CPU_ISA, else the widest this CPU (and OS) has."""
-    supported = _native_isa_supported()
-    have = [isa for isa, code in ISAS.items() if supported(code)]
+    have = supported_isas()
     wanted = os.environ.get(ISA_ENV, "auto")
     if wanted not in ("auto", *ISAS):
         raise ValueError(f"{ISA_ENV} must be auto or one of {', '.join(ISAS)}, got {wanted!r}")
@@ -163,7 +169,7 @@ def native_linear(
     kernel = _native_kernels().get(dtype)
     if kernel is None:
         raise ValueError(f"the C decode GEMM takes float32 or bfloat16, got {dtype}")
-    if isa is not None and not _native_isa_supported()(ISAS[isa]):
+    if isa is not None and isa not in supported_isas():
         raise RuntimeError(f"this CPU does not run {isa} instructions")
     y = torch.empty(m, n, dtype=dtype)
     kernel(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, bias.data_ptr() if bias is not None else None,
