@@ -79,7 +79,8 @@ class Family:
     tp_divisible: Callable[[Any], list[tuple[str, int]]]  # (config) -> the (name, size) each tp rank splits
     lora: LoRATargets
     model: str  # the module of its model code (torch), whose MODEL_CODE model/registry.py reads
-    fp8: bool = False  # FP8 (e4m3) checkpoints are served (model/fp8.py)
+    # The quantization_config methods its checkpoints may declare (orca_backend/quantization.py).
+    quant_methods: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,17 +175,17 @@ def config_from_hf_dict(raw: dict[str, Any], source: str) -> AnyModelConfig:
 
 
 def _check_quantization(quantization: Any, arch: str, source: str) -> None:
-    """A checkpoint's quantization_config: none, or FP8 on a family that serves it (its parsing reads the
-    FP8 fields). Anything else is refused: it would load and answer wrongly."""
+    """A checkpoint's quantization_config: none, or a method its family serves (whose parsing reads the
+    method's fields, orca_backend/quantization.py). Anything else is refused: it would load and answer wrongly."""
     if not quantization:
         return
     method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
-    if method != "fp8" or arch not in ARCHITECTURES or not family_named(ARCHITECTURES[arch]).fp8:
-        fp8_archs = [name for served in all_families() if served.fp8 for name in served.architectures]
-        served = "" if method != "fp8" else f" on {arch} (served for {', '.join(fp8_archs)})"
-        raise ValueError(f"{source}: quantization_config (quant_method {method!r}) is not supported{served}: this "
-                         "engine computes with unquantized weights, or FP8 ones on the Llama family, and any other "
-                         "quantized checkpoint would load and answer wrongly; serve the unquantized checkpoint")  # fmt: skip
+    if arch in ARCHITECTURES and method in family_named(ARCHITECTURES[arch]).quant_methods:
+        return
+    served = [f"{m} on {', '.join(f.architectures)}" for f in all_families() for m in f.quant_methods]
+    raise ValueError(f"{source}: quantization_config (quant_method {method!r}) is not supported on {arch}; "
+                     f"served: {'; '.join(sorted(set(served)))}. Any other quantized checkpoint would load and "
+                     "answer wrongly; serve the unquantized checkpoint")  # fmt: skip
 
 
 def model_config_to_json(config: AnyModelConfig) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from orca_backend.families import Family, LoRATargets, Projection, Shard
+from orca_backend.quantization import METHODS, quantization_fields
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
@@ -97,6 +98,14 @@ class LlamaConfig:
     # (None: one scale per tensor).
     fp8: bool = False
     fp8_block: tuple[int, int] | None = None
+    # An integer weight checkpoint (model/int_quant.py): its format (orca_backend/quantization.py's
+    # INT_FORMATS; "" for none), bits, columns per scale group (0: one group per row), whether it
+    # has zero points of its own, and whether its groups follow g_idx (GPTQ's desc_act).
+    int_format: str = ""
+    int_bits: int = 0
+    int_group: int = 0
+    int_symmetric: bool = True
+    int_act_order: bool = False
     # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` SwiGLU experts of
     # moe_intermediate_size per MoE layer, each token routed to its top `num_experts_per_tok`, their
     # weights renormalised when `norm_topk_prob`; Qwen2-MoE adds a gated shared expert. MoE layers:
@@ -324,26 +333,17 @@ def window_fields(raw: dict[str, Any], spec: Architecture) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
 
 
-def fp8_block(quantization: dict[str, Any], source: str) -> tuple[int, int] | None:
-    """The scale blocks (out, in) of an FP8 quantization_config (None: one scale per tensor), refusing
-    a format or block shape model/fp8.py does not read."""
-    if quantization.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"{source}: FP8 format {quantization['fmt']!r} is not supported (e4m3 is)")
-    block = quantization.get("weight_block_size")
-    if block is not None and (len(block) != 2 or min(block) < 1):
-        raise ValueError(f"{source}: weight_block_size {block!r} is not two positive sizes")
-    return (int(block[0]), int(block[1])) if block is not None else None
-
-
 def from_hf(raw: dict[str, Any], source: str) -> LlamaConfig:
-    """The family's config for a config.json, with its FP8 fields: the registry has already refused any
-    quantization_config other than FP8 (families/__init__.py)."""
-    quantization = raw.get("quantization_config")
-    block = fp8_block(quantization, source) if quantization else None
+    """The family's config for a config.json, with its quantization fields: the registry has already
+    refused any quantization_config method the family does not serve (families/__init__.py)."""
     config = LlamaConfig.from_hf_dict(raw, source)
-    if quantization and config.num_experts:
+    quantization = raw.get("quantization_config")
+    if not quantization:
+        return config
+    fields = quantization_fields(quantization, source)
+    if fields.get("fp8") and config.num_experts:
         raise ValueError(f"{source}: FP8 mixture-of-experts checkpoints are not served (FP8 is, for dense models)")
-    return replace(config, fp8=True, fp8_block=block) if quantization else config
+    return replace(config, **fields)
 
 
 # EAGLE heads (speculative_config methods "eagle" and "eagle3"): a few Llama decoder layers over the
@@ -509,5 +509,5 @@ FAMILY = Family(
     tp_divisible=tp_divisible,
     lora=LORA,
     model="orca_backend.model.llama",
-    fp8=True,
+    quant_methods=METHODS,
 )

@@ -69,13 +69,14 @@ class WeightSource:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, rename: Callable[[str], str | None] = lambda key: key, fp8: bool = False
+        cls, model_dir: str | Path, rename: Callable[[str], str | None] = lambda key: key, quantized: str = ""
     ) -> WeightSource:  # fmt: skip
         """Every tensor of the checkpoint's safetensors files: the files the sharded index
         (model.safetensors.index.json) names, else model*.safetensors. `rename` maps a stored key to
-        the name the model asks for, or None to skip it. `fp8`: the config declares an FP8
-        checkpoint, whose FP8 weights and scales are read (model/fp8.py) and input scales skipped;
-        any other quantized tensor is refused."""
+        the name the model asks for, or None to skip it. `quantized`: what the config declares,
+        "fp8" (FP8 weights and scales are read, model/fp8.py, and input scales skipped) or an integer
+        format (its packed weights, scales, zero points and g_idx, model/int_quant.py); any other
+        quantized tensor is refused."""
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -96,13 +97,15 @@ class WeightSource:
                 if name is None:  # not read by the model: neither checked nor kept
                     continue
                 entry = handle.get_slice(key)
-                if fp8 and key.endswith(".input_scale"):
+                if quantized == "fp8" and key.endswith(".input_scale"):
                     continue  # activations are not quantized here (model/fp8.py)
-                if not (fp8 and _fp8_tensor(key, entry.get_dtype())):
+                if not _declared_tensor(quantized, key, entry.get_dtype()):
                     _refuse_quantized(model_dir, key, entry.get_dtype())
                 entries[name] = entry
-        if fp8:
+        if quantized == "fp8":
             _check_fp8_projections(model_dir, entries)
+        elif quantized:
+            _check_int_projections(model_dir, entries, INT_TENSORS[quantized])
         return cls(entries)
 
     def with_tensors(self, tensors: dict[str, torch.Tensor]) -> WeightSource:
@@ -141,7 +144,39 @@ QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", 
                              "quant_map", "quant_state")  # fmt: skip
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                      "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
+                      "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64, "I8": torch.int8}  # fmt: skip
+# What each integer format stores for one linear layer beside its name (model/int_quant.py reads them):
+# (packed integers, the rest).
+INT_TENSORS = {
+    "gptq": ("qweight", ("qzeros", "scales", "g_idx")),
+    "gptq_v2": ("qweight", ("qzeros", "scales", "g_idx")),
+    "awq": ("qweight", ("qzeros", "scales")),
+    "compressed-tensors": ("weight_packed", ("weight_scale", "weight_zero_point", "weight_shape")),
+}
+
+
+def _declared_tensor(quantized: str, key: str, dtype: str) -> bool:
+    """Whether a stored tensor is one of what the declared quantization stores."""
+    if quantized == "fp8":
+        return _fp8_tensor(key, dtype)
+    if quantized:
+        packed, rest = INT_TENSORS[quantized]
+        return key.rsplit(".", 1)[-1] in (packed, *rest)
+    return False
+
+
+def _check_int_projections(model_dir: Path, entries: dict[str, Any], tensors: tuple[str, tuple[str, ...]]) -> None:
+    """A config that declares integer weights over a checkpoint holding none would be served
+    unquantized: refused. Projections the quantizer left in float are served so, and logged."""
+    packed = [name for name in entries if name.endswith("." + tensors[0])]
+    if not packed:
+        raise ValueError(f"{model_dir}: config.json's quantization_config declares integer weights, but the "
+                         f"checkpoint holds no {tensors[0]} tensor: it would be served unquantized")  # fmt: skip
+    floats = sorted(name for name, entry in entries.items() if _is_projection(name, entry))
+    if floats:
+        listed = ", ".join(floats[:8]) + (f" and {len(floats) - 8} more" if len(floats) > 8 else "")
+        logger.warning("%s: %d decoder projections are not quantized and are served in float (%d are): %s",
+                       model_dir, len(floats), len(packed), listed)  # fmt: skip
 
 
 def _fp8_tensor(key: str, dtype: str) -> bool:

@@ -38,7 +38,7 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families.llama import LlamaConfig, expert_names
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
-from orca_backend.model.fp8 import Fp8Weight, concat_rows, load_linear
+from orca_backend.model.linear_weights import LinearWeight, concat_rows, load_linear
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies, rope_table
 from orca_backend.model.stage_input import StageInput, StageModel, stage_output
@@ -75,16 +75,17 @@ class DecoderHooks:
 class DecoderLayerWeights:
     # Norm weights are stored as (norm_offset + w) (DecoderHooks).
     input_norm_w: torch.Tensor
-    # The linear weights are FP8 (with their scales) on CUDA from an FP8 checkpoint (model/fp8.py).
-    qkv_w: torch.Tensor | Fp8Weight  # this rank's q heads, then its KV heads of k, then of v: [(hq + 2 hkv) d, hidden]
+    # The linear weights are FP8 or integers (with their scales) on CUDA from a quantized checkpoint
+    # (model/linear_weights.py).
+    qkv_w: LinearWeight  # this rank's q heads, then its KV heads of k, then of v: [(hq + 2 hkv) d, hidden]
     qkv_b: torch.Tensor | None
     q_norm_w: torch.Tensor | None  # Qwen3, Gemma 3: [head_dim]
     k_norm_w: torch.Tensor | None
-    o_w: torch.Tensor | Fp8Weight  # [hidden, hq d] columns of this rank's heads
+    o_w: LinearWeight  # [hidden, hq d] columns of this rank's heads
     o_b: torch.Tensor | None
     pre_mlp_norm_w: torch.Tensor
-    gate_up_w: torch.Tensor | Fp8Weight | None  # this rank's slice of gate, then of up: [2 i, hidden]
-    down_w: torch.Tensor | Fp8Weight | None  # [hidden, i]
+    gate_up_w: LinearWeight | None  # this rank's slice of gate, then of up: [2 i, hidden]
+    down_w: LinearWeight | None  # [hidden, i]
     # The sandwich norms (Gemma): after attention and after the MLP.
     post_attn_norm_w: torch.Tensor | None = None
     post_mlp_norm_w: torch.Tensor | None = None
@@ -134,8 +135,11 @@ class DecoderWeights:
         def get(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
             return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
 
-        def linear(name: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor | Fp8Weight:
-            return load_linear(src, name, config.fp8_block, config.fp8, dim, lo, hi, dtype, device)
+        def linear(layer: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> LinearWeight:
+            return load_linear(src, layer, config, dim, lo, hi, dtype, device)
+
+        def dense(layer: str, dim: int | None = None, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+            return load_linear(src, layer, config, dim, lo, hi, dtype, device, dense=True)  # type: ignore[return-value]
 
         def norm(name: str) -> torch.Tensor:
             if not hooks.norm_offset:
@@ -147,9 +151,9 @@ class DecoderWeights:
         for i in layout.layers(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_w = concat_rows([linear(a + "q_proj.weight", 0, q_lo * d, q_hi * d),
-                                 linear(a + "k_proj.weight", 0, kv_lo * d, kv_hi * d),
-                                 linear(a + "v_proj.weight", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
+            qkv_w = concat_rows([linear(a + "q_proj", 0, q_lo * d, q_hi * d),
+                                 linear(a + "k_proj", 0, kv_lo * d, kv_hi * d),
+                                 linear(a + "v_proj", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             qkv_b = None
             if config.qkv_bias:
                 qkv_b = torch.cat([get(a + "q_proj.bias", 0, q_lo * d, q_hi * d),
@@ -157,7 +161,7 @@ class DecoderWeights:
                                    get(a + "v_proj.bias", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             m = p + "mlp."
             norms = {name: norm(f"{p}{name}.weight") for name in hooks.norm_names}
-            moe = _load_experts(get, config, layout, p) if config.is_moe_layer(i) else {}
+            moe = _load_experts(dense, config, layout, p) if config.is_moe_layer(i) else {}
             layers.append(
                 DecoderLayerWeights(
                     input_norm_w=norms[hooks.pre_attn_norm],
@@ -165,12 +169,12 @@ class DecoderWeights:
                     qkv_b=qkv_b,
                     q_norm_w=norm(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm_w=norm(a + "k_norm.weight") if config.qk_norm else None,
-                    o_w=gemm.pack(linear(a + "o_proj.weight", 1, q_lo * d, q_hi * d)),
+                    o_w=gemm.pack(linear(a + "o_proj", 1, q_lo * d, q_hi * d)),
                     o_b=get(a + "o_proj.bias") if config.o_bias else None,
                     pre_mlp_norm_w=norms[hooks.pre_mlp_norm],
-                    gate_up_w=None if moe else gemm.pack(concat_rows([linear(m + "gate_proj.weight", 0, i_lo, i_hi),
-                                                                      linear(m + "up_proj.weight", 0, i_lo, i_hi)])),  # fmt: skip
-                    down_w=None if moe else gemm.pack(linear(m + "down_proj.weight", 1, i_lo, i_hi)),
+                    gate_up_w=None if moe else gemm.pack(concat_rows([linear(m + "gate_proj", 0, i_lo, i_hi),
+                                                                      linear(m + "up_proj", 0, i_lo, i_hi)])),  # fmt: skip
+                    down_w=None if moe else gemm.pack(linear(m + "down_proj", 1, i_lo, i_hi)),
                     post_attn_norm_w=norms.get(hooks.post_attn_norm),
                     post_mlp_norm_w=norms.get(hooks.post_mlp_norm),
                     **moe,
@@ -239,21 +243,23 @@ def _load_vocab(
     return embed, lm_head
 
 
-def _load_experts(get, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _load_experts(dense, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """A MoE layer's weights: the router, kept in float32 (routing decides by small margins), and each
     expert's gate and up rows and down columns of this rank's slice of the expert width, under the
     architecture's names (families.llama.expert_names); Qwen2-MoE adds mlp.shared_expert (a dense
-    SwiGLU) and its gate."""
+    SwiGLU) and its gate. `dense` reads a linear layer's weight in float whatever its
+    checkpoint stores (integer experts are dequantized at load: the grouped GEMMs read
+    float weights)."""
     module, names = expert_names(config)
     prefix = f"{layer}{module}."
     lo, hi = layout.shard(config.moe_intermediate_size)
 
     def expert(e: int, name: str, dim: int) -> torch.Tensor:
-        return get(f"{prefix}experts.{e}.{name}.weight", dim, lo, hi)
+        return dense(f"{prefix}experts.{e}.{name}", dim, lo, hi)
 
     experts = range(config.num_experts)
     weights = {
-        "router_w": get(prefix + "gate.weight").float(),
+        "router_w": dense(prefix + "gate").float(),
         "experts_w13": torch.stack([torch.cat([expert(e, names[0], 0), expert(e, names[1], 0)]) for e in experts]),
         "experts_w2": torch.stack([expert(e, names[2], 1) for e in experts]),
     }
@@ -261,10 +267,10 @@ def _load_experts(get, config: LlamaConfig, layout: ParallelLayout, layer: str) 
         s_lo, s_hi = layout.shard(config.shared_expert_intermediate_size)
         shared = prefix + "shared_expert."
         weights |= {
-            "shared_gate_up_w": gemm.pack(torch.cat([get(shared + "gate_proj.weight", 0, s_lo, s_hi),
-                                                     get(shared + "up_proj.weight", 0, s_lo, s_hi)])),
-            "shared_down_w": gemm.pack(get(shared + "down_proj.weight", 1, s_lo, s_hi)),
-            "shared_gate_w": get(prefix + "shared_expert_gate.weight"),
+            "shared_gate_up_w": gemm.pack(torch.cat([dense(shared + "gate_proj", 0, s_lo, s_hi),
+                                                     dense(shared + "up_proj", 0, s_lo, s_hi)])),
+            "shared_down_w": gemm.pack(dense(shared + "down_proj", 1, s_lo, s_hi)),
+            "shared_gate_w": dense(prefix + "shared_expert_gate"),
         }  # fmt: skip
     return weights
 

@@ -3,7 +3,8 @@
 Two layouts are read (kernels/orca_kernels/fp8.py says what a weight and its scales stand for):
 - block-scaled, as Qwen3-FP8 and DeepSeek ship (`weight_block_size` in the config): each `*.weight`
   is FP8 beside a float32 `*.weight_scale_inv` of one scale per block;
-- per-tensor (no `weight_block_size`): one `*.weight_scale` per weight, read as the block (1, in).
+- per-tensor (no `weight_block_size`): one `*.weight_scale` per weight, read as the block (1, in);
+  so is compressed-tensors' float-quantized `channel` strategy, one scale per row.
 
 On CUDA the weights stay FP8 and every linear layer over them is the Triton dequantizing GEMM
 (gemm.linear). Elsewhere they are dequantized once, at load, into the engine's dtype: a CPU has no
@@ -46,9 +47,13 @@ def read_fp8_linear(
     """The FP8 weight `name` (rows or columns [lo, hi) along `dim`, a tensor-parallel shard) with its
     scales. A shard must start and end on block boundaries (its scales are whole blocks)."""
     weight = src.get(name, dim, lo, hi)
-    if block is None:  # per-tensor: the block (1, in), every row the tensor's scale
-        scale = src.get(name + "_scale").reshape(-1)[:1].to(torch.float32)
-        return Fp8Weight(weight.to(device), scale.expand(weight.shape[0], 1).contiguous().to(device), (1, weight.shape[1]))
+    if block is None:  # per tensor or per row (compressed-tensors' channel strategy): the block (1, in)
+        scale = src.get(name + "_scale").reshape(-1, 1).to(torch.float32)
+        if scale.shape[0] == 1:
+            scale = scale.expand(weight.shape[0], 1)
+        elif dim == 0:
+            scale = scale[lo:hi]
+        return Fp8Weight(weight.to(device), scale.contiguous().to(device), (1, weight.shape[1]))
     scale = src.get(name + "_scale_inv").to(torch.float32)
     if dim is not None:
         size, extent = block[dim], src.shape(name)[dim]
@@ -63,14 +68,12 @@ def read_fp8_linear(
     return Fp8Weight(weight.to(device).contiguous(), scale.contiguous().to(device), block)
 
 
-def load_linear(
-    src: WeightSource, name: str, fp8_block: tuple[int, int] | None, fp8: bool, dim: int | None, lo: int,
-    hi: int | None, dtype: torch.dtype, device: torch.device,
+def load_fp8_linear(
+    src: WeightSource, name: str, fp8_block: tuple[int, int] | None, dim: int | None, lo: int, hi: int | None,
+    dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor | Fp8Weight:  # fmt: skip
-    """A linear layer's weight (a shard of it along `dim`): plain, or from an FP8 checkpoint FP8 on
-    CUDA and dequantized to `dtype` elsewhere (the whole tensor, then the shard: any split works)."""
-    if not fp8 or src.dtype(name) != torch.float8_e4m3fn:
-        return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
+    """An FP8 linear weight (a shard of it along `dim`): FP8 on CUDA, dequantized to `dtype`
+    elsewhere (the whole tensor, then the shard: any split works)."""
     if device.type == "cuda":
         return read_fp8_linear(src, name, fp8_block, dim, lo, hi, device)
     whole = read_fp8_linear(src, name, fp8_block, None, 0, None, torch.device("cpu"))
@@ -80,14 +83,11 @@ def load_linear(
     return dense.to(device).contiguous()
 
 
-def concat_rows(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
-    """Projections stacked along `out` (q, k and v; gate and up) into one weight. FP8 parts stack
-    with their scales, so each part but the last must hold whole blocks of rows."""
-    if not isinstance(parts[0], Fp8Weight):
-        return torch.cat(parts)  # type: ignore[arg-type]
+def concat_fp8_rows(parts: list[Fp8Weight]) -> Fp8Weight:
+    """FP8 projections stacked along `out` with their scales: each part but the last must hold whole
+    blocks of rows."""
     block = parts[0].block
     for part in parts[:-1]:
-        assert isinstance(part, Fp8Weight)
         if part.block != block or part.shape[0] % block[0]:
             raise ValueError(f"FP8 projections of {part.shape[0]} rows do not stack on blocks of {block[0]} rows")
-    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), block)  # type: ignore[union-attr]
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), block)

@@ -2,8 +2,8 @@
 
 On CPU in float32 and bfloat16 kernels/orca_kernels/cpu_gemm.py picks the weights' layout (plain, or
 oneDNN's blocked one on AVX-512 machines) and the multiply by the number of tokens (a C kernel for
-decodes, oneDNN, MKL; `ORCA_CPU_GEMM` overrides it). CUDA and float16 use F.linear; FP8 weights
-(CUDA only) a Triton dequantizing GEMM.
+decodes, oneDNN, MKL; `ORCA_CPU_GEMM` overrides it). CUDA and float16 use F.linear; FP8 and integer
+weights (CUDA only) a Triton dequantizing GEMM each.
 
 On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
@@ -20,6 +20,7 @@ from contextvars import ContextVar
 import torch
 
 from orca_backend.model.fp8 import Fp8Weight
+from orca_backend.model.int_quant import IntWeight
 from orca_kernels import KernelOps
 from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
 
@@ -33,10 +34,10 @@ NORM_LINEAR_MAX_TOKENS = 256
 
 def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
     """Whether a model may run its pre-norms inside their GEMMs (`ops.norm_linear`): the kernel set
-    has the fused op and every weight it would multiply is a plain tensor (an FP8 weight takes its
-    own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS tokens, without LoRA
+    has the fused op and every weight it would multiply is a plain tensor (an FP8 or integer weight
+    takes its own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS tokens, without LoRA
     (whose adapters read the norm's output)."""
-    return ops.norm_linear is not None and not any(isinstance(w, Fp8Weight) for w in weights)
+    return ops.norm_linear is not None and not any(isinstance(w, (Fp8Weight, IntWeight)) for w in weights)
 
 
 # Whether `pack` may reorder weights for oneDNN: set around a model's load by `packing_for` its kernel
@@ -55,24 +56,29 @@ def packing_for(ops: KernelOps) -> Iterator[None]:
         _PACKS_FOR_ONEDNN.reset(token)
 
 
-def pack(weight: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight | PackedWeight:
+def pack(weight: torch.Tensor | Fp8Weight | IntWeight) -> torch.Tensor | Fp8Weight | IntWeight | PackedWeight:
     """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view), and
     for the CPU kernel sets on AVX-512 CPUs reordered for oneDNN (cpu_gemm.pack_weight, inside
     `packing_for`)."""
-    if isinstance(weight, Fp8Weight):
+    if isinstance(weight, (Fp8Weight, IntWeight)):
         return weight
     return pack_weight(weight) if _PACKS_FOR_ONEDNN.get() else weight.contiguous()
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | PackedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | IntWeight | PackedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight; an FP8 weight (only on CUDA:
-    elsewhere they are dequantized at load, model/fp8.py) through the Triton dequantizing GEMM."""
+    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight; an FP8 or integer weight (only on
+    CUDA: elsewhere they are dequantized at load) through its Triton dequantizing GEMM."""
     if isinstance(weight, Fp8Weight):
         from orca_kernels.triton_fp8 import fp8_linear_triton  # triton is imported where FP8 runs only
 
         return fp8_linear_triton(x, weight.weight, weight.scale, weight.block, bias)
+    if isinstance(weight, IntWeight):
+        from orca_kernels.triton_int_quant import int_linear_triton
+
+        return int_linear_triton(x, weight.packed, weight.scales, weight.zeros, weight.bits, weight.group,
+                                 weight.g_idx, bias)  # fmt: skip
     return linear_cpu(x, weight, bias)
 
 

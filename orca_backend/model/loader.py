@@ -21,6 +21,11 @@ from orca_kernels import get_ops
 logger = logging.getLogger("orca.model")
 
 
+def quantized_as(model_config: AnyModelConfig) -> str:
+    """What a model config declares its checkpoint's weights to be: "fp8", an integer format, or ""."""
+    return "fp8" if getattr(model_config, "fp8", False) else getattr(model_config, "int_format", "")
+
+
 def load_model(
     config: EngineConfig, model_config: AnyModelConfig, device: torch.device,
     layout: ParallelLayout = SINGLE_PROCESS, tp: TensorParallelGroup | None = None,
@@ -31,7 +36,7 @@ def load_model(
         source = WeightSource.from_state_dict(code.random_state_dict(model_config, config.seed))
     else:
         logger.info("model: checkpoint %s (%s)", config.model, model_config.architecture)
-        source = WeightSource.from_dir(config.model, code.checkpoint_key, fp8=getattr(model_config, "fp8", False))
+        source = WeightSource.from_dir(config.model, code.checkpoint_key, quantized_as(model_config))
     ops = get_ops(device, config.kernels)
     with gemm.packing_for(ops):
         weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)

@@ -1,0 +1,89 @@
+"""Integer weights (4 or 8 bits) with per-group scales and zero points, and the linear layer over them:
+the layout every kernel reads, and the torch reference.
+
+GPTQ, AWQ and compressed-tensors checkpoints each pack their integers their own way; the loader
+(orca_backend/model/int_quant.py) rewrites all of them into this one layout:
+
+- ``packed``: int32 ``[out, in * bits / 32]``. Entry ``(r, c)`` of the weight is the unsigned integer
+  ``q`` in bits ``[(c % per) * bits, (c % per + 1) * bits)`` of ``packed[r, c // per]``, where
+  ``per = 32 // bits`` (the lowest bits hold the first column: compressed-tensors' order).
+- ``scales``, ``zeros``: float32 ``[out, groups]``. Entry ``(r, c)`` stands for
+  ``(q - zeros[r, g]) * scales[r, g]`` with ``g = c // group`` (``group``: columns per group; one
+  group per row is ``group == in``), or ``g = g_idx[c]`` when the checkpoint ordered its groups by
+  activation (GPTQ's ``desc_act``, compressed-tensors' ``actorder="group"``). A symmetric scheme's zero
+  is ``2 ** (bits - 1)`` everywhere; zeros are whole numbers kept in float32 so that every kernel
+  subtracts them as it multiplies.
+
+The products ``(q - z) * s`` are formed in float32 and the weight is used in the activations' dtype,
+as transformers' dequantizing loads compute it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BITS = (4, 8)
+
+
+def values_per_word(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"{bits}-bit integer weights are not served ({' and '.join(map(str, BITS))} bits are)")
+    return 32 // bits
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The unsigned integers packed `32 // bits` to an int32 along `dim` (int32 in, int32 out: the
+    packed dimension grows by `32 // bits`). Word element k holds bits [k * bits, (k + 1) * bits),
+    and is the `order[k]`-th of its run of values (None: the k-th)."""
+    per = values_per_word(bits)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    moved = packed.movedim(dim, -1).to(torch.int32)
+    values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, k]
+    if order is not None:
+        values = values[..., torch.argsort(torch.tensor(order, device=packed.device))]
+    return values.reshape(*moved.shape[:-1], moved.shape[-1] * per).movedim(-1, dim).contiguous()
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The layout's `packed` for unsigned integers [out, in] (in a multiple of 32 // bits)."""
+    per = values_per_word(bits)
+    rows, cols = values.shape
+    if cols % per:
+        raise ValueError(f"{cols} input features do not pack into whole int32 words of {per} values of {bits} bits")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    words = (values.to(torch.int64).reshape(rows, cols // per, per) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+
+
+def group_index(cols: int, group: int, g_idx: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The group of each of `cols` input columns: `g_idx`, else runs of `group` columns."""
+    if g_idx is not None:
+        return g_idx.to(device=device, dtype=torch.long)
+    return torch.arange(cols, device=device) // group
+
+
+def dequantize_int(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+    g_idx: torch.Tensor | None, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The float weight [out, in] the layout stands for, in `dtype` (formed in float32)."""
+    return dequantize_values(unpack_int32(packed, bits, dim=1), scales, zeros, group, g_idx, dtype)
+
+
+def dequantize_values(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, g_idx: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The same for unsigned integers [out, in] not yet packed."""
+    g = group_index(q.shape[1], group, g_idx, q.device)
+    return ((q.to(torch.float32) - zeros.float()[:, g]) * scales.float()[:, g]).to(dtype)
+
+
+def int_linear_torch(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+    g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, in] @ dequantized weight.T (+ bias), in x's dtype."""
+    return F.linear(x, dequantize_int(packed, scales, zeros, bits, group, g_idx, x.dtype), bias)
+

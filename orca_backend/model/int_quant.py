@@ -1,0 +1,153 @@
+"""Integer weight checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized): reading a linear layer's
+packed integers, scales and zero points into the one layout every kernel reads
+(kernels/orca_kernels/int_quant.py says what it stands for).
+
+Each format is a bit-level contract, read here as its reference code writes it:
+- GPTQ (`qweight` [in / per, out], `qzeros` [groups, out / per], `scales` [groups, out], `g_idx`):
+  both packed sequentially, the lowest bits first, the weight along the input and the zero points
+  along the output; format `gptq` stores each zero point minus one (added back per value, as vLLM's
+  and ExLlama's kernels do), `gptq_v2` as it is.
+- AWQ GEMM (`qweight` [in, out / 8], `qzeros` [groups, out / 8], `scales` [groups, out]): packed
+  along the output, word element k holding column `AWQ_ORDER[k]` of its eight.
+- compressed-tensors pack-quantized (`weight_packed` [out, in / per], `weight_scale` [out, groups],
+  `weight_zero_point` [out / per, groups] when asymmetric, `weight_shape`): packed sequentially along
+  the input (the zero points along the output), signed values stored plus 2^(bits - 1).
+
+A projection stored in float (a quantizer's `ignore` / `modules_to_not_convert`) is read as float.
+On CUDA the packed layout stays (the Triton dequantizing GEMM reads it, gemm.linear); elsewhere
+`load_int_linear` dequantizes at load into the engine's dtype, as FP8 does (model/fp8.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orca_backend.model.checkpoint import INT_TENSORS, WeightSource
+from orca_kernels.int_quant import dequantize_values, pack_int32, unpack_int32
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: word element k holds column AWQ_ORDER[k] of its 8
+
+@dataclass
+class IntWeight:
+    """A linear layer's integer weight in kernels/orca_kernels/int_quant.py's layout."""
+
+    packed: torch.Tensor  # int32 [out, in * bits / 32]
+    scales: torch.Tensor  # float32 [out, groups]
+    zeros: torch.Tensor  # float32 [out, groups]
+    bits: int
+    group: int  # input columns per group
+    g_idx: torch.Tensor | None  # int32 [in]: each column's group, when not runs of `group`
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 32 // self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.g_idx) if t is not None)
+
+
+@dataclass
+class _Unpacked:
+    """A whole layer read from its format: unsigned integers [out, in], scales and zeros [out, groups]."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group: int
+    g_idx: torch.Tensor | None
+
+
+def is_int_quantized(src: WeightSource, layer: str, int_format: str) -> bool:
+    """Whether the linear layer `layer` (its name without `.weight`) is stored as integers."""
+    return bool(int_format) and f"{layer}.{INT_TENSORS[int_format][0]}" in src
+
+
+def load_int_linear(
+    src: WeightSource, layer: str, config: object, dim: int | None, lo: int, hi: int | None, dtype: torch.dtype,
+    device: torch.device, dense: bool = False,
+) -> torch.Tensor | IntWeight:  # fmt: skip
+    """The integer linear layer `layer` (rows or columns [lo, hi) along `dim`, a tensor-parallel shard):
+    packed on CUDA, dequantized to `dtype` elsewhere or when `dense`. A shard along the input must
+    hold whole groups."""
+    fmt, bits = config.int_format, config.int_bits  # type: ignore[attr-defined]
+    whole = _read(src, layer, fmt, bits, config.int_group)  # type: ignore[attr-defined]
+    part = _shard(whole, layer, dim, lo, hi)
+    if dense or device.type != "cuda":
+        return dequantize_values(part.q, part.scales, part.zeros, part.group, part.g_idx, dtype).to(device)
+    return IntWeight(pack_int32(part.q, bits).to(device), part.scales.to(device), part.zeros.to(device), bits,
+                     part.group, None if part.g_idx is None else part.g_idx.to(device))  # fmt: skip
+
+
+def _read(src: WeightSource, layer: str, fmt: str, bits: int, group: int) -> _Unpacked:
+    if fmt in ("gptq", "gptq_v2"):
+        q = unpack_int32(src.get(f"{layer}.qweight"), bits, dim=0).t()
+        zeros = unpack_int32(src.get(f"{layer}.qzeros"), bits, dim=1).t() + (1 if fmt == "gptq" else 0)
+        scales = src.get(f"{layer}.scales").t()
+        g_idx = src.get(f"{layer}.g_idx") if f"{layer}.g_idx" in src else None
+    elif fmt == "awq":
+        q = unpack_int32(src.get(f"{layer}.qweight"), bits, dim=1, order=AWQ_ORDER).t()
+        zeros = unpack_int32(src.get(f"{layer}.qzeros"), bits, dim=1, order=AWQ_ORDER).t()
+        scales, g_idx = src.get(f"{layer}.scales").t(), None
+    else:  # compressed-tensors pack-quantized
+        out, cols = (int(v) for v in src.get(f"{layer}.weight_shape").tolist())
+        q = unpack_int32(src.get(f"{layer}.weight_packed"), bits, dim=1)[:, :cols]
+        scales = src.get(f"{layer}.weight_scale").reshape(-1, 1) if src.shape(f"{layer}.weight_scale") in (
+            (), (1,)) else src.get(f"{layer}.weight_scale")  # fmt: skip
+        scales = scales.expand(out, scales.shape[1])
+        if f"{layer}.weight_zero_point" in src:
+            zeros = unpack_int32(src.get(f"{layer}.weight_zero_point"), bits, dim=0)[:out]
+        else:
+            zeros = torch.full_like(scales, 2 ** (bits - 1), dtype=torch.int32)
+        g_idx = None
+    out, cols = q.shape
+    groups = scales.shape[1]
+    size = cols if groups == 1 else (group or cols)
+    if g_idx is not None and torch.equal(g_idx.long(), torch.arange(cols) // size):
+        g_idx = None  # runs of `group` columns: the plain layout (desc_act false still stores g_idx)
+    if g_idx is None and -(-cols // size) != groups:
+        raise ValueError(f"{layer}: {groups} scale groups for {cols} input columns do not match the config's "
+                         f"group_size {group or -1}")  # fmt: skip
+    if zeros.shape != scales.shape or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"{layer}: weight {tuple(q.shape)}, scales {tuple(scales.shape)} and zero points "
+                         f"{tuple(zeros.shape)} do not fit together")  # fmt: skip
+    return _Unpacked(q.contiguous(), scales.float().contiguous(), zeros.float().contiguous(), size, g_idx)
+
+
+def _shard(whole: _Unpacked, layer: str, dim: int | None, lo: int, hi: int | None) -> _Unpacked:
+    """Rows (dim 0) or input columns (dim 1) [lo, hi) of a layer. Along the input a shard starts and
+    ends on group boundaries (it takes whole groups' scales) unless the groups follow g_idx (every
+    group's scales are kept) or there is one group per row."""
+    if dim is None:
+        return whole
+    end = whole.q.shape[dim] if hi is None else hi
+    if dim == 0:
+        return _Unpacked(whole.q[lo:end], whole.scales[lo:end], whole.zeros[lo:end], whole.group, whole.g_idx)
+    q = whole.q[:, lo:end]
+    if whole.g_idx is not None:
+        return _Unpacked(q, whole.scales, whole.zeros, whole.group, whole.g_idx[lo:end])
+    if whole.scales.shape[1] == 1:
+        return _Unpacked(q, whole.scales, whole.zeros, end - lo, None)
+    size, cols = whole.group, whole.q.shape[1]
+    if lo % size or (end % size and end != cols):
+        raise ValueError(f"{layer}: a tensor-parallel shard of input columns [{lo}, {end}) cuts the checkpoint's "
+                         f"quantization groups of group_size {size}; choose a tensor_parallel_size that splits "
+                         "whole groups")  # fmt: skip
+    g = slice(lo // size, -(-end // size))
+    return _Unpacked(q, whole.scales[:, g], whole.zeros[:, g], size, None)
+
+
+def concat_int_rows(parts: list[IntWeight]) -> IntWeight:
+    """Integer projections stacked along `out` (q, k and v; gate and up): they share the input, so
+    their groups must be the same."""
+    first = parts[0]
+    for part in parts[1:]:
+        same_idx = (part.g_idx is None) == (first.g_idx is None) and (
+            part.g_idx is None or torch.equal(part.g_idx, first.g_idx))  # fmt: skip
+        if part.bits != first.bits or part.group != first.group or not same_idx:
+            raise ValueError("integer projections over one input (q, k and v; gate and up) are quantized with "
+                             "different bits, group sizes or activation orders, and do not stack")  # fmt: skip
+    return IntWeight(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
+                     torch.cat([p.zeros for p in parts]), first.bits, first.group, first.g_idx)  # fmt: skip

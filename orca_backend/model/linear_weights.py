@@ -1,0 +1,41 @@
+"""A linear layer's weight as its checkpoint stores it: float, FP8 (model/fp8.py) or integers
+(model/int_quant.py), and projections over one input stacked into one weight."""
+
+from __future__ import annotations
+
+import torch
+
+from orca_backend.model.checkpoint import WeightSource
+from orca_backend.model.fp8 import Fp8Weight, concat_fp8_rows, load_fp8_linear
+from orca_backend.model.int_quant import IntWeight, concat_int_rows, is_int_quantized, load_int_linear
+
+LinearWeight = torch.Tensor | Fp8Weight | IntWeight
+
+
+def load_linear(
+    src: WeightSource, layer: str, config: object, dim: int | None, lo: int, hi: int | None, dtype: torch.dtype,
+    device: torch.device, dense: bool = False,
+) -> LinearWeight:  # fmt: skip
+    """The weight of linear layer `layer` (its name without `.weight`; a shard along `dim`): plain,
+    FP8 or integer as `config`'s quantization fields and the stored tensors say; `dense`: always a
+    float tensor (the experts' grouped GEMMs read no other)."""
+    if is_int_quantized(src, layer, config.int_format):  # type: ignore[attr-defined]
+        return load_int_linear(src, layer, config, dim, lo, hi, dtype, device, dense)
+    name = layer + ".weight"
+    if getattr(config, "fp8", False) and src.dtype(name) == torch.float8_e4m3fn:
+        return load_fp8_linear(src, name, config.fp8_block, dim, lo, hi, dtype, device)  # type: ignore[attr-defined]
+    return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
+
+
+def concat_rows(parts: list[LinearWeight]) -> LinearWeight:
+    """Projections stacked along `out` (q, k and v; gate and up) into one weight, each kind with its
+    scales. Parts of different kinds (one left in float by the quantizer) are refused."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) > 1:
+        raise ValueError("projections over one input (q, k and v; gate and up) are stored partly quantized and "
+                         "partly in float, and do not stack into one weight")  # fmt: skip
+    if isinstance(parts[0], Fp8Weight):
+        return concat_fp8_rows(parts)  # type: ignore[arg-type]
+    if isinstance(parts[0], IntWeight):
+        return concat_int_rows(parts)  # type: ignore[arg-type]
+    return torch.cat(parts)  # type: ignore[arg-type]
