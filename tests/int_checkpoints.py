@@ -5,7 +5,8 @@ there cannot hide here:
 - GPTQ (AutoGPTQ / gptqmodel `QuantLinear.pack`): GPTQ's min/max quantizer (0 always in range), the
   integers of 32 // bits input rows shifted into each int32 word of `qweight` [in / per, out], the
   zero points (minus one in format `gptq`) the same way along the output in `qzeros`, fp16 `scales`
-  [groups, out], `g_idx` [in]; `desc_act` draws an activation order, whose runs of `group` columns
+  [groups, out], `g_idx` [in]; `desc_act` draws an activation order per layer input (GPTQ orders by
+  the input's Hessian, so q, k and v share one, as gate and up do), whose runs of `group` columns
   form the groups.
 - AWQ (AutoAWQ `WQLinear_GEMM.from_linear`): AWQ's min/max quantizer, `qweight` [in, out / 8] with
   word element i holding output column `order_map[i]` of its eight, `qzeros` alike, fp16 `scales`.
@@ -95,14 +96,17 @@ def pack_awq(intweight: torch.Tensor) -> torch.Tensor:
 def write_gptq(float_dir: Path, out: Path, bits: int, group: int, sym: bool = True, desc_act: bool = False,
                checkpoint_format: str = "gptq", seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
     """`float_dir` as GPTQ stores it; returns the float weights it stands for, by name."""
-    gen = torch.Generator().manual_seed(seed)
     tensors = load_file(str(float_dir / "model.safetensors"))
-    stored, dense = dict(tensors), {}
+    stored, dense, orders = dict(tensors), {}, {}
     for layer in projections(tensors):
         w = stored.pop(layer + ".weight").float()
         cols = w.shape[1]
         size = group if group > 0 else cols
-        order = torch.randperm(cols, generator=gen) if desc_act else torch.arange(cols)
+        source = layer.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        if source not in orders:  # one activation order per input (q, k and v share theirs, gate and up theirs)
+            gen = torch.Generator().manual_seed(seed + len(orders))
+            orders[source] = torch.randperm(cols, generator=gen) if desc_act else torch.arange(cols)
+        order = orders[source]
         g_idx = torch.empty(cols, dtype=torch.long)
         g_idx[order] = torch.arange(cols) // size  # the j-th column in activation order is in group j // size
         q, scales, zeros = minmax_quantize(w, bits, g_idx, sym, awq=False)

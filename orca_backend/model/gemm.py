@@ -3,7 +3,8 @@
 On CPU in float32 and bfloat16 kernels/orca_kernels/cpu_gemm.py picks the weights' layout (plain, or
 oneDNN's blocked one on AVX-512 machines) and the multiply by the number of tokens (a C kernel for
 decodes, oneDNN, MKL; `ORCA_CPU_GEMM` overrides it). CUDA and float16 use F.linear; FP8 and integer
-weights (CUDA only) a Triton dequantizing GEMM each.
+weights on CUDA a Triton dequantizing GEMM each; integer weights on CPU the C kernel of
+kernels/orca_kernels/cpu_int_gemm.py.
 
 On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
@@ -23,6 +24,7 @@ from orca_backend.model.fp8 import Fp8Weight
 from orca_backend.model.int_quant import IntWeight
 from orca_kernels import KernelOps
 from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
+from orca_kernels.cpu_int_gemm import CpuIntWeight, int_linear_cpu
 
 # Up to this many tokens a step is launch- and weight-bandwidth-bound (arithmetic intensity at most
 # 2 * 256 flops per weight byte pair, below an H100's bf16 ridge), where a Triton GEMM streaming the
@@ -37,8 +39,11 @@ def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
     has the fused op and every weight it would multiply is a plain tensor (an FP8 or integer weight
     takes its own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS tokens, without LoRA
     (whose adapters read the norm's output)."""
-    return ops.norm_linear is not None and not any(isinstance(w, (Fp8Weight, IntWeight)) for w in weights)
+    return ops.norm_linear is not None and not any(isinstance(w, QUANTIZED) for w in weights)
 
+
+QUANTIZED = (Fp8Weight, IntWeight, CpuIntWeight)  # weights each multiplied by a dequantizing kernel of their own
+Weight = torch.Tensor | PackedWeight | Fp8Weight | IntWeight | CpuIntWeight  # what `pack` returns
 
 # Whether `pack` may reorder weights for oneDNN: set around a model's load by `packing_for` its kernel
 # set. Only the CPU sets multiply every weight through `linear`; the Triton set's fused norm + GEMM
@@ -56,24 +61,27 @@ def packing_for(ops: KernelOps) -> Iterator[None]:
         _PACKS_FOR_ONEDNN.reset(token)
 
 
-def pack(weight: torch.Tensor | Fp8Weight | IntWeight) -> torch.Tensor | Fp8Weight | IntWeight | PackedWeight:
+def pack(weight: torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight) -> Weight:
     """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view), and
     for the CPU kernel sets on AVX-512 CPUs reordered for oneDNN (cpu_gemm.pack_weight, inside
     `packing_for`)."""
-    if isinstance(weight, (Fp8Weight, IntWeight)):
+    if isinstance(weight, QUANTIZED):
         return weight
     return pack_weight(weight) if _PACKS_FOR_ONEDNN.get() else weight.contiguous()
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight | IntWeight | PackedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight; an FP8 or integer weight (only on
-    CUDA: elsewhere they are dequantized at load) through its Triton dequantizing GEMM."""
+    """F.linear(x, weight, bias) for 2-D x and a `pack`ed weight: an FP8 or integer weight on CUDA
+    through its Triton dequantizing GEMM (FP8 is dequantized at load elsewhere), an integer weight on
+    CPU through the C kernel."""
     if isinstance(weight, Fp8Weight):
         from orca_kernels.triton_fp8 import fp8_linear_triton  # triton is imported where FP8 runs only
 
         return fp8_linear_triton(x, weight.weight, weight.scale, weight.block, bias)
+    if isinstance(weight, CpuIntWeight):
+        return int_linear_cpu(x, weight, bias)
     if isinstance(weight, IntWeight):
         from orca_kernels.triton_int_quant import int_linear_triton
 

@@ -14,18 +14,24 @@ Each format is a bit-level contract, read here as its reference code writes it:
   the input (the zero points along the output), signed values stored plus 2^(bits - 1).
 
 A projection stored in float (a quantizer's `ignore` / `modules_to_not_convert`) is read as float.
-On CUDA the packed layout stays (the Triton dequantizing GEMM reads it, gemm.linear); elsewhere
-`load_int_linear` dequantizes at load into the engine's dtype, as FP8 does (model/fp8.py).
+On CUDA the packed layout stays (the Triton dequantizing GEMM reads it, gemm.linear); on CPU the
+weights are rewritten into the C kernel's byte layout (kernels/orca_kernels/cpu_int_gemm.py). A layer
+that kernel cannot read (its docstring says which), or every layer where the kernel cannot be built,
+is dequantized at load into the engine's dtype instead, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from orca_backend.model.checkpoint import INT_TENSORS, WeightSource
+from orca_kernels import cpu_int_gemm, native
 from orca_kernels.int_quant import dequantize_values, pack_int32, unpack_int32
+
+logger = logging.getLogger("orca.model")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: word element k holds column AWQ_ORDER[k] of its 8
 
@@ -68,17 +74,33 @@ def is_int_quantized(src: WeightSource, layer: str, int_format: str) -> bool:
 def load_int_linear(
     src: WeightSource, layer: str, config: object, dim: int | None, lo: int, hi: int | None, dtype: torch.dtype,
     device: torch.device, dense: bool = False,
-) -> torch.Tensor | IntWeight:  # fmt: skip
+) -> torch.Tensor | IntWeight | cpu_int_gemm.CpuIntWeight:  # fmt: skip
     """The integer linear layer `layer` (rows or columns [lo, hi) along `dim`, a tensor-parallel shard):
-    packed on CUDA, dequantized to `dtype` elsewhere or when `dense`. A shard along the input must
-    hold whole groups."""
+    packed for CUDA's Triton GEMM or the CPU's C kernel, or dequantized to `dtype` when `dense` or
+    where the CPU kernel cannot read it. A shard along the input must hold whole groups."""
     fmt, bits = config.int_format, config.int_bits  # type: ignore[attr-defined]
     whole = _read(src, layer, fmt, bits, config.int_group)  # type: ignore[attr-defined]
     part = _shard(whole, layer, dim, lo, hi)
-    if dense or device.type != "cuda":
-        return dequantize_values(part.q, part.scales, part.zeros, part.group, part.g_idx, dtype).to(device)
-    return IntWeight(pack_int32(part.q, bits).to(device), part.scales.to(device), part.zeros.to(device), bits,
-                     part.group, None if part.g_idx is None else part.g_idx.to(device))  # fmt: skip
+    if device.type == "cuda" and not dense:
+        return IntWeight(pack_int32(part.q, bits).to(device), part.scales.to(device), part.zeros.to(device), bits,
+                         part.group, None if part.g_idx is None else part.g_idx.to(device))  # fmt: skip
+    if device.type == "cpu" and not dense:
+        problem = cpu_int_gemm.cpu_layout_problem(part.q.shape[1], bits, part.group, part.g_idx) or _cpu_kernel_problem()
+        if problem is None:
+            return cpu_int_gemm.repack(part.q, part.scales, part.zeros, bits, part.group, part.g_idx)
+        logger.warning("%s: dequantized at load to %s (the CPU integer kernel cannot read it: %s)", layer, dtype,
+                       problem)  # fmt: skip
+    return dequantize_values(part.q, part.scales, part.zeros, part.group, part.g_idx, dtype).to(device)
+
+
+def _cpu_kernel_problem() -> str | None:
+    """Why the CPU integer kernel cannot run here (no C compiler, no AVX2), or None."""
+    try:
+        cpu_int_gemm.int_linear_cpu(torch.zeros(1, 32), cpu_int_gemm.repack(
+            torch.zeros(1, 32, dtype=torch.int32), torch.ones(1, 1), torch.zeros(1, 1), 4, 32, None))  # fmt: skip
+    except (native.NativeBuildError, OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
 
 
 def _read(src: WeightSource, layer: str, fmt: str, bits: int, group: int) -> _Unpacked:
@@ -139,15 +161,22 @@ def _shard(whole: _Unpacked, layer: str, dim: int | None, lo: int, hi: int | Non
     return _Unpacked(q, whole.scales[:, g], whole.zeros[:, g], size, None)
 
 
-def concat_int_rows(parts: list[IntWeight]) -> IntWeight:
-    """Integer projections stacked along `out` (q, k and v; gate and up): they share the input, so
-    their groups must be the same."""
+def concat_int_rows(parts: list[IntWeight] | list[cpu_int_gemm.CpuIntWeight]) -> IntWeight | cpu_int_gemm.CpuIntWeight:
+    """Integer projections stacked along `out` (q, k and v; gate and up), in either layout: they share
+    the input, so their groups must be the same."""
     first = parts[0]
+
+    def order(part: IntWeight | cpu_int_gemm.CpuIntWeight) -> torch.Tensor | None:
+        return part.g_idx if isinstance(part, IntWeight) else part.perm
+
     for part in parts[1:]:
-        same_idx = (part.g_idx is None) == (first.g_idx is None) and (
-            part.g_idx is None or torch.equal(part.g_idx, first.g_idx))  # fmt: skip
-        if part.bits != first.bits or part.group != first.group or not same_idx:
+        a, b = order(part), order(first)
+        same_order = (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        if part.bits != first.bits or part.group != first.group or not same_order:
             raise ValueError("integer projections over one input (q, k and v; gate and up) are quantized with "
                              "different bits, group sizes or activation orders, and do not stack")  # fmt: skip
-    return IntWeight(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
-                     torch.cat([p.zeros for p in parts]), first.bits, first.group, first.g_idx)  # fmt: skip
+    scales, zeros = torch.cat([p.scales for p in parts]), torch.cat([p.zeros for p in parts])
+    if isinstance(first, IntWeight):
+        return IntWeight(torch.cat([p.packed for p in parts]), scales, zeros, first.bits, first.group, first.g_idx)
+    return cpu_int_gemm.CpuIntWeight(torch.cat([p.data for p in parts]), scales, zeros, first.bits, first.group,
+                                     first.perm)  # fmt: skip

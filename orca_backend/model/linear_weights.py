@@ -8,8 +8,9 @@ import torch
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.fp8 import Fp8Weight, concat_fp8_rows, load_fp8_linear
 from orca_backend.model.int_quant import IntWeight, concat_int_rows, is_int_quantized, load_int_linear
+from orca_kernels.cpu_int_gemm import CpuIntWeight
 
-LinearWeight = torch.Tensor | Fp8Weight | IntWeight
+LinearWeight = torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight
 
 
 def load_linear(
@@ -36,6 +37,6 @@ def concat_rows(parts: list[LinearWeight]) -> LinearWeight:
                          "partly in float, and do not stack into one weight")  # fmt: skip
     if isinstance(parts[0], Fp8Weight):
         return concat_fp8_rows(parts)  # type: ignore[arg-type]
-    if isinstance(parts[0], IntWeight):
+    if isinstance(parts[0], (IntWeight, CpuIntWeight)):
         return concat_int_rows(parts)  # type: ignore[arg-type]
     return torch.cat(parts)  # type: ignore[arg-type]
