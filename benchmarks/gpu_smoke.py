@@ -369,6 +369,7 @@ SMOKE_TESTS = [
     "tests/kernels/test_triton_window_attention.py",
     "tests/kernels/test_lora_kernels.py",
     "tests/model/test_fp8.py::test_fp8_linear_triton_equals_the_reference",
+    "tests/model/test_int_quant.py::test_int_linear_triton_equals_the_reference",
     "tests/model/test_moe.py::test_moe_triton_equals_the_reference",
     "tests/model/test_moe.py::test_moe_align_places_every_pair_once_in_its_experts_run",
     "tests/model/test_cuda.py::test_cuda_graph_tokens_equal_eager",
@@ -376,6 +377,7 @@ SMOKE_TESTS = [
     "tests/model/test_cuda.py::test_async_scheduling_tokens_equal_sync",
     "tests/model/test_cuda.py::test_gpt2_mlp_epilogue_is_gelu_tanh",
     "tests/model/test_cuda.py::test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens",
+    "tests/model/test_cuda.py::test_gptq_checkpoint_on_cuda_keeps_int4_weights_and_the_cpus_tokens",
     "tests/model/test_cuda.py::test_mixtral_on_cuda_equals_the_cpu",
     "tests/model/test_cuda.py::test_windowed_families_on_cuda_equal_transformers",
     "tests/model/test_cuda.py::test_mixed_lora_adapters_on_cuda_equal_peft_merged",
@@ -744,12 +746,58 @@ def render_decode_attention(r: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    """The 4-bit Triton dequantizing GEMM (groups of 128, the layout integer checkpoints load into) against
+    the dtype's own GEMM (cuBLAS on a GPU) over the same [out, in] shapes, at decode and prefill token
+    counts: each one's median time, the int4 weight's GB/s, and the ratio."""
+    import torch
+    import torch.nn.functional as F
+
+    from orca_kernels.int_quant import pack_int32
+    from orca_kernels.triton_int_quant import int_linear_triton
+
+    gpu_check = load_gpu_check()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    result: dict[str, Any] = {"dtype": args.dtype, "group": 128, "points": [], "errors": []}
+    g = torch.Generator(device=device).manual_seed(0)
+    for n, k in args.int_gemm_shapes:
+        q = torch.randint(0, 16, (n, k), generator=g, device=device)
+        packed = pack_int32(q, 4)
+        scales = torch.rand(n, k // 128, generator=g, device=device) * 0.01
+        zeros = torch.full((n, k // 128), 8.0, device=device)
+        dense = ((q.float() - 8.0) * scales.repeat_interleave(128, dim=1)).to(dtype)
+        weight_bytes = packed.nbytes + scales.nbytes + zeros.nbytes
+        for tokens in args.int_gemm_tokens:
+            x = torch.randn(tokens, k, generator=g, device=device).to(dtype)
+            int4 = functools.partial(int_linear_triton, x, packed, scales, zeros, 4, 128)
+            int4_s = gpu_check.median_seconds(int4, device, reps=args.int_gemm_reps)
+            dense_s = gpu_check.median_seconds(functools.partial(F.linear, x, dense), device, reps=args.int_gemm_reps)
+            point = {"out": n, "in": k, "tokens": tokens, "int4_us": int4_s * 1e6, "dense_us": dense_s * 1e6,
+                     "int4_weight_gb_s": weight_bytes / int4_s / 1e9, "dense_over_int4": dense_s / int4_s}  # fmt: skip
+            result["points"].append(point)
+            print(f"[{n}, {k}] x {tokens:5d} tokens: int4 {point['int4_us']:8.1f} us, {args.dtype} {point['dense_us']:8.1f} us"
+                  f" -> {point['dense_over_int4']:.2f}x", flush=True)  # fmt: skip
+            report(result)
+    return result
+
+
+def render_int4_gemm(r: dict[str, Any]) -> list[str]:
+    lines = ["## The int4 dequantizing GEMM vs the dense one", "",
+             f"groups of {r['group']}, activations {r['dtype']}; the dense GEMM is torch's F.linear (cuBLAS on a GPU) "
+             "over the same weight dequantized.", "",
+             "| out x in | tokens | int4 us | dense us | int4 weight GB/s | dense / int4 |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {p['out']} x {p['in']} | {p['tokens']} | {p['int4_us']:.1f} | {p['dense_us']:.1f} | "
+              f"{p['int4_weight_gb_s']:.0f} | {p['dense_over_int4']:.2f}x |" for p in r["points"]]  # fmt: skip
+    return [*lines, ""]
+
+
 def compile_cases(device: Any, dtype: Any, quick: bool) -> dict[str, Callable[[], object]]:
     """One call of each Triton kernel the engine launches, at a small shape of its own."""
     import numpy as np
     import torch
 
-    from orca_kernels import get_ops, triton_fp8
+    from orca_kernels import get_ops, triton_fp8, triton_int_quant
+    from orca_kernels.int_quant import pack_int32
     from orca_kernels.lora import lora_metadata
 
     kernels = load_gpu_check().load_sibling("kernels")
@@ -785,6 +833,8 @@ def compile_cases(device: Any, dtype: Any, quick: bool) -> dict[str, Callable[[]
     lora_meta = lora_metadata(np.arange(t, dtype=np.int32) % (slots + 1) - 1, slots, device)
     fp8_weight = torch.randn(h, h, device=device).to(torch.float8_e4m3fn)
     fp8_scale = torch.ones(-(-h // 128), -(-h // 128), device=device)
+    int4_weight = pack_int32(torch.randint(0, 16, (h, h), generator=g, device=device), 4)
+    int4_scales, int4_zeros = torch.ones(h, h // 32, device=device), torch.full((h, h // 32), 8.0, device=device)
     scale = d**-0.5
     return {
         "add_layernorm": lambda: ops.add_layernorm(x, res, w, b, 1e-5),
@@ -801,6 +851,7 @@ def compile_cases(device: Any, dtype: Any, quick: bool) -> dict[str, Callable[[]
         "moe (grouped GEMMs)": lambda: ops.moe(x, w13, w2, topk_weights, topk_ids),
         "lora (shrink, expand)": lambda: ops.lora(x.clone(), x, lora_a, lora_b, lora_meta),
         "fp8_linear": lambda: triton_fp8.fp8_linear_triton(x, fp8_weight, fp8_scale, (128, 128)),
+        "int4_linear": lambda: triton_int_quant.int_linear_triton(x, int4_weight, int4_scales, int4_zeros, 4, 32),
     }  # fmt: skip
 
 
@@ -895,6 +946,8 @@ STAGES = [
           render_graphs),
     Stage("decode_attention", "decode attention at real shapes vs copy bandwidth", 60, run_decode_attention,
           render_decode_attention),
+    Stage("int4_gemm", "the int4 dequantizing GEMM vs the dense GEMM at decode and prefill shapes", 45, run_int4_gemm,
+          render_int4_gemm),
     Stage("triton_compile", "Triton compile seconds per kernel, empty cache", 60, run_triton_compile,
           render_triton_compile),
     Stage("served", "the serving path's CPU per token, 1-8 instances (when tritonserver is here)", 90, run_served,
@@ -908,11 +961,13 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "bfloat16", "graph_models": ["gpt2-medium", "qwen2.5-0.5b"], "graph_max_seqs": 256, "replay_reps": 20,
     "attention_batches": [1, 64, 256], "attention_contexts": [1024, 8192], "attention_reps": 20,
     "served_streams": [256, 1024], "served_instances": [1, 4, 8],
+    "int_gemm_shapes": [(4096, 4096), (14336, 4096)], "int_gemm_tokens": [1, 16, 256, 2048], "int_gemm_reps": 20,
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "dtype": "float32", "graph_models": ["gpt2-tiny", "llama-tiny"], "graph_max_seqs": 8, "replay_reps": 3,
     "attention_batches": [1, 4], "attention_contexts": [64, 256], "attention_reps": 3,
     "served_streams": [16], "served_instances": [2],
+    "int_gemm_shapes": [(48, 256)], "int_gemm_tokens": [1, 20], "int_gemm_reps": 2,
 }  # fmt: skip
 
 
@@ -941,6 +996,9 @@ def parse_args(argv: list[str], stages: list[Stage]) -> argparse.Namespace:
     p.add_argument("--attention-reps", type=int)
     p.add_argument("--served-streams", type=int, nargs="+", help="served stage: concurrent streams per burst")
     p.add_argument("--served-instances", type=int, nargs="+", help="served stage: orca instance counts")
+    p.add_argument("--int-gemm-tokens", type=int, nargs="+", help="int4_gemm stage: token counts")
+    p.add_argument("--int-gemm-reps", type=int)
+    p.set_defaults(int_gemm_shapes=None)  # [out, in] pairs: DEFAULTS' or QUICK's, no flag
     p.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run this one stage in this process
     p.add_argument("--result", help=argparse.SUPPRESS)  # internal: where that stage writes its result
     args = p.parse_args(argv)

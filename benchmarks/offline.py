@@ -21,6 +21,11 @@ Suites:
   lora        output tokens/s with --lora N random adapters of rank --lora-rank mixed (request i runs
               adapter i mod N) against the base model without LoRA and with LoRA on but unused, on the
               same requests, --repeat alternating rounds (README target: mixed >= 0.8x the base model).
+  quantized   the roofline suite on --model (a Llama-family preset) written as a float32 checkpoint,
+              read in float32 and bfloat16, and quantized by the compressed-tensors package to 4 and
+              8 bits (pack-quantized, groups of 128, the LM head left in bfloat16; the tests' own
+              writer), --repeat rounds: each one's batch-1 step against the memory roofline of its
+              own weight bytes.
   gemm        the CPU GEMMs of kernels/orca_kernels/cpu_gemm.py (the C decode kernel on this CPU's
               widest instruction set and on AVX2, oneDNN on plain and on packed weights, MKL) over
               matrices of the model's linear layers' shapes in --dtype, at 1 to 2,048 tokens,
@@ -254,12 +259,15 @@ def suite_prefill(args, model: str) -> dict:
     return result
 
 
-def suite_roofline(args, model: str) -> dict:
-    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=1, kv_capacity_tokens=2048))
+def suite_roofline(args, model: str, dtype: str | None = None) -> dict:
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype or args.dtype, max_num_seqs=1, kv_capacity_tokens=2048))
     weights = engine.core.executor.runner.model.weights
-    # A decode step reads every weight once, except the position table (one row).
-    wpe = getattr(weights, "wpe", None)  # GPT-2's position table: a decode step reads one row of it
-    weight_bytes = weights.num_bytes() - (wpe.numel() * wpe.element_size() if wpe is not None else 0)
+    # A decode step reads every weight once, except the tables it reads one row of: GPT-2's position
+    # table, and an embedding that is not also the LM head (Llama's untied one).
+    tables = [getattr(weights, "wpe", None)]
+    if getattr(weights, "embed", None) is not None and weights.embed is not weights.lm_head:
+        tables.append(weights.embed)
+    weight_bytes = weights.num_bytes() - sum(t.nbytes for t in tables if t is not None)
     engine.add_request(list(range(1, 33)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
     for _ in range(5):  # prefill + warm-up
         engine.step()
@@ -283,6 +291,30 @@ def suite_roofline(args, model: str) -> dict:
           f"{weight_bytes / roofline / 1e9:.1f} GB/s (medians of {len(steps)}) -> {fraction:.0%} of roofline (median of "
           "each step against the reads beside it)")  # fmt: skip
     return result
+
+
+def suite_quantized(args, model: str) -> dict:
+    """Batch-1 decode of one geometry stored four ways (float32, bfloat16, 4- and 8-bit integers), each
+    against its own weights' memory roofline, --repeat interleaved rounds."""
+    sys.path.insert(0, str(ROOT / "tests"))  # the tests' writer: the compressed-tensors package's own
+    from int_checkpoints import write_compressed_tensors
+
+    float_dir = write_checkpoint(ROOT / "runs" / f"{model}-random", model)
+    variants = {"float32": (float_dir, "float32"), "bfloat16": (float_dir, "bfloat16")}
+    for bits in (4, 8):
+        path = ROOT / "runs" / f"{model}-int{bits}-g128"
+        if not (path / "config.json").exists():
+            write_compressed_tensors(float_dir, path, bits, "group", 128, sym=True)
+        # bfloat16 activations and unquantized layers (the LM head), as integer checkpoints are served
+        variants[f"int{bits}"] = (path, "bfloat16")
+    rounds: dict[str, list[dict]] = {name: [] for name in variants}
+    for r in range(args.repeat):
+        for name, (path, dtype) in variants.items():
+            print(f"-- round {r + 1}, {name}:", end=" ", flush=True)
+            rounds[name].append(suite_roofline(args, str(path), dtype))
+    return {name: {"weight_bytes": runs[0]["weight_bytes"], "runs": runs,
+                   "fraction_of_roofline": [x["fraction_of_roofline"] for x in runs],
+                   "decode_step_ms": [x["decode_step_ms"] for x in runs]} for name, runs in rounds.items()}  # fmt: skip
 
 
 def suite_gemm(args, model: str) -> dict:
@@ -499,6 +531,8 @@ def main() -> None:
             results[suite] = suite_lora(args, args.model, trace)
         elif suite == "gemm":
             results[suite] = suite_gemm(args, args.model)
+        elif suite == "quantized":
+            results[suite] = suite_quantized(args, args.model)
         elif suite == "prefill":
             results[suite] = suite_prefill(args, args.model)
         else:

@@ -5,11 +5,11 @@ longer steps dequantize the weight once (in C, the same products) and multiply i
 GEMM of cpu_gemm.py, where the step is bound by arithmetic, not by the weights' bytes.
 
 The weights are rewritten at load into the kernel's byte layout (`CpuIntWeight`, `repack`): at 4
-bits each 32 columns are 16 bytes, byte j holding column j in its low nibble and j + 16 in its high
-one. Activation-ordered groups (GPTQ's desc_act) are made contiguous by permuting the input columns
+bits each 32 columns are four 32-bit words, column 16 h + i being nibble 4 h + i / 4 of word i % 4
+(csrc/int_gemm.c says why). Activation-ordered groups (GPTQ's desc_act) are made contiguous by permuting the input columns
 once at load (`perm`, applied to x each call), which needs every group to hold `group` columns. What
-the kernel cannot read (an input not a multiple of 32 columns, groups not a multiple of 16, uneven
-activation-ordered groups) is reported by `cpu_layout_problem` and the loader dequantizes that
+the kernel cannot read (an input or groups not a multiple of 32 columns, uneven activation-ordered
+groups) is reported by `cpu_layout_problem` and the loader dequantizes that
 layer at load instead.
 """
 
@@ -53,11 +53,10 @@ class CpuIntWeight:
 
 def cpu_layout_problem(cols: int, bits: int, group: int, g_idx: torch.Tensor | None) -> str | None:
     """Why int_gemm.c cannot read a layer of this shape, or None when it can."""
-    step = 32 if bits == 4 else 16
-    if cols % step:
-        return f"{cols} input columns are not a multiple of {step}"
-    if group % 16:
-        return f"groups of {group} columns are not a multiple of 16"
+    if cols % 32:
+        return f"{cols} input columns are not a multiple of 32"
+    if group % 32:
+        return f"groups of {group} columns are not a multiple of 32"
     if g_idx is not None and not torch.equal(torch.bincount(g_idx.long()), torch.full((cols // group,), group)):
         return "its activation-ordered groups do not each hold group_size columns"
     return None
@@ -71,12 +70,18 @@ def repack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
     if g_idx is not None:  # columns sorted by group: each group's columns become one run
         perm = torch.argsort(g_idx.long(), stable=True)
         q = q[:, perm]
-    q = q.to(torch.uint8)
     if bits == 4:
-        blocks = q.reshape(q.shape[0], -1, 2, 16)  # [out, in / 32, (first 16, last 16), 16]
-        q = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
-    return CpuIntWeight(q.reshape(q.shape[0], -1).contiguous(), scales.float().contiguous(),
+        # [out, blocks, h, i // 4, word i % 4] -> [out, blocks, word, nibble 4 h + i // 4]
+        nibbles = q.reshape(q.shape[0], -1, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(q.shape[0], -1, 4, 8)
+        words = (nibbles.to(torch.int64) << torch.arange(0, 32, 4)).sum(-1)  # [out, blocks, 4]
+        q = _words_to_bytes(words)
+    return CpuIntWeight(q.to(torch.uint8).reshape(q.shape[0], -1).contiguous(), scales.float().contiguous(),
                         zeros.float().contiguous(), bits, group, perm)  # fmt: skip
+
+
+def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words (held in int64) as their 4 little-endian bytes each, along the last dimension."""
+    return ((words.unsqueeze(-1) >> torch.arange(0, 32, 8)) & 0xFF).reshape(*words.shape[:-1], -1)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.py"
-STAGES = ("env", "kernel_tests", "graphs", "decode_attention", "triton_compile", "served")
+STAGES = ("env", "kernel_tests", "graphs", "decode_attention", "int4_gemm", "triton_compile", "served")
 
 # Stand-in stages. `hang` reports its own pid and a child's, then never ends; `fail` reports a partial
 # result, then raises; `kill_runner` kills the runner (a device command cut off at its limit).
@@ -236,13 +236,25 @@ def test_decode_attention_against_copy(quick_run):
 
 
 @QUICK_RUN
+def test_int4_gemm_against_the_dense_gemm(quick_run):
+    int4 = result(quick_run, "int4_gemm")
+    assert int4["dtype"] == "float32" and int4["group"] == 128
+    assert {(p["out"], p["in"], p["tokens"]) for p in int4["points"]} == {(48, 256, 1), (48, 256, 20)}
+    for p in int4["points"]:
+        for key in ("int4_us", "dense_us", "int4_weight_gb_s", "dense_over_int4"):
+            assert finite_positive(p[key]), (p, key)
+        assert math.isclose(p["dense_over_int4"], p["dense_us"] / p["int4_us"])
+    assert "## The int4 dequantizing GEMM vs the dense one" in quick_run[1]
+
+
+@QUICK_RUN
 def test_triton_compile_covers_every_kernel(quick_run):
     compiled = result(quick_run, "triton_compile")
     assert "interpreter" in compiled["note"]
     assert set(compiled["kernels"]) == {
         "add_layernorm", "bias_gelu", "add_rmsnorm", "silu_and_mul", "gelu_and_mul", "rotary", "write_kv",
         "attention (ragged prefill)", "write_kv_attention (split-K decode)", "rotary_write_kv_attention (split-K decode)",
-        "moe (grouped GEMMs)", "lora (shrink, expand)", "fp8_linear",
+        "moe (grouped GEMMs)", "lora (shrink, expand)", "fp8_linear", "int4_linear",
     }  # fmt: skip
     for k in compiled["kernels"].values():
         assert finite_positive(k["first_s"]) and finite_positive(k["warm_s"])

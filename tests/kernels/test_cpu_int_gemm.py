@@ -29,7 +29,7 @@ def layer(n: int, k: int, bits: int, group: int, act_order: bool, seed: int):
 
 
 @pytest.mark.parametrize("isa", SUPPORTED_ISAS)
-@pytest.mark.parametrize(("bits", "group", "act_order"), [(4, 32, False), (4, 16, False), (8, 16, False),
+@pytest.mark.parametrize(("bits", "group", "act_order"), [(4, 32, False), (4, 64, False), (8, 32, False),
                                                           (8, 64, False), (4, 128, False), (4, 32, True)])  # fmt: skip
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 9])
 def test_int_linear_cpu_equals_the_reference(isa, bits, group, act_order, tokens):
@@ -67,9 +67,10 @@ def test_a_tokens_result_does_not_depend_on_its_batch(isa):
 
 @pytest.mark.parametrize(("cols", "bits", "group", "uneven", "problem"), [
     (80, 4, 16, False, "80 input columns are not a multiple of 32"),
-    (128, 4, 24, False, "groups of 24 columns are not a multiple of 16"),
+    (128, 4, 16, False, "groups of 16 columns are not a multiple of 32"),
+    (128, 8, 16, False, "groups of 16 columns are not a multiple of 32"),
     (128, 4, 32, True, "its activation-ordered groups do not each hold group_size columns"),
-    (48, 8, 16, False, None),
+    (64, 8, 32, False, None),
 ])  # fmt: skip
 def test_layouts_the_kernel_cannot_read_are_named(cols, bits, group, uneven, problem):
     g_idx = None

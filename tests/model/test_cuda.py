@@ -247,6 +247,25 @@ def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) 
     assert [o.output_ids for o in gpu.generate(PROMPTS, params)] == cpu
 
 
+def test_gptq_checkpoint_on_cuda_keeps_int4_weights_and_the_cpus_tokens(tmp_path) -> None:
+    """A GPTQ checkpoint (4 bits, asymmetric, desc_act): on CUDA its projections stay packed (the
+    Triton dequantizing GEMM, decode steps graphed), and its float32 greedy tokens equal the CPU's
+    (its C kernel)."""
+    from int_checkpoints import write_gptq
+    from test_int_quant import PROMPTS
+
+    from orca_backend.model.int_quant import IntWeight
+
+    write_tiny("Llama", tmp_path / "float", seed=11)
+    write_gptq(tmp_path / "float", tmp_path / "gptq", 4, 32, sym=False, desc_act=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = [o.output_ids for o in LLM(str(tmp_path / "gptq"), dtype="float32").generate(PROMPTS, params)]
+    gpu = LLM(str(tmp_path / "gptq"), device="cuda", dtype="float32")
+    layer = gpu.engine.core.executor.runner.model.weights.layers[0]
+    assert isinstance(layer.qkv_w, IntWeight) and layer.qkv_w.g_idx is not None
+    assert [o.output_ids for o in gpu.generate(PROMPTS, params)] == cpu
+
+
 def test_mixtral_on_cuda_equals_the_cpu(tmp_path) -> None:
     """Mixtral's experts on the GPU (Triton grouped GEMMs, decode steps graphed) give the CPU's
     float32 greedy tokens (the CPU's reference runs each chosen expert in torch)."""

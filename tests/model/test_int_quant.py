@@ -84,6 +84,22 @@ def test_greedy_equals_transformers_on_the_same_weights(llama, tmp_path, scheme)
         assert [o.output_ids for o in floats] != expected
 
 
+def test_the_cpu_keeps_integer_layers_packed_where_its_kernel_reads_them(llama, tmp_path, caplog):
+    """Groups of 32 columns: every projection stays packed for the C kernel (an eighth of float32's
+    bytes); groups of 16, which it does not read at 4 bits, are dequantized at load, with a warning."""
+    from orca_kernels.cpu_int_gemm import CpuIntWeight
+
+    write_gptq(llama, tmp_path / "g32", 4, 32, sym=False, desc_act=True)
+    layers = LLM(str(tmp_path / "g32"), dtype="float32").engine.core.executor.runner.model.weights.layers
+    assert all(isinstance(getattr(layer, name), CpuIntWeight) for layer in layers
+               for name in ("qkv_w", "o_w", "gate_up_w", "down_w"))  # fmt: skip
+    write_gptq(llama, tmp_path / "g16", 4, 16)
+    with caplog.at_level(logging.WARNING, logger="orca.model"):
+        layers = LLM(str(tmp_path / "g16"), dtype="float32").engine.core.executor.runner.model.weights.layers
+    assert not isinstance(layers[0].qkv_w, CpuIntWeight)  # a float weight (packed for oneDNN where it is used)
+    assert "dequantized at load to torch.float32 (the CPU integer kernel cannot read it: groups of 16 columns" in caplog.text
+
+
 def test_qwen2_biases_beside_integer_projections(tmp_path):
     """Qwen2's q/k/v biases stay float beside GPTQ integer projections."""
     write_tiny("Qwen2", tmp_path / "float", seed=5)
