@@ -172,6 +172,11 @@ class EngineConfig:
     # vLLM's speculative_config (JSON, `SpeculativeConfig`): each running request's next tokens are
     # proposed and verified with its last one in the same step. "": none.
     speculative_config: str = ""
+    # vLLM's `quantization` engine argument: the method the checkpoint's quantization_config must
+    # declare ("awq", "gptq", "compressed-tensors", "fp8"; vLLM's kernel names awq_marlin and
+    # gptq_marlin are the same formats). "": whatever the checkpoint declares. Nothing is quantized
+    # at load: a method over an unquantized checkpoint (vLLM's online FP8) is refused.
+    quantization: str = ""
     kv_watermark: float = 0.01  # paged: share of blocks admission leaves free for running requests
     # Admission control: requests accepted but not started (no token yet) beyond these are refused
     # at once with a retry-later error; 0 means no limit.
@@ -339,7 +344,9 @@ class EngineConfig:
             raise ValueError(
                 f"model {self.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
             )
-        return model_config_from_hf(config_path)
+        config = model_config_from_hf(config_path)
+        check_quantization_argument(self.quantization, json.loads(config_path.read_text()), str(config_path))
+        return config
 
     def kv_events(self) -> KVEventsConfig | None:
         """kv_events_config, parsed (None when unset)."""
@@ -453,6 +460,23 @@ def hub_snapshot(repo_id: str, revision: str = "main") -> Path | None:
         return None
     snapshot = repo / "snapshots" / commit
     return snapshot if (snapshot / "config.json").is_file() else None
+
+
+# vLLM's names for a method's kernels -> the checkpoint format they read.
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
+
+
+def check_quantization_argument(wanted: str, raw: dict[str, Any], source: str) -> None:
+    """The `quantization` argument against what the checkpoint's config.json declares, as vLLM checks it."""
+    if not wanted:
+        return
+    declared = (raw.get("quantization_config") or {}).get("quant_method")
+    if declared is None:
+        raise ValueError(f"quantization={wanted!r}, but {source} declares no quantization_config: this engine "
+                         "quantizes nothing at load (vLLM's online quantization is not served); serve a checkpoint "
+                         "quantized offline, or leave quantization unset")  # fmt: skip
+    if QUANTIZATION_ALIASES.get(wanted, wanted) != declared:
+        raise ValueError(f"quantization={wanted!r} does not match the method {source} declares ({declared!r})")
 
 
 def model_config_from_hf(path: str | Path) -> AnyModelConfig:

@@ -300,3 +300,18 @@ def test_split_k_fills_the_programs_at_decode_and_not_at_prefill():
     assert split_k(1, 4096, 4096, 16, 64, 64, programs=264) == 5  # 64 output tiles: split 5 ways to reach 264
     assert split_k(1, 128, 256, 16, 64, 64, programs=264) == 1  # too short to split in slices of 4 blocks
     assert split_k(512, 4096, 4096, 64, 128, 64, programs=264) == 1
+
+
+def test_vllms_quantization_argument_must_match_the_checkpoint(llama, tmp_path):
+    """model.json's `quantization` (vLLM's engine argument; its marlin kernel names read the same
+    formats) is checked against what the checkpoint declares; nothing is quantized online."""
+    from orca_backend.server.triton_config import vllm_parameters
+
+    write_gptq(llama, tmp_path / "gptq", 4, 32)
+    assert vllm_parameters({"model": "m", "quantization": "gptq_marlin"})["quantization"] == "gptq_marlin"
+    outs = LLM(str(tmp_path / "gptq"), dtype="float32", quantization="gptq_marlin").generate(PROMPTS[:1], GREEDY)
+    assert len(outs[0].output_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="quantization='awq' does not match the method .* declares \\('gptq'\\)"):
+        LLM(str(tmp_path / "gptq"), dtype="float32", quantization="awq")
+    with pytest.raises(ValueError, match="declares no quantization_config: this engine quantizes nothing at load"):
+        LLM(str(llama), dtype="float32", quantization="fp8")

@@ -152,10 +152,10 @@ def test_configs_served_wrong_are_refused_naming_the_field(tmp_path, change, fie
         model_config_from_hf(tmp_path / "config.json")
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "torchao", "mxfp4"])
 def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, method):
-    """Nothing here computes these quantized weights: such a checkpoint loaded and answered wrongly
-    before (FP8 is served: tests/model/test_fp8.py)."""
+    """Nothing here computes these quantized weights: such a checkpoint would load and answer wrongly
+    (FP8, GPTQ, AWQ and compressed-tensors are served: tests/model/test_fp8.py, test_int_quant.py)."""
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
            "quantization_config": {"quant_method": method, "bits": 4}}  # fmt: skip

@@ -54,7 +54,7 @@ def test_config_pbtxt_parameters_override_model_json_and_the_adapter_forces_its_
 
 @pytest.mark.parametrize(("args", "message"), [
     ({"swap_spaec": 4}, "unsupported engine argument(s) swap_spaec"),
-    ({"quantization": "awq", "kv_transfer_config": {}}, "unsupported engine argument(s) kv_transfer_config, quantization"),
+    ({"cpu_offload_gb": 4, "kv_transfer_config": {}}, "unsupported engine argument(s) cpu_offload_gb, kv_transfer_config"),
     ({"dtype": "float64"}, "dtype 'float64' is not one of auto"),
     ({"enable_chunked_prefill": "maybe"}, "enable_chunked_prefill must be true or false"),
     ({"distributed_executor_backend": "uni"}, "distributed_executor_backend 'uni' is not supported"),
