@@ -4,7 +4,8 @@ there cannot hide here:
 
 - GPTQ (AutoGPTQ / gptqmodel `QuantLinear.pack`): GPTQ's min/max quantizer (0 always in range), the
   integers of 32 // bits input rows shifted into each int32 word of `qweight` [in / per, out], the
-  zero points (minus one in format `gptq`) the same way along the output in `qzeros`, fp16 `scales`
+  zero points the same way along the output in `qzeros` (format `gptq`: one subtracted from each
+  field across the word, as gptqmodel converts them), fp16 `scales`
   [groups, out], `g_idx` [in]; `desc_act` draws an activation order per layer input (GPTQ orders by
   the input's Hessian, so q, k and v share one, as gate and up do), whose runs of `group` columns
   form the groups.
@@ -12,6 +13,10 @@ there cannot hide here:
   word element i holding output column `order_map[i]` of its eight, `qzeros` alike, fp16 `scales`.
 - compressed-tensors pack-quantized: the compressed-tensors package itself (its qparams and its
   PackedQuantizationCompressor), with its own config classes writing quantization_config.
+
+These packers were checked bit for bit against AutoAWQ 0.2.9's `WQLinear_GEMM.from_linear` and
+GPTQModel 7.7.0's `pack` and v2 -> v1 conversion, run from their own sources (4 and 8 bits, symmetric
+and not, desc_act; docs/quantization.md).
 
 Each writer also returns the float weights its integers stand for, computed from its own integers
 and scales (`dequantized_copy` saves them as a float checkpoint: the oracle where transformers does
@@ -79,6 +84,13 @@ def pack_rows(intweight: torch.Tensor, bits: int) -> torch.Tensor:
     return _as_int32(out)
 
 
+def v1_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Format `gptq`'s packed zero points: one subtracted from every field of each uint32 word, across
+    the word (gptqmodel's v2 -> v1 conversion; a zero point of 0 borrows from the field above)."""
+    ones = sum(1 << shift for shift in range(0, 32, bits))
+    return _as_int32(((qzeros.to(torch.int64) & 0xFFFFFFFF) - ones) & 0xFFFFFFFF)
+
+
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -111,9 +123,9 @@ def write_gptq(float_dir: Path, out: Path, bits: int, group: int, sym: bool = Tr
         g_idx[order] = torch.arange(cols) // size  # the j-th column in activation order is in group j // size
         q, scales, zeros = minmax_quantize(w, bits, g_idx, sym, awq=False)
         dense[layer + ".weight"] = dequantize(q, scales, zeros, g_idx)
-        stored_zeros = zeros - 1 if checkpoint_format == "gptq" else zeros
         stored[layer + ".qweight"] = pack_rows(q.t().contiguous(), bits)
-        stored[layer + ".qzeros"] = pack_rows(stored_zeros, bits).t().contiguous()  # packed along the output
+        qzeros = pack_rows(zeros, bits).t().contiguous()  # packed along the output
+        stored[layer + ".qzeros"] = v1_zeros(qzeros, bits) if checkpoint_format == "gptq" else qzeros
         stored[layer + ".scales"] = scales.t().contiguous().half()
         stored[layer + ".g_idx"] = g_idx.to(torch.int32)
     _save(float_dir, out, stored, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,

@@ -5,8 +5,8 @@ packed integers, scales and zero points into the one layout every kernel reads
 Each format is a bit-level contract, read here as its reference code writes it:
 - GPTQ (`qweight` [in / per, out], `qzeros` [groups, out / per], `scales` [groups, out], `g_idx`):
   both packed sequentially, the lowest bits first, the weight along the input and the zero points
-  along the output; format `gptq` stores each zero point minus one (added back per value, as vLLM's
-  and ExLlama's kernels do), `gptq_v2` as it is.
+  along the output; format `gptq` stores the packed zero points minus one in every field, subtracted
+  from the whole word (a zero point of 0 borrows from the field above), `gptq_v2` as they are.
 - AWQ GEMM (`qweight` [in, out / 8], `qzeros` [groups, out / 8], `scales` [groups, out]): packed
   along the output, word element k holding column `AWQ_ORDER[k]` of its eight.
 - compressed-tensors pack-quantized (`weight_packed` [out, in / per], `weight_scale` [out, groups],
@@ -106,7 +106,8 @@ def _cpu_kernel_problem() -> str | None:
 def _read(src: WeightSource, layer: str, fmt: str, bits: int, group: int) -> _Unpacked:
     if fmt in ("gptq", "gptq_v2"):
         q = unpack_int32(src.get(f"{layer}.qweight"), bits, dim=0).t()
-        zeros = unpack_int32(src.get(f"{layer}.qzeros"), bits, dim=1).t() + (1 if fmt == "gptq" else 0)
+        qzeros = src.get(f"{layer}.qzeros")
+        zeros = unpack_int32(gptq_v1_zeros_to_v2(qzeros, bits) if fmt == "gptq" else qzeros, bits, dim=1).t()
         scales = src.get(f"{layer}.scales").t()
         g_idx = src.get(f"{layer}.g_idx") if f"{layer}.g_idx" in src else None
     elif fmt == "awq":
@@ -136,6 +137,16 @@ def _read(src: WeightSource, layer: str, fmt: str, bits: int, group: int) -> _Un
         raise ValueError(f"{layer}: weight {tuple(q.shape)}, scales {tuple(scales.shape)} and zero points "
                          f"{tuple(zeros.shape)} do not fit together")  # fmt: skip
     return _Unpacked(q.contiguous(), scales.float().contiguous(), zeros.float().contiguous(), size, g_idx)
+
+
+def gptq_v1_zeros_to_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ format `gptq`'s packed zero points as format `gptq_v2` stores them: one added back to every
+    field of each word, across the word (mod 2^32), as gptqmodel converts them; this undoes the writer's
+    subtraction exactly, a zero point of 0 (whose borrow lowered the field above) included, where
+    adding one per unpacked value would read 16 and the next field one short."""
+    ones = sum(1 << shift for shift in range(0, 32, bits))
+    words = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _shard(whole: _Unpacked, layer: str, dim: int | None, lo: int, hi: int | None) -> _Unpacked:

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from hf_tiny import hf_greedy, write_lora, write_tiny
-from int_checkpoints import dequantized_copy, write_awq, write_compressed_tensors, write_gptq
+from int_checkpoints import (
+    dequantized_copy,
+    pack_rows,
+    v1_zeros,
+    write_awq,
+    write_compressed_tensors,
+    write_gptq,
+)
 from safetensors.torch import load_file, save_file
 from triton_testing import DEVICE, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
@@ -256,6 +263,20 @@ def test_dequantize_is_each_entry_minus_its_zero_times_its_scale(bits, group, ac
     for r, c in [(0, 0), (3, 17), (11, 63), (5, 40)]:
         gr = int(g_idx[c]) if g_idx is not None else c // group
         assert dense[r, c] == (q[r, c] - zeros[r, gr]) * scales[r, gr]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_v1_zero_points_of_zero_read_back(bits):
+    """Format `gptq` subtracts one from each packed word's fields across the word: a zero point of 0
+    borrows from the field above. The reader undoes it exactly (adding one per unpacked value would
+    read 2^bits and the next field one short)."""
+    from orca_backend.model.int_quant import gptq_v1_zeros_to_v2
+    from orca_kernels.int_quant import unpack_int32
+
+    zeros = torch.randint(0, 2**bits, (64, 3), generator=torch.Generator().manual_seed(bits))
+    zeros[0], zeros[1, 1], zeros[-1] = 0, 0, 2**bits - 1  # whole words of zeros, one alone, the largest
+    stored = v1_zeros(pack_rows(zeros, bits).t().contiguous(), bits)
+    assert torch.equal(unpack_int32(gptq_v1_zeros_to_v2(stored, bits), bits, dim=1).t().long(), zeros)
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
