@@ -6,11 +6,11 @@ GEMM of cpu_gemm.py, where the step is bound by arithmetic, not by the weights' 
 
 The weights are rewritten at load into the kernel's byte layout (`CpuIntWeight`, `repack`): at 4
 bits each 32 columns are four 32-bit words, column 16 h + i being nibble 4 h + i / 4 of word i % 4
-(csrc/int_gemm.c says why). Activation-ordered groups (GPTQ's desc_act) are made contiguous by permuting the input columns
-once at load (`perm`, applied to x each call), which needs every group to hold `group` columns. What
-the kernel cannot read (an input or groups not a multiple of 32 columns, uneven activation-ordered
-groups) is reported by `cpu_layout_problem` and the loader dequantizes that
-layer at load instead.
+(csrc/int_gemm.c says why). Activation-ordered groups (GPTQ's desc_act) are made contiguous by
+permuting the input columns once at load (`perm`, applied to x each call), which needs every group to
+hold `group` columns. What the kernel cannot read (an input or groups not a multiple of 32 columns,
+uneven activation-ordered groups) is reported by `cpu_layout_problem`, and the loader dequantizes
+that layer at load instead.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .cpu_gemm import cpu_isa, linear_cpu
+from .cpu_gemm import ISAS, cpu_isa, linear_cpu
 
-# decode_gemm.c's instruction sets as int_gemm.c runs them (its AVX512-BF16 set is the AVX-512 path).
-ISA_IDS = {"avx2": 0, "avx512": 1, "avx512_bf16": 1}
-# Up to this many tokens the C kernel (it unpacks a row once per 4 tokens); longer steps dequantize
-# and multiply with the float GEMM (benchmarks/offline.py --suites int_gemm measures the crossing).
+# Up to this many tokens the C kernel (it unpacks a row once per 4 tokens: two passes over the
+# weights at 8); longer steps dequantize and multiply with the float GEMM. A choice, not yet measured
+# against the crossing point.
 NATIVE_MAX_TOKENS = 8
 
 
@@ -95,6 +94,11 @@ def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
     return linear, dequantize
 
 
+def _isa_id(isa: str) -> int:
+    """decode_gemm.c's id of an instruction set, as int_gemm.c runs it (AVX512-BF16: the AVX-512 path)."""
+    return min(ISAS[isa], ISAS["avx512"])
+
+
 def dequantize_cpu(weight: CpuIntWeight) -> torch.Tensor:
     """The float32 weight [out, in] (columns in stored order: x permuted by `perm` multiplies it)."""
     (n, k), out = weight.shape, torch.empty(weight.shape, dtype=torch.float32)
@@ -119,5 +123,5 @@ def int_linear_cpu(x: torch.Tensor, weight: CpuIntWeight, bias: torch.Tensor | N
     y = torch.empty(m, n, dtype=torch.float32)
     _kernels()[0](x.data_ptr(), x.stride(0), m, weight.data.data_ptr(), weight.scales.data_ptr(),
                   weight.zeros.data_ptr(), n, k, weight.group, weight.bits, None if b is None else b.data_ptr(),
-                  y.data_ptr(), torch.get_num_threads(), ISA_IDS[isa or cpu_isa()])  # fmt: skip
+                  y.data_ptr(), torch.get_num_threads(), _isa_id(isa or cpu_isa()))  # fmt: skip
     return y.to(dtype)

@@ -45,6 +45,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     return values.reshape(*moved.shape[:-1], moved.shape[-1] * per).movedim(-1, dim).contiguous()
 
 
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 tensors checkpoints store: the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """The layout's `packed` for unsigned integers [out, in] (in a multiple of 32 // bits)."""
     per = values_per_word(bits)
@@ -52,8 +57,7 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     if cols % per:
         raise ValueError(f"{cols} input features do not pack into whole int32 words of {per} values of {bits} bits")
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
-    words = (values.to(torch.int64).reshape(rows, cols // per, per) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+    return as_int32((values.to(torch.int64).reshape(rows, cols // per, per) << shifts).sum(-1))
 
 
 def group_index(cols: int, group: int, g_idx: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -174,9 +174,8 @@ def _check_int_projections(model_dir: Path, entries: dict[str, Any], tensors: tu
                          f"checkpoint holds no {tensors[0]} tensor: it would be served unquantized")  # fmt: skip
     floats = sorted(name for name, entry in entries.items() if _is_projection(name, entry))
     if floats:
-        listed = ", ".join(floats[:8]) + (f" and {len(floats) - 8} more" if len(floats) > 8 else "")
         logger.warning("%s: %d decoder projections are not quantized and are served in float (%d are): %s",
-                       model_dir, len(floats), len(packed), listed)  # fmt: skip
+                       model_dir, len(floats), len(packed), _first_names(floats))  # fmt: skip
 
 
 def _fp8_tensor(key: str, dtype: str) -> bool:
@@ -206,9 +205,13 @@ def _check_fp8_projections(model_dir: Path, entries: dict[str, Any]) -> None:
     floats = sorted(name for name, entry in entries.items()
                     if _is_projection(name, entry) and entry.get_dtype() != "F8_E4M3")  # fmt: skip
     if floats:
-        listed = ", ".join(floats[:8]) + (f" and {len(floats) - 8} more" if len(floats) > 8 else "")
         logger.warning("%s: %d decoder projections are not FP8 and are served in float (%d are FP8): %s", model_dir,
-                       len(floats), len(fp8), listed)  # fmt: skip
+                       len(floats), len(fp8), _first_names(floats))  # fmt: skip
+
+
+def _first_names(names: list[str], most: int = 8) -> str:
+    """The first `most` names, and how many more there are, for a log line."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _is_projection(name: str, entry: Any) -> bool:

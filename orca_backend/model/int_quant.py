@@ -22,6 +22,7 @@ is dequantized at load into the engine's dtype instead, with a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ import torch
 
 from orca_backend.model.checkpoint import INT_TENSORS, WeightSource
 from orca_kernels import cpu_int_gemm, native
-from orca_kernels.int_quant import dequantize_values, pack_int32, unpack_int32
+from orca_kernels.int_quant import as_int32, dequantize_values, pack_int32, unpack_int32
 
 logger = logging.getLogger("orca.model")
 
@@ -93,8 +94,10 @@ def load_int_linear(
     return dequantize_values(part.q, part.scales, part.zeros, part.group, part.g_idx, dtype).to(device)
 
 
+@functools.cache
 def _cpu_kernel_problem() -> str | None:
-    """Why the CPU integer kernel cannot run here (no C compiler, no AVX2), or None."""
+    """Why the CPU integer kernel cannot run here (no C compiler, no AVX2), or None: asked once per
+    process, not once per layer."""
     try:
         cpu_int_gemm.int_linear_cpu(torch.zeros(1, 32), cpu_int_gemm.repack(
             torch.zeros(1, 32, dtype=torch.int32), torch.ones(1, 1), torch.zeros(1, 1), 4, 32, None))  # fmt: skip
@@ -117,9 +120,9 @@ def _read(src: WeightSource, layer: str, fmt: str, bits: int, group: int) -> _Un
     else:  # compressed-tensors pack-quantized
         out, cols = (int(v) for v in src.get(f"{layer}.weight_shape").tolist())
         q = unpack_int32(src.get(f"{layer}.weight_packed"), bits, dim=1)[:, :cols]
-        scales = src.get(f"{layer}.weight_scale").reshape(-1, 1) if src.shape(f"{layer}.weight_scale") in (
-            (), (1,)) else src.get(f"{layer}.weight_scale")  # fmt: skip
-        scales = scales.expand(out, scales.shape[1])
+        scales = src.get(f"{layer}.weight_scale")
+        if scales.numel() == 1:  # the tensor strategy: one scale, every row's
+            scales = scales.reshape(1, 1).expand(out, 1)
         if f"{layer}.weight_zero_point" in src:
             zeros = unpack_int32(src.get(f"{layer}.weight_zero_point"), bits, dim=0)[:out]
         else:
@@ -145,8 +148,7 @@ def gptq_v1_zeros_to_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
     subtraction exactly, a zero point of 0 (whose borrow lowered the field above) included, where
     adding one per unpacked value would read 16 and the next field one short."""
     ones = sum(1 << shift for shift in range(0, 32, bits))
-    words = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return as_int32((qzeros.to(torch.int64) + ones) & 0xFFFFFFFF)
 
 
 def _shard(whole: _Unpacked, layer: str, dim: int | None, lo: int, hi: int | None) -> _Unpacked:
