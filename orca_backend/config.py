@@ -22,6 +22,9 @@ from orca_backend.families import PRESETS, AnyModelConfig, config_from_hf_dict, 
 from orca_backend.sampling_params import PoolingConfig, read_pooling_config
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: see orca_backend.model.device
+# kv_cache_dtype (vLLM's values): "auto" stores K/V in the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2
+# in one byte per element, with per-layer scales (model/kv_scales.py, kernels' attention.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _json_object(text: str, name: str, cls: type) -> dict[str, Any]:
@@ -159,6 +162,11 @@ class EngineConfig:
     # CPU build does.
     kv_cache_memory_bytes: int = 0
     gpu_memory_utilization: float = 0.0
+    # vLLM's name: "auto" (the model's dtype) or FP8 (fp8 / fp8_e4m3, fp8_e5m2), one byte an element:
+    # K/V quantized on write with per-K/V-head scales (the checkpoint's k_scale / v_scale, else 1.0, as
+    # vLLM), read back in every attention kernel. The draft model of speculative decoding keeps its
+    # own K/V in the model's dtype.
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 0  # prompt + max_tokens of a request at most this (0: the model's context)
     # "paged" (vLLM): blocks as the context grows, preempting the newest request when they run out;
     # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted.
@@ -255,6 +263,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling not in ("iteration", "request"):
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
+                             "(int8 and fp8_inc K/V caches are not served)")  # fmt: skip
         if self.kv_policy not in ("reserve", "paged"):
             raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {self.kv_policy!r}")
         if int(self.block_size) < 1 or int(self.kv_capacity_tokens) < int(self.block_size):
@@ -363,11 +374,11 @@ class EngineConfig:
         if speculative is None or speculative.method != "draft_model":
             return None
         return replace(self, model=speculative.model, tokenizer=None, speculative_config="", enable_lora=False,
-                       lora_modules={}, allow_runtime_lora_updating=False)  # fmt: skip
+                       lora_modules={}, allow_runtime_lora_updating=False, kv_cache_dtype="auto")  # fmt: skip
 
     def kv_bytes_per_token(self, model_config: AnyModelConfig) -> int:
         """The bytes a token's K and V take on one rank: over its stage's layers and its KV heads."""
-        element = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        element = 1 if self.kv_cache_dtype != "auto" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         return (2 * element * -(-model_config.num_layers // int(self.pipeline_parallel_size))
                 * -(-model_config.num_kv_heads // int(self.tensor_parallel_size)) * model_config.head_dim)  # fmt: skip
 

@@ -8,7 +8,9 @@ Served, for the families whose `Family.quant_methods` name them:
 - `awq`: AutoAWQ's GEMM packing (4 bits, interleaved along the output), with zero points;
 - `compressed-tensors` (llm-compressor): `pack-quantized` integer weights of 4 or 8 bits (group,
   channel or tensor scales, symmetric or not) and `float-quantized` FP8 weights (per tensor or per
-  channel), weights only.
+  channel), weights only; and its `kv_cache_scheme` of FP8 K/V with static per-tensor or per-head
+  scales (`k_scale` / `v_scale`, used with kv_cache_dtype fp8: model/kv_scales.py), beside weights
+  or alone.
 Everything else is refused at load naming the field and value, since it would load and answer
 wrongly. The integer formats' tensors are read by model/int_quant.py.
 """
@@ -23,7 +25,7 @@ METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 
 def quantization_fields(quantization: dict[str, Any], source: str) -> dict[str, Any]:
     """The config fields (`fp8`, `fp8_block`; `int_format`, `int_bits`, `int_group`, `int_symmetric`,
-    `int_act_order`) for a served `quantization_config`; refuses any other."""
+    `int_act_order`; `kv_scales`) for a served `quantization_config`; refuses any other."""
     method = quantization.get("quant_method")
     if method == "fp8":
         return {"fp8": True, "fp8_block": fp8_block(quantization, source)}
@@ -89,14 +91,32 @@ def _awq(q: dict[str, Any], source: str) -> dict[str, Any]:
     return {"int_format": "awq", "int_bits": 4, "int_group": group, "int_symmetric": False, "int_act_order": False}
 
 
+def _kv_cache_scheme(scheme: dict[str, Any], source: str) -> dict[str, Any]:
+    """compressed-tensors' K/V scheme: FP8 e4m3 with static scales per tensor or per K/V head, stored
+    as each attention's k_scale and v_scale."""
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8 or scheme.get("dynamic") \
+            or not scheme.get("symmetric", True) or scheme.get("strategy", "tensor") not in ("tensor", "attn_head"):  # fmt: skip
+        raise _refuse(source, "compressed-tensors", "kv_cache_scheme", scheme,
+                      "FP8 K/V with static per-tensor or per-head scales")  # fmt: skip
+    return {"kv_scales": True}
+
+
 def _compressed_tensors(q: dict[str, Any], source: str) -> dict[str, Any]:
     name = "compressed-tensors"
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for field in ("sparsity_config", "transform_config"):
         if q.get(field):
-            raise _refuse(source, name, field, q[field], "dense weights with no K/V, sparsity or transform scheme")
+            raise _refuse(source, name, field, q[field], "dense weights with no sparsity or transform scheme")
+    kv = _kv_cache_scheme(q["kv_cache_scheme"], source) if q.get("kv_cache_scheme") else {}
     groups = list((q.get("config_groups") or {}).values())
     if not groups:
+        if kv:  # K/V scales alone: the weights are float
+            return kv
         raise _refuse(source, name, "config_groups", q.get("config_groups"), "one weight scheme")
+    return kv | _weight_scheme(q, groups, source)
+
+
+def _weight_scheme(q: dict[str, Any], groups: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    name = "compressed-tensors"
     schemes = [(g.get("weights"), g.get("input_activations"), g.get("output_activations"),
                 g.get("format", q.get("format"))) for g in groups]  # fmt: skip
     if any(s != schemes[0] for s in schemes[1:]):

@@ -25,6 +25,13 @@ sees keys ``p - window < j <= p`` only, transformers' rule, so a decode reads it
 anything (the scheduler leaves -1 there). ``softcap > 0`` (Gemma 2): each score ``s = scale * q.k``
 becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
 
+FP8 K/V (``kv_cache_dtype`` fp8, vLLM's name): the pool may be ``float8_e4m3fn`` or ``float8_e5m2``,
+each layer with its `KVScales` (a float32 scale per K/V head for K and for V). A token's K is
+stored as ``fp8(k / k_scale)``, clamped to the format's largest finite value, and every kernel reads
+it back as ``float32(stored) * k_scale`` rounded to the model's dtype (q's): attention over an FP8
+pool computes exactly what it would over a model-dtype pool holding those dequantized values, the
+new token's K/V included (what the tests compare transformers against). V likewise.
+
 Grouped-query attention (Llama 2 70B onwards, Mistral, Qwen2/3): the pool holds ``Hkv`` K/V heads
 and q has ``Hq`` heads, a multiple of ``Hkv``; query head ``h`` attends with K/V head
 ``h // (Hq // Hkv)``, so consecutive query heads share one K/V head (transformers' ``repeat_kv``
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -109,15 +116,83 @@ class AttentionMetadata:
         return {}
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class KVScales:
+    """One layer's FP8 K/V scales: a stored K is fp8(k / k[head]) and reads back as
+    float32(stored) * k[head], rounded to the model's dtype; V likewise (see this module's docstring)."""
+
+    k: torch.Tensor  # float32 [kv_heads], on the pool's device
+    v: torch.Tensor
+    # (pool dtype, model dtype) -> the dequantized value of every FP8 code per head, [kv_heads, 256]
+    # float32 for K and for V: the C kernel's tables (`tables`)
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tables(self, pool_dtype: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The value each of the 256 codes of `pool_dtype` reads back as under each head's scale,
+        rounded to `dtype` and held as float32 ([kv_heads, 256] for K and for V): built once per
+        layer, then one table lookup an element replaces the conversion and the multiply."""
+        tables = self._tables.get((pool_dtype, dtype))
+        if tables is None:
+            codes = torch.arange(256, dtype=torch.uint8, device=self.k.device).view(pool_dtype).float()
+            tables = self._tables[(pool_dtype, dtype)] = tuple(
+                (codes[None, :] * scale[:, None]).to(dtype).float().contiguous() for scale in (self.k, self.v)
+            )
+        return tables
+
+
+def is_fp8_pool(cache: torch.Tensor) -> bool:
+    return cache.dtype in FP8_KV_DTYPES
+
+
+def check_kv_scales(k_cache: torch.Tensor, kv_scales: KVScales | None) -> None:
+    """An FP8 pool is read and written with its layer's scales, one per K/V head; a model-dtype pool
+    with none."""
+    if not is_fp8_pool(k_cache):
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales are for an FP8 K/V pool, got a {k_cache.dtype} one")
+        return
+    heads = k_cache.shape[1]
+    if kv_scales is None or kv_scales.k.shape != (heads,) or kv_scales.v.shape != (heads,) \
+            or kv_scales.k.dtype != torch.float32 or kv_scales.v.dtype != torch.float32:  # fmt: skip
+        shapes = None if kv_scales is None else (tuple(kv_scales.k.shape), tuple(kv_scales.v.shape))
+        raise ValueError(f"an FP8 ({k_cache.dtype}) K/V pool needs float32 KVScales of [{heads}] per K/V head, "
+                         f"got {shapes}")  # fmt: skip
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """[T, heads, head_dim] K or V as stored in an FP8 pool: x / scale per head, in float32, clamped to
+    the format's largest finite value (as vLLM's saturating conversion), rounded to nearest even."""
+    limit = torch.finfo(pool_dtype).max
+    return (x.float() / scale[:, None]).clamp(-limit, limit).to(pool_dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                  heads_first: bool = False) -> torch.Tensor:  # fmt: skip
+    """FP8 K or V ([..., heads, head_dim], or with heads_first [heads, ..., head_dim]) read back:
+    float32(stored) * scale per head, rounded to `dtype`."""
+    per_head = scale[:, None, None] if heads_first else scale[:, None]
+    return (stored.float() * per_head).to(dtype)
+
+
 def write_kv_torch(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatters new K/V ([T, heads, head_dim]) into the pool ([slots, heads, head_dim]) in place. A
-    negative slot (a padded row of a CUDA-graph bucket) writes nothing; the reference drops those
-    rows first, a data-dependent shape the kernels avoid."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
+) -> None:  # fmt: skip
+    """Scatters new K/V ([T, heads, head_dim]) into the pool ([slots, heads, head_dim]) in place,
+    quantized where the pool is FP8 (`quantize_kv`). A negative slot (a padded row of a CUDA-graph
+    bucket) writes nothing; the reference drops those rows first, a data-dependent shape the kernels
+    avoid."""
+    check_kv_scales(k_cache, kv_scales)
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if kv_scales is not None:  # torch has no FP8 index_copy_ on CPU: the bytes are copied
+        k = quantize_kv(k, kv_scales.k, k_cache.dtype).view(torch.uint8)
+        v = quantize_kv(v, kv_scales.v, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 
@@ -125,25 +200,25 @@ def write_kv_torch(
 def write_kv_and_attend(
     write_kv: Callable, attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, kv_scales: KVScales | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A layer's attention step: this step's K/V into the pool, then attention over it. Kernel sets
     bind their own write_kv and attention (dispatch.py); the Triton set fuses the two for decodes."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+    return attention(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
 
 
 def rotate_and_attend(
     rotary: Callable, write_kv_attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0, kv_scales: KVScales | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A rotary layer's attention step (the Llama family): rotary of this step's q and k at
     `positions`, then `write_kv_attention` of the rotated q/k and v, so the pool holds rotated keys.
     Kernel sets bind their own rotary and write_kv_attention (dispatch.py); the Triton set fuses all
     three into one launch for decodes. q and k are not modified (the rotaries return new tensors)."""
     q, k = rotary(q, k, positions, cos_sin)
-    return write_kv_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return write_kv_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
 
 
 def gqa_group_size(num_q_heads: int, num_kv_heads: int) -> int:
@@ -164,12 +239,14 @@ def attention_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, head_dim]; caches: [slots, Hkv, head_dim] with Hq % Hkv == 0. Returns [T, Hq, head_dim].
-    `window` and `softcap` as in this module's docstring (0: none)."""
+    `window`, `softcap` and `kv_scales` (an FP8 pool's) as in this module's docstring (0, None: none)."""
     num_kv_heads = k_cache.shape[1]
     group = gqa_group_size(q.shape[1], num_kv_heads)
     check_window(window, softcap)
+    check_kv_scales(k_cache, kv_scales)
     out = torch.empty_like(q)
     qs, ctxs = meta.host_lens()
     q_scaled = q * scale  # for the decode path, once for the whole batch
@@ -180,7 +257,7 @@ def attention_torch(
             out[q_lo:q_hi] = 0
             continue
         start = first_visible_key(ctxs[i] - n, window)  # the first query's window starts here
-        ki, vi = gather_context(k_cache, v_cache, meta, i, start)
+        ki, vi = gather_context(k_cache, v_cache, meta, i, start, kv_scales, q.dtype)
         if n == 1 and not softcap:
             # Decode: one query over its whole context. Two matmuls and a softmax cost a third of
             # SDPA's CPU dispatch here (which picks its unfused math path for these strided views).
@@ -205,12 +282,18 @@ def first_visible_key(position: int, window: int) -> int:
 
 
 def gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int, start: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int, start: int = 0,
+    kv_scales: KVScales | None = None, dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Request i's context K and V from position `start` on, copied out of the paged pool, each
-    [Hkv, ctx - start, head_dim]."""
+    [Hkv, ctx - start, head_dim]; an FP8 pool's dequantized to `dtype` (the model's) with its scales."""
     slots = meta.context_slots(i, start)
-    return k_cache.index_select(0, slots).transpose(0, 1), v_cache.index_select(0, slots).transpose(0, 1)
+    if kv_scales is None:
+        return k_cache.index_select(0, slots).transpose(0, 1), v_cache.index_select(0, slots).transpose(0, 1)
+    assert dtype is not None, "an FP8 pool is read back in the model's dtype"
+    k, v = (cache.view(torch.uint8).index_select(0, slots).view(cache.dtype).transpose(0, 1)
+            for cache in (k_cache, v_cache))  # fmt: skip
+    return dequantize_kv(k, kv_scales.k, dtype, heads_first=True), dequantize_kv(v, kv_scales.v, dtype, heads_first=True)
 
 
 def prefill_attention(

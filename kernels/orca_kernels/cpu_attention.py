@@ -1,14 +1,15 @@
 """Selective-batching attention on CPU: requests of few queries (decodes, speculative verifies,
 short prompt chunks) in one C call per layer, longer prefills by SDPA; and the K/V write, one C
-call per layer.
+call per layer (after `quantize_kv` where the pool is FP8).
 
 The torch reference (`attention_torch`) loops over requests in Python; at 64 decoding requests
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
 is ~6 small ops. The C kernel (csrc/decode_attention.c) does every request of at most
 `SHORT_QUERIES` queries in one call, each query as a decode of its own context; longer prefills
 have enough queries per request for SDPA to be efficient, so they stay on the torch path. float32
-and bfloat16 (widened to float32 as it is read, its output rounded once); other dtypes use the
-reference (a documented choice).
+and bfloat16 (widened to float32 as it is read, its output rounded once), each over a pool of its
+own dtype or an FP8 one (read back through per-head tables of the 256 codes: `KVScales.tables`);
+other dtypes use the reference (a documented choice).
 
 Paged K/V: the C kernel walks each decode's block table itself, reading K/V in place block by
 block; a prefill's context is gathered through its table (`gather_context`) for SDPA.
@@ -32,13 +33,17 @@ import torch
 
 from orca_kernels import native
 from orca_kernels.attention import (
+    FP8_KV_DTYPES,
     AttentionMetadata,
+    KVScales,
     attention_torch,
+    check_kv_scales,
     check_window,
     first_visible_key,
     gather_context,
     gqa_group_size,
     prefill_attention,
+    quantize_kv,
 )
 
 # Requests of at most this many queries in a step (decodes, speculative verifies of 1 + k tokens,
@@ -48,20 +53,20 @@ SHORT_QUERIES = 32
 
 
 @functools.cache
-def load_decode_kernel() -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """The kernel's entry points by dtype (float32, bfloat16) with their signatures declared: built
-    once per machine, loaded and declared once per process (every layer calls one). Raises
-    NativeBuildError with the reason."""
+def load_decode_kernel() -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
+    """The kernel's entry points by (query dtype, "fp8" for an FP8 pool, else "") with their
+    signatures declared: built once per machine, loaded and declared once per process (every layer
+    calls one). Raises NativeBuildError with the reason."""
     p, i64 = native.PTR, native.I64
     # q, q_row_stride, q_head_stride, k_cache, v_cache, out, query_start, context_lens, block_tables,
     # block_table_stride, block_size, num_requests, q_heads, kv_heads, head_dim, max_context, scale,
-    # window, softcap, scratch, num_threads, max_short
+    # window, softcap, k_lut, v_lut, scratch, num_threads, max_short
     argtypes = [p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                ctypes.c_float, p, ctypes.c_int, i64]  # fmt: skip
-    return {
-        torch.float32: native.declare("decode_attention", "orca_decode_attention_f32", argtypes, None),
-        torch.bfloat16: native.declare("decode_attention", "orca_decode_attention_bf16", argtypes, None),
-    }
+                ctypes.c_float, p, p, p, ctypes.c_int, i64]  # fmt: skip
+    names = {(torch.float32, ""): "f32", (torch.float32, "fp8"): "fp8_f32", (torch.bfloat16, ""): "bf16",
+             (torch.bfloat16, "fp8"): "fp8_bf16"}  # fmt: skip
+    return {key: native.declare("decode_attention", f"orca_decode_attention_{name}", argtypes, None)
+            for key, name in names.items()}  # fmt: skip
 
 
 @functools.cache
@@ -72,11 +77,15 @@ def load_write_kv_kernel() -> ctypes._CFuncPtr:
 
 
 def write_kv_cpu(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
+) -> None:  # fmt: skip
     """Same contract as `write_kv_torch` (a negative slot writes nothing), one C call for any dtype:
-    it copies each token's row of bytes, and its launch does not depend on how many slots are
-    negative (the CUDA-graph path's padded rows; worker/cuda_graphs.py)."""
+    it copies each token's row of bytes (an FP8 pool's quantized first), and its launch does not
+    depend on how many slots are negative (the CUDA-graph path's padded rows; worker/cuda_graphs.py)."""
+    check_kv_scales(k_cache, kv_scales)
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales.k, k_cache.dtype), quantize_kv(v, kv_scales.v, v_cache.dtype)
     tokens, heads, head_dim = k.shape
     row = heads * head_dim
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[1:] != (heads, head_dim) \
@@ -105,10 +114,11 @@ def attention_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Same contract as `attention_torch`: q [tokens, q_heads, head_dim], caches [slots, kv_heads,
     head_dim] with q_heads a multiple of kv_heads (kv_heads == q_heads: multi-head attention);
-    `window` and `softcap` as in attention.py (0: none)."""
+    `window`, `softcap` and an FP8 pool's `kv_scales` as in attention.py (0, None: none)."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
@@ -118,8 +128,11 @@ def attention_cpu(
         )
     gqa_group_size(heads, kv_heads)  # ValueError unless heads is a multiple of kv_heads (>= 1)
     check_window(window, softcap)
-    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype or q.device.type != "cpu":
-        return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap)
+    check_kv_scales(k_cache, kv_scales)
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    if q.dtype not in (torch.float32, torch.bfloat16) or (k_cache.dtype != q.dtype and not fp8) \
+            or v_cache.dtype != k_cache.dtype or q.device.type != "cpu":  # fmt: skip
+        return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
     tables = meta.block_tables
@@ -142,16 +155,19 @@ def attention_cpu(
         )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
-    # per thread: the scores; in bfloat16 also the query and one K/V row widened to float32, and the output
-    per_thread = heads * meta.max_context_len
+    # per thread: the scores and one K/V row read back in float32; in bfloat16 also the query
+    # widened to float32, and the output
+    per_thread = heads * meta.max_context_len + head_dim
     if q.dtype == torch.bfloat16:
-        per_thread += heads * 2 * head_dim + head_dim
+        per_thread += heads * 2 * head_dim
     scratch = torch.empty((threads, per_thread), dtype=torch.float32)
-    load_decode_kernel()[q.dtype](
+    k_lut, v_lut = kv_scales.tables(k_cache.dtype, q.dtype) if kv_scales is not None else (None, None)
+    load_decode_kernel()[(q.dtype, "fp8" if fp8 else "")](
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
         meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, window,
-        softcap, scratch.data_ptr(), threads, SHORT_QUERIES,
+        softcap, k_lut.data_ptr() if k_lut is not None else None, v_lut.data_ptr() if v_lut is not None else None,
+        scratch.data_ptr(), threads, SHORT_QUERIES,
     )  # fmt: skip
     if meta.max_query_len > SHORT_QUERIES:
         qs, ctxs = meta.host_lens()  # read once per metadata object, shared by every layer
@@ -163,6 +179,6 @@ def attention_cpu(
                 # [kv_heads, ctx - start, head_dim] from the first query's window start on:
                 # prefill_attention shares each K/V head over its group
                 start = first_visible_key(ctxs[i] - (q_hi - q_lo), window)
-                ki, vi = gather_context(k_cache, v_cache, meta, i, start)
+                ki, vi = gather_context(k_cache, v_cache, meta, i, start, kv_scales, q.dtype)
                 out[q_lo:q_hi] = prefill_attention(q[q_lo:q_hi], ki, vi, scale, window, softcap)
     return out

@@ -51,6 +51,11 @@ has it write this step's K/V to the pool (FUSED_WRITE), and `rotary_write_kv_att
 (the Llama family) has it apply the rotary embedding to the query and the new key first (ROTARY),
 with the same fp32 math and rounding as `rotary_triton`: one launch (+ the reduce) where there
 were three. Other batches run the separate kernels.
+
+FP8 pools (KV_FP8, attention.py's contract): every kernel loads the codes and reads them back as
+code * scale of its K/V head, rounded to the model's dtype, before the dot products; the write
+kernel and the fused write store fp8(x / scale), clamped to the format's largest value, and the
+fused write attends with the new key and value as read back from what it stores.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from . import triton_rotary
-from .attention import AttentionMetadata, check_window, gqa_group_size
+from .attention import AttentionMetadata, KVScales, check_kv_scales, check_window, gqa_group_size, is_fp8_pool
 from .rotary import check_rotary_args
 
 
@@ -74,6 +79,22 @@ def _soft_cap(x, cap):
     tanh, and this form saturates to exactly +-cap where e^2x overflows to inf or underflows to 0
     (the naive ratio of exponentials would give inf / inf = NaN there)."""
     return cap * (1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0))  # e^2x = 2^(2 log2(e) x)
+
+
+@triton.jit
+def _kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_FP8: tl.constexpr):
+    """(k_scale, v_scale) of a K/V head of an FP8 pool (KV_FP8), else 1 (unread)."""
+    if KV_FP8:
+        return tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
+    return 1.0, 1.0
+
+
+@triton.jit
+def _quantize(x, scale, FP8_MAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    """x as an FP8 pool stores it: x / scale in fp32, clamped to the format's largest finite value,
+    rounded to nearest (attention.py's quantize_kv)."""
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(CACHE_DTYPE)
 
 
 @triton.jit
@@ -102,6 +123,10 @@ def _attention_inner(
     BLOCK_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    k_scale,
+    v_scale,
+    KV_FP8: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
 ):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i); MASKED tiles straddle the causal edge.
     k_base/v_base point at the K/V head in pool slot 0; table_row at the request's block table row.
@@ -111,7 +136,9 @@ def _attention_inner(
     caller passing qk_scale = scale / softcap and cap = softcap * log2(e): Gemma 2's
     ``softcap * tanh(scale * q.k / softcap)`` in log2 units, with the constants folded on the host.
     SLIDING (with MASKED): the tiles straddle a window's lower edge too, key j visible to the row at
-    q_pos only if q_pos - window < j <= q_pos."""
+    q_pos only if q_pos - window < j <= q_pos. KV_FP8: the pool holds FP8
+    codes, read back as code * scale (the K/V head's k_scale, v_scale) rounded to KV_DTYPE, the
+    model's dtype (attention.py)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM  # constant-folds away when HEAD_DIM is a power of two
     for start in range(lo, hi, BLOCK_N):
@@ -128,6 +155,9 @@ def _attention_inner(
         rows = blocks.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=load_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=load_mask, other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(KV_DTYPE)
+            v = (v.to(tl.float32) * v_scale).to(KV_DTYPE)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -178,6 +208,8 @@ def _attention_kernel(
     qk_scale,
     cap,
     window,
+    k_scale_ptr,
+    v_scale_ptr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -190,6 +222,7 @@ def _attention_kernel(
     SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # GQA: query heads [g * GROUP, (g + 1) * GROUP) share K/V head g. This program takes HEADS of
@@ -229,6 +262,8 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M * HEADS, BLOCK_D], dtype=tl.float32)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
+    k_scale, v_scale = _kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_FP8)
+    KV_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
 
     # Negative only for a request with fewer keys than queries: the padding request of a mixed CUDA
     # graph's bucket (context 0), whose key ranges the clamps below make empty (zeros out).
@@ -248,17 +283,17 @@ def _attention_kernel(
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, kv_lo, mid_lo,
             qk_scale, cap, window, True, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            INPUT_PRECISION, DOT_FP32,
+            INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
         )
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, mid_lo, mid_hi,
             qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            INPUT_PRECISION, DOT_FP32,
+            INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
         )
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, mid_hi, kv_end,
             qk_scale, cap, window, True, True, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            INPUT_PRECISION, DOT_FP32,
+            INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
         )
         # fmt: on
     else:
@@ -271,12 +306,12 @@ def _attention_kernel(
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, 0, full_end,
             qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            INPUT_PRECISION, DOT_FP32,
+            INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
         )
         acc, l_i, m_i = _attention_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, kv_end,
             qk_scale, cap, window, True, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-            INPUT_PRECISION, DOT_FP32,
+            INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
         )
         # fmt: on
 
@@ -306,9 +341,13 @@ def _write_kv_kernel(
     stride_kch,
     stride_vct,
     stride_vch,
+    k_scale_ptr,
+    v_scale_ptr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -319,6 +358,12 @@ def _write_kv_kernel(
     mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:  # each head by its own scale
+        cache_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
+        k_scale = tl.load(k_scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)
+        k = _quantize(k, k_scale[:, None], FP8_MAX, cache_dtype)
+        v = _quantize(v, v_scale[:, None], FP8_MAX, cache_dtype)
     tl.store(k_cache_ptr + slot * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
@@ -371,6 +416,8 @@ def _decode_split_kernel(
     qk_scale,
     cap,
     window,
+    k_scale_ptr,
+    v_scale_ptr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -386,6 +433,8 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Program (request r, K/V-head program g, split s) of a decode-only batch, whose token r is
     request r's single query. Folds the split's keys [s * chunk, min((s + 1) * chunk, ctx)) (counted
@@ -408,7 +457,11 @@ def _decode_split_kernel(
     ROTARY (with FUSED_WRITE): q and k_new are this step's un-rotated query and key (read, never
     written); the kernel applies the neox rotary at positions[r] from the cos/sin table to both
     (see `_rotate`), attends with the rotated query and stores the rotated key: rotary_triton's
-    launch fused away too."""
+    launch fused away too.
+
+    KV_FP8: the pool holds FP8 codes (see `_attention_inner`); with FUSED_WRITE the new key and
+    value are quantized for the store and read back from those codes for their own score and sum,
+    exactly as a later step reads them from the pool."""
     req = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // HEAD_SPLITS).to(tl.int64)
     head0 = tl.program_id(1) % HEAD_SPLITS * HEADS
@@ -469,16 +522,18 @@ def _decode_split_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
+    k_scale, v_scale = _kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_FP8)
+    KV_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     # fmt: off
     acc, l_i, m_i = _attention_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, lo, full_end,
         qk_scale, cap, window, False, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-        INPUT_PRECISION, DOT_FP32,
+        INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
     )
     acc, l_i, m_i = _attention_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, table_row, q_pos, full_end, pool_hi,
         qk_scale, cap, window, True, False, SOFTCAP, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE,
-        INPUT_PRECISION, DOT_FP32,
+        INPUT_PRECISION, DOT_FP32, k_scale, v_scale, KV_FP8, KV_DTYPE,
     )
     # fmt: on
     if FUSED_WRITE:
@@ -488,6 +543,13 @@ def _decode_split_kernel(
         else:
             k_new = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
         v_new = tl.load(v_new_ptr + req * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        if KV_FP8:  # stored as codes; attended as what the pool gives back
+            k_store = _quantize(k_new, k_scale, FP8_MAX, k_ptr.dtype.element_ty)
+            v_store = _quantize(v_new, v_scale, FP8_MAX, v_ptr.dtype.element_ty)
+            k_new = (k_store.to(tl.float32) * k_scale).to(KV_DTYPE)
+            v_new = (v_store.to(tl.float32) * v_scale).to(KV_DTYPE)
+        else:
+            k_store, v_store = k_new, v_new
         if (hi == ctx) & (lo < hi):  # this split holds the new key: one more step of the online softmax
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
             if SOFTCAP:
@@ -500,8 +562,8 @@ def _decode_split_kernel(
             m_i = m_new
         slot = tl.load(slot_ptr + req).to(tl.int64)
         if (split == 0) & (head0 == 0) & (slot >= 0):
-            tl.store(k_ptr + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=d_mask)
-            tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=d_mask)
+            tl.store(k_ptr + slot * stride_kt + kv_head * stride_kh + offs_d, k_store, mask=d_mask)
+            tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_d, v_store, mask=d_mask)
 
     if DIRECT:
         # One split holds the whole context: normalise here, no scratch and no reduce. Context 0
@@ -665,6 +727,16 @@ def _score_args(scale: float, softcap: float) -> tuple[float, float]:
     return scale * math.log2(math.e), 0.0
 
 
+def _scale_args(q: torch.Tensor, kv_scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers of a launch: an FP8 pool's per-head scales, else any tensor (unread)."""
+    return (kv_scales.k, kv_scales.v) if kv_scales is not None else (q, q)
+
+
+def _fp8_max(cache: torch.Tensor) -> float:
+    """The FP8 pool's largest finite value, where stores clamp (0.0, unused, for other pools)."""
+    return float(torch.finfo(cache.dtype).max) if is_fp8_pool(cache) else 0.0
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -678,12 +750,13 @@ def _decode_attention(
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """A decode-only batch (token i is request i's one query) through the split-K kernels: plain
     integers size the grid and the scratch, and nothing is read back to the host. `new_kv` (k, v,
     slot_mapping): this step's K/V, written to the pool by the same launch (see FUSED_WRITE).
     `rotary` (positions, cos_sin), with `new_kv` only: q and k are rotated by that launch too (see
-    ROTARY)."""
+    ROTARY). `kv_scales`: an FP8 pool's (checked by the caller)."""
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -749,6 +822,7 @@ def _decode_attention(
         qk_scale,
         cap,
         window,
+        *_scale_args(q, kv_scales),
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -764,6 +838,8 @@ def _decode_attention(
         ROTARY=rotary is not None,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        KV_FP8=kv_scales is not None,
+        FP8_MAX=_fp8_max(k_cache),
         num_warps=4 if block_d <= 64 and rows <= 64 else 8,
         num_stages=2,
     )
@@ -792,6 +868,7 @@ def attention_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: KVScales | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -804,8 +881,10 @@ def attention_triton(
 
     A decode-only batch (``max_query_len == 1`` and one token per request) takes the split-K
     kernels, with ``num_splits`` key splits per request (default: `decode_splits`; ``block_m`` does
-    not apply there); any other batch takes the ragged kernel."""
+    not apply there); any other batch takes the ragged kernel. An FP8 pool is read with its
+    ``kv_scales`` (attention.py)."""
     check_window(window, softcap)
+    check_kv_scales(k_cache, kv_scales)
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -816,7 +895,8 @@ def attention_triton(
     if num_tokens == 0:
         return out
     if meta.max_query_len == 1 and num_tokens == meta.num_requests:
-        _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, block_n, num_splits)
+        _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, block_n, num_splits,
+                          kv_scales=kv_scales)  # fmt: skip
         return out
     heads, splits = _attention_heads(group)
     default_m, default_n = _attention_blocks(q, meta.max_query_len, heads)
@@ -856,6 +936,7 @@ def attention_triton(
         qk_scale,
         cap,
         window,
+        *_scale_args(q, kv_scales),
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -869,6 +950,7 @@ def attention_triton(
         SPLITS=splits,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        KV_FP8=kv_scales is not None,
         num_warps=4 if block_d <= 64 and block_m * heads <= 64 else 8,
         num_stages=2,
     )
@@ -885,6 +967,7 @@ def write_kv_attention_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: KVScales | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -892,10 +975,11 @@ def write_kv_attention_triton(
     one launch fewer: the split kernel writes the new K/V itself and takes the new key and value
     from k/v rather than from the pool."""
     check_window(window, softcap)  # before the write: a bad argument leaves the pool as it was
+    check_kv_scales(k_cache, kv_scales)
     num_tokens = q.shape[0]
     if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
-        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-        return attention_triton(q, k_cache, v_cache, meta, scale, window, softcap, num_splits=num_splits)
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return attention_triton(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales, num_splits=num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
     _unit_last_stride(k_cache, "k_cache")
@@ -904,7 +988,7 @@ def write_kv_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # fmt: off
     _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, None, num_splits,
-                      (k, v, meta.slot_mapping))
+                      (k, v, meta.slot_mapping), kv_scales=kv_scales)
     # fmt: on
     return out
 
@@ -921,6 +1005,7 @@ def rotary_write_kv_attention_triton(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: KVScales | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -938,11 +1023,12 @@ def rotary_write_kv_attention_triton(
     num_tokens = q.shape[0]
     check_rotary_args(q, k, positions, cos_sin)
     check_window(window, softcap)
+    check_kv_scales(k_cache, kv_scales)
     if not (num_tokens and meta.max_query_len == 1 and num_tokens == meta.num_requests):
         # The module, not a name imported from it: get_ops may reload triton_rotary (interpreter
         # toggling), and this call must take the reloaded kernel.
         q, k = triton_rotary.rotary_triton(q, k, positions, cos_sin)
-        return write_kv_attention_triton(q, k, v, k_cache, v_cache, meta, scale, window, softcap,
+        return write_kv_attention_triton(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales,
                                          num_splits=num_splits)  # fmt: skip
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -952,17 +1038,19 @@ def rotary_write_kv_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # fmt: off
     _decode_attention(q, k_cache, v_cache, out, meta, scale, window, softcap, None, num_splits,
-                      (k, v, meta.slot_mapping), (positions, cos_sin))
+                      (k, v, meta.slot_mapping), (positions, cos_sin), kv_scales)
     # fmt: on
     return out
 
 
 def write_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Same contract as ``write_kv_torch``: scatters k/v [T, heads, head_dim] into the pool in place,
-    except that a token whose slot is negative (slot -1: a padded row of a CUDA graph's batch) is
-    skipped: it writes nothing, so no pool slot changes for it."""
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
+) -> None:  # fmt: skip
+    """Same contract as ``write_kv_torch``: scatters k/v [T, heads, head_dim] into the pool in place
+    (quantized where it is FP8), except that a token whose slot is negative (slot -1: a padded row of
+    a CUDA graph's batch) is skipped: it writes nothing, so no pool slot changes for it."""
+    check_kv_scales(k_cache, kv_scales)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -991,8 +1079,11 @@ def write_kv_triton(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *_scale_args(k, kv_scales),
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        KV_FP8=kv_scales is not None,
+        FP8_MAX=_fp8_max(k_cache),
         num_warps=4,
     )

@@ -497,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, help="baseline: Triton's dynamic-batcher max_batch_size")
     p.add_argument("--max-queue-delay-us", type=int, help="baseline dynamic_batching max_queue_delay_microseconds")
     p.add_argument("--kv-capacity-tokens", type=int, help="K/V pool size in token slots")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="K/V stored in the model's dtype (auto) or in FP8 with per-head scales (vLLM's name)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run every step eagerly instead of replaying the decode steps' CUDA graphs")
     p.add_argument("--kv-policy", choices=("reserve", "paged"),
@@ -554,7 +556,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     if unknown or not models:
         raise SystemExit(f"--models: choose from {', '.join(ALL_MODELS)}, got {args.models!r}")
     params = _parse_key_values(args.param)
-    for flag in ("model", "tokenizer", "device", "dtype", "kv_capacity_tokens", "tensor_parallel_size",
+    for flag in ("model", "tokenizer", "device", "dtype", "kv_cache_dtype", "kv_capacity_tokens", "tensor_parallel_size",
                  "pipeline_parallel_size", "enforce_eager", "max_loras", "max_lora_rank", "distributed_executor_backend",
                  "ray_address"):  # fmt: skip
         value = getattr(args, flag)

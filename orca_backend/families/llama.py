@@ -106,6 +106,9 @@ class LlamaConfig:
     int_group: int = 0
     int_symmetric: bool = True
     int_act_order: bool = False
+    # The quantization_config declares FP8 K/V scales (compressed-tensors' kv_cache_scheme): each
+    # attention's k_scale and v_scale are in the checkpoint (model/kv_scales.py).
+    kv_scales: bool = False
     # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` SwiGLU experts of
     # moe_intermediate_size per MoE layer, each token routed to its top `num_experts_per_tok`, their
     # weights renormalised when `norm_topk_prob`; Qwen2-MoE adds a gated shared expert. MoE layers:

@@ -325,6 +325,10 @@ class Decoder(StageModel):
             and gemm.can_fuse_norms(ops, [x for layer in weights.layers for x in (layer.qkv_w, layer.gate_up_w)])
         )
 
+    def kv_scale_names(self, layer: int) -> list[tuple[str, str]]:
+        attn = f"model.layers.{layer}.self_attn."
+        return [(attn + "k_scale", attn + "v_scale"), (attn + "k_proj.output_scale", attn + "v_proj.output_scale")]
+
     def eagle3_layers(self, layers: tuple[int, ...] | None) -> tuple[int, ...]:
         count = self.config.num_hidden_layers
         chosen = layers if layers is not None else (2, count // 2, count - 3)  # vLLM's default
@@ -389,9 +393,9 @@ class Decoder(StageModel):
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS:
             return self._forward_fused(x, residual, stage_input, meta, kv_caches, logits_indices)
-        layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
+        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, strict=True)
         aux_layers, aux = stage_input.aux_layers, []
-        for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
+        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales) in enumerate(layers):
             if i in aux_layers:
                 aux.append(x if residual is None else x + residual)
             h, residual = add_rmsnorm(x, residual, layer.input_norm_w, eps)
@@ -404,7 +408,7 @@ class Decoder(StageModel):
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             # Rotary, the K/V write and attention: one launch (+ a reduce) for a decode on the Triton set.
             attn = ops.rotary_write_kv_attention(
-                q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale, window, softcap
+                q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale, window, softcap, kv_scales
             ).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, tp, lora and lora.adder(i, "o"))
             if sandwich:  # the post-norm's output is the x of the pre-norm's residual add
@@ -455,9 +459,9 @@ class Decoder(StageModel):
         t, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
         hq, hkv = self.num_heads, self.num_kv_heads
         pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
-        layers = zip(w.layers, self.layer_attention, kv_caches, strict=True)
+        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, strict=True)
         aux_layers, aux = stage_input.aux_layers, []
-        for i, (layer, (window, cos_sin), (k_cache, v_cache)) in enumerate(layers):
+        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales) in enumerate(layers):
             if i in aux_layers:  # (no bias is pending between layers)
                 aux.append(x if residual is None else x + residual)
             qkv, residual = ops.norm_linear(x, pending, residual, layer.input_norm_w, None, eps, layer.qkv_w, layer.qkv_b)
@@ -467,7 +471,8 @@ class Decoder(StageModel):
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             # fmt: off
             attn = ops.rotary_write_kv_attention(q, k, v, stage_input.positions, cos_sin, k_cache, v_cache, meta,
-                                                 hooks.attn_scale, window, hooks.attn_softcap).reshape(t, hq * d)
+                                                 hooks.attn_scale, window, hooks.attn_softcap,
+                                                 kv_scales).reshape(t, hq * d)
             x, pending = row_parallel_linear(attn, layer.o_w, None, tp), layer.o_b
             h, residual = ops.norm_linear(x, pending, residual, layer.pre_mlp_norm_w, None, eps, layer.gate_up_w, None,
                                           hooks.activation)

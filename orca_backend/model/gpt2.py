@@ -144,13 +144,15 @@ class GPT2(StageModel):
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS:
             return self._forward_fused(x, residual, meta, kv_caches, logits_indices, stage_input.pool_indices)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
+        layers = zip(w.layers, kv_caches, self.kv_scales, strict=True)
+        for i, (layer, (k_cache, v_cache), kv_scales) in enumerate(layers):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
             qkv = gemm.linear(h, layer.qkv_w, layer.qkv_b)
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
             q, k, v = qkv.view(num_tokens, 3, self.num_heads, cfg.head_dim).unbind(1)
-            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
+            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale, 0, 0.0,
+                                          kv_scales).reshape(num_tokens, local_hidden)  # fmt: skip
             x = row_parallel_linear(attn, layer.attn_out_w, layer.attn_out_b, self.tp, lora and lora.adder(i, "o"))
             h, residual = ops.add_layernorm(x, residual, layer.ln2_w, layer.ln2_b, cfg.layer_norm_epsilon)
             if lora is not None and "fc" in lora.targeted:  # the adapter's delta goes in before the GELU
@@ -192,10 +194,11 @@ class GPT2(StageModel):
         cfg, w, ops, eps = self.config, self.weights, self.ops, self.config.layer_norm_epsilon
         num_tokens, local_hidden = x.shape[0], self.num_heads * cfg.head_dim
         pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), kv_scales in zip(w.layers, kv_caches, self.kv_scales, strict=True):
             qkv, residual = ops.norm_linear(x, pending, residual, layer.ln1_w, layer.ln1_b, eps, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.view(num_tokens, 3, self.num_heads, cfg.head_dim).unbind(1)
-            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(num_tokens, local_hidden)
+            attn = ops.write_kv_attention(q, k, v, k_cache, v_cache, meta, self.scale, 0, 0.0,
+                                          kv_scales).reshape(num_tokens, local_hidden)  # fmt: skip
             x, pending = row_parallel_linear(attn, layer.attn_out_w, None, self.tp), layer.attn_out_b
             # fmt: off
             h, residual = ops.norm_linear(x, pending, residual, layer.ln2_w, layer.ln2_b, eps, layer.fc_w, layer.fc_b,

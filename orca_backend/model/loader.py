@@ -15,6 +15,7 @@ from orca_backend.families import AnyModelConfig
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.device import torch_dtype
+from orca_backend.model.kv_scales import load_kv_scales
 from orca_backend.model.registry import model_code
 from orca_kernels import get_ops
 
@@ -40,4 +41,9 @@ def load_model(
     ops = get_ops(device, config.kernels)
     with gemm.packing_for(ops):
         weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
-    return code.model(model_config, weights, ops, layout, tp)
+    model = code.model(model_config, weights, ops, layout, tp)
+    stage_layers = layout.layers(model_config.num_layers) if weights.layers else range(0)  # (a model with no layer)
+    names = [model.kv_scale_names(i) for i in stage_layers]
+    model.kv_scales = load_kv_scales(source, names, model_config.num_kv_heads, layout, config.kv_cache_dtype, device,
+                                     declared=getattr(model_config, "kv_scales", False))  # fmt: skip
+    return model

@@ -10,6 +10,7 @@ import torch
 from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import ParallelLayout
 from orca_kernels import KernelOps
+from orca_kernels.attention import KVScales
 from orca_kernels.lora import LoRAMetadata
 
 if TYPE_CHECKING:
@@ -56,6 +57,13 @@ class StageModel:
         self.num_kv_heads = num_kv_heads // layout.tp_size  # the K/V pool's heads (model_runner.py)
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
         self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
+        # Each of this stage's layers' FP8 K/V scales (kv_cache_dtype fp8; model/kv_scales.py), else None.
+        self.kv_scales: list[KVScales | None] = [None] * len(weights.layers)
+
+    def kv_scale_names(self, layer: int) -> list[tuple[str, str]]:
+        """The checkpoint names a layer's FP8 K/V scales may have, as (k, v) pairs in the order tried
+        (model/kv_scales.py); none for a family no quantizer writes them for."""
+        return []
 
     def eagle3_layers(self, layers: tuple[int, ...] | None) -> tuple[int, ...]:
         """The layers whose input hidden states an EAGLE-3 head joins: `layers` as its config names

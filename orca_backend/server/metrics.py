@@ -92,12 +92,12 @@ CACHE_CONFIG_INFO_HELP = "Information of the LLMEngine CacheConfig"
 def cache_config_labels(config: Any) -> dict[str, str]:
     """The K/V pool's configuration as vLLM labels it (Python's str of each value). `num_gpu_blocks`
     keeps vLLM's name whatever the device: the pool's blocks, per layer; there is no CPU swap pool
-    (`num_cpu_blocks` None) and the K/V is kept in the model's dtype (`cache_dtype` auto)."""
+    (`num_cpu_blocks` None); `cache_dtype` is kv_cache_dtype (auto: the model's dtype)."""
     return {
         "block_size": str(int(config.block_size)),
         "num_gpu_blocks": str(int(config.kv_capacity_tokens) // int(config.block_size)),
         "num_cpu_blocks": "None",
-        "cache_dtype": "auto",
+        "cache_dtype": str(config.kv_cache_dtype),
         "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
         "gpu_memory_utilization": str(float(config.gpu_memory_utilization)),
         "kv_cache_memory_bytes": str(int(config.kv_cache_memory_bytes) or None),

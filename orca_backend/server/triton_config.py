@@ -154,7 +154,7 @@ VLLM_ARGS: dict[str, Callable[[Any], dict[str, str]]] = {
         "model", "tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
         "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
         "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_lora", "max_loras", "max_lora_rank",
-        "max_cpu_loras", "seed", "async_scheduling", "device", "quantization")},
+        "max_cpu_loras", "seed", "async_scheduling", "device", "quantization", "kv_cache_dtype")},
     "dtype": _dtype,
     "enable_chunked_prefill": _chunked_prefill,
     "distributed_executor_backend": _executor,

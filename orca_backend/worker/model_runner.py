@@ -23,6 +23,7 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families import AnyModelConfig
 from orca_backend.lora import LoRARequest
 from orca_backend.model.device import torch_dtype
+from orca_backend.model.kv_scales import kv_pool_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
@@ -149,8 +150,8 @@ class ModelRunner:
 
     def _allocate_pool(self, num_slots: int, model_config: AnyModelConfig,
                        config: EngineConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        return allocate_kv_pool(len(self.model.weights.layers), num_slots, self.model.num_kv_heads,
-                                model_config.head_dim, torch_dtype(config.dtype), self.device)  # fmt: skip
+        return allocate_kv_pool(len(self.model.weights.layers), num_slots, self.model.num_kv_heads, model_config.head_dim,
+                                kv_pool_dtype(config.kv_cache_dtype, torch_dtype(config.dtype)), self.device)  # fmt: skip
 
     def _kv_slots_from_memory(self, config: EngineConfig, model_config: AnyModelConfig) -> int:
         """The pool's slots from gpu_memory_utilization (worker/kv_pool.py): the largest step runs once
@@ -253,8 +254,9 @@ class ModelRunner:
         index = self.input_batch.staging.put(slots)  # staged: no pageable copy in the step's stream
         sources, destinations = index[:, 0].reshape(-1), index[:, 1].reshape(-1)
         for k_cache, v_cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
-            k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
-            v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
+            for cache in (k_cache, v_cache):  # as bytes: torch copies no FP8 rows by index on CPU
+                cache = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                cache.index_copy_(0, destinations, cache.index_select(0, sources))
 
     def _load_adapters(self, loads: list[tuple[int, LoRARequest]]) -> None:
         """Loads the step's adapters. The ranks agree on which failed (a file may differ between hosts),

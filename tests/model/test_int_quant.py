@@ -210,7 +210,7 @@ CT_W4 = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy"
       "config_groups": {"g": CT_W4 | {"input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
                                                             "dynamic": True}}}}, "input_activations"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": CT_W4},
-      "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+      "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, "kv_cache_scheme"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": CT_W4["weights"] | {"actorder": "group"}}}}, "weights.actorder='group'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),

@@ -342,3 +342,8 @@ def test_the_stand_in_removes_a_series_with_its_family_only(kind):
     assert len(pb.series) == 1  # the same series, held by the other family of the name
     del twin
     assert pb.series == {}
+
+
+def test_cache_config_info_names_an_fp8_pool():
+    """kv_cache_dtype as vLLM labels it: fp8 when the pool is FP8."""
+    assert cache_config_labels(EngineConfig(kv_cache_dtype="fp8"))["cache_dtype"] == "fp8"

@@ -1,4 +1,5 @@
-/* Decode attention on CPU for selective batching, float32 or bfloat16, with grouped-query attention (GQA).
+/* Decode attention on CPU for selective batching, float32 or bfloat16 (over a pool of that dtype or
+ * of FP8), with grouped-query attention (GQA).
  *
  * For every request whose step has at most max_short queries (a decode, a one-token prompt, a
  * speculative verify of 1 + k tokens, a short prompt chunk), attends each query over the request's
@@ -38,8 +39,11 @@
  *
  * Layouts: q rows at q_row_stride elements, heads at q_head_stride; caches are contiguous
  * [slots, kv_heads, head_dim] (slots = num_blocks * block_size); block_tables is [requests,
- * block_table_stride] int32; out is contiguous [tokens, q_heads, head_dim]; scratch is
- * [num_threads, q_heads, max_context] (a window only shortens the rows used).
+ * block_table_stride] int32; out is contiguous [tokens, q_heads, head_dim]; scratch is per thread
+ * (see the entry points; a window only shortens the rows used).
+ *
+ * FP8 pools (kv_cache_dtype fp8): one byte per element, read back through a per-head table of the
+ * 256 codes' values (fp8_row), so both FP8 formats and any scale take the same code.
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,10 +67,19 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
-/* A K or V row as float32: a float32 pool's own row; a bfloat16 one's widened into `buf` (exact). */
-#define F32_ROW(row, buf, n) (row)
-static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) {
+/* A K or V row (of K/V head g) as float32: a float32 pool's own row; a bfloat16 one's widened into
+ * `buf` (exact); an FP8 one's read back into `buf` through its head's table: lut[g * 256 + code] is
+ * what the byte `code` stands for under head g's scale, rounded to the model's dtype (KVScales.tables
+ * in attention.py), so one lookup replaces the conversion, the multiply and the rounding. */
+#define F32_ROW(row, buf, n, lut, g) (row)
+static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n, const float *lut, int64_t g) {
+    (void)lut, (void)g;
     for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(row[i]);
+    return buf;
+}
+static inline const float *fp8_row(const uint8_t *row, float *buf, int64_t n, const float *lut, int64_t g) {
+    const float *table = lut + g * 256;
+    for (int64_t i = 0; i < n; i++) buf[i] = table[row[i]];
     return buf;
 }
 
@@ -81,13 +94,13 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
  * consecutive query heads g * group .. g * group + group - 1. Per (query head, token) the
  * arithmetic, and the order in which a head's output sums over tokens, depend neither on group nor
  * on the block layout, so kv_heads == q_heads computes exactly what the multi-head kernel did.
- * A bfloat16 pool's rows are widened to float32 as they are read (exact), so its arithmetic is the
- * float32 kernel's, operation for operation. */
+ * A bfloat16 pool's rows are widened to float32 as they are read (exact), and an FP8 pool's are
+ * looked up, so their arithmetic is the float32 kernel's, operation for operation. */
 #define DEFINE_ATTEND_ONE(NAME, KV_T, ROW)                                                                   \
     static void NAME(const float *q, int64_t q_head_stride, const KV_T *k_cache, const KV_T *v_cache,         \
                      const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t start,       \
                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, float softcap,         \
-                     float *scores, float *row_buf) {                                                        \
+                     const float *k_lut, const float *v_lut, float *scores, float *row_buf) {                \
         const int64_t group = q_heads / kv_heads;                                                            \
         const int64_t kv_row = kv_heads * head_dim; /* elements per token in the K/V pool */                 \
         const int64_t block_elems = block_size * kv_row;                                                     \
@@ -107,7 +120,7 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
                 if (next) prefetch(next + t * kv_row, kv_row * (int64_t)sizeof(KV_T));                       \
                 for (int64_t g = 0; g < kv_heads; g++) {                                                     \
                     /* read from memory once for the group */                                                \
-                    const float *kt = ROW(kb + t * kv_row + g * head_dim, row_buf, head_dim);                \
+                    const float *kt = ROW(kb + t * kv_row + g * head_dim, row_buf, head_dim, k_lut, g);            \
                     for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
                         float s = scale * dot(q + h * q_head_stride, kt, head_dim);                          \
                         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);                                \
@@ -135,7 +148,7 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
             for (int64_t t = t0 < start ? start - t0 : 0; t < len; t++) {                                   \
                 if (next) prefetch(next + t * kv_row, kv_row * (int64_t)sizeof(KV_T));                       \
                 for (int64_t g = 0; g < kv_heads; g++) {                                                     \
-                    const float *vt = ROW(vb + t * kv_row + g * head_dim, row_buf, head_dim);                \
+                    const float *vt = ROW(vb + t * kv_row + g * head_dim, row_buf, head_dim, v_lut, g);            \
                     for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
                         const float p = scores[h * keys + t0 + t - start];                                   \
                         float *o = out + h * head_dim;                                                       \
@@ -148,6 +161,7 @@ static inline const float *bf16_row(const uint16_t *row, float *buf, int64_t n) 
     }
 DEFINE_ATTEND_ONE(attend_one, float, F32_ROW)
 DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, bf16_row)
+DEFINE_ATTEND_ONE(attend_one_fp8, uint8_t, fp8_row)
 
 /* The query token t of a step: its request r (bisecting query_start), and whether it is attended
  * here (its request has at most max_short queries); then its context and window start. */
@@ -168,57 +182,65 @@ static inline int locate(const int32_t *query_start, const int32_t *context_lens
     return 1;
 }
 
-/* The caller guarantees (attention_cpu checks) q_heads % kv_heads == 0, kv_heads >= 1,
- * block_size >= 1, window >= 0, softcap >= 0 and rows of at least ceil(max_context / block_size)
- * blocks; the block ids the walk reads are trusted to lie in the pool, as slot_mapping's slots are
- * by write_kv. */
-void orca_decode_attention_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride, const float *k_cache,
-                               const float *v_cache, float *out, const int32_t *query_start,
-                               const int32_t *context_lens, const int32_t *block_tables,
-                               int64_t block_table_stride, int64_t block_size, int64_t num_requests,
-                               int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
-                               float scale, int64_t window, float softcap, float *scratch, int num_threads,
-                               int64_t max_short) {
-    const int64_t out_row = q_heads * head_dim;
-    const int64_t tokens = query_start[num_requests];
-    /* One task per query token (a verify step at batch 1 still fills every thread). */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        int64_t r, ctx, start;
-        if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start)) continue;
-        attend_one(q + t * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride,
-                   block_size, out + t * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,
-                   scratch + (int64_t)omp_get_thread_num() * q_heads * max_context, NULL);
-    }
-}
+/* The entry points, one per (query dtype, pool dtype): float32 queries over a float32 or FP8 pool,
+ * bfloat16 ones over a bfloat16 or FP8 pool. The caller guarantees (attention_cpu checks) q_heads %
+ * kv_heads == 0, kv_heads >= 1, block_size >= 1, window >= 0, softcap >= 0, rows of at least
+ * ceil(max_context / block_size) blocks, and for an FP8 pool the tables k_lut and v_lut ([kv_heads,
+ * 256] floats each; NULL otherwise); the block ids the walk reads are trusted to lie in the pool, as
+ * slot_mapping's slots are by write_kv. One task per query token (a verify step at batch 1 still
+ * fills every thread). */
+#define ENTRY_ARGS(Q_T, KV_T)                                                                                \
+    const Q_T *q, int64_t q_row_stride, int64_t q_head_stride, const KV_T *k_cache, const KV_T *v_cache,      \
+        Q_T *out, const int32_t *query_start, const int32_t *context_lens, const int32_t *block_tables,       \
+        int64_t block_table_stride, int64_t block_size, int64_t num_requests, int64_t q_heads,                \
+        int64_t kv_heads, int64_t head_dim, int64_t max_context, float scale, int64_t window, float softcap,   \
+        const float *k_lut, const float *v_lut, float *scratch, int num_threads, int64_t max_short
 
-/* The same for bfloat16 q, pool and out (their 16-bit patterns): each query is widened to float32,
- * attended in float32 as above, and its output rounded to bfloat16 once. scratch is [num_threads,
- * q_heads * (max_context + 2 * head_dim) + head_dim] floats: the scores, the widened query, the
- * output and one widened K/V row. */
-void orca_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, int64_t q_head_stride,
-                                const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
-                                const int32_t *query_start, const int32_t *context_lens,
-                                const int32_t *block_tables, int64_t block_table_stride, int64_t block_size,
-                                int64_t num_requests, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t max_context, float scale, int64_t window, float softcap, float *scratch,
-                                int num_threads, int64_t max_short) {
-    const int64_t out_row = q_heads * head_dim;
-    const int64_t tokens = query_start[num_requests];
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        int64_t r, ctx, start;
-        if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start)) continue;
-        float *scores = scratch + (int64_t)omp_get_thread_num() * (q_heads * (max_context + 2 * head_dim) + head_dim);
-        float *q32 = scores + q_heads * max_context, *o32 = q32 + out_row, *row_buf = o32 + out_row;
-        for (int64_t h = 0; h < q_heads; h++)
-            for (int64_t d = 0; d < head_dim; d++)
-                q32[h * head_dim + d] = bf16_to_f32(q[t * q_row_stride + h * q_head_stride + d]);
-        attend_one_bf16(q32, head_dim, k_cache, v_cache, block_tables + r * block_table_stride, block_size, o32,
-                        ctx, start, q_heads, kv_heads, head_dim, scale, softcap, scores, row_buf);
-        for (int64_t i = 0; i < out_row; i++) out[t * out_row + i] = f32_to_bf16(o32[i]);
+/* float32 queries: scratch is [num_threads, q_heads * max_context + head_dim] floats, the scores
+ * and one read-back K/V row. */
+#define DEFINE_F32_ENTRY(NAME, KV_T, ATTEND)                                                                 \
+    void NAME(ENTRY_ARGS(float, KV_T)) {                                                                      \
+        const int64_t out_row = q_heads * head_dim, tokens = query_start[num_requests];                      \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
+        for (int64_t t = 0; t < tokens; t++) {                                                               \
+            int64_t r, ctx, start;                                                                           \
+            if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start))    \
+                continue;                                                                                    \
+            float *scores = scratch + (int64_t)omp_get_thread_num() * (q_heads * max_context + head_dim);    \
+            ATTEND(q + t * q_row_stride, q_head_stride, k_cache, v_cache, block_tables + r * block_table_stride, \
+                   block_size, out + t * out_row, ctx, start, q_heads, kv_heads, head_dim, scale, softcap,   \
+                   k_lut, v_lut, scores, scores + q_heads * max_context);                                   \
+        }                                                                                                    \
     }
-}
+
+/* bfloat16 queries and output (their 16-bit patterns): each query is widened to float32, attended
+ * in float32 as above, and its output rounded to bfloat16 once. scratch is [num_threads, q_heads *
+ * (max_context + 2 * head_dim) + head_dim] floats: the scores, the widened query, the output and
+ * one read-back K/V row. */
+#define DEFINE_BF16_ENTRY(NAME, KV_T, ATTEND)                                                                \
+    void NAME(ENTRY_ARGS(uint16_t, KV_T)) {                                                                   \
+        const int64_t out_row = q_heads * head_dim, tokens = query_start[num_requests];                      \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
+        for (int64_t t = 0; t < tokens; t++) {                                                               \
+            int64_t r, ctx, start;                                                                           \
+            if (!locate(query_start, context_lens, num_requests, t, max_short, window, &r, &ctx, &start))    \
+                continue;                                                                                    \
+            float *scores = scratch + (int64_t)omp_get_thread_num() *                                        \
+                                          (q_heads * (max_context + 2 * head_dim) + head_dim);               \
+            float *q32 = scores + q_heads * max_context, *o32 = q32 + out_row, *row_buf = o32 + out_row;     \
+            for (int64_t h = 0; h < q_heads; h++)                                                            \
+                for (int64_t d = 0; d < head_dim; d++)                                                       \
+                    q32[h * head_dim + d] = bf16_to_f32(q[t * q_row_stride + h * q_head_stride + d]);        \
+            ATTEND(q32, head_dim, k_cache, v_cache, block_tables + r * block_table_stride, block_size, o32,  \
+                   ctx, start, q_heads, kv_heads, head_dim, scale, softcap, k_lut, v_lut, scores, row_buf);  \
+            for (int64_t i = 0; i < out_row; i++) out[t * out_row + i] = f32_to_bf16(o32[i]);              \
+        }                                                                                                    \
+    }
+
+DEFINE_F32_ENTRY(orca_decode_attention_f32, float, attend_one)
+DEFINE_F32_ENTRY(orca_decode_attention_fp8_f32, uint8_t, attend_one_fp8)
+DEFINE_BF16_ENTRY(orca_decode_attention_bf16, uint16_t, attend_one_bf16)
+DEFINE_BF16_ENTRY(orca_decode_attention_fp8_bf16, uint8_t, attend_one_fp8)
 
 /* Writes each new token's K and V row (row_bytes each: kv_heads * head_dim elements of any dtype,
  * contiguous within the token) into its pool slot. A negative slot is a padded row of a CUDA-graph
