@@ -1,16 +1,23 @@
-"""How many requests run at once in a fixed K/V memory, and what that does to throughput: the pool in
-the model's dtype against an FP8 pool (kv_cache_dtype fp8) of the same bytes, side by side in one run.
+"""K/V memory benchmarks, every configuration side by side in one run (rounds interleaved).
 
-    python benchmarks/kv_capacity.py                       # GPT-2-small geometry, float32, 2,048 float32 tokens of K/V
+    python benchmarks/kv_capacity.py                       # --suite dtype: FP8 K/V against the model's dtype
+    python benchmarks/kv_capacity.py --suite swap --prompt 32 --output 192   # preemption by swap vs recompute
     python benchmarks/kv_capacity.py --model llama-150m --pool-tokens 4096 --repeat 3
 
 Each configuration serves the same --requests requests (prompts of --prompt tokens, --output tokens
 each, ignore_eos) with kv_cache_memory_bytes fixed to what --pool-tokens tokens take in the model's
-dtype, under both K/V policies: `reserve` (ORCA's: prompt + max_tokens reserved at admission, so the
-running batch is exactly what the pool holds) and `paged` (vLLM's: blocks as contexts grow, the
-newest request preempted and recomputed when they run out). Reported per configuration: the peak
-of running requests, the preemptions, output tokens/s (range over --repeat rounds, configurations
-interleaved within a round). The weights are the preset's seeded random ones.
+dtype (GPT-2-small geometry, float32, 2,048 tokens by default).
+
+Suites:
+  dtype  how many requests run at once, and the throughput: the pool in the model's dtype against an
+         FP8 pool (kv_cache_dtype fp8) of the same bytes, under both K/V policies: `reserve` (ORCA's:
+         prompt + max_tokens reserved at admission, so the running batch is what the pool holds)
+         and `paged` (vLLM's: blocks as contexts grow, the newest request preempted when they run
+         out).
+  swap   a preemption-heavy workload (short prompts, long outputs, paged): preempted requests
+         recomputed against swapped to a host tier (swap_space, --swap-gib).
+Reported per configuration: the peak of running requests, the preemptions, the prompt tokens
+computed, output tokens/s (range over --repeat rounds). The weights are the preset's seeded random ones.
 """
 
 from __future__ import annotations
@@ -29,9 +36,18 @@ from orca_client import machine
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(model: str, dtype: str, kv_cache_dtype: str, kv_policy: str, pool_bytes: int, args) -> dict:
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_policy=kv_policy, kv_cache_memory_bytes=pool_bytes,
-              max_num_seqs=args.requests, block_size=16)  # fmt: skip
+SUITES = {  # name -> {configuration: its engine options}
+    "dtype": {"auto/reserve": {"kv_policy": "reserve"}, "fp8/reserve": {"kv_policy": "reserve", "kv_cache_dtype": "fp8"},
+              "auto/paged": {"kv_policy": "paged"}, "fp8/paged": {"kv_policy": "paged", "kv_cache_dtype": "fp8"}},
+    "swap": {"recompute": {"kv_policy": "paged"}, "swap": {"kv_policy": "paged", "swap_space": None}},
+}
+RATIOS = {"dtype": [("reserve", "fp8/reserve", "auto/reserve"), ("paged", "fp8/paged", "auto/paged")],
+          "swap": [("swap_over_recompute", "swap", "recompute")]}  # fmt: skip
+
+
+def run_once(model: str, dtype: str, options: dict, pool_bytes: int, args) -> dict:
+    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=pool_bytes, max_num_seqs=args.requests, block_size=16,
+              **options)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(args.prompt)] for i in range(args.requests)]
@@ -48,7 +64,9 @@ def run_once(model: str, dtype: str, kv_cache_dtype: str, kv_policy: str, pool_b
     after = engine.stats()
     tokens = after.num_generated_tokens - before.num_generated_tokens
     result = {"kv_capacity_tokens": after.kv_capacity_tokens, "peak_running": peak,
-              "preemptions": after.num_preemptions - before.num_preemptions, "seconds": seconds,
+              "preemptions": after.num_preemptions - before.num_preemptions,
+              "prompt_tokens_computed": after.num_prompt_tokens_computed - before.num_prompt_tokens_computed,
+              "swapped_out_blocks": after.kv_swapped_out_blocks - before.kv_swapped_out_blocks, "seconds": seconds,
               "output_tokens": tokens, "tokens_per_s": tokens / seconds}  # fmt: skip
     engine.shutdown()
     return result
@@ -56,6 +74,8 @@ def run_once(model: str, dtype: str, kv_cache_dtype: str, kv_policy: str, pool_b
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="dtype", choices=sorted(SUITES))
+    p.add_argument("--swap-gib", type=float, default=1.0, help="swap: the host tier, GiB")
     p.add_argument("--model", default="gpt2-small", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--pool-tokens", type=int, default=2048, help="the K/V memory: this many tokens in --dtype")
@@ -67,28 +87,23 @@ def main() -> None:
     args = p.parse_args()
     config = EngineConfig(model=args.model, dtype=args.dtype)
     pool_bytes = args.pool_tokens * config.kv_bytes_per_token(config.model_config())
-    configs = [(kv, policy) for policy in ("reserve", "paged") for kv in ("auto", "fp8")]
-    rounds: dict[str, list[dict]] = {f"{kv}/{policy}": [] for kv, policy in configs}
+    configs = {name: {k: (args.swap_gib if v is None else v) for k, v in options.items()}
+               for name, options in SUITES[args.suite].items()}  # fmt: skip
+    rounds: dict[str, list[dict]] = {name: [] for name in configs}
     for round_ in range(args.repeat):
-        for kv, policy in configs:
-            result = run_once(args.model, args.dtype, kv, policy, pool_bytes, args)
-            rounds[f"{kv}/{policy}"].append(result)
-            print(f"round {round_ + 1} {kv:>4}/{policy:<7} pool {result['kv_capacity_tokens']:>6} tokens: peak running "
-                  f"{result['peak_running']:>3}, preemptions {result['preemptions']:>3}, "
-                  f"{result['tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
-    summary = {}
-    for policy in ("reserve", "paged"):
-        auto, fp8 = rounds[f"auto/{policy}"], rounds[f"fp8/{policy}"]
-        ratios = [f["tokens_per_s"] / a["tokens_per_s"] for a, f in zip(auto, fp8, strict=True)]
-        summary[policy] = {
-            "peak_running": {"auto": max(r["peak_running"] for r in auto), "fp8": max(r["peak_running"] for r in fp8)},
-            "preemptions": {"auto": [r["preemptions"] for r in auto], "fp8": [r["preemptions"] for r in fp8]},
-            "tokens_per_s": {"auto": [round(r["tokens_per_s"], 1) for r in auto],
-                             "fp8": [round(r["tokens_per_s"], 1) for r in fp8]},  # fmt: skip
-            "fp8_over_auto": [round(min(ratios), 2), round(max(ratios), 2)],
-        }
-        print(f"{policy}: peak running {summary[policy]['peak_running']}, fp8 / auto throughput "
-              f"{summary[policy]['fp8_over_auto'][0]:.2f}-{summary[policy]['fp8_over_auto'][1]:.2f}x")  # fmt: skip
+        for name, options in configs.items():
+            result = run_once(args.model, args.dtype, options, pool_bytes, args)
+            rounds[name].append(result)
+            print(f"round {round_ + 1} {name:>12} pool {result['kv_capacity_tokens']:>6} tokens: peak running "
+                  f"{result['peak_running']:>3}, preemptions {result['preemptions']:>3}, prompt tokens computed "
+                  f"{result['prompt_tokens_computed']:>6}, {result['tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+    summary: dict = {name: {key: [r[key] for r in results] for key in ("peak_running", "preemptions",
+                                                                        "prompt_tokens_computed", "tokens_per_s")}
+                     for name, results in rounds.items()}  # fmt: skip
+    for label, over, under in RATIOS[args.suite]:
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rounds[over], rounds[under], strict=True)]
+        summary[label] = [round(min(ratios), 3), round(max(ratios), 3)]
+        print(f"{label}: {over} / {under} throughput {min(ratios):.2f}-{max(ratios):.2f}x")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {"command": "python benchmarks/kv_capacity.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),

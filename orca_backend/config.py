@@ -167,6 +167,11 @@ class EngineConfig:
     # vLLM), read back in every attention kernel. The draft model of speculative decoding keeps its
     # own K/V in the model's dtype.
     kv_cache_dtype: str = "auto"
+    # vLLM's (v0) name: GiB of host memory per rank for the K/V pool's host tier. A request preempted
+    # for lack of blocks is swapped there (its K/V copied out, and back when it resumes) instead of
+    # being recomputed, while there is room; with prefix caching, cached blocks the device evicts are
+    # kept there too (least recently stored dropped first) and copied back on a hit. 0: no host tier.
+    swap_space: float = 0.0
     max_model_len: int = 0  # prompt + max_tokens of a request at most this (0: the model's context)
     # "paged" (vLLM): blocks as the context grows, preempting the newest request when they run out;
     # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted.
@@ -263,6 +268,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling not in ("iteration", "request"):
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
+        if not float(self.swap_space) >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB (0: no host tier), got {self.swap_space!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
                              "(int8 and fp8_inc K/V caches are not served)")  # fmt: skip
@@ -381,6 +388,12 @@ class EngineConfig:
         element = 1 if self.kv_cache_dtype != "auto" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         return (2 * element * -(-model_config.num_layers // int(self.pipeline_parallel_size))
                 * -(-model_config.num_kv_heads // int(self.tensor_parallel_size)) * model_config.head_dim)  # fmt: skip
+
+    def host_kv_blocks(self, model_config: AnyModelConfig) -> int:
+        """The host tier's blocks (swap_space GiB over a block's bytes on one rank; the draft model's
+        K/V, where there is one, adds its own share to the host memory)."""
+        per_block = self.kv_bytes_per_token(model_config) * int(self.block_size)
+        return int(float(self.swap_space) * 2**30) // per_block if per_block else 0
 
     def sizes_kv_pool_from_memory(self) -> bool:
         """Whether the engine core sizes the K/V pool from the GPU's memory (gpu_memory_utilization on

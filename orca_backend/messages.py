@@ -162,6 +162,13 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model; prefix-cache hits are not
     prefix_cache_queried_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, found cached (and not computed)
+    # The host tier (swap_space): its blocks, those holding a swapped request's or a cached prefix's
+    # K/V, and the blocks copied out and back for preemptions and copied back for prefix-cache hits.
+    kv_host_num_blocks: int = 0
+    kv_host_used_blocks: int = 0
+    kv_swapped_out_blocks: int = 0
+    kv_swapped_in_blocks: int = 0
+    kv_host_hit_blocks: int = 0
     # Multi-LoRA (enable_lora): the adapters resident slots hold at most, those the running and the
     # waiting requests use (comma-separated names, as vLLM's lora_requests_info labels carry them),
     # and the adapters loaded into a slot so far.

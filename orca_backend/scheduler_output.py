@@ -17,6 +17,9 @@ keeps the state of every unfinished request it has been sent, in its persistent 
   again;
 - `finished_ids`: requests that ended: a runner forgets them;
 - `lora_loads`: adapters to put in slots (multi-LoRA), before the step's rows are taken;
+- `kv_to_host` / `kv_to_device`: the host tier's copies (swap_space: preempted requests swapped
+  out and in, prefix blocks evicted to the host and found there), (device block, host block) then
+  (host block, device block), made in that order before the step's forward;
 - `block_copies`: blocks whose K/V a forked request (a later sample of a request with n > 1) copies
   from its sample 0's, before the step's forward;
 - `shrunk_ids` / `shrunk_num_blocks`: tables cut back to their first blocks (speculative decoding:
@@ -96,6 +99,10 @@ class SchedulerOutput:
     # Copy-on-write of forked requests (n > 1): each (source, destination) block's K/V is copied, in
     # every layer, before this step's forward; the destination is a block of a request this step brings.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The host tier (swap_space): (device, host) block copies, then (host, device) ones, before the
+    # step's forward and its block_copies, in every layer (core/kv_cache_manager.py).
+    kv_to_host: list[tuple[int, int]] = field(default_factory=list)
+    kv_to_device: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the batch positions of requests whose step verifies proposed tokens, and
     # those tokens (each request's last len(spec_tokens[i]) scheduled tokens).
     spec_rows: list[int] = field(default_factory=list)

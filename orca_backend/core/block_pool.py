@@ -15,6 +15,7 @@ different tokens in this block; only a collision of two parents' 64-bit hashes c
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,8 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: BlockKey | None = None  # set while the block's K/V is a cached prefix
+    first: bool = False  # (cached) its request's first block: its key's parent part is the root
+    lora: LoRARequest | None = None  # (cached) the adapter it was computed with
 
 
 class BlockPool:
@@ -54,6 +57,14 @@ class BlockPool:
         # What the cache stored and evicted since the last `take_events` (K/V events for routers:
         # core/kv_events.py); None when nobody publishes them.
         self._events: list[KVCacheEvent] | None = [] if record_events else None
+        # Called with each cached block evicted to be handed out again, before it is (the host tier's
+        # offload: core/kv_cache_manager.py); None: evicted blocks are dropped.
+        self.on_evict: Callable[[Block], None] | None = None
+
+    def record(self, event: KVCacheEvent) -> None:
+        """An event of another tier, in order with this pool's (a no-op when not recording)."""
+        if self._events is not None:
+            self._events.append(event)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first (none when not recording)."""
@@ -88,10 +99,12 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.key is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self._cached[block.key]
                 if self._events is not None:
                     self._events.append(BlockRemoved([hash(block.key)], MEDIUM_GPU))
-                block.key = None
+                block.key, block.lora = None, None
             block.ref_count = 1
             ids.append(block_id)
         return ids
@@ -121,7 +134,7 @@ class BlockPool:
         stays the cached copy."""
         block = self.blocks[block_id]
         if block.key is None and key not in self._cached:
-            block.key = key
+            block.key, block.first, block.lora = key, first, lora
             self._cached[key] = block_id
             if self._events is not None:
                 self._events.append(BlockStored(

@@ -49,7 +49,7 @@ class EngineCore:
         self.executor = executor if executor is not None else make_executor(config, model_config)
         # The pool the ranks allocated: kv_capacity_tokens, or what gpu_memory_utilization left.
         self.config = config = dataclasses.replace(config, kv_capacity_tokens=self.executor.kv_capacity_tokens)
-        self.kv = make_kv_manager(config, model_config.kv_window)
+        self.kv = make_kv_manager(config, model_config.kv_window, config.host_kv_blocks(model_config))
         self.kv_events = make_publisher(config.kv_events())  # the prefix cache's events for routers, or None
         self._inbox: queue.Queue[tuple] = queue.Queue()
         # Structured output: grammars compile on a thread of their own; a finished compile wakes the loop
@@ -125,6 +125,11 @@ class EngineCore:
             num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            kv_host_num_blocks=self.kv.host.num_blocks if self.kv.host is not None else 0,
+            kv_host_used_blocks=self.kv.host.num_held + self.kv.host.num_cached if self.kv.host is not None else 0,
+            kv_swapped_out_blocks=self.kv.swapped_out_blocks,
+            kv_swapped_in_blocks=self.kv.swapped_in_blocks,
+            kv_host_hit_blocks=self.kv.host_hit_blocks,
             steps_by_path=dict(self.steps_by_path),
             spec_num_drafts=self.scheduler.num_spec_drafts,
             spec_num_draft_tokens=self.scheduler.num_spec_draft_tokens,

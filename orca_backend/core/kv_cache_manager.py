@@ -20,6 +20,13 @@ copies of the old ids, which no windowed kernel reads (kernels/orca_kernels/atte
 Prefix caching works the same under both: a full, computed block is registered under its key, and
 a request admitted later whose tokens start with registered blocks shares them (reference counts)
 instead of computing them again. The last token is always computed, since its logits are needed.
+
+With a host tier (`swap_space`, core/host_block_pool.py), a preempted request's blocks are copied
+to host blocks instead of being recomputed (`swap_out`), and copied back into fresh device blocks
+when it is admitted again, resuming where it stopped; with prefix caching, a cached block the device
+evicts is copied to the host tier, and a prompt that finds its next blocks there (after those cached
+on the device) gets them copied back instead of computing them. The copies (`to_host`, then
+`to_device`) go to the runners with the next step, which makes them before its forward.
 """
 
 from __future__ import annotations
@@ -27,22 +34,35 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from orca_backend.config import EngineConfig, fits_in_pool
-from orca_backend.core.block_pool import BlockKey, BlockPool, block_key, lora_root
+from orca_backend.core.block_pool import Block, BlockKey, BlockPool, block_key, lora_root
+from orca_backend.core.host_block_pool import HostBlockPool
 from orca_backend.core.request import Request
 
 
 class KVCacheManager(ABC):
     def __init__(self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 record_events: bool = False) -> None:  # fmt: skip
-        """`record_events`: the pool records what its prefix cache stores and evicts (K/V events)."""
+                 record_events: bool = False, host_blocks: int = 0) -> None:  # fmt: skip
+        """`record_events`: the pool records what its prefix cache stores and evicts (K/V events);
+        `host_blocks`: the host tier's blocks (0: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(capacity_tokens // block_size, block_size, record_events)
         self.enable_prefix_caching = enable_prefix_caching
-        # Prefix-cache counters, in tokens: what admissions looked up, and what they found.
+        # Prefix-cache counters, in tokens: what admissions looked up, and what they found (on either tier).
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.host = HostBlockPool(host_blocks, block_size, self.pool.record) if host_blocks else None
+        if self.host is not None and enable_prefix_caching:
+            self.pool.on_evict = self._offload
+        # The copies the next step's runners make before its forward: (device block, host block) first,
+        # then (host block, device block).
+        self.to_host: list[tuple[int, int]] = []
+        self.to_device: list[tuple[int, int]] = []
+        # Host-tier counters, in blocks: swapped out and in (preemptions), and prefix blocks copied back.
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.host_hit_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -85,12 +105,15 @@ class KVCacheManager(ABC):
         partly filled block there is copied into a block of this one's own (copy-on-write), recorded
         in `request.block_copy` for the runners; this one computes its last prompt token alone.
         """
+        if request.host_table:
+            return self._swap_in(request, others_running)
+        host_hits: list[int] = []
         if fork_of is not None:
             computed = request.num_prompt_tokens - 1
             hits = fork_of.block_table[: computed // self.block_size]
         else:
-            hits = self._prefix_hits(request)
-            computed = len(hits) * self.block_size
+            hits, host_hits = self._prefix_hits(request)
+            computed = (len(hits) + len(host_hits)) * self.block_size
         new_blocks = self.blocks_for(self._tokens_at_admission(request)) - len(hits)
         from_free = new_blocks + sum(self.pool.blocks[b].ref_count == 0 for b in hits)
         if from_free + (self._watermark_blocks() if others_running else 0) > self.pool.num_free:
@@ -100,6 +123,10 @@ class KVCacheManager(ABC):
         request.block_table = hits + self.pool.allocate(new_blocks)
         request.num_computed = computed
         request.num_registered_blocks = len(hits)
+        if host_hits:  # copied back before the step's forward, and cached on the device again
+            self.to_device += zip(host_hits, request.block_table[len(hits) :], strict=False)
+            self.host_hit_blocks += len(host_hits)
+            self.register_computed(request)
         if fork_of is not None:
             if computed % self.block_size:
                 request.block_copy = (fork_of.block_table[len(hits)], request.block_table[len(hits)])
@@ -133,11 +160,66 @@ class KVCacheManager(ABC):
         return True
 
     def free(self, request: Request) -> None:
-        """Returns everything the request holds; a no-op for a request holding nothing."""
+        """Returns everything the request holds, on either tier; a no-op for a request holding nothing."""
         self.pool.release(request.block_table[request.num_dropped_blocks :])
+        if request.host_table:
+            assert self.host is not None
+            self.host.give_back(request.host_table)
+            request.host_table = []
         request.block_table = []
         request.num_registered_blocks = 0
         request.num_dropped_blocks = 0
+
+    def swap_out(self, request: Request) -> bool:
+        """Preemption by swapping: the request's blocks are copied to host blocks (`to_host`) and go
+        back to the device pool; it keeps its computed tokens. False, with nothing done, without a
+        host tier or room there for them (evicting host-cached prefixes as needed)."""
+        held = request.block_table[request.num_dropped_blocks :]
+        if self.host is None or not held or len(held) > self.host.available():
+            return False
+        request.host_table = self.host.take(len(held))
+        self.to_host += zip(held, request.host_table, strict=True)
+        self.pool.release(held)
+        request.block_table = []
+        request.num_registered_blocks = 0
+        self.swapped_out_blocks += len(held)
+        return True
+
+    def _swap_in(self, request: Request, others_running: bool) -> bool:
+        """A swapped request admitted again: fresh device blocks for its table (the dropped entries
+        stay -1), its host blocks' K/V copied into them (`to_device`) and given back; its full blocks
+        are cached prefixes again."""
+        dropped = request.num_dropped_blocks
+        needed = max(self.blocks_for(self._tokens_at_admission(request)) - dropped, len(request.host_table))
+        if needed + (self._watermark_blocks() if others_running else 0) > self.pool.num_free:
+            return False
+        assert self.host is not None
+        blocks = self.pool.allocate(needed)
+        self.to_device += zip(request.host_table, blocks, strict=False)
+        self.host.give_back(request.host_table)
+        self.swapped_in_blocks += len(request.host_table)
+        request.block_table = [-1] * dropped + blocks
+        request.host_table = []
+        self.register_computed(request)
+        return True
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies for the step being sent ((device, host) pairs, then (host, device) ones); the
+        host tier's blocks that step reads or gave back become usable again for the next."""
+        transfers = self.to_host, self.to_device
+        self.to_host, self.to_device = [], []
+        if self.host is not None:
+            self.host.end_step()
+        return transfers
+
+    def _offload(self, block: Block) -> None:
+        """A cached block the device pool evicts: to a host block, if the host tier has room."""
+        assert self.host is not None and block.key is not None
+        lora = block.lora
+        host = self.host.store(block.key, block.first, lora.lora_id if lora is not None else None,
+                               lora.name if lora is not None else None)  # fmt: skip
+        if host is not None:
+            self.to_host.append((block.block_id, host))
 
     def register_computed(self, request: Request) -> None:
         """After a step landed: the request's blocks that are now full and computed become cached
@@ -159,17 +241,23 @@ class KVCacheManager(ABC):
         its blocks are cached for others as any request's."""
         return self.enable_prefix_caching and request.params.prompt_logprobs is None and request.pooling is None
 
-    def _prefix_hits(self, request: Request) -> list[int]:
-        """The cached blocks the request's tokens start with, stopping short of its last token."""
+    def _prefix_hits(self, request: Request) -> tuple[list[int], list[int]]:
+        """The cached blocks the request's tokens start with, stopping short of its last token: those
+        on the device, then those that follow them on the host tier."""
         if not self._reads_prefix_cache(request):
-            return []
-        hits = []
+            return [], []
+        hits: list[int] = []
+        host_hits: list[int] = []
         for key in self._block_keys(request, (request.num_tokens - 1) // self.block_size):
-            block_id = self.pool.lookup(key)
-            if block_id is None:
+            block_id = self.pool.lookup(key) if not host_hits else None
+            if block_id is not None:
+                hits.append(block_id)
+                continue
+            host_block = self.host.lookup(key) if self.host is not None else None
+            if host_block is None:
                 break
-            hits.append(block_id)
-        return hits
+            host_hits.append(host_block)
+        return hits, host_hits
 
     def _block_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
         """The keys of the request's first `num_blocks` full blocks, computed once per request."""
@@ -197,9 +285,9 @@ class PagedKVManager(KVCacheManager):
 
     def __init__(
         self, capacity_tokens: int, block_size: int = 16, enable_prefix_caching: bool = False, watermark: float = 0.01,
-        sliding_window: int = 0, record_events: bool = False,
+        sliding_window: int = 0, record_events: bool = False, host_blocks: int = 0,
     ) -> None:  # fmt: skip
-        super().__init__(capacity_tokens, block_size, enable_prefix_caching, record_events)
+        super().__init__(capacity_tokens, block_size, enable_prefix_caching, record_events, host_blocks)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if sliding_window < 0:
@@ -234,14 +322,16 @@ class PagedKVManager(KVCacheManager):
         return int(self.watermark * self.num_blocks)
 
 
-def make_kv_manager(config: EngineConfig, kv_window: int = 0) -> KVCacheManager:
+def make_kv_manager(config: EngineConfig, kv_window: int = 0, host_blocks: int = 0) -> KVCacheManager:
     """The K/V manager `config.kv_policy` names, over `config.kv_capacity_tokens` slots. `kv_window`:
-    the model's window on every layer (0: none), whose out-of-window blocks the paged policy frees."""
+    the model's window on every layer (0: none), whose out-of-window blocks the paged policy frees;
+    `host_blocks`: the host tier's (swap_space; 0: none)."""
     events = config.kv_events()
     record = events is not None and events.enable_kv_cache_events
     if config.kv_policy == "reserve":
-        return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, record)
+        return ReservationKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching, record,
+                                    host_blocks)  # fmt: skip
     if config.kv_policy == "paged":
         return PagedKVManager(config.kv_capacity_tokens, config.block_size, config.enable_prefix_caching,
-                              config.kv_watermark, kv_window, record)  # fmt: skip
+                              config.kv_watermark, kv_window, record, host_blocks)  # fmt: skip
     raise ValueError(f"kv_policy must be 'reserve' or 'paged', got {config.kv_policy!r}")

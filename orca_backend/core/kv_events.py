@@ -37,6 +37,7 @@ from orca_backend.config import KVEventsConfig
 logger = logging.getLogger("orca.engine")
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier, whatever the device (it has no other for one)
+MEDIUM_CPU = "CPU"  # vLLM's name for the host tier (its CPU offloading; here swap_space)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ class Request:
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
     num_dropped_blocks: int = 0  # leading blocks given back as outside every layer's window (entries -1)
+    # Preempted by swapping (swap_space): the host blocks holding its table's blocks past the dropped
+    # ones, in order, until it is admitted again (KVCacheManager.swap_out).
+    host_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
     output_logprobs: list[TokenLogprobs] | None = None  # one per output token when it asks for logprobs

@@ -11,8 +11,9 @@ iteration, and returns what changed as CoreOutputs (core/request.py). With pipel
 in flight; a request in flight is never scheduled again until its batch returns.
 
 Under the paged K/V policy a decode may find no free block: the most recently admitted running
-request of the lowest priority is then preempted by recompute and waits at the head of its queue
-(FCFS order is kept). Under ORCA's reservation nothing is ever preempted.
+request of the lowest priority is then preempted and waits at the head of its queue (FCFS order is
+kept): by swapping its blocks to the host tier where there is one with room (`swap_space`), so it
+resumes where it stopped, else by recompute. Under ORCA's reservation nothing is ever preempted.
 
 A request with structured output waits out of the queue until its grammar has compiled (on the
 StructuredOutputManager's thread, `take_compiled`), then takes its place in the queue by arrival; a
@@ -379,6 +380,7 @@ class Scheduler:
                                        self.pooling.mode)  # fmt: skip
         if self.loras is not None:
             output.lora_loads = self.loras.take_loads()
+        output.kv_to_host, output.kv_to_device = self.kv.take_transfers()
         if self._block_copies:
             output.block_copies, self._block_copies = self._block_copies, []
         if self._shrunk:
@@ -605,17 +607,19 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: its blocks go back to the pool and it waits at the head of the
-        queue with the tokens it produced; re-admitted, it prefills prompt and outputs together.
-        Its reported tokens are never sent again. The runners free its row and keep its tokens and
-        generator (worker/input_batch.py), as its grammar's matcher lives on here: it has accepted
-        exactly the tokens the request keeps."""
-        self.kv.free(request)
+        """Its blocks go back to the pool and it waits at the head of the queue with the tokens it
+        produced. Swapped (`KVCacheManager.swap_out`), it keeps its computed tokens, and re-admitted
+        it gets its K/V back and goes on; else preempted by recompute, it prefills prompt and outputs
+        together when re-admitted. Its reported tokens are never sent again. The runners free its
+        row and keep its tokens and generator (worker/input_batch.py), as its grammar's matcher lives
+        on here: it has accepted exactly the tokens the request keeps."""
+        if not self.kv.swap_out(request):
+            self.kv.free(request)
+            request.num_computed = 0
+            request.pooled_sum = None  # its recompute pools its prompt again
         request.num_blocks_sent = 0
         self._shrunk.pop(request.request_id, None)  # the runners free its whole table
         self._preempted_ids.append(request.request_id)
-        request.num_computed = 0
-        request.pooled_sum = None  # its recompute pools its prompt again
         self.num_preemptions += 1
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

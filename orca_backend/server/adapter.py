@@ -81,8 +81,10 @@ class EngineAdapter:
             self.metrics = EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"),
                                          self.engine.model_config.max_context, lora=config.enable_lora,
                                          engine_stats=self.owns_core,
-                                         cache_config=cache_config_labels(self.engine.config),
-                                         speculative=bool(config.speculative_config))  # fmt: skip
+                                         cache_config=cache_config_labels(self.engine.config, self.engine.config
+                                                                          .host_kv_blocks(self.engine.model_config)),
+                                         speculative=bool(config.speculative_config),
+                                         host_tier=float(config.swap_space) > 0)  # fmt: skip
             self._poller = MetricsPoller(self.engine, self.metrics).start()
         if not self.owns_core:
             pb_utils.Logger.log_info(f"{self.model_name}: instance {args.get('model_instance_name', '')} attached to "

@@ -29,7 +29,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "orca_kv_capacity_tokens": ("GAUGE", "K/V cache token slots in total"),
     "orca_kv_blocks_used": ("GAUGE", "K/V cache blocks held by requests"),
     "orca_kv_blocks_free": ("GAUGE", "K/V cache blocks free (cached prefixes among them are evicted on demand)"),
-    "orca_preemptions_total": ("COUNTER", "Requests preempted (K/V freed, recomputed later) for lack of K/V blocks"),
+    "orca_preemptions_total": ("COUNTER", "Requests preempted (K/V swapped to the host tier, or freed and recomputed "
+                               "later) for lack of K/V blocks"),
     "orca_prompt_tokens_computed_total": ("COUNTER", "Prompt tokens run through the model (prefix-cache hits are not)"),
     "orca_prefix_cache_queries_total": ("COUNTER", "Tokens of admitted requests looked up in the prefix cache"),
     "orca_prefix_cache_hits_total": ("COUNTER", "Tokens found in the prefix cache, and not computed"),
@@ -46,6 +47,11 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "vllm:num_requests_waiting": ("GAUGE", "Number of requests waiting to be processed."),
     "vllm:gpu_cache_usage_perc": ("GAUGE", "KV-cache usage (on any device). 1 means 100 percent usage."),
     "vllm:num_preemptions_total": ("COUNTER", "Number of preemptions."),
+    "orca_kv_host_blocks": ("GAUGE", "K/V blocks of the host tier (swap_space)"),
+    "orca_kv_host_blocks_used": ("GAUGE", "Host-tier K/V blocks holding a swapped request's or a cached prefix's K/V"),
+    "orca_kv_swapped_out_blocks_total": ("COUNTER", "K/V blocks copied to the host tier by preemptions"),
+    "orca_kv_swapped_in_blocks_total": ("COUNTER", "K/V blocks copied back from the host tier as swapped requests resume"),
+    "orca_prefix_cache_host_hit_blocks_total": ("COUNTER", "Prefix-cache blocks found on the host tier and copied back"),
     "orca_lora_loads_total": ("COUNTER", "LoRA adapters loaded into a slot (a resident one evicted, least recently "
                               "used, when every slot was taken)"),
     # vLLM's speculative-decoding counters (exported with speculative_config only).
@@ -75,6 +81,13 @@ _STAT_OF = {
     "vllm:num_preemptions_total": "num_preemptions",
 }
 _LORA_STATS = {"orca_lora_loads_total": "lora_loads"}  # exported with enable_lora only
+_HOST_STATS = {  # exported with swap_space only
+    "orca_kv_host_blocks": "kv_host_num_blocks",
+    "orca_kv_host_blocks_used": "kv_host_used_blocks",
+    "orca_kv_swapped_out_blocks_total": "kv_swapped_out_blocks",
+    "orca_kv_swapped_in_blocks_total": "kv_swapped_in_blocks",
+    "orca_prefix_cache_host_hit_blocks_total": "kv_host_hit_blocks",
+}
 _SPEC_STATS = {  # exported with speculative_config only
     "vllm:spec_decode_num_drafts_total": "spec_num_drafts",
     "vllm:spec_decode_num_draft_tokens_total": "spec_num_draft_tokens",
@@ -89,14 +102,15 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 CACHE_CONFIG_INFO_HELP = "Information of the LLMEngine CacheConfig"
 
 
-def cache_config_labels(config: Any) -> dict[str, str]:
+def cache_config_labels(config: Any, host_blocks: int = 0) -> dict[str, str]:
     """The K/V pool's configuration as vLLM labels it (Python's str of each value). `num_gpu_blocks`
-    keeps vLLM's name whatever the device: the pool's blocks, per layer; there is no CPU swap pool
-    (`num_cpu_blocks` None); `cache_dtype` is kv_cache_dtype (auto: the model's dtype)."""
+    keeps vLLM's name whatever the device: the pool's blocks, per layer; `num_cpu_blocks` the host
+    tier's (`host_blocks`, swap_space; None without one); `cache_dtype` is kv_cache_dtype (auto: the
+    model's dtype)."""
     return {
         "block_size": str(int(config.block_size)),
         "num_gpu_blocks": str(int(config.kv_capacity_tokens) // int(config.block_size)),
-        "num_cpu_blocks": "None",
+        "num_cpu_blocks": str(host_blocks or None),
         "cache_dtype": str(config.kv_cache_dtype),
         "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
         "gpu_memory_utilization": str(float(config.gpu_memory_utilization)),
@@ -177,12 +191,14 @@ class EngineMetrics:
     def __init__(
         self, pb_utils: Any, model_name: str, model_version: str = "1", max_context: int = 2048, lora: bool = False,
         engine_stats: bool = True, cache_config: dict[str, str] | None = None, speculative: bool = False,
+        host_tier: bool = False,
     ) -> None:  # fmt: skip
         """`lora` (enable_lora): the per-request series carry a `lora_name` label too ("" for the base
         model), and the adapters' gauges are exported. Without `engine_stats` (a model instance that
         attached to another's engine core) only the requests' ends are: the core's owner exports its
         stats, and `cache_config` (cache_config_labels) as vLLM's cache_config_info. `speculative`
-        (speculative_config): vLLM's spec_decode counters are exported too."""
+        (speculative_config): vLLM's spec_decode counters are exported too; `host_tier` (swap_space):
+        the host tier's."""
         self._pb_utils = pb_utils
         self._labels = {"model": model_name, "version": str(model_version)}
         self._lora = lora
@@ -195,8 +211,8 @@ class EngineMetrics:
             for name, (kind, text) in families.items()
         }
         self._engine_stats = engine_stats
-        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {}), **(_SPEC_STATS if speculative else {})} \
-            if engine_stats else {}  # fmt: skip
+        self._stats = {**_STAT_OF, **(_LORA_STATS if lora else {}), **(_SPEC_STATS if speculative else {}),
+                       **(_HOST_STATS if host_tier else {})} if engine_stats else {}  # fmt: skip
         self._metrics = {
             name: _Exported(self._families[name].Metric(labels=self._labels), families[name][0] == "COUNTER")
             for name in self._stats

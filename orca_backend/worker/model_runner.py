@@ -44,6 +44,7 @@ from orca_backend.worker.cuda_graphs import (
 )
 from orca_backend.worker.draft_proposer import DraftProposer
 from orca_backend.worker.eagle_proposer import EagleProposer
+from orca_backend.worker.host_kv import HostKV
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_backend.worker.kv_pool import describe as describe_memory
 from orca_backend.worker.kv_pool import kv_pool_tokens, profile_memory, read_cuda_memory
@@ -108,6 +109,13 @@ class ModelRunner:
         self.kv_caches = self._allocate_pool(num_slots, model_config, config)
         if self.drafter is not None:
             self.drafter.allocate(num_slots)
+        # The host tier (swap_space), in the same blocks as the engine core counts them.
+        self.host_kv: HostKV | None = None
+        if float(config.swap_space) > 0:
+            layers = self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+            self.host_kv = HostKV(layers, config.host_kv_blocks(model_config), config.block_size)
+            logger.info("K/V host tier: %d blocks (%.2f GiB)", config.host_kv_blocks(model_config),
+                        self.host_kv.nbytes / 2**30)  # fmt: skip
         # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
         self.input_batch = InputBatch(
             config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
@@ -242,6 +250,10 @@ class ModelRunner:
                 raise RuntimeError("a step loads LoRA adapters into a runner built without enable_lora")
             self._load_adapters(step.lora_loads)
         self.input_batch.apply(step)
+        if step.kv_to_host or step.kv_to_device:
+            if self.host_kv is None:
+                raise RuntimeError("a step copies K/V blocks to or from a host tier this runner was built without")
+            self.host_kv.copy(step.kv_to_host, step.kv_to_device)
         if step.block_copies:
             self._copy_blocks(step.block_copies)
 

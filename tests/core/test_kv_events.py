@@ -63,7 +63,7 @@ def decode(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
 
 
 class Subscriber:
-    """A router's view: the cached block hashes and their token ids, from the events alone."""
+    """A router's view: the cached blocks (medium, hash) and their token ids, from the events alone."""
 
     def __init__(self) -> None:
         self.blocks: dict[Any, list[int]] = {}
@@ -71,17 +71,21 @@ class Subscriber:
 
     def apply(self, payload: bytes) -> None:
         for event in decode(payload)[1]:
+            medium = event.get("medium")
             if event["type"] == "BlockStored":
                 size = event["block_size"]
                 for i, block_hash in enumerate(event["block_hashes"]):
-                    assert block_hash not in self.blocks, "stored twice without a removal"
-                    assert event["parent_block_hash"] is None or event["parent_block_hash"] in self.blocks or i > 0, \
+                    assert (medium, block_hash) not in self.blocks, "stored twice without a removal"
+                    # On the device a block is cached after its parent and evicted before it; the host
+                    # tier takes evicted blocks in eviction order, and may have dropped a parent since.
+                    parent = event["parent_block_hash"]
+                    assert medium != "GPU" or parent is None or (medium, parent) in self.blocks or i > 0, \
                         "a block whose parent the router never saw stored"
-                    self.blocks[block_hash] = event["token_ids"][i * size : (i + 1) * size]
+                    self.blocks[medium, block_hash] = event["token_ids"][i * size : (i + 1) * size]
             elif event["type"] == "BlockRemoved":
                 for block_hash in event["block_hashes"]:
-                    assert block_hash in self.blocks, "removed a block never stored"
-                    del self.blocks[block_hash]
+                    assert (medium, block_hash) in self.blocks, "removed a block never stored"
+                    del self.blocks[medium, block_hash]
             else:
                 self.blocks.clear()
 
@@ -104,15 +108,20 @@ def endpoints():
     yield f"ipc://{directory}/pub", f"ipc://{directory}/replay"
 
 
-def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_checkpoint, endpoints):
+@pytest.mark.parametrize("host_blocks", [0, 6])
+def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_checkpoint, endpoints, host_blocks):
+    """Both tiers with a host tier (swap_space) of 6 blocks: evicted prefixes stored on the host and
+    dropped from it, swapped preemptions; the router's view is the device's and the host's caches."""
     pub, replay = endpoints
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
                          "topic": "kv"})  # fmt: skip
     # A pool of 12 blocks of 4 for requests of up to 20 tokens: prefixes are cached, evicted to make room,
     # and paged growth preempts.
+    probe = EngineConfig(model=str(tiny_checkpoint[0]), block_size=4)
+    block_bytes = probe.kv_bytes_per_token(probe.model_config()) * 4
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), kv_policy="paged", block_size=4,
                                     kv_capacity_tokens=48, max_num_seqs=4, enable_prefix_caching=True,
-                                    kv_events_config=events))  # fmt: skip
+                                    kv_events_config=events, swap_space=host_blocks * block_bytes / 2**30))  # fmt: skip
     context = zmq.Context.instance()
     live = context.socket(zmq.SUB)
     live.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -130,12 +139,16 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_check
             while engine.has_work():
                 engine.step()
             assert all(list(s)[-1].finished for s in streams)
-            pool = engine.core.kv.pool
-            expected = {hash(key): list(key[1]) for key in pool._cached}
+            kv = engine.core.kv
+            expected = {("GPU", hash(key)): list(key[1]) for key in kv.pool._cached}
+            if kv.host is not None:
+                expected |= {("CPU", hash(key)): list(key[1]) for key in kv.host._cached}
             assert wait_until(lambda want=expected: router.replay(asker) or router.blocks == want, timeout_s=60), (
                 round_, len(router.blocks), len(expected))
         stats = engine.stats()
         assert stats.num_preemptions > 0, "the workload was meant to preempt"
+        if host_blocks:
+            assert stats.kv_host_hit_blocks > 0 and stats.kv_swapped_out_blocks > 0, "and to use the host tier"
         assert router.next_sequence > 4
         # The live stream carries the same batches, framed (topic, 8-byte sequence, payload).
         topic, sequence, payload = live.recv_multipart()

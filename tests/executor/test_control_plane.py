@@ -216,7 +216,8 @@ def every_field_set() -> SchedulerOutput:
                       NewRequest("b", [6], 1, [1], bounded, 0), NewRequest("c", [8], 1, [2], json_spec, 1)],
         recorded_ids=["b"], recorded_tokens=[8], grown_ids=["b"], grown_block_ids=[[6, 7]], preempted_ids=["c"],
         finished_ids=["d", "e"], bitmask_rows=[0, 1], bitmask=bytes(range(256)) * 3, ahead_rows=[1],
-        lora_loads=[(1, lora)], block_copies=[(3, 8), (4, 9)], spec_rows=[1], spec_tokens=[[5, 6, -1]],
+        lora_loads=[(1, lora)], block_copies=[(3, 8), (4, 9)], kv_to_host=[(5, 0), (6, 1)], kv_to_device=[(2, 10)],
+        spec_rows=[1], spec_tokens=[[5, 6, -1]],
         shrunk_ids=["b"], shrunk_num_blocks=[1], spec_bitmask_rows=[0], spec_bitmask=bytes(range(96)),
     )  # fmt: skip
     for instances in ([step], [step.new_requests[0]], [constrained, bounded], [lora]):

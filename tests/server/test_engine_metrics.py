@@ -347,3 +347,21 @@ def test_the_stand_in_removes_a_series_with_its_family_only(kind):
 def test_cache_config_info_names_an_fp8_pool():
     """kv_cache_dtype as vLLM labels it: fp8 when the pool is FP8."""
     assert cache_config_labels(EngineConfig(kv_cache_dtype="fp8"))["cache_dtype"] == "fp8"
+
+
+def test_the_host_tier_is_exported_with_swap_space_only():
+    """swap_space: the host tier's blocks, their use and the blocks copied out, in and back on
+    prefix hits; vLLM's num_cpu_blocks label names its size. Without it, none of its series."""
+    pb = fake_pb_utils()
+    metrics = EngineMetrics(pb, "orca", host_tier=True)
+    metrics.update(stats(kv_host_num_blocks=64, kv_host_used_blocks=10, kv_swapped_out_blocks=12,
+                         kv_swapped_in_blocks=8, kv_host_hit_blocks=3))  # fmt: skip
+    assert value(pb, "orca_kv_host_blocks", model="orca") == 64
+    assert value(pb, "orca_kv_host_blocks_used", model="orca") == 10
+    assert value(pb, "orca_kv_swapped_out_blocks_total", model="orca") == 12
+    assert value(pb, "orca_kv_swapped_in_blocks_total", model="orca") == 8
+    assert value(pb, "orca_prefix_cache_host_hit_blocks_total", model="orca") == 3
+    plain = fake_pb_utils()
+    EngineMetrics(plain, "orca").update(stats(kv_host_num_blocks=64))
+    assert live(plain, "orca_kv_host_blocks") == []
+    assert cache_config_labels(EngineConfig(), host_blocks=64)["num_cpu_blocks"] == "64"
