@@ -520,6 +520,9 @@ def check_parallel_layout(config: AnyModelConfig, tp: int, pp: int) -> None:
                              "share (heads are split, never replicated)")  # fmt: skip
     if config.num_layers < pp:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_layers} layers")
+    if tp > 1 and getattr(config, "act_quant", ""):
+        raise ValueError(f"tensor_parallel_size {tp}: W8A8 checkpoints are served with tensor_parallel_size 1 (a "
+                         "row-parallel shard would quantize part of each token's activations with its own scale)")
 
 
 # The K/V pool's geometry, which the frontend's validation and the core's K/V manager both need.

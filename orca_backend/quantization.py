@@ -8,7 +8,9 @@ Served, for the families whose `Family.quant_methods` name them:
 - `awq`: AutoAWQ's GEMM packing (4 bits, interleaved along the output), with zero points;
 - `compressed-tensors` (llm-compressor): `pack-quantized` integer weights of 4 or 8 bits (group,
   channel or tensor scales, symmetric or not) and `float-quantized` FP8 weights (per tensor or per
-  channel), weights only; and its `kv_cache_scheme` of FP8 K/V with static per-tensor or per-head
+  channel); W8A8, `int-quantized` int8 or `float-quantized` FP8 weights with one scale per row (or
+  tensor) and activations quantized per token as the model runs (dynamic, symmetric: llm-compressor's
+  W8A8 and FP8_DYNAMIC schemes; kernels/orca_kernels/w8a8.py); and its `kv_cache_scheme` of FP8 K/V with static per-tensor or per-head
   scales (`k_scale` / `v_scale`, used with kv_cache_dtype fp8: model/kv_scales.py), beside weights
   or alone.
 Everything else is refused at load naming the field and value, since it would load and answer
@@ -25,7 +27,7 @@ METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 
 def quantization_fields(quantization: dict[str, Any], source: str) -> dict[str, Any]:
     """The config fields (`fp8`, `fp8_block`; `int_format`, `int_bits`, `int_group`, `int_symmetric`,
-    `int_act_order`; `kv_scales`) for a served `quantization_config`; refuses any other."""
+    `int_act_order`; `act_quant`; `kv_scales`) for a served `quantization_config`; refuses any other."""
     method = quantization.get("quant_method")
     if method == "fp8":
         return {"fp8": True, "fp8_block": fp8_block(quantization, source)}
@@ -115,6 +117,17 @@ def _compressed_tensors(q: dict[str, Any], source: str) -> dict[str, Any]:
     return kv | _weight_scheme(q, groups, source)
 
 
+def _input_activations(inputs: dict[str, Any], source: str) -> str:
+    """The activations' format ("int8" or "fp8") of a W8A8 scheme: 8 bits, symmetric, scaled per
+    token at run time (static per-tensor activation scales are not served)."""
+    kind = {"int": "int8", "float": "fp8"}.get(inputs.get("type", ""))
+    if kind is None or inputs.get("num_bits") != 8 or inputs.get("strategy") != "token" or not inputs.get("dynamic") \
+            or not inputs.get("symmetric", True):  # fmt: skip
+        raise _refuse(source, "compressed-tensors", "input_activations", inputs,
+                      "8-bit int or FP8 activations quantized per token at run time (dynamic, symmetric)")  # fmt: skip
+    return kind
+
+
 def _weight_scheme(q: dict[str, Any], groups: list[dict[str, Any]], source: str) -> dict[str, Any]:
     name = "compressed-tensors"
     schemes = [(g.get("weights"), g.get("input_activations"), g.get("output_activations"),
@@ -122,15 +135,29 @@ def _weight_scheme(q: dict[str, Any], groups: list[dict[str, Any]], source: str)
     if any(s != schemes[0] for s in schemes[1:]):
         raise _refuse(source, name, "config_groups", q["config_groups"], "one scheme for every quantized layer")
     weights, inputs, outputs, fmt = schemes[0]
-    if inputs or outputs:
-        raise _refuse(source, name, "input_activations", inputs or outputs, "weight-only schemes (W4A16, W8A16, FP8)")
+    if outputs:
+        raise _refuse(source, name, "output_activations", outputs, "weights and input activations only")
     if not weights:
         raise _refuse(source, name, "weights", weights, "quantized weights")
+    act = _input_activations(inputs, source) if inputs else ""
     strategy = weights.get("strategy", "tensor")
     if fmt == "float-quantized":
         if weights.get("type") != "float" or weights.get("num_bits") != 8 or strategy not in ("tensor", "channel"):
             raise _refuse(source, name, "weights", weights, "FP8 e4m3 weights with tensor or channel scales")
-        return {"fp8": True, "fp8_block": None}
+        if act not in ("", "fp8"):
+            raise _refuse(source, name, "input_activations", inputs, "FP8 activations over FP8 weights")
+        return {"fp8": True, "fp8_block": None, "act_quant": act}
+    if fmt == "int-quantized":
+        if weights.get("type") != "int" or weights.get("num_bits") != 8 or strategy not in ("tensor", "channel") \
+                or not weights.get("symmetric", True):  # fmt: skip
+            raise _refuse(source, name, "weights", weights, "symmetric int8 weights with tensor or channel scales")
+        if act != "int8":
+            raise _refuse(source, name, "input_activations", inputs, "int8 activations over int-quantized weights "
+                          "(weight-only int8 is served as pack-quantized)")  # fmt: skip
+        return {"act_quant": "int8"}
+    if act:
+        raise _refuse(source, name, "input_activations", inputs, "quantized activations over int-quantized int8 or "
+                      "float-quantized FP8 weights (W8A8); pack-quantized weights are weight-only (W4A16, W8A16)")  # fmt: skip
     if fmt != "pack-quantized":
         raise _refuse(source, name, "format", fmt, "pack-quantized and float-quantized")
     if weights.get("type") != "int":

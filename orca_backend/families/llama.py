@@ -106,6 +106,9 @@ class LlamaConfig:
     int_group: int = 0
     int_symmetric: bool = True
     int_act_order: bool = False
+    # W8A8 (compressed-tensors): "int8" (int-quantized int8 weights) or "fp8" (FP8 weights): the
+    # projections' activations are quantized per token as the model runs (kernels' w8a8.py); "": none.
+    act_quant: str = ""
     # The quantization_config declares FP8 K/V scales (compressed-tensors' kv_cache_scheme): each
     # attention's k_scale and v_scale are in the checkpoint (model/kv_scales.py).
     kv_scales: bool = False
@@ -346,6 +349,8 @@ def from_hf(raw: dict[str, Any], source: str) -> LlamaConfig:
     fields = quantization_fields(quantization, source)
     if fields.get("fp8") and config.num_experts:
         raise ValueError(f"{source}: FP8 mixture-of-experts checkpoints are not served (FP8 is, for dense models)")
+    if fields.get("act_quant") and config.num_experts:
+        raise ValueError(f"{source}: W8A8 mixture-of-experts checkpoints are not served (W8A8 is, for dense models)")
     return replace(config, **fields)
 
 

@@ -74,9 +74,9 @@ class WeightSource:
         """Every tensor of the checkpoint's safetensors files: the files the sharded index
         (model.safetensors.index.json) names, else model*.safetensors. `rename` maps a stored key to
         the name the model asks for, or None to skip it. `quantized`: what the config declares,
-        "fp8" (FP8 weights and scales are read, model/fp8.py, and input scales skipped) or an integer
-        format (its packed weights, scales, zero points and g_idx, model/int_quant.py); any other
-        quantized tensor is refused."""
+        "fp8" (FP8 weights and scales are read, model/fp8.py, and input scales skipped), "int8"
+        (W8A8's int8 weights and scales, model/w8a8.py) or an integer format (its packed weights,
+        scales, zero points and g_idx, model/int_quant.py); any other quantized tensor is refused."""
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -104,6 +104,8 @@ class WeightSource:
                 entries[name] = entry
         if quantized == "fp8":
             _check_fp8_projections(model_dir, entries)
+        elif quantized == "int8":
+            _check_int8_projections(model_dir, entries)
         elif quantized:
             _check_int_projections(model_dir, entries, INT_TENSORS[quantized])
         return cls(entries)
@@ -159,6 +161,8 @@ def _declared_tensor(quantized: str, key: str, dtype: str) -> bool:
     """Whether a stored tensor is one of what the declared quantization stores."""
     if quantized == "fp8":
         return _fp8_tensor(key, dtype)
+    if quantized == "int8":  # W8A8: int8 weights and their float scales
+        return (dtype == "I8" and key.endswith(".weight")) or (key.endswith(".weight_scale") and dtype in FLOAT_DTYPES)
     if quantized:
         packed, rest = INT_TENSORS[quantized]
         return key.rsplit(".", 1)[-1] in (packed, *rest)
@@ -176,6 +180,19 @@ def _check_int_projections(model_dir: Path, entries: dict[str, Any], tensors: tu
     if floats:
         logger.warning("%s: %d decoder projections are not quantized and are served in float (%d are): %s",
                        model_dir, len(floats), len(packed), _first_names(floats))  # fmt: skip
+
+
+def _check_int8_projections(model_dir: Path, entries: dict[str, Any]) -> None:
+    """A W8A8 config over a checkpoint holding no int8 weight would be served unquantized: refused;
+    projections left in float are served so, and logged."""
+    int8 = [name for name, entry in entries.items() if entry.get_dtype() == "I8"]
+    if not int8:
+        raise ValueError(f"{model_dir}: config.json's quantization_config declares int8 weights (int-quantized), but "
+                         "the checkpoint holds no int8 (I8) weight: it would be served unquantized")  # fmt: skip
+    floats = sorted(name for name, entry in entries.items() if _is_projection(name, entry) and entry.get_dtype() != "I8")
+    if floats:
+        logger.warning("%s: %d decoder projections are not int8 and are served in float (%d are): %s", model_dir,
+                       len(floats), len(int8), _first_names(floats))  # fmt: skip
 
 
 def _fp8_tensor(key: str, dtype: str) -> bool:

@@ -4,7 +4,8 @@ On CPU in float32 and bfloat16 kernels/orca_kernels/cpu_gemm.py picks the weight
 oneDNN's blocked one on AVX-512 machines) and the multiply by the number of tokens (a C kernel for
 decodes, oneDNN, MKL; `ORCA_CPU_GEMM` overrides it). CUDA and float16 use F.linear; FP8 and integer
 weights on CUDA a Triton dequantizing GEMM each; integer weights on CPU the C kernel of
-kernels/orca_kernels/cpu_int_gemm.py.
+kernels/orca_kernels/cpu_int_gemm.py; W8A8 weights kernels/orca_kernels/w8a8.py (activations
+quantized per token, int8 sums by torch._int_mm, FP8 by torch._scaled_mm on CUDA).
 
 On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
@@ -22,9 +23,11 @@ import torch
 
 from orca_backend.model.fp8 import Fp8Weight
 from orca_backend.model.int_quant import IntWeight
+from orca_backend.model.w8a8 import W8A8Weight
 from orca_kernels import KernelOps
 from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
 from orca_kernels.cpu_int_gemm import CpuIntWeight, int_linear_cpu
+from orca_kernels.w8a8 import w8a8_linear
 
 # Up to this many tokens a step is launch- and weight-bandwidth-bound (arithmetic intensity at most
 # 2 * 256 flops per weight byte pair, below an H100's bf16 ridge), where a Triton GEMM streaming the
@@ -42,8 +45,8 @@ def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
     return ops.norm_linear is not None and not any(isinstance(w, QUANTIZED) for w in weights)
 
 
-QUANTIZED = (Fp8Weight, IntWeight, CpuIntWeight)  # weights each multiplied by a dequantizing kernel of their own
-Weight = torch.Tensor | PackedWeight | Fp8Weight | IntWeight | CpuIntWeight  # what `pack` returns
+QUANTIZED = (Fp8Weight, IntWeight, CpuIntWeight, W8A8Weight)  # weights each multiplied by a kernel of their own
+Weight = torch.Tensor | PackedWeight | Fp8Weight | IntWeight | CpuIntWeight | W8A8Weight  # what `pack` returns
 
 # Whether `pack` may reorder weights for oneDNN: set around a model's load by `packing_for` its kernel
 # set. Only the CPU sets multiply every weight through `linear`; the Triton set's fused norm + GEMM
@@ -61,7 +64,7 @@ def packing_for(ops: KernelOps) -> Iterator[None]:
         _PACKS_FOR_ONEDNN.reset(token)
 
 
-def pack(weight: torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight) -> Weight:
+def pack(weight: torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight | W8A8Weight) -> Weight:
     """The weight as `linear` wants it: contiguous (a tensor-parallel shard may be a strided view), and
     for the CPU kernel sets on AVX-512 CPUs reordered for oneDNN (cpu_gemm.pack_weight, inside
     `packing_for`)."""
@@ -82,6 +85,8 @@ def linear(
         return fp8_linear_triton(x, weight.weight, weight.scale, weight.block, bias)
     if isinstance(weight, CpuIntWeight):
         return int_linear_cpu(x, weight, bias)
+    if isinstance(weight, W8A8Weight):
+        return w8a8_linear(x, weight.weight, weight.scale, weight.act, bias)
     if isinstance(weight, IntWeight):
         from orca_kernels.triton_int_quant import int_linear_triton
 

@@ -1,5 +1,5 @@
-"""A linear layer's weight as its checkpoint stores it: float, FP8 (model/fp8.py) or integers
-(model/int_quant.py), and projections over one input stacked into one weight."""
+"""A linear layer's weight as its checkpoint stores it: float, FP8 (model/fp8.py), integers
+(model/int_quant.py) or W8A8 (model/w8a8.py), and projections over one input stacked into one weight."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from orca_backend.model.checkpoint import WeightSource
 from orca_backend.model.fp8 import Fp8Weight, concat_fp8_rows, load_fp8_linear
 from orca_backend.model.int_quant import IntWeight, concat_int_rows, is_int_quantized, load_int_linear
+from orca_backend.model.w8a8 import W8A8Weight, concat_w8a8_rows, load_w8a8_linear
 from orca_kernels.cpu_int_gemm import CpuIntWeight
 
-LinearWeight = torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight
+LinearWeight = torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight | W8A8Weight
 
 
 def load_linear(
@@ -23,6 +24,9 @@ def load_linear(
     if is_int_quantized(src, layer, config.int_format):  # type: ignore[attr-defined]
         return load_int_linear(src, layer, config, dim, lo, hi, dtype, device, dense)
     name = layer + ".weight"
+    act = getattr(config, "act_quant", "")
+    if act and src.dtype(name) in (torch.int8, torch.float8_e4m3fn) and not dense:
+        return load_w8a8_linear(src, layer, act, dim, lo, hi, device)
     if getattr(config, "fp8", False) and src.dtype(name) == torch.float8_e4m3fn:
         return load_fp8_linear(src, name, config.fp8_block, dim, lo, hi, dtype, device)  # type: ignore[attr-defined]
     return src.get(name, dim, lo, hi).to(device=device, dtype=dtype).contiguous()
@@ -37,6 +41,8 @@ def concat_rows(parts: list[LinearWeight]) -> LinearWeight:
                          "partly in float, and do not stack into one weight")  # fmt: skip
     if isinstance(parts[0], Fp8Weight):
         return concat_fp8_rows(parts)  # type: ignore[arg-type]
+    if isinstance(parts[0], W8A8Weight):
+        return concat_w8a8_rows(parts)  # type: ignore[arg-type]
     if isinstance(parts[0], (IntWeight, CpuIntWeight)):
         return concat_int_rows(parts)  # type: ignore[arg-type]
     return torch.cat(parts)  # type: ignore[arg-type]

@@ -23,8 +23,13 @@ logger = logging.getLogger("orca.model")
 
 
 def quantized_as(model_config: AnyModelConfig) -> str:
-    """What a model config declares its checkpoint's weights to be: "fp8", an integer format, or ""."""
-    return "fp8" if getattr(model_config, "fp8", False) else getattr(model_config, "int_format", "")
+    """What a model config declares its checkpoint's weights to be: "fp8", an integer format, "int8"
+    (W8A8's int-quantized weights), or ""."""
+    if getattr(model_config, "fp8", False):
+        return "fp8"
+    if getattr(model_config, "act_quant", "") == "int8":
+        return "int8"
+    return getattr(model_config, "int_format", "")
 
 
 def load_model(

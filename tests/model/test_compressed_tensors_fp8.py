@@ -9,8 +9,9 @@ decompression: the engine's greedy tokens equal its tokens exactly, which is sou
 float32 checkpoints (initializer_range 0.3: the top logits are far apart, so no rounding of the
 summation order can turn a token). Their log-probs differ from the unquantized checkpoint's (the
 FP8 rounding is really served), tensor parallelism equals one process, the shards the CUDA path
-reads carry their rows' scales, and an FP8 scheme that quantizes activations too (W8A8, dynamic per
-token) is refused when the config is read, naming input_activations."""
+reads carry their rows' scales, and an FP8 scheme whose activations have a static scale is refused
+when the config is read, naming input_activations (activations quantized per token at run time are
+served: tests/model/test_w8a8.py)."""
 
 from __future__ import annotations
 
@@ -176,15 +177,16 @@ def test_tensor_parallel_equals_one_process(fp8):
         two.engine.shutdown()
 
 
-def test_fp8_with_dynamic_input_activations_is_refused(llama, tmp_path):
-    """W8A8-FP8 (compressed-tensors' own FP8_DYNAMIC preset: channel weights, activations quantized
-    per token at run time) would be served here with float activations, answering otherwise than
-    the checkpoint was calibrated for: refused when the config is read."""
+def test_fp8_with_static_input_activations_is_refused(llama, tmp_path):
+    """compressed-tensors' FP8 preset (per-tensor weights, activations scaled by a static per-tensor
+    input_scale) would be served here with float activations, answering otherwise than the checkpoint
+    was calibrated for: refused when the config is read. (FP8_DYNAMIC, activations quantized per
+    token at run time, is served: tests/model/test_w8a8.py.)"""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
-    assert scheme.input_activations.type == "float" and scheme.input_activations.strategy == "token"
-    assert scheme.input_activations.dynamic is True
+    scheme = preset_name_to_scheme("FP8", ["Linear"])
+    assert scheme.input_activations.type == "float" and scheme.input_activations.strategy == "tensor"
+    assert scheme.input_activations.dynamic is False
     write_ct_fp8(llama, tmp_path / "w8a8", scheme)
     with pytest.raises(ValueError, match="input_activations"):
         model_config_from_hf(tmp_path / "w8a8" / "config.json")
