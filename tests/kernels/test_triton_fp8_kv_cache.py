@@ -7,7 +7,8 @@ so a write stores the same codes under any rounding: the interpreter's float32 -
 sometimes rounds toward zero where GPUs (and torch) round to nearest, loses the carry of a value
 that rounds up to a power of two (0.49 -> 0.25, not 0.5), and flushes subnormals to zero; values
 built this way meet none of these. The fused rotary rotates the new key before quantizing it, so there
-the interpreter's pool may differ from torch's in those ways, and a GPU's not at all.
+the interpreter's pool may differ from torch's in those ways, and a GPU's by a code where its
+rotation's FMAs round differently.
 """
 
 from __future__ import annotations
@@ -94,9 +95,8 @@ def test_fused_rotary_write_over_fp8(ops: KernelOps, num_splits: int | None) -> 
     """rotary_write_kv_attention on a decode batch with padded rows (one split launch: the kernel
     rotates q and the new key, quantizes and stores the key and v, and attends with what the pool
     gives back): the output is the reference's over the pool the kernel left, and that pool is
-    rotary_torch + write_kv_torch's (v's codes exactly; the rotated key's exactly on a GPU, within
-    the interpreter's conversion errors on CPU, see the module docstring); padded rows write
-    nothing and give zeros."""
+    rotary_torch + write_kv_torch's (v's codes exactly; the rotated key's within one code, see
+    below); padded rows write nothing and give zeros."""
     live = decode_meta(DEVICE, [1, 2, 16, 37, 40], block_size=5, seed=4)
     meta, places = with_padded_rows(live, pad_after=[1, 4])
     q_live, k_cache, v_cache, k_live, v_live = _inputs(live, torch.float32, torch.float8_e4m3fn, seed=8)
@@ -119,11 +119,11 @@ def test_fused_rotary_write_over_fp8(ops: KernelOps, num_splits: int | None) -> 
     padded = [i for i in range(meta.num_requests) if i not in places]
     assert torch.equal(out[padded], torch.zeros_like(out[padded]))
     assert torch.equal(_bytes(v_cache), _bytes(v_ref))
-    if DEVICE == "cpu":  # equal, or one of the interpreter's conversions (module docstring)
-        got, want = (pool.float() for pool in (k_cache, k_ref))
-        one_code = (got - want).abs() <= 0.125 * want.abs()
-        flushed = (got == 0) & (want.abs() < 2**-6)
-        lost_carry = (got * 2 == want) & (want.abs().log2() == want.abs().log2().round())  # rounded up to 2^e, kept e-1
-        assert bool((one_code | flushed | lost_carry).all())
-    else:
-        assert torch.equal(_bytes(k_cache), _bytes(k_ref))
+    # Equal, or one code apart: a GPU may contract the rotation into FMAs (its rotated key differs from
+    # torch's in the last bits, which can cross a rounding boundary), and the interpreter's conversions
+    # flush subnormals and lose carries (module docstring).
+    got, want = (pool.float() for pool in (k_cache, k_ref))
+    one_code = (got - want).abs() <= 0.125 * want.abs()
+    flushed = (got == 0) & (want.abs() < 2**-6)
+    lost_carry = (got * 2 == want) & (want.abs().log2() == want.abs().log2().round())  # rounded up to 2^e, kept e-1
+    assert bool((one_code | (DEVICE == "cpu") & (flushed | lost_carry)).all())
