@@ -418,7 +418,7 @@ class Scheduler:
                 request.in_flight += 1  # _mark(request, 1), inlined: this loop runs for every request
                 request.num_in_flight_tokens += 1
                 decodes.append(request)
-                last_prompt_tokens += not num_output
+                last_prompt_tokens += not (num_output or ahead)  # (run ahead: its first output token)
                 if scheduled >= len(request.block_table) * block_size:
                     need_block.append(request)
                 if speculating and num_output and request.can_speculate:

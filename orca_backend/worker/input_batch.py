@@ -219,8 +219,10 @@ class InputBatch:
         self._layout = 0
         self._looked_up: tuple[int, list[str], np.ndarray, bool] | None = None
         self._columns: tuple[np.ndarray, _RowColumns] | None = None
-        # Speculative decoding: a step may record several tokens of one request (set by the runner),
-        # and how often each row was taken (a draft model's K/V of a row is its holder's only).
+        # A step may record several tokens of one request (set by the runner): speculative decoding's
+        # accepted proposals, and under async scheduling or pipeline parallelism the tokens of two
+        # steps that landed before the next was scheduled. And how often each row was taken (a draft
+        # model's K/V of a row is its holder's only).
         self.several_tokens_per_step = False
         self.row_epoch = np.zeros(max_rows, dtype=np.int64)
 
@@ -271,8 +273,8 @@ class InputBatch:
         self._rows = (step.step_id, rows)
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
-        """The recorded tokens, into their requests' rows: one each, unless a step can emit several
-        (`several_tokens_per_step`: speculative decoding), whose ids repeat in order."""
+        """The recorded tokens, into their requests' rows: one each, unless a step may bring several
+        (`several_tokens_per_step`), whose ids repeat in order."""
         rows, missing = self._lookup(request_ids)
         if missing:
             rowless = [request_id for request_id, row in zip(request_ids, rows.tolist(), strict=True) if row < 0]

@@ -121,7 +121,8 @@ class ModelRunner:
             config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
             config.block_size, model_config.vocab_size, self.device,
         )  # fmt: skip
-        self.input_batch.several_tokens_per_step = bool(config.speculative_config)
+        self.input_batch.several_tokens_per_step = (bool(config.speculative_config) or config.async_scheduling
+                                                    or config.pipeline_parallel_size > 1)  # fmt: skip
         self.sampler = Sampler()
         self._lora_failures: dict[int, str] = {}  # adapters that failed to load, until the next sampled tokens
         if self.lora is not None:

@@ -104,6 +104,19 @@ def test_async_with_preemption_chunked_prefill_and_prefix_caching():
     assert llm.engine.core.kv.used_tokens == 0  # every block came back, those of steps dropped too
 
 
+def test_two_steps_landing_before_the_next_record_both_tokens(tiny_checkpoint):
+    """When a request ends, the pipeline drains: the step in flight and the one after it both land
+    before the next is scheduled, so that step records two tokens of a request at once. Each goes
+    into the runner's row, in order (the second once overwrote the first, and the next step read a
+    stale input token: a regression test). A pool small enough that blocks are reused at once."""
+    path, config = tiny_checkpoint
+    prompts = long_prompts(8, config.vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 16, 16, 16, 5, 13, 2, 9)]
+    kwargs = dict(kv_policy="paged", block_size=4, kv_capacity_tokens=64, max_num_seqs=8, kv_watermark=0.0)
+    expected = _outputs(LLM(str(path), **kwargs), prompts, params)
+    assert _outputs(LLM(str(path), async_scheduling=True, **kwargs), prompts, params) == expected
+
+
 def test_a_failed_step_drops_the_step_run_ahead_and_fails_only_its_request(monkeypatch):
     """The forward of any step holding the poisoned request fails: the step launched after it ran on
     its tokens and is dropped; bisection ends the poisoned request alone, the others finish with the

@@ -30,15 +30,17 @@ def alone(path, prompts, params) -> list[list[int]]:
     return [llm.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, params, strict=True)]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_swapped_preemptions_keep_every_token_and_compute_no_prompt_twice(tiny_checkpoint, seed):
+@pytest.mark.parametrize(("seed", "async_scheduling"), [(0, False), (1, False), (2, False), (0, True), (3, True)])
+def test_swapped_preemptions_keep_every_token_and_compute_no_prompt_twice(tiny_checkpoint, seed, async_scheduling):
     """A pool too small for the batch preempts; with room on the host every preempted request is
     swapped out and back (as many blocks in as out), resumes where it stopped (no prompt token is
-    computed twice), and ends with the tokens it gives alone."""
+    computed twice), and ends with the tokens it gives alone; with async scheduling too (a step is
+    scheduled while the one before runs: the copies still come before the forward that needs them)."""
     path, config = tiny_checkpoint
     prompts, params = long_prompts(8, config.vocab_size, seed=seed), mixed_params(8, seed=seed)
     llm = LLM(str(path), kv_policy="paged", block_size=4, kv_capacity_tokens=64, max_num_seqs=8, kv_watermark=0.0,
-              max_num_batched_tokens=random.Random(seed).choice([0, 16]), swap_space=swap_space_for(path, 64))  # fmt: skip
+              max_num_batched_tokens=random.Random(seed).choice([0, 16]), swap_space=swap_space_for(path, 64),
+              async_scheduling=async_scheduling)  # fmt: skip
     assert [o.output_ids for o in llm.generate(prompts, params)] == alone(path, prompts, params)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0, "the workload was meant to preempt"
@@ -139,14 +141,16 @@ def test_host_copies_round_trip_every_layer_bit_for_bit():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_swaps_as_one_process(tiny_checkpoint):
-    """Each rank swaps its share of every block: two ranks give one process's tokens."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_worker_processes_swap_as_one_process(tiny_checkpoint, layout):
+    """Each rank swaps its share of every block (its heads, or its stage's layers; two batches in
+    flight under pipeline parallelism): two ranks give one process's tokens."""
     path, config = tiny_checkpoint
     prompts, params = long_prompts(8, config.vocab_size, seed=1), mixed_params(8, seed=1)
     options = dict(kv_policy="paged", block_size=4, kv_capacity_tokens=64, max_num_seqs=8, kv_watermark=0.0,
                    swap_space=swap_space_for(path, 64))  # fmt: skip
     one = [o.output_ids for o in LLM(str(path), **options).generate(prompts, params)]
-    two = LLM(str(path), tensor_parallel_size=2, **options)
+    two = LLM(str(path), **layout, **options)
     try:
         assert [o.output_ids for o in two.generate(prompts, params)] == one
         assert two.engine.stats().kv_swapped_out_blocks > 0
