@@ -675,23 +675,29 @@ def run_decode_attention(args: argparse.Namespace, report: Report) -> dict[str, 
 
     ops = get_ops(torch.device(args.device))
     result: dict[str, Any] = {"kernels": ops.name, "dtype": args.dtype, "points": [], "errors": []}
+    # The pool in the model's dtype at every point, and in FP8 (kv_cache_dtype fp8) at the longest contexts.
+    points = [("auto", context) for context in args.attention_contexts]
+    points += [("fp8", context) for context in args.attention_fp8_contexts]
     for name, q_heads, kv_heads, head_dim in ATTENTION_SHAPES:
-        for context in args.attention_contexts:
+        for kv, context in points:
             for batch in args.attention_batches:
-                point = attention_point(args, ops, q_heads, kv_heads, head_dim, batch, context)
-                result["points"].append({"shape": name, **point})
-                print(f"{name} batch {batch:3d} context {context:5d}: {point['us']:8.1f} us, {point['gb_s']:7.1f} GB/s "
-                      f"= {point['fraction_of_copy']:.0%} of a copy's {point['copy_gb_s']:.0f} GB/s", flush=True)  # fmt: skip
+                point = attention_point(args, ops, q_heads, kv_heads, head_dim, batch, context, kv)
+                result["points"].append({"shape": name, "kv": kv, **point})
+                print(f"{name} {kv:4} batch {batch:3d} context {context:5d}: {point['us']:8.1f} us, {point['gb_s']:7.1f} "
+                      f"GB/s = {point['fraction_of_copy']:.0%} of a copy's {point['copy_gb_s']:.0f} GB/s", flush=True)  # fmt: skip
                 report(result)
     return result
 
 
 def attention_point(
-    args: argparse.Namespace, ops: Any, q_heads: int, kv_heads: int, head_dim: int, batch: int, context: int
+    args: argparse.Namespace, ops: Any, q_heads: int, kv_heads: int, head_dim: int, batch: int, context: int,
+    kv: str = "auto",
 ) -> dict[str, Any]:  # fmt: skip
-    """One decode-attention launch's median time at `batch` requests of `context` tokens, and a copy's
-    of the same bytes."""
+    """One decode-attention launch's median time at `batch` requests of `context` tokens (over an FP8
+    pool with `kv` fp8), and a copy's of the same bytes."""
     import torch
+
+    from orca_kernels.attention import KVScales
 
     gpu_check = load_gpu_check()
     kernels = gpu_check.load_sibling("kernels")
@@ -705,6 +711,11 @@ def attention_point(
         return torch.randn(*dims, generator=g, device=device).to(dtype)
 
     k_cache, v_cache = randn(slots, kv_heads, head_dim), randn(slots, kv_heads, head_dim)
+    kv_scales = None
+    if kv == "fp8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        ones = torch.ones(kv_heads, device=device)
+        kv_scales = KVScales(ones, ones)
     q, k, v = (
         randn(batch, q_heads, head_dim),
         randn(batch, kv_heads, head_dim),
@@ -712,20 +723,17 @@ def attention_point(
     )
     scale = head_dim**-0.5
     if q_heads == kv_heads:
-        call = functools.partial(ops.write_kv_attention, q, k, v, k_cache, v_cache, meta, scale)
+        call = functools.partial(ops.write_kv_attention, q, k, v, k_cache, v_cache, meta, scale, 0, 0.0, kv_scales)
     else:
         inverse = 10000.0 ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
         angles = torch.arange(context, device=device, dtype=torch.float32)[:, None] * inverse
         cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
         positions = meta.context_lens.long() - 1
         call = functools.partial(ops.rotary_write_kv_attention, q, k, v, positions, cos_sin, k_cache, v_cache, meta,
-                                 scale)  # fmt: skip
+                                 scale, 0, 0.0, kv_scales)  # fmt: skip
     # K and V of every context token read; q read, the output and the new K/V written.
-    nbytes = (
-        (2 * batch * context * kv_heads + 2 * batch * q_heads + 2 * batch * kv_heads)
-        * head_dim
-        * dtype.itemsize
-    )
+    nbytes = (2 * batch * context * kv_heads * k_cache.element_size()
+              + (2 * batch * q_heads + 2 * batch * kv_heads) * dtype.itemsize) * head_dim  # fmt: skip
     seconds = gpu_check.median_seconds(call, device, reps=args.attention_reps)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -737,24 +745,28 @@ def attention_point(
 
 def render_decode_attention(r: dict[str, Any]) -> list[str]:
     lines = ["## Decode attention vs copy bandwidth", "",
-             f"{r['kernels']} kernels, {r['dtype']}; bytes = K/V of every context token + q, output and the new K/V; "
-             "copy GB/s counts bytes read + written.", "",
-             "| shape | batch | context | MB | us | GB/s | copy GB/s | of copy |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"{r['kernels']} kernels, {r['dtype']}; bytes = K/V of every context token (one byte an element in an "
+             "fp8 pool) + q, output and the new K/V; copy GB/s counts bytes read + written.", "",
+             "| shape | K/V | batch | context | MB | us | GB/s | copy GB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in r["points"]:
-        lines.append(f"| {p['shape']} | {p['batch']} | {p['context']} | {p['bytes'] / 1e6:.1f} | {p['us']:.1f} | "
-                     f"{p['gb_s']:.0f} | {p['copy_gb_s']:.0f} | {p['fraction_of_copy']:.0%} |")  # fmt: skip
+        lines.append(f"| {p['shape']} | {p.get('kv', 'auto')} | {p['batch']} | {p['context']} | {p['bytes'] / 1e6:.1f} | "
+                     f"{p['us']:.1f} | {p['gb_s']:.0f} | {p['copy_gb_s']:.0f} | {p['fraction_of_copy']:.0%} |")  # fmt: skip
     return [*lines, ""]
 
 
 def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
-    """The 4-bit Triton dequantizing GEMM (groups of 128, the layout integer checkpoints load into) against
-    the dtype's own GEMM (cuBLAS on a GPU) over the same [out, in] shapes, at decode and prefill token
-    counts: each one's median time, the int4 weight's GB/s, and the ratio."""
+    """The 4-bit Triton dequantizing GEMM (groups of 128, the layout integer checkpoints load into) and
+    the W8A8 GEMMs (activations quantized per token: int8 by torch._int_mm, FP8 by torch._scaled_mm
+    where the GPU has FP8) against the dtype's own GEMM (cuBLAS on a GPU) over the same [out, in]
+    shapes, at decode and prefill token counts: each one's median time, the int4 weight's GB/s, and
+    the ratios."""
     import torch
     import torch.nn.functional as F
 
     from orca_kernels.int_quant import pack_int32
     from orca_kernels.triton_int_quant import int_linear_triton
+    from orca_kernels.w8a8 import w8a8_linear
 
     gpu_check = load_gpu_check()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -767,6 +779,10 @@ def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         zeros = torch.full((n, k // 128), 8.0, device=device)
         dense = ((q.float() - 8.0) * scales.repeat_interleave(128, dim=1)).to(dtype)
         weight_bytes = packed.nbytes + scales.nbytes + zeros.nbytes
+        row_scale = torch.rand(n, generator=g, device=device) * 0.01
+        w8 = {"int8": torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)}
+        if device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9):
+            w8["fp8"] = torch.randn(n, k, generator=g, device=device).to(torch.float8_e4m3fn)
         for tokens in args.int_gemm_tokens:
             x = torch.randn(tokens, k, generator=g, device=device).to(dtype)
             int4 = functools.partial(int_linear_triton, x, packed, scales, zeros, 4, 128)
@@ -774,20 +790,26 @@ def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             dense_s = gpu_check.median_seconds(functools.partial(F.linear, x, dense), device, reps=args.int_gemm_reps)
             point = {"out": n, "in": k, "tokens": tokens, "int4_us": int4_s * 1e6, "dense_us": dense_s * 1e6,
                      "int4_weight_gb_s": weight_bytes / int4_s / 1e9, "dense_over_int4": dense_s / int4_s}  # fmt: skip
+            for act, weight in w8.items():
+                call = functools.partial(w8a8_linear, x, weight, row_scale, act)
+                point[f"w8a8_{act}_us"] = gpu_check.median_seconds(call, device, reps=args.int_gemm_reps) * 1e6
             result["points"].append(point)
+            w8a8 = ", ".join(f"w8a8 {act} {point[f'w8a8_{act}_us']:.1f} us" for act in w8)
             print(f"[{n}, {k}] x {tokens:5d} tokens: int4 {point['int4_us']:8.1f} us, {args.dtype} {point['dense_us']:8.1f} us"
-                  f" -> {point['dense_over_int4']:.2f}x", flush=True)  # fmt: skip
+                  f" -> {point['dense_over_int4']:.2f}x; {w8a8}", flush=True)  # fmt: skip
             report(result)
     return result
 
 
 def render_int4_gemm(r: dict[str, Any]) -> list[str]:
-    lines = ["## The int4 dequantizing GEMM vs the dense one", "",
+    lines = ["## The int4 dequantizing GEMM and the W8A8 GEMMs vs the dense one", "",
              f"groups of {r['group']}, activations {r['dtype']}; the dense GEMM is torch's F.linear (cuBLAS on a GPU) "
-             "over the same weight dequantized.", "",
-             "| out x in | tokens | int4 us | dense us | int4 weight GB/s | dense / int4 |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "over the same weight dequantized; W8A8 quantizes the activations per token first.", "",
+             "| out x in | tokens | int4 us | dense us | int4 weight GB/s | dense / int4 | W8A8 int8 us | W8A8 fp8 us |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {p['out']} x {p['in']} | {p['tokens']} | {p['int4_us']:.1f} | {p['dense_us']:.1f} | "
-              f"{p['int4_weight_gb_s']:.0f} | {p['dense_over_int4']:.2f}x |" for p in r["points"]]  # fmt: skip
+              f"{p['int4_weight_gb_s']:.0f} | {p['dense_over_int4']:.2f}x | {p.get('w8a8_int8_us', float('nan')):.1f} | "
+              f"{p.get('w8a8_fp8_us', float('nan')):.1f} |" for p in r["points"]]  # fmt: skip
     return [*lines, ""]
 
 
@@ -959,13 +981,14 @@ STAGES = [
 # Each setting's value for the GPU run, and (QUICK) for --quick: every stage end to end on a small CPU.
 DEFAULTS: dict[str, Any] = {
     "dtype": "bfloat16", "graph_models": ["gpt2-medium", "qwen2.5-0.5b"], "graph_max_seqs": 256, "replay_reps": 20,
-    "attention_batches": [1, 64, 256], "attention_contexts": [1024, 8192], "attention_reps": 20,
+    "attention_batches": [1, 64, 256], "attention_contexts": [1024, 8192], "attention_fp8_contexts": [8192],
+    "attention_reps": 20,
     "served_streams": [256, 1024], "served_instances": [1, 4, 8],
     "int_gemm_shapes": [(4096, 4096), (14336, 4096)], "int_gemm_tokens": [1, 16, 256, 2048], "int_gemm_reps": 20,
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "dtype": "float32", "graph_models": ["gpt2-tiny", "llama-tiny"], "graph_max_seqs": 8, "replay_reps": 3,
-    "attention_batches": [1, 4], "attention_contexts": [64, 256], "attention_reps": 3,
+    "attention_batches": [1, 4], "attention_contexts": [64, 256], "attention_fp8_contexts": [256], "attention_reps": 3,
     "served_streams": [16], "served_instances": [2],
     "int_gemm_shapes": [(48, 256)], "int_gemm_tokens": [1, 20], "int_gemm_reps": 2,
 }  # fmt: skip
@@ -993,6 +1016,7 @@ def parse_args(argv: list[str], stages: list[Stage]) -> argparse.Namespace:
     p.add_argument("--replay-reps", type=int)
     p.add_argument("--attention-batches", type=int, nargs="+")
     p.add_argument("--attention-contexts", type=int, nargs="+")
+    p.add_argument("--attention-fp8-contexts", type=int, nargs="+", help="decode_attention stage: an FP8 pool's contexts")
     p.add_argument("--attention-reps", type=int)
     p.add_argument("--served-streams", type=int, nargs="+", help="served stage: concurrent streams per burst")
     p.add_argument("--served-instances", type=int, nargs="+", help="served stage: orca instance counts")

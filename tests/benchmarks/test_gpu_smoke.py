@@ -224,8 +224,9 @@ def test_decode_attention_against_copy(quick_run):
     attention = result(quick_run, "decode_attention")
     assert attention["kernels"] == "cpu" and attention["dtype"] == "float32"
     points = attention["points"]
-    assert {(p["shape"], p["batch"], p["context"]) for p in points} == {
-        (shape, batch, context) for shape in ("mha 16x64", "gqa 14/2x64") for batch in (1, 4) for context in (64, 256)
+    assert {(p["shape"], p["kv"], p["batch"], p["context"]) for p in points} == {
+        (shape, kv, batch, context) for shape in ("mha 16x64", "gqa 14/2x64") for batch in (1, 4)
+        for kv, context in (("auto", 64), ("auto", 256), ("fp8", 256))
     }  # fmt: skip
     for p in points:
         for key in ("bytes", "us", "gb_s", "copy_us", "copy_gb_s", "fraction_of_copy"):
@@ -233,6 +234,8 @@ def test_decode_attention_against_copy(quick_run):
         assert math.isclose(p["fraction_of_copy"], p["gb_s"] / p["copy_gb_s"])
     mha = next(p for p in points if p["shape"] == "mha 16x64" and p["batch"] == 1 and p["context"] == 64)
     assert mha["bytes"] == (2 * 64 * 16 + 2 * 16 + 2 * 16) * 64 * 4  # K/V read, q and output, the new K/V
+    fp8 = next(p for p in points if p["shape"] == "mha 16x64" and p["batch"] == 1 and p["kv"] == "fp8")
+    assert fp8["bytes"] == (2 * 256 * 16 * 1 + (2 * 16 + 2 * 16) * 4) * 64  # an FP8 pool: a byte an element
 
 
 @QUICK_RUN
@@ -241,10 +244,10 @@ def test_int4_gemm_against_the_dense_gemm(quick_run):
     assert int4["dtype"] == "float32" and int4["group"] == 128
     assert {(p["out"], p["in"], p["tokens"]) for p in int4["points"]} == {(48, 256, 1), (48, 256, 20)}
     for p in int4["points"]:
-        for key in ("int4_us", "dense_us", "int4_weight_gb_s", "dense_over_int4"):
+        for key in ("int4_us", "dense_us", "int4_weight_gb_s", "dense_over_int4", "w8a8_int8_us", "w8a8_fp8_us"):
             assert finite_positive(p[key]), (p, key)
         assert math.isclose(p["dense_over_int4"], p["dense_us"] / p["int4_us"])
-    assert "## The int4 dequantizing GEMM vs the dense one" in quick_run[1]
+    assert "## The int4 dequantizing GEMM and the W8A8 GEMMs vs the dense one" in quick_run[1]
 
 
 @QUICK_RUN
