@@ -1,7 +1,7 @@
 """Picks the kernel implementation once per device: Triton kernels on CUDA; on CPU (``cpu``) the C
-kernels (decode attention and the K/V write; in float32 the Llama family's RMSNorm, rotary and SiLU-and-mul, and
-GPT-2's LayerNorm and bias-GELU) and the torch references for the rest (every
-element-wise op in half precision).
+kernels (decode attention and the K/V write; in float32 and bfloat16 the Llama family's RMSNorm,
+rotary and SiLU-and-mul; in float32 GPT-2's LayerNorm and bias-GELU) and the torch references for
+the rest (float16, GPT-2's ops in bfloat16, GeGLU).
 
 ``ORCA_KERNELS=auto|triton|cpu|torch`` forces one for A/B runs (``triton`` on CPU needs
 ``TRITON_INTERPRET=1``, set before the process first imports triton; ``torch`` is the plain
@@ -85,14 +85,19 @@ def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors)
 
 
-# The C element-wise kernels (Llama family and GPT-2) are float32 only: half precision on CPU keeps
-# the torch references (bf16/fp16 CPU serving is rare, and the references' roundings between steps
-# would need their own C versions). These choose per call, on the tensors' dtypes, with the
-# references' signatures.
+def _bfloat16_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.bfloat16 and t.is_cpu) for t in tensors)
+
+
+# The C element-wise kernels: float32 for both families, bfloat16 for the Llama family's (rounded
+# where torch's bfloat16 ops round; a bfloat16 kernel whose probe finds torch's rounding at no width
+# on this machine gives way to the reference). float16 keeps the references. These choose per
+# call, on the tensors' dtypes, with the references' signatures.
 def add_rmsnorm_cpu_or_torch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _float32_cpu(x, residual, weight):
+    if _float32_cpu(x, residual, weight) or (
+            _bfloat16_cpu(x, residual, weight) and cpu_llama_ops.add_rmsnorm_bf16_order().matches):  # fmt: skip
         return cpu_llama_ops.add_rmsnorm_cpu(x, residual, weight, eps)
     return add_rmsnorm_torch(x, residual, weight, eps)
 
@@ -100,13 +105,13 @@ def add_rmsnorm_cpu_or_torch(
 def rotary_cpu_or_torch(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _float32_cpu(q, k, cos_sin):
+    if (_float32_cpu(q, k) or _bfloat16_cpu(q, k)) and _float32_cpu(cos_sin):
         return cpu_llama_ops.rotary_cpu(q, k, positions, cos_sin)
     return rotary_torch(q, k, positions, cos_sin)
 
 
 def silu_and_mul_cpu_or_torch(x: torch.Tensor) -> torch.Tensor:
-    if _float32_cpu(x):
+    if _float32_cpu(x) or (_bfloat16_cpu(x) and cpu_llama_ops.silu_and_mul_bf16_order().matches):
         return cpu_llama_ops.silu_and_mul_cpu(x)
     return silu_and_mul_torch(x)
 

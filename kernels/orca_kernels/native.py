@@ -141,6 +141,16 @@ def declare(library: str, name: str, argtypes: list, restype: type | None) -> ct
     return fn
 
 
+def check_float32_or_bf16(name: str, *tensors: torch.Tensor | None) -> torch.dtype:
+    """The one dtype of `tensors` (None skipped) for a C kernel with float32 and bfloat16 entry points
+    (CPU tensors only): anything else is a ValueError naming the kernel."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16} or not all(t.is_cpu for t in tensors if t is not None):
+        found = [(t.dtype, t.device.type) for t in tensors if t is not None]
+        raise ValueError(f"{name} takes CPU tensors all float32 or all bfloat16, got {found}")
+    return dtypes.pop()
+
+
 def check_float32(name: str, *tensors: torch.Tensor | None) -> None:
     """The C kernels take float32 CPU tensors only: anything else is a ValueError naming the kernel."""
     for t in tensors:

@@ -14,8 +14,8 @@ def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def empty_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """A new float32 [rows, width] tensor, viewed as `like`'s leading shape with `width` last.
+def empty_rows(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new [rows, width] tensor of `dtype`, viewed as `like`'s leading shape with `width` last.
     torch.empty takes ints: a torch.Size costs 2 us more to parse."""
-    out = torch.empty(rows, width, dtype=torch.float32)
+    out = torch.empty(rows, width, dtype=dtype)
     return out if like.dim() == 2 else out.view(*like.shape[:-1], width)

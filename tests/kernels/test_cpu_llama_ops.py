@@ -266,14 +266,17 @@ def test_silu_and_mul_many_tokens_any_thread_count(threads: int) -> None:
 # --- float32 only, and dispatch ----------------------------------------------------------------
 
 
-def test_wrappers_take_float32_cpu_tensors_only() -> None:
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="float32 CPU tensors only"):
-        add_rmsnorm_cpu(x, None, torch.ones(64, dtype=torch.bfloat16), 1e-6)
-    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+def test_wrappers_take_float32_or_bfloat16_cpu_tensors_only() -> None:
+    x = torch.randn(2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CPU tensors all float32 or all bfloat16"):
+        add_rmsnorm_cpu(x, None, torch.ones(64, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="CPU tensors all float32 or all bfloat16"):
         silu_and_mul_cpu(x)
-    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+    with pytest.raises(ValueError, match="CPU tensors all float32 or all bfloat16"):
         rotary_cpu(x.view(2, 1, 64), x.view(2, 1, 64), torch.tensor([0, 1]), _table(64))
+    mixed = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="CPU tensors all float32 or all bfloat16"):
+        add_rmsnorm_cpu(mixed, None, torch.ones(64, dtype=torch.bfloat16), 1e-6)
 
 
 @pytest.mark.skipif(not VECTORISED, reason="torch's order is known for its AVX2 and AVX512 builds")
@@ -282,7 +285,8 @@ def test_probes_find_torch_order_on_x86_builds() -> None:
     (a kernel whose order broke would show here, not as a slower machine)."""
     from orca_kernels.cpu_gpt2_ops import add_layernorm_order
 
-    for order in (add_rmsnorm_order(), silu_and_mul_order(), add_layernorm_order()):
+    for order in (add_rmsnorm_order(), silu_and_mul_order(), add_layernorm_order(),
+                  cpu_llama_ops.add_rmsnorm_bf16_order(), cpu_llama_ops.silu_and_mul_bf16_order()):  # fmt: skip
         assert order.matches and order.lanes in (8, 16)
 
 
@@ -314,17 +318,16 @@ def test_cpu_ops_use_the_c_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) 
     assert calls == ["add_rmsnorm_cpu", "rotary_cpu", "silu_and_mul_cpu"]
 
 
-def test_cpu_ops_keep_the_references_for_half_precision() -> None:
+def test_cpu_ops_keep_the_references_for_float16() -> None:
     ops = dispatch.CPU_OPS
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16):
-        x, residual, weight = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(3))
-        got, ref = ops.add_rmsnorm(x, residual, weight, 1e-6), add_rmsnorm_torch(x, residual, weight, 1e-6)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-        assert torch.equal(ops.silu_and_mul(x), silu_and_mul_torch(x))
-        q, k = x.view(3, 1, 64), residual.view(3, 1, 64)
-        got, ref = (
-            ops.rotary(q, k, torch.tensor([0, 1, 2]), _table(64)),
-            rotary_torch(q, k, torch.tensor([0, 1, 2]), _table(64)),
-        )
-        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    x, residual, weight = (torch.randn(3, 64, generator=g).to(torch.float16) for _ in range(3))
+    got, ref = ops.add_rmsnorm(x, residual, weight, 1e-6), add_rmsnorm_torch(x, residual, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert torch.equal(ops.silu_and_mul(x), silu_and_mul_torch(x))
+    q, k = x.view(3, 1, 64), residual.view(3, 1, 64)
+    got, ref = (
+        ops.rotary(q, k, torch.tensor([0, 1, 2]), _table(64)),
+        rotary_torch(q, k, torch.tensor([0, 1, 2]), _table(64)),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

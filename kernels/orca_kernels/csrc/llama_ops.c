@@ -1,5 +1,5 @@
-/* The Llama family's element-wise ops on CPU, float32: residual-add + RMSNorm, neox rotary
- * embedding, and SiLU-and-multiply. Semantics equal the torch references in rmsnorm.py, rotary.py
+/* The Llama family's element-wise ops on CPU, float32 and bfloat16: residual-add + RMSNorm, neox
+ * rotary embedding, and SiLU-and-multiply. Semantics equal the torch references in rmsnorm.py, rotary.py
  * and silu.py (see there); the Python side is cpu_llama_ops.py.
  *
  * Why C: at a handful of tokens each of these is a chain of small aten ops (add, pow, mean, rsqrt,
@@ -20,8 +20,16 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
+#include "bf16.h"
+
+/* bfloat16 (their 16-bit patterns): torch computes each of these ops' bfloat16 forms in float32 and
+ * rounds (to nearest even) where the reference's tensors are bfloat16: the residual sum, the
+ * normalised row before the weight, the product with the weight; the rotated q and k; the SiLU
+ * before the multiply, and the product. The bfloat16 entry points below round at exactly those
+ * points, with the float32 kernels' arithmetic in between. */
 
 /* The sum of the fp32 squares of s[0..n) added in exactly the order of torch's CPU sum kernel
  * (cascade_sum in aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
@@ -90,6 +98,34 @@ void orca_add_rmsnorm_f32(const float *x, int64_t x_stride, const float *residua
     }
 }
 
+/* RMSNorm of bfloat16 rows: summed[r] = bf16(x + residual) (or x itself: `summed` is then unused),
+ * out[r] = bf16(weight * bf16(s * rstd)) with rstd from s widened to float32 (into scratch: one row
+ * of hidden floats per thread) and its squares added in torch's order, as the float32 kernel. */
+void orca_add_rmsnorm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
+                           const uint16_t *weight, uint16_t *out, uint16_t *summed, int64_t rows, int64_t hidden,
+                           float eps, int64_t lanes, int num_threads, float *scratch) {
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scratch + (int64_t)omp_get_thread_num() * hidden;
+        const uint16_t *xr = x + r * x_stride;
+        if (residual) {
+            const uint16_t *res = residual + r * res_stride;
+            uint16_t *sum = summed + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) {
+                sum[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res[i]));
+                s[i] = bf16_to_f32(sum[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < hidden; i++) s[i] = bf16_to_f32(xr[i]);
+        }
+        const float var = sum_squares_torch_order(s, hidden, lanes) / (float)hidden;
+        const float rstd = 1.0f / sqrtf(var + eps);
+        uint16_t *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * bf16_to_f32(f32_to_bf16(s[i] * rstd)));
+    }
+}
+
 /* One head: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product rounded before the sum. */
 static inline void rotate_head(const float *x, float *o, const float *cos, const float *sin, int64_t half) {
 #pragma omp simd
@@ -129,6 +165,37 @@ int64_t orca_rotary_f32(const float *q, int64_t q_tok_stride, int64_t q_head_str
     return -1;
 }
 
+/* One bfloat16 head, rotated in float32 as rotate_head, each output rounded to bfloat16. */
+static inline void rotate_head_bf16(const uint16_t *x, uint16_t *o, const float *cos, const float *sin, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+        o[i] = f32_to_bf16(x1 * cos[i] - x2 * sin[i]);
+        o[i + half] = f32_to_bf16(x2 * cos[i] + x1 * sin[i]);
+    }
+}
+
+/* orca_rotary_f32 for bfloat16 q and k (strides in elements), the cos/sin table float32. */
+int64_t orca_rotary_bf16(const uint16_t *q, int64_t q_tok_stride, int64_t q_head_stride, const uint16_t *k,
+                         int64_t k_tok_stride, int64_t k_head_stride, const int64_t *positions, const float *cos_sin,
+                         int64_t cs_stride, int64_t max_positions, uint16_t *q_out, uint16_t *k_out, int64_t tokens,
+                         int64_t q_heads, int64_t k_heads, int64_t head_dim, int num_threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return t;
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) \
+    if (tokens > 1 && tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cos = cos_sin + positions[t] * cs_stride, *sin = cos + half;
+        for (int64_t h = 0; h < q_heads; h++)
+            rotate_head_bf16(q + t * q_tok_stride + h * q_head_stride, q_out + (t * q_heads + h) * head_dim, cos,
+                             sin, half);
+        for (int64_t h = 0; h < k_heads; h++)
+            rotate_head_bf16(k + t * k_tok_stride + h * k_head_stride, k_out + (t * k_heads + h) * head_dim, cos,
+                             sin, half);
+    }
+    return -1;
+}
+
 #include "expf_sleef.h"
 
 /* out[r] = silu(gate) * up for x[r] = [gate, up] (2 * inner floats at x_stride, unit column
@@ -153,6 +220,30 @@ void orca_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t
         for (int64_t i = vectorised; i < inner; i++) {
             const float silu = gate[i] / (1.0f + expf(-gate[i]));
             o[i] = silu * up[i];
+        }
+    }
+}
+
+/* orca_silu_and_mul_f32 for bfloat16 rows: silu(g) in float32 rounded to bfloat16, then the product
+ * rounded. torch's loop steps over bfloat16 vectors, twice float32's width: pairs of them (4 *
+ * lanes elements, lanes being float32's width) take SLEEF's exp, the rest std::exp. */
+void orca_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t inner,
+                            int64_t lanes, int num_threads) {
+    const int64_t vectorised = inner - inner % (4 * lanes);
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * x_stride, *up = gate + inner;
+        uint16_t *o = out + r * inner;
+#pragma omp simd
+        for (int64_t i = 0; i < vectorised; i++) {
+            const float g = bf16_to_f32(gate[i]);
+            const float silu = bf16_to_f32(f32_to_bf16(g / (1.0f + expf_sleef_u10(-g))));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
+        }
+        for (int64_t i = vectorised; i < inner; i++) {
+            const float g = bf16_to_f32(gate[i]);
+            const float silu = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
+            o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
         }
     }
 }
