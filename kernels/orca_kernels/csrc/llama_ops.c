@@ -136,35 +136,6 @@ static inline void rotate_head(const float *x, float *o, const float *cos, const
     }
 }
 
-/* Rotates q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] (token and head strides
- * in floats, unit stride within a head) into contiguous q_out and k_out, token t by the angles in
- * row positions[t] of cos_sin ([max_positions, head_dim] at cs_stride floats per row: cos in the
- * first half, sin in the second).
- *
- * Returns -1, or the first token whose position is outside [0, max_positions): then nothing is
- * written. Checking costs one pass over `tokens` int64s and keeps a bad position from reading
- * outside the table (torch's index would raise). */
-int64_t orca_rotary_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride, const float *k,
-                        int64_t k_tok_stride, int64_t k_head_stride, const int64_t *positions, const float *cos_sin,
-                        int64_t cs_stride, int64_t max_positions, float *q_out, float *k_out, int64_t tokens,
-                        int64_t q_heads, int64_t k_heads, int64_t head_dim, int num_threads) {
-    for (int64_t t = 0; t < tokens; t++)
-        if (positions[t] < 0 || positions[t] >= max_positions) return t;
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) \
-    if (tokens > 1 && tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * cs_stride, *sin = cos + half;
-        for (int64_t h = 0; h < q_heads; h++)
-            rotate_head(q + t * q_tok_stride + h * q_head_stride, q_out + (t * q_heads + h) * head_dim, cos, sin,
-                        half);
-        for (int64_t h = 0; h < k_heads; h++)
-            rotate_head(k + t * k_tok_stride + h * k_head_stride, k_out + (t * k_heads + h) * head_dim, cos, sin,
-                        half);
-    }
-    return -1;
-}
-
 /* One bfloat16 head, rotated in float32 as rotate_head, each output rounded to bfloat16. */
 static inline void rotate_head_bf16(const uint16_t *x, uint16_t *o, const float *cos, const float *sin, int64_t half) {
     for (int64_t i = 0; i < half; i++) {
@@ -174,27 +145,37 @@ static inline void rotate_head_bf16(const uint16_t *x, uint16_t *o, const float 
     }
 }
 
-/* orca_rotary_f32 for bfloat16 q and k (strides in elements), the cos/sin table float32. */
-int64_t orca_rotary_bf16(const uint16_t *q, int64_t q_tok_stride, int64_t q_head_stride, const uint16_t *k,
-                         int64_t k_tok_stride, int64_t k_head_stride, const int64_t *positions, const float *cos_sin,
-                         int64_t cs_stride, int64_t max_positions, uint16_t *q_out, uint16_t *k_out, int64_t tokens,
-                         int64_t q_heads, int64_t k_heads, int64_t head_dim, int num_threads) {
-    for (int64_t t = 0; t < tokens; t++)
-        if (positions[t] < 0 || positions[t] >= max_positions) return t;
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) \
-    if (tokens > 1 && tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * cs_stride, *sin = cos + half;
-        for (int64_t h = 0; h < q_heads; h++)
-            rotate_head_bf16(q + t * q_tok_stride + h * q_head_stride, q_out + (t * q_heads + h) * head_dim, cos,
-                             sin, half);
-        for (int64_t h = 0; h < k_heads; h++)
-            rotate_head_bf16(k + t * k_tok_stride + h * k_head_stride, k_out + (t * k_heads + h) * head_dim, cos,
-                             sin, half);
+/* Rotates q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] (float32 or bfloat16 T;
+ * token and head strides in elements, unit stride within a head) into contiguous q_out and k_out,
+ * token t by the angles in row positions[t] of cos_sin (float32 [max_positions, head_dim] at
+ * cs_stride floats per row: cos in the first half, sin in the second).
+ *
+ * Returns -1, or the first token whose position is outside [0, max_positions): then nothing is
+ * written. Checking costs one pass over `tokens` int64s and keeps a bad position from reading
+ * outside the table (torch's index would raise). */
+#define DEFINE_ROTARY(NAME, T, ROTATE)                                                                       \
+    int64_t NAME(const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k, int64_t k_tok_stride,     \
+                 int64_t k_head_stride, const int64_t *positions, const float *cos_sin, int64_t cs_stride,      \
+                 int64_t max_positions, T *q_out, T *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,   \
+                 int64_t head_dim, int num_threads) {                                                          \
+        for (int64_t t = 0; t < tokens; t++)                                                                 \
+            if (positions[t] < 0 || positions[t] >= max_positions) return t;                                 \
+        const int64_t half = head_dim / 2;                                                                   \
+        _Pragma("omp parallel for num_threads(num_threads) \
+                 if (tokens > 1 && tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)")        \
+        for (int64_t t = 0; t < tokens; t++) {                                                               \
+            const float *cos = cos_sin + positions[t] * cs_stride, *sin = cos + half;                        \
+            for (int64_t h = 0; h < q_heads; h++)                                                            \
+                ROTATE(q + t * q_tok_stride + h * q_head_stride, q_out + (t * q_heads + h) * head_dim, cos, sin, \
+                       half);                                                                                \
+            for (int64_t h = 0; h < k_heads; h++)                                                            \
+                ROTATE(k + t * k_tok_stride + h * k_head_stride, k_out + (t * k_heads + h) * head_dim, cos, sin, \
+                       half);                                                                                \
+        }                                                                                                    \
+        return -1;                                                                                           \
     }
-    return -1;
-}
+DEFINE_ROTARY(orca_rotary_f32, float, rotate_head)
+DEFINE_ROTARY(orca_rotary_bf16, uint16_t, rotate_head_bf16)
 
 #include "expf_sleef.h"
 
