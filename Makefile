@@ -85,7 +85,7 @@ gpu-smoke-cpu: setup
 GPU_CHECK_ARGS ?=
 GPU_TESTS = tests/kernels/test_kernels.py tests/kernels/test_kernels_llama.py tests/kernels/test_triton_decode_attention.py \
 	tests/kernels/test_lora_kernels.py tests/kernels/test_triton_window_attention.py \
-	tests/kernels/test_triton_fp8_kv_cache.py tests/kernels/test_w8a8.py \
+	tests/kernels/test_triton_fp8_kv_cache.py tests/kernels/test_w8a8_gemm.py \
 	tests/model/test_fp8.py tests/model/test_moe.py tests/model/test_cuda.py
 GPU_CHECK = $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 GPU_CHECK_PARTS = gpu-check-tests gpu-check-kernels gpu-check-graphs-gpt2 gpu-check-graphs-qwen gpu-check-ab
