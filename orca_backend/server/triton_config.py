@@ -142,6 +142,14 @@ def _chunked_prefill(value: Any) -> dict[str, str]:
     return {"max_num_batched_tokens": "2048"} if _bool(value, "enable_chunked_prefill") else {}
 
 
+def _calculate_kv_scales(value: Any) -> dict[str, str]:
+    if _bool(value, "calculate_kv_scales"):
+        raise ValueError("calculate_kv_scales is not served: scales from the first batch would make every later "
+                         "answer depend on which request came first; FP8 K/V uses the checkpoint's k_scale/v_scale, "
+                         "else 1.0 (README, kv_cache_dtype)")  # fmt: skip
+    return {}
+
+
 def _executor(value: Any) -> dict[str, str]:
     if value not in ("mp", "ray"):
         raise ValueError(f"distributed_executor_backend {value!r} is not supported (mp and ray are)")
@@ -158,6 +166,7 @@ VLLM_ARGS: dict[str, Callable[[Any], dict[str, str]]] = {
     "dtype": _dtype,
     "enable_chunked_prefill": _chunked_prefill,
     "distributed_executor_backend": _executor,
+    "calculate_kv_scales": _calculate_kv_scales,
     "disable_log_stats": lambda value: {},  # read by report_custom_metrics
     "kv_events_config": lambda value: {"kv_events_config": value if isinstance(value, str) else json.dumps(value)},
     "speculative_config": lambda value: {"speculative_config": value if isinstance(value, str) else json.dumps(value)},

@@ -35,7 +35,8 @@ def test_model_json_reaches_the_engine_with_vllms_meaning():
         "model": "gpt2-tiny", "dtype": "half", "max_num_seqs": 7, "max_model_len": 128, "block_size": 32,
         "enable_prefix_caching": True, "enforce_eager": True, "enable_chunked_prefill": True, "seed": 3,
         "tensor_parallel_size": 1, "distributed_executor_backend": "mp", "enable_lora": True, "max_loras": 2,
-        "max_lora_rank": 8, "async_scheduling": False, "kv_cache_memory_bytes": 2**20,
+        "max_lora_rank": 8, "async_scheduling": False, "kv_cache_memory_bytes": 2**20, "kv_cache_dtype": "fp8",
+        "swap_space": 2, "calculate_kv_scales": False,
     })  # fmt: skip
     assert (config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.block_size) == (
         "gpt2-tiny", "float16", 7, 128, 32)
@@ -43,6 +44,7 @@ def test_model_json_reaches_the_engine_with_vllms_meaning():
     assert (config.max_num_batched_tokens, config.seed, config.max_loras, config.max_lora_rank) == (2048, 3, 2, 8)
     assert config.device == "auto"  # vLLM's default where model.json names none
     assert config.kv_cache_memory_bytes == 2**20
+    assert config.kv_cache_dtype == "fp8" and float(config.swap_space) == 2.0
 
 
 def test_config_pbtxt_parameters_override_model_json_and_the_adapter_forces_its_own():
@@ -58,6 +60,7 @@ def test_config_pbtxt_parameters_override_model_json_and_the_adapter_forces_its_
     ({"dtype": "float64"}, "dtype 'float64' is not one of auto"),
     ({"enable_chunked_prefill": "maybe"}, "enable_chunked_prefill must be true or false"),
     ({"distributed_executor_backend": "uni"}, "distributed_executor_backend 'uni' is not supported"),
+    ({"calculate_kv_scales": True}, "calculate_kv_scales is not served"),
 ])  # fmt: skip
 def test_model_json_arguments_nothing_honours_are_refused_by_name(args, message):
     with pytest.raises(ValueError, match="model.json: ") as failure:
