@@ -136,9 +136,10 @@ class KVScales:
         layer, then one table lookup an element replaces the conversion and the multiply."""
         tables = self._tables.get((pool_dtype, dtype))
         if tables is None:
-            codes = torch.arange(256, dtype=torch.uint8, device=self.k.device).view(pool_dtype).float()
+            codes = torch.arange(256, dtype=torch.uint8, device=self.k.device).view(pool_dtype)
+            every_head = codes.expand(len(self.k), 256)  # [heads, 256]: the layout dequantize_kv reads
             tables = self._tables[(pool_dtype, dtype)] = tuple(
-                (codes[None, :] * scale[:, None]).to(dtype).float().contiguous() for scale in (self.k, self.v)
+                dequantize_kv(every_head, scale, dtype).float().contiguous() for scale in (self.k, self.v)
             )
         return tables
 

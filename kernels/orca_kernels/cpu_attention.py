@@ -33,7 +33,6 @@ import torch
 
 from orca_kernels import native
 from orca_kernels.attention import (
-    FP8_KV_DTYPES,
     AttentionMetadata,
     KVScales,
     attention_torch,
@@ -42,6 +41,7 @@ from orca_kernels.attention import (
     first_visible_key,
     gather_context,
     gqa_group_size,
+    is_fp8_pool,
     prefill_attention,
     quantize_kv,
 )
@@ -129,7 +129,7 @@ def attention_cpu(
     gqa_group_size(heads, kv_heads)  # ValueError unless heads is a multiple of kv_heads (>= 1)
     check_window(window, softcap)
     check_kv_scales(k_cache, kv_scales)
-    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    fp8 = is_fp8_pool(k_cache)
     if q.dtype not in (torch.float32, torch.bfloat16) or (k_cache.dtype != q.dtype and not fp8) \
             or v_cache.dtype != k_cache.dtype or q.device.type != "cpu":  # fmt: skip
         return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)

@@ -37,6 +37,13 @@ def lora_root(lora_id: int) -> int:
     return hash(("lora", lora_id))
 
 
+def stored_event(key: BlockKey, first: bool, lora: LoRARequest | None, block_size: int, medium: str) -> BlockStored:
+    """The K/V event of a block cached under `key` on `medium` (`first`: its request's first block,
+    whose key's parent part is the root, not a block; `lora`: the adapter it was computed with)."""
+    return BlockStored([hash(key)], None if first else key[0], list(key[1]), block_size,
+                       lora.lora_id if lora is not None else None, medium, lora.name if lora is not None else None)  # fmt: skip
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -137,6 +144,4 @@ class BlockPool:
             block.key, block.first, block.lora = key, first, lora
             self._cached[key] = block_id
             if self._events is not None:
-                self._events.append(BlockStored(
-                    [hash(key)], None if first else key[0], list(key[1]), self.block_size,
-                    lora.lora_id if lora is not None else None, MEDIUM_GPU, lora.name if lora is not None else None))  # fmt: skip
+                self._events.append(stored_event(key, first, lora, self.block_size, MEDIUM_GPU))

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from orca_backend.core.block_pool import BlockKey
-from orca_backend.core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from orca_backend.core.block_pool import BlockKey, stored_event
+from orca_backend.core.kv_events import MEDIUM_CPU, BlockRemoved, KVCacheEvent
+
+if TYPE_CHECKING:
+    from orca_backend.lora import LoRARequest
 
 
 class HostBlockPool:
@@ -28,7 +32,6 @@ class HostBlockPool:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 handed out first
         self._cached: OrderedDict[BlockKey, int] = OrderedDict()  # least recently stored first
-        self._key_of: dict[int, BlockKey] = {}
         self._pinned: set[int] = set()  # read by this step's copies to the device: not written before the next
         self._returned: list[int] = []  # given back this step: free from the next
         self._record = record
@@ -66,7 +69,7 @@ class HostBlockPool:
         """A swapped request's blocks, once copied back to the device this step: free from the next."""
         self._returned += blocks
 
-    def store(self, key: BlockKey, first: bool, lora_id: int | None, lora_name: str | None) -> int | None:
+    def store(self, key: BlockKey, first: bool, lora: LoRARequest | None) -> int | None:
         """A host block for a cached prefix block the device evicts (None: no room, or it is cached
         here already): a free one, or the oldest cached one not pinned."""
         if key in self._cached:
@@ -79,10 +82,8 @@ class HostBlockPool:
             self._free.append(self._evict(oldest))
         block = self._free.pop()
         self._cached[key] = block
-        self._key_of[block] = key
         if self._record is not None:
-            self._record(BlockStored([hash(key)], None if first else key[0], list(key[1]), self.block_size, lora_id,
-                                     MEDIUM_CPU, lora_name))  # fmt: skip
+            self._record(stored_event(key, first, lora, self.block_size, MEDIUM_CPU))
         return block
 
     def lookup(self, key: BlockKey) -> int | None:
@@ -100,12 +101,8 @@ class HostBlockPool:
         self._free += self._returned
         self._returned = []
 
-    def cached_hashes(self) -> set[int]:
-        return {hash(key) for key in self._cached}
-
     def _evict(self, key: BlockKey) -> int:
         block = self._cached.pop(key)
-        del self._key_of[block]
         if self._record is not None:
             self._record(BlockRemoved([hash(key)], MEDIUM_CPU))
         return block

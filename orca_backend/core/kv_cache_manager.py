@@ -215,9 +215,7 @@ class KVCacheManager(ABC):
     def _offload(self, block: Block) -> None:
         """A cached block the device pool evicts: to a host block, if the host tier has room."""
         assert self.host is not None and block.key is not None
-        lora = block.lora
-        host = self.host.store(block.key, block.first, lora.lora_id if lora is not None else None,
-                               lora.name if lora is not None else None)  # fmt: skip
+        host = self.host.store(block.key, block.first, block.lora)
         if host is not None:
             self.to_host.append((block.block_id, host))
 

@@ -24,11 +24,11 @@ from orca_kernels.attention import KVScales
 logger = logging.getLogger("orca.model")
 
 # kv_cache_dtype -> the pool's torch dtype ("auto": the model's)
-FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_POOL_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return FP8_KV_DTYPES.get(kv_cache_dtype, model_dtype)
+    return FP8_POOL_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
 def load_kv_scales(

@@ -38,14 +38,10 @@ class W8A8Weight:
 
 def load_w8a8_linear(src: WeightSource, layer: str, act: str, dim: int | None, lo: int, hi: int | None,
                      device: torch.device) -> W8A8Weight:  # fmt: skip
-    """The W8A8 weight of linear layer `layer` (a column-parallel shard along dim 0 at most)."""
+    """The W8A8 weight of linear layer `layer` (a shard along `dim`; tensor parallelism, the only
+    source of shards along dim 1, is refused for W8A8 by config.check_parallel_layout)."""
     name = layer + ".weight"
-    extent = src.shape(name)[1]
-    if dim == 1 and (lo != 0 or (hi is not None and hi != extent)):
-        raise ValueError(f"{layer}: W8A8 checkpoints are served with tensor_parallel_size 1 (a row-parallel shard "
-                         "would quantize part of each token's activations with its own scale)")  # fmt: skip
-    rows = (lo, hi) if dim == 0 else (0, None)
-    weight = src.get(name, 0, *rows)
+    weight = src.get(name, dim, lo, hi)
     expected = torch.int8 if act == "int8" else torch.float8_e4m3fn
     if weight.dtype != expected:
         raise ValueError(f"{name}: a W8A8 checkpoint with {act} activations stores {expected} weights, got {weight.dtype}")
@@ -53,7 +49,7 @@ def load_w8a8_linear(src: WeightSource, layer: str, act: str, dim: int | None, l
     if scale.numel() == 1:
         scale = scale.expand(weight.shape[0])
     elif scale.numel() == src.shape(name)[0]:
-        scale = scale[rows[0] : rows[1]]
+        scale = scale[lo:hi] if dim == 0 else scale
     else:
         raise ValueError(f"{name}_scale holds {scale.numel()} values: one per output row or one per tensor are served")
     return W8A8Weight(weight.to(device).contiguous(), scale.contiguous().to(device), act)

@@ -90,11 +90,11 @@ def test_a_host_block_a_step_reads_is_not_written_by_it():
     the next step, after the copies that read them."""
     host = HostBlockPool(2, block_size=2)
     a, b, c = block_key(None, (1, 2)), block_key(None, (3, 4)), block_key(None, (5, 6))
-    block_a, block_b = host.store(a, True, None, None), host.store(b, True, None, None)
+    block_a, block_b = host.store(a, True, None), host.store(b, True, None)
     assert host.lookup(a) == block_a and host.lookup(b) == block_b
-    assert host.store(c, True, None, None) is None and host.available() == 0  # both pinned: no room
+    assert host.store(c, True, None) is None and host.available() == 0  # both pinned: no room
     host.end_step()
-    assert host.store(c, True, None, None) == block_a  # the oldest (a, looked up first) is evicted now
+    assert host.store(c, True, None) == block_a  # the oldest (a, looked up first) is evicted now
     taken = host.take(2)
     host.give_back(taken)
     assert host.available() == 0 and host.num_held == 0

@@ -179,52 +179,36 @@ DEFINE_ROTARY(orca_rotary_bf16, uint16_t, rotate_head_bf16)
 
 #include "expf_sleef.h"
 
-/* out[r] = silu(gate) * up for x[r] = [gate, up] (2 * inner floats at x_stride, unit column
+/* out[r] = silu(gate) * up for x[r] = [gate, up] (2 * inner elements of T at x_stride, unit column
  * stride) into contiguous out [rows, inner]. silu(g) = g / (1 + exp(-g)) as torch writes it,
- * rounded before the multiply like F.silu(gate) * up.
+ * rounded (KEEP: to T's precision) before the multiply like F.silu(gate) * up.
  *
  * torch's element-wise loop (aten/src/ATen/native/cpu/Loops.h, vectorized_loop) runs each row
- * in steps of two vectors (2 * lanes floats) with SLEEF's exp and the rest of the row with the
- * scalar std::exp: the same split here gives the same bits. */
-void orca_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t inner,
-                           int64_t lanes, int num_threads) {
-    const int64_t vectorised = inner - inner % (2 * lanes);
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * x_stride, *up = gate + inner;
-        float *o = out + r * inner;
-#pragma omp simd
-        for (int64_t i = 0; i < vectorised; i++) {
-            const float silu = gate[i] / (1.0f + expf_sleef_u10(-gate[i]));
-            o[i] = silu * up[i];
-        }
-        for (int64_t i = vectorised; i < inner; i++) {
-            const float silu = gate[i] / (1.0f + expf(-gate[i]));
-            o[i] = silu * up[i];
-        }
+ * in steps of two of its vectors with SLEEF's exp and the rest of the row with the scalar
+ * std::exp: the same split here gives the same bits. A step is STEP * lanes elements, lanes being
+ * float32's vector width: 2 for float32 rows, 4 for bfloat16 ones (whose vectors are twice as wide). */
+#define F32_LOAD(v) (v)
+#define F32_KEEP(v) (v)
+#define BF16_KEEP(v) bf16_to_f32(f32_to_bf16(v))
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, KEEP, STORE, STEP)                                                \
+    void NAME(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inner, int64_t lanes, int num_threads) { \
+        const int64_t vectorised = inner - inner % (STEP * lanes);                                           \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                                 \
+            const T *gate = x + r * x_stride, *up = gate + inner;                                            \
+            T *o = out + r * inner;                                                                          \
+            _Pragma("omp simd")                                                                              \
+            for (int64_t i = 0; i < vectorised; i++) {                                                       \
+                const float g = LOAD(gate[i]);                                                               \
+                const float silu = KEEP(g / (1.0f + expf_sleef_u10(-g)));                                    \
+                o[i] = STORE(silu * LOAD(up[i]));                                                            \
+            }                                                                                                \
+            for (int64_t i = vectorised; i < inner; i++) {                                                   \
+                const float g = LOAD(gate[i]);                                                               \
+                const float silu = KEEP(g / (1.0f + expf(-g)));                                              \
+                o[i] = STORE(silu * LOAD(up[i]));                                                            \
+            }                                                                                                \
+        }                                                                                                    \
     }
-}
-
-/* orca_silu_and_mul_f32 for bfloat16 rows: silu(g) in float32 rounded to bfloat16, then the product
- * rounded. torch's loop steps over bfloat16 vectors, twice float32's width: pairs of them (4 *
- * lanes elements, lanes being float32's width) take SLEEF's exp, the rest std::exp. */
-void orca_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t inner,
-                            int64_t lanes, int num_threads) {
-    const int64_t vectorised = inner - inner % (4 * lanes);
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = x + r * x_stride, *up = gate + inner;
-        uint16_t *o = out + r * inner;
-#pragma omp simd
-        for (int64_t i = 0; i < vectorised; i++) {
-            const float g = bf16_to_f32(gate[i]);
-            const float silu = bf16_to_f32(f32_to_bf16(g / (1.0f + expf_sleef_u10(-g))));
-            o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
-        }
-        for (int64_t i = vectorised; i < inner; i++) {
-            const float g = bf16_to_f32(gate[i]);
-            const float silu = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
-            o[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
-        }
-    }
-}
+DEFINE_SILU_AND_MUL(orca_silu_and_mul_f32, float, F32_LOAD, F32_KEEP, F32_LOAD, 2)
+DEFINE_SILU_AND_MUL(orca_silu_and_mul_bf16, uint16_t, bf16_to_f32, BF16_KEEP, f32_to_bf16, 4)
