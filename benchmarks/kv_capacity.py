@@ -3,6 +3,7 @@
     python benchmarks/kv_capacity.py                       # --suite dtype: FP8 K/V against the model's dtype
     python benchmarks/kv_capacity.py --suite swap --prompt 32 --output 192   # preemption by swap vs recompute
     python benchmarks/kv_capacity.py --model llama-150m --pool-tokens 4096 --repeat 3
+    python benchmarks/kv_capacity.py --suite hybrid --model gemma3-tiny --prompt 96 --output 128   # K/V groups
 
 Each configuration serves the same --requests requests (prompts of --prompt tokens, --output tokens
 each, ignore_eos) with kv_cache_memory_bytes fixed to what --pool-tokens tokens take in the model's
@@ -16,6 +17,10 @@ Suites:
          out).
   swap   a preemption-heavy workload (short prompts, long outputs, paged): preempted requests
          recomputed against swapped to a host tier (swap_space, --swap-gib).
+  hybrid a model with local and global layers (--model gemma3-tiny: Gemma 3's five local layers to one
+         global, a 32-token window), paged, chunks of 256: a block table per K/V group, the local
+         groups giving back the blocks behind their window, against one table over every layer
+         (disable_hybrid_kv_cache_manager) in the same bytes.
 Reported per configuration: the peak of running requests, the preemptions, the prompt tokens
 computed, output tokens/s (range over --repeat rounds). The weights are the preset's seeded random ones.
 """
@@ -40,9 +45,12 @@ SUITES = {  # name -> {configuration: its engine options}
     "dtype": {"auto/reserve": {"kv_policy": "reserve"}, "fp8/reserve": {"kv_policy": "reserve", "kv_cache_dtype": "fp8"},
               "auto/paged": {"kv_policy": "paged"}, "fp8/paged": {"kv_policy": "paged", "kv_cache_dtype": "fp8"}},
     "swap": {"recompute": {"kv_policy": "paged"}, "swap": {"kv_policy": "paged", "swap_space": None}},
+    "hybrid": {"one-table": {"disable_hybrid_kv_cache_manager": True, "max_num_batched_tokens": 256},
+               "hybrid": {"max_num_batched_tokens": 256}},
 }
 RATIOS = {"dtype": [("reserve", "fp8/reserve", "auto/reserve"), ("paged", "fp8/paged", "auto/paged")],
-          "swap": [("swap_over_recompute", "swap", "recompute")]}  # fmt: skip
+          "swap": [("swap_over_recompute", "swap", "recompute")],
+          "hybrid": [("hybrid_over_one_table", "hybrid", "one-table")]}  # fmt: skip
 
 
 def run_once(model: str, dtype: str, options: dict, pool_bytes: int, args) -> dict:

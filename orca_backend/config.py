@@ -176,6 +176,10 @@ class EngineConfig:
     # "paged" (vLLM): blocks as the context grows, preempting the newest request when they run out;
     # "reserve" (ORCA): blocks for prompt + max_tokens at admission, never preempted.
     kv_policy: str = "paged"
+    # vLLM's name. A model whose layers attend within different windows (Gemma 2/3: local and global
+    # layers) gets a block table per group of layers alike, local groups giving back blocks behind
+    # their window (orca_backend/kv_groups.py), under the paged policy; true: one table for every layer.
+    disable_hybrid_kv_cache_manager: bool = False
     block_size: int = 16  # K/V slots per block
     enable_prefix_caching: bool = False  # share the K/V of full blocks of equal prefixes
     # vLLM's kv_events_config (JSON, `KVEventsConfig`): publish what the prefix cache stores and evicts
@@ -526,14 +530,18 @@ def check_parallel_layout(config: AnyModelConfig, tp: int, pp: int) -> None:
 
 
 # The K/V pool's geometry, which the frontend's validation and the core's K/V manager both need.
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """A pipeline stage's layers; earlier stages take one extra when num_layers does not divide evenly."""
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
 def pool_capacity_tokens(capacity_tokens: int, block_size: int) -> int:
     """The slots of a pool of `capacity_tokens` cut into whole blocks."""
     return capacity_tokens // block_size * block_size
-
-
-def fits_in_pool(num_tokens: int, capacity_tokens: int, block_size: int) -> bool:
-    """Whether `num_tokens` tokens fit an empty pool of whole blocks (validation needs no pool)."""
-    return -(-num_tokens // block_size) <= capacity_tokens // block_size
 
 
 def parameter_bool(key: str, value: str) -> bool:

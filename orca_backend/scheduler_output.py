@@ -11,7 +11,7 @@ keeps the state of every unfinished request it has been sent, in its persistent 
   that landed sampled, one per request that sampled): every rank appends them, so the sampling rank
   holds nothing the others do not, and a step that failed recorded nothing;
 - `grown_ids` / `grown_block_ids`: blocks appended to requests' tables (after a preemption, a whole
-  new table);
+  new table), every K/V group's as `NewRequest.block_ids` holds them;
 - `preempted_ids`: requests that lost their blocks (preemption by recompute): a runner frees their
   rows and keeps their tokens and generator; a preempted request that is scheduled again takes a row
   again;
@@ -59,7 +59,9 @@ class NewRequest:
     request_id: str
     token_ids: list[int]  # its prompt and every output token recorded so far
     num_prompt_tokens: int
-    block_ids: list[int]  # its K/V blocks, in context order
+    # Its K/V blocks in context order, each K/V group's table (orca_backend/kv_groups.py) one after the
+    # other, all of one length (a windowed group's entries behind its window -1).
+    block_ids: list[int]
     params: SamplingParams
     seed: int  # its generator's seed: params.seed, or one the engine drew at arrival
     # The tokens that end it with "stop" (stop ids, EOS unless ignored): the sampler bans them while it is

@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "orca_backend.worker": 4,
     "orca_backend.model": 3,
     "orca_backend.distributed": 2,
+    "orca_backend.kv_groups": 1,
     "orca_backend.config": 1,
     "orca_backend.families": 1,
     "orca_backend.messages": 1,
@@ -161,8 +162,9 @@ def test_light_modules_do_not_import_torch(module):
 # 20 before the families left config.py; 25 (24 each) before the detokenizer, lora_file.py,
 # structured_spec.py and families/base.py merged into their users and the families loaded on demand;
 # 17 before server/instances.py (several instances over one engine core, issue #42), 18 before
-# server/triton_config.py (auto-complete, model.json; issue #43).
-STUB_MODULES = {"orca_model": 19, "baseline_model": 19}
+# server/triton_config.py (auto-complete, model.json; issue #43); 19 before kv_groups.py (the frontend
+# checks a request against the K/V groups, issue #47).
+STUB_MODULES = {"orca_model": 20, "baseline_model": 20}
 
 
 @pytest.mark.parametrize("model", sorted(STUB_MODULES))

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from orca_backend.lora import LoRARequest
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, or the root for the first; token ids)
+# What the pool caches a block under: its key and its K/V group (orca_backend/kv_groups.py; None when
+# the pool serves one group), as K/V events name it (group_idx).
+CacheKey = tuple[BlockKey, "int | None"]
 
 
 def block_key(parent: BlockKey | None, token_ids: tuple[int, ...], root: int = 0) -> BlockKey:
@@ -37,30 +40,43 @@ def lora_root(lora_id: int) -> int:
     return hash(("lora", lora_id))
 
 
-def stored_event(key: BlockKey, first: bool, lora: LoRARequest | None, block_size: int, medium: str) -> BlockStored:
-    """The K/V event of a block cached under `key` on `medium` (`first`: its request's first block,
-    whose key's parent part is the root, not a block; `lora`: the adapter it was computed with)."""
+def stored_event(cached: CacheKey, first: bool, lora: LoRARequest | None, block_size: int, medium: str,
+                 windows: tuple[int, ...] = ()) -> BlockStored:  # fmt: skip
+    """The K/V event of a block cached under `cached` on `medium` (`first`: its request's first block,
+    whose key's parent part is the root, not a block; `lora`: the adapter it was computed with;
+    `windows`: each group's window, where the pool has several groups)."""
+    key, group = cached
+    window = windows[group] if group is not None else None
+    kind = None if window is None else "sliding_window" if window else "full_attention"
     return BlockStored([hash(key)], None if first else key[0], list(key[1]), block_size,
-                       lora.lora_id if lora is not None else None, medium, lora.name if lora is not None else None)  # fmt: skip
+                       lora.lora_id if lora is not None else None, medium, lora.name if lora is not None else None,
+                       group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window or None)  # fmt: skip
+
+
+def removed_event(cached: CacheKey, medium: str) -> BlockRemoved:
+    return BlockRemoved([hash(cached[0])], medium, group_idx=cached[1])
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: BlockKey | None = None  # set while the block's K/V is a cached prefix
+    key: CacheKey | None = None  # set while the block's K/V is a cached prefix
     first: bool = False  # (cached) its request's first block: its key's parent part is the root
     lora: LoRARequest | None = None  # (cached) the adapter it was computed with
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int = 16, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, record_events: bool = False,
+                 windows: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """`windows`: each K/V group's window where the pool serves several (their blocks' events say it)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.windows = windows
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in the order they are handed out: least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[BlockKey, int] = {}
+        self._cached: dict[CacheKey, int] = {}
         # What the cache stored and evicted since the last `take_events` (K/V events for routers:
         # core/kv_events.py); None when nobody publishes them.
         self._events: list[KVCacheEvent] | None = [] if record_events else None
@@ -80,9 +96,9 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    def cached_hashes(self) -> set[int]:
-        """The hashes of every cached block (what a subscriber rebuilds from the events)."""
-        return {hash(key) for key in self._cached}
+    def cached_hashes(self) -> set[tuple[int, int | None]]:
+        """(hash, group) of every cached block (what a subscriber rebuilds from the events)."""
+        return {(hash(key), group) for key, group in self._cached}
 
     @property
     def num_free(self) -> int:
@@ -93,7 +109,7 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._cached)
 
-    def lookup(self, key: BlockKey) -> int | None:
+    def lookup(self, key: CacheKey) -> int | None:
         """The block caching `key`, held or free, or None."""
         return self._cached.get(key)
 
@@ -110,7 +126,7 @@ class BlockPool:
                     self.on_evict(block)
                 del self._cached[block.key]
                 if self._events is not None:
-                    self._events.append(BlockRemoved([hash(block.key)], MEDIUM_GPU))
+                    self._events.append(removed_event(block.key, MEDIUM_GPU))
                 block.key, block.lora = None, None
             block.ref_count = 1
             ids.append(block_id)
@@ -134,7 +150,7 @@ class BlockPool:
             elif block.ref_count < 0:
                 raise RuntimeError(f"K/V block {block_id} released more often than held")
 
-    def cache(self, block_id: int, key: BlockKey, first: bool = False, lora: LoRARequest | None = None) -> None:
+    def cache(self, block_id: int, key: CacheKey, first: bool = False, lora: LoRARequest | None = None) -> None:
         """Marks a full, computed block as caching `key` (`first`: the first block of its request, whose
         key's parent part is the root, not a block; `lora`: the adapter it was computed with). If another
         block already caches the same tokens (two requests computed one prefix at once), that one
@@ -144,4 +160,4 @@ class BlockPool:
             block.key, block.first, block.lora = key, first, lora
             self._cached[key] = block_id
             if self._events is not None:
-                self._events.append(stored_event(key, first, lora, self.block_size, MEDIUM_GPU))
+                self._events.append(stored_event(key, first, lora, self.block_size, MEDIUM_GPU, self.windows))

@@ -26,6 +26,7 @@ from orca_backend.core.scheduler import ScheduledBatch, Scheduler
 from orca_backend.core.structured_output import StructuredOutputManager
 from orca_backend.executor import Executor, WorkerFailure, make_executor
 from orca_backend.families import AnyModelConfig
+from orca_backend.kv_groups import model_kv_groups
 from orca_backend.messages import CoreOutputs, EngineCoreRequest, EngineDeadError, EngineStats, FinishReason
 
 logger = logging.getLogger("orca.engine")
@@ -49,7 +50,8 @@ class EngineCore:
         self.executor = executor if executor is not None else make_executor(config, model_config)
         # The pool the ranks allocated: kv_capacity_tokens, or what gpu_memory_utilization left.
         self.config = config = dataclasses.replace(config, kv_capacity_tokens=self.executor.kv_capacity_tokens)
-        self.kv = make_kv_manager(config, model_config.kv_window, config.host_kv_blocks(model_config))
+        self.kv_groups = groups = model_kv_groups(model_config, config)
+        self.kv = make_kv_manager(config, groups, groups.num_pages(config.host_kv_blocks(model_config)))
         self.kv_events = make_publisher(config.kv_events())  # the prefix cache's events for routers, or None
         self._inbox: queue.Queue[tuple] = queue.Queue()
         # Structured output: grammars compile on a thread of their own; a finished compile wakes the loop

@@ -18,20 +18,23 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from orca_backend.core.block_pool import BlockKey, stored_event
-from orca_backend.core.kv_events import MEDIUM_CPU, BlockRemoved, KVCacheEvent
+from orca_backend.core.block_pool import CacheKey, removed_event, stored_event
+from orca_backend.core.kv_events import MEDIUM_CPU, KVCacheEvent
 
 if TYPE_CHECKING:
     from orca_backend.lora import LoRARequest
 
 
 class HostBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, record: Callable[[KVCacheEvent], None] | None = None) -> None:
-        """`record`: where host stores and evictions go as K/V events (the device pool's; None: nowhere)."""
+    def __init__(self, num_blocks: int, block_size: int, record: Callable[[KVCacheEvent], None] | None = None,
+                 windows: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """`record`: where host stores and evictions go as K/V events (the device pool's; None: nowhere);
+        `windows`: each K/V group's, where there are several (BlockPool's)."""
         self.num_blocks = num_blocks
+        self.windows = windows
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 handed out first
-        self._cached: OrderedDict[BlockKey, int] = OrderedDict()  # least recently stored first
+        self._cached: OrderedDict[CacheKey, int] = OrderedDict()  # least recently stored first
         self._pinned: set[int] = set()  # read by this step's copies to the device: not written before the next
         self._returned: list[int] = []  # given back this step: free from the next
         self._record = record
@@ -69,7 +72,7 @@ class HostBlockPool:
         """A swapped request's blocks, once copied back to the device this step: free from the next."""
         self._returned += blocks
 
-    def store(self, key: BlockKey, first: bool, lora: LoRARequest | None) -> int | None:
+    def store(self, key: CacheKey, first: bool, lora: LoRARequest | None) -> int | None:
         """A host block for a cached prefix block the device evicts (None: no room, or it is cached
         here already): a free one, or the oldest cached one not pinned."""
         if key in self._cached:
@@ -83,10 +86,14 @@ class HostBlockPool:
         block = self._free.pop()
         self._cached[key] = block
         if self._record is not None:
-            self._record(stored_event(key, first, lora, self.block_size, MEDIUM_CPU))
+            self._record(stored_event(key, first, lora, self.block_size, MEDIUM_CPU, self.windows))
         return block
 
-    def lookup(self, key: BlockKey) -> int | None:
+    def peek(self, key: CacheKey) -> int | None:
+        """The host block caching `key`, or None, touching nothing (an admission's search)."""
+        return self._cached.get(key)
+
+    def lookup(self, key: CacheKey) -> int | None:
         """The host block caching `key`, or None; a hit is pinned for this step (its copy to the device
         reads it) and counts as recently used."""
         block = self._cached.get(key)
@@ -101,8 +108,8 @@ class HostBlockPool:
         self._free += self._returned
         self._returned = []
 
-    def _evict(self, key: BlockKey) -> int:
+    def _evict(self, key: CacheKey) -> int:
         block = self._cached.pop(key)
         if self._record is not None:
-            self._record(BlockRemoved([hash(key)], MEDIUM_CPU))
+            self._record(removed_event(key, MEDIUM_CPU))
         return block

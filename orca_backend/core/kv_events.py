@@ -49,12 +49,19 @@ class BlockStored:
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
+    # The block's K/V group (orca_backend/kv_groups.py) when the pool has several, with its kind and
+    # window as vLLM names them; None (left out) with one group.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,12 +70,18 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+# The fields vLLM declares with a default (None), which msgspec leaves out while they hold it.
+OPTIONAL_FIELDS: dict[type, tuple[str, ...]] = {
+    BlockStored: ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    BlockRemoved: ("group_idx",),
+}
 
 
 def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int | None) -> bytes:
     """One batch as msgspec encodes vLLM's KVEventBatch (module docstring). vLLM's optional trailing
-    fields (extra_keys, group_idx, the spec kind and window) are left out, as msgspec leaves them when
-    they hold their default, None: this engine has one K/V group and no extra keys."""
+    fields (extra_keys, group_idx, the spec kind and window) are left out where they hold their
+    default, None, as msgspec leaves them: this engine has no extra keys, and names groups only when
+    its pool has several."""
     batch: dict[str, Any] = {"ts": ts, "events": [_event_map(event) for event in events]}
     if data_parallel_rank is not None:
         batch["data_parallel_rank"] = data_parallel_rank
@@ -77,8 +90,10 @@ def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int 
 
 def _event_map(event: KVCacheEvent) -> dict[str, Any]:
     """msgspec's map of a tagged struct: the tag, then every field in declaration order (a dataclass's
-    __dict__ holds its fields in that order)."""
-    return {"type": type(event).__name__, **vars(event)}
+    __dict__ holds its fields in that order), the optional ones only where they differ from None."""
+    fields = vars(event)
+    optional = OPTIONAL_FIELDS.get(type(event), ())
+    return {"type": type(event).__name__, **{k: v for k, v in fields.items() if v is not None or k not in optional}}
 
 
 class ZmqEventPublisher:

@@ -47,13 +47,16 @@ class Request:
     # tokens those batches compute.
     in_flight: int = 0
     num_in_flight_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)  # its K/V blocks, in context order
+    # Its K/V blocks in context order, a table per K/V group (orca_backend/kv_groups.py), all of one
+    # length; empty while it holds none.
+    block_tables: list[list[int]] = field(default_factory=list)
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
-    num_registered_blocks: int = 0  # leading blocks of its table that are cached prefixes
-    num_dropped_blocks: int = 0  # leading blocks given back as outside every layer's window (entries -1)
-    # Preempted by swapping (swap_space): the host blocks holding its table's blocks past the dropped
-    # ones, in order, until it is admitted again (KVCacheManager.swap_out).
-    host_table: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks of its tables that are cached prefixes
+    # Per group: leading blocks given back as outside the group's window (entries -1).
+    num_dropped_blocks: list[int] = field(default_factory=list)
+    # Preempted by swapping (swap_space): per group, the host blocks holding its table's blocks past
+    # the dropped ones, in order, until it is admitted again (KVCacheManager.swap_out).
+    host_tables: list[list[int]] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_reported: int = 0  # output tokens already handed out in a CoreOutput
     output_logprobs: list[TokenLogprobs] | None = None  # one per output token when it asks for logprobs
@@ -68,9 +71,9 @@ class Request:
     # The blocks of its table the model runners hold (scheduler_output.py): -1 until they are sent the
     # request (whole), 0 after a preemption freed them.
     num_blocks_sent: int = -1
-    # Admitted as a fork (KVCacheManager.admit): the block whose K/V its first block past the shared
-    # ones copies (source, destination), until the scheduler sends the copy to the runners.
-    block_copy: tuple[int, int] | None = None
+    # Admitted as a fork (KVCacheManager.admit): in each group, the block whose K/V its first block past
+    # the shared ones copies (source, destination), until the scheduler sends the copies to the runners.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the tokens its steps proposed, and how many of them were accepted, so far
     # (RequestMetrics).
     num_draft_tokens: int = 0
@@ -107,6 +110,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        """The length of its block tables (every group's)."""
+        return len(self.block_tables[0]) if self.block_tables else 0
 
     @property
     def num_scheduled(self) -> int:

@@ -120,18 +120,19 @@ def make_scheduler_output(
     grown_ids: list[str] = []
     grown_block_ids: list[list[int]] = []
     for request in tables_changed if tables_changed is not None else requests:
-        table, sent = request.block_table, request.num_blocks_sent
-        if len(table) == sent:  # unchanged, or already sent (a request recorded twice)
+        tables, sent, length = request.block_tables, request.num_blocks_sent, request.num_blocks
+        if length == sent:  # unchanged, or already sent (a request recorded twice)
             continue
         if sent < 0:
-            new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens, list(table),
+            new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens,
+                                  [block for table in tables for block in table],
                                   request.params, request.sampling_seed, sorted(request.stop_ids),
                                   request.lora.lora_id if request.lora is not None else 0,
                                   pooling_mode if request.pooling is not None else ""))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
-            grown_block_ids.append(table[sent:])
-        request.num_blocks_sent = len(table)
+            grown_block_ids.append([block for table in tables for block in table[sent:]])
+        request.num_blocks_sent = length
     # Each request's first position this step: what it had scheduled before this batch, which the
     # scheduler has counted in flight already (a batch built by hand, as tests do, is not: its
     # requests' computed counts are the positions). A request in flight in an earlier batch too runs
@@ -419,7 +420,7 @@ class Scheduler:
                 request.num_in_flight_tokens += 1
                 decodes.append(request)
                 last_prompt_tokens += not (num_output or ahead)  # (run ahead: its first output token)
-                if scheduled >= len(request.block_table) * block_size:
+                if scheduled >= request.num_blocks * block_size:
                     need_block.append(request)
                 if speculating and num_output and request.can_speculate:
                     drafts = self._propose(request)
@@ -475,13 +476,13 @@ class Scheduler:
                 self.waiting.remove(request)
                 passed_over.append(request)
                 continue
-            if not self.kv.admit(request, others_running=bool(self.running), fork_of=fork_of):
+            if not self.kv.admit(request, others_running=bool(self.running), fork_of=fork_of, step_tokens=budget):
                 self._release_adapter(request)
                 break
             self._tables_changed.append(request)
-            if request.block_copy is not None:
-                self._block_copies.append(request.block_copy)
-                request.block_copy = None
+            if request.block_copies:
+                self._block_copies += request.block_copies
+                request.block_copies = []
             request.prefix_from = None  # admitted again (after a preemption), it computes its own
             if request.first_scheduled_time is None:  # its queue time ends; its prefix-cache hits count
                 request.first_scheduled_time = self.clock()
@@ -504,7 +505,7 @@ class Scheduler:
             return False, None
         if source.status is not RequestStatus.RUNNING or source.num_computed < request.num_prompt_tokens - 1:
             return True, None
-        return False, (None if source.num_dropped_blocks else source)
+        return False, (None if any(source.num_dropped_blocks) else source)
 
     def _release_adapter(self, request: Request) -> None:
         """The request no longer runs (or was not admitted after all): its adapter loses a holder."""
@@ -516,16 +517,16 @@ class Scheduler:
         one of them (no preemption needed); False, holding nothing more, if it has not."""
         if not requests:
             return True
-        if len(requests) > self.kv.pool.num_free:
+        if len(requests) * self.kv.num_groups > self.kv.pool.num_free:
             return False
         return all([self._grow(request, 0) for request in requests])
 
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
         """KVCacheManager.grow, recording a request whose table it grew (the runners are sent its new blocks)."""
-        num_blocks = len(request.block_table)
+        num_blocks = request.num_blocks
         if not self.kv.grow(request, num_new_tokens):
             return False
-        if len(request.block_table) != num_blocks:
+        if request.num_blocks != num_blocks:
             self._tables_changed.append(request)
         return True
 
@@ -731,8 +732,8 @@ class Scheduler:
         if ended is not None:
             return ended
         if self.kv.trim(request):  # the runners cut their copy too
-            self._shrunk[request.request_id] = len(request.block_table)
-            request.num_blocks_sent = min(request.num_blocks_sent, len(request.block_table))
+            self._shrunk[request.request_id] = request.num_blocks
+            request.num_blocks_sent = min(request.num_blocks_sent, request.num_blocks)
         return self._output(request)
 
     def _embedded(self, request: Request) -> CoreOutput:

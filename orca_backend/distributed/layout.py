@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orca_backend.config import stage_layers
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -30,12 +32,8 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
     def layers(self, n_layer: int) -> range:
-        """This stage's layers; earlier stages take one extra when n_layer does not divide evenly."""
-        if n_layer < self.pp_size:
-            raise ValueError(f"pipeline_parallel_size {self.pp_size} exceeds the model's {n_layer} layers")
-        base, extra = divmod(n_layer, self.pp_size)
-        start = self.pp_rank * base + min(self.pp_rank, extra)
-        return range(start, start + base + (self.pp_rank < extra))
+        """This stage's layers (config.stage_layers)."""
+        return stage_layers(n_layer, self.pp_size, self.pp_rank)
 
     def shard(self, size: int) -> tuple[int, int]:
         """[lo, hi) of a dimension split evenly over tp ranks (heads, MLP width)."""

@@ -24,9 +24,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from orca_backend.config import EngineConfig, check_parallel_layout, fits_in_pool, pool_capacity_tokens
+from orca_backend.config import EngineConfig, check_parallel_layout, pool_capacity_tokens
 from orca_backend.engine.core_client import AttachedCore, EngineCoreProcess
 from orca_backend.engine.output_processor import Logprob, OutputProcessor, OutputSink, RequestOutput
+from orca_backend.kv_groups import model_kv_groups
 from orca_backend.lora import LoRARegistry, LoRARequest
 from orca_backend.messages import (
     CoreAddress,
@@ -139,6 +140,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of "
                              f"{self.model_config.max_context} tokens")  # fmt: skip
         self.max_model_len = config.max_model_len or self.model_config.max_context
+        self.kv_groups = model_kv_groups(self.model_config, config)  # what a request holds of the pool
         tokenizer_path = config.tokenizer_path()
         self.tokenizer = Tokenizer(tokenizer_path) if tokenizer_path else None
         if self.tokenizer and self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -330,8 +332,9 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"{limit} of {self.max_model_len} tokens"
             )
-        if not fits_in_pool(total, self.config.kv_capacity_tokens, self.config.block_size):
-            capacity = pool_capacity_tokens(self.config.kv_capacity_tokens, self.config.block_size)
+        config = self.config
+        if not self.kv_groups.fits(total, config.kv_capacity_tokens, config.block_size, config.max_num_batched_tokens):
+            capacity = pool_capacity_tokens(config.kv_capacity_tokens, config.block_size)
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the K/V capacity of {capacity} tokens; raise kv_capacity_tokens"

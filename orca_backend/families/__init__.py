@@ -69,7 +69,7 @@ class Family:
     """One model family, its module's `FAMILY`: the config.json `architectures` it serves and
     everything the engine knows about them outside the model code. Its config class carries the K/V
     geometry every family exposes under the same names (`num_layers`, `num_kv_heads`, `head_dim`,
-    `kv_window`, `max_context`, `hidden_size`)."""
+    `window(layer)`, `kv_window`, `max_context`, `hidden_size`)."""
 
     name: str  # the family's key and its module's name (model_config_to_json, the model registry's messages)
     config_class: type

@@ -67,6 +67,9 @@ class ConstantTimeConfig:
     def kv_window(self) -> int:
         return 0
 
+    def window(self, layer: int) -> int:
+        return 0
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str) -> ConstantTimeConfig:
         """The config.json `write_device_dir` writes: this class's fields by name, nothing else."""

@@ -52,6 +52,9 @@ class GPT2Config:
     def kv_window(self) -> int:
         return 0  # GPT-2 attends to the whole context
 
+    def window(self, layer: int) -> int:
+        return 0
+
     def num_parameters(self) -> int:
         per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
         return self.vocab_size * self.n_embd + self.n_positions * self.n_embd + self.n_layer * per_layer + 2 * self.n_embd

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ class ConstantTimeModel(StageModel):
 
     @torch.inference_mode()
     def forward(
-        self, stage_input: StageInput, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self, stage_input: StageInput, metas: Sequence[AttentionMetadata], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """[B, vocab] float32 logits: 0 everywhere but CHOSEN_LOGIT at each request's next token."""

@@ -26,7 +26,7 @@ the embedding and LM head; pipeline parallelism gives each stage its layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -372,7 +372,7 @@ class Decoder(StageModel):
     def forward(
         self,
         stage_input: StageInput,
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],  # per K/V group (StageModel)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, kv heads, d]
         logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -392,10 +392,10 @@ class Decoder(StageModel):
             x, residual = stage_input.hidden.unbind(0)
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS:
-            return self._forward_fused(x, residual, stage_input, meta, kv_caches, logits_indices)
-        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, strict=True)
+            return self._forward_fused(x, residual, stage_input, metas, kv_caches, logits_indices)
+        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, self.kv_groups, strict=True)
         aux_layers, aux = stage_input.aux_layers, []
-        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales) in enumerate(layers):
+        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales, group) in enumerate(layers):
             if i in aux_layers:
                 aux.append(x if residual is None else x + residual)
             h, residual = add_rmsnorm(x, residual, layer.input_norm_w, eps)
@@ -408,7 +408,7 @@ class Decoder(StageModel):
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             # Rotary, the K/V write and attention: one launch (+ a reduce) for a decode on the Triton set.
             attn = ops.rotary_write_kv_attention(
-                q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale, window, softcap, kv_scales
+                q, k, v, positions, cos_sin, k_cache, v_cache, metas[group], scale, window, softcap, kv_scales
             ).reshape(t, hq * d)
             x = row_parallel_linear(attn, layer.o_w, layer.o_b, tp, lora and lora.adder(i, "o"))
             if sandwich:  # the post-norm's output is the x of the pre-norm's residual add
@@ -448,7 +448,7 @@ class Decoder(StageModel):
         return h.float()
 
     def _forward_fused(
-        self, x: torch.Tensor, residual: torch.Tensor | None, stage_input: StageInput, meta: AttentionMetadata,
+        self, x: torch.Tensor, residual: torch.Tensor | None, stage_input: StageInput, metas: Sequence[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """`forward` with each RMSNorm inside the GEMM it feeds (`ops.norm_linear`, gemm.py): a layer
@@ -459,9 +459,9 @@ class Decoder(StageModel):
         t, d, eps = x.shape[0], cfg.head_dim, cfg.rms_norm_eps
         hq, hkv = self.num_heads, self.num_kv_heads
         pending: torch.Tensor | None = None  # the bias of the linear that made x, not added yet
-        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, strict=True)
+        layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, self.kv_groups, strict=True)
         aux_layers, aux = stage_input.aux_layers, []
-        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales) in enumerate(layers):
+        for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales, group) in enumerate(layers):
             if i in aux_layers:  # (no bias is pending between layers)
                 aux.append(x if residual is None else x + residual)
             qkv, residual = ops.norm_linear(x, pending, residual, layer.input_norm_w, None, eps, layer.qkv_w, layer.qkv_b)
@@ -470,7 +470,7 @@ class Decoder(StageModel):
             if cfg.qk_norm:
                 q, k = self._head_norm(q, layer.q_norm_w), self._head_norm(k, layer.k_norm_w)
             # fmt: off
-            attn = ops.rotary_write_kv_attention(q, k, v, stage_input.positions, cos_sin, k_cache, v_cache, meta,
+            attn = ops.rotary_write_kv_attention(q, k, v, stage_input.positions, cos_sin, k_cache, v_cache, metas[group],
                                                  hooks.attn_scale, window, hooks.attn_softcap,
                                                  kv_scales).reshape(t, hq * d)
             x, pending = row_parallel_linear(attn, layer.o_w, None, tp), layer.o_b

@@ -15,6 +15,7 @@ layers; the hidden state and residual travel between stages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,13 +128,14 @@ class GPT2(StageModel):
     def forward(
         self,
         stage_input: StageInput,
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],  # one K/V group: GPT-2's layers all see the whole context
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers: (k, v) pools [slots, heads, head_dim]
         logits_indices: torch.Tensor,  # [B] index of each request's last token in the flat batch
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns [B, vocab] float32 logits on the last stage (with `stage_input.pool_indices`, and the
         final norm's output at those tokens), else the [2, T, hidden] activations to pass on."""
         cfg, w, ops = self.config, self.weights, self.ops
+        (meta,) = metas
         num_tokens = stage_input.input_ids.shape[0]
         if self.layout.is_first_stage:
             x = vocab_parallel_embed(stage_input.input_ids, w.wte, self.vocab_lo, self.tp) + w.wpe[stage_input.positions]

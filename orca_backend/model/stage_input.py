@@ -42,7 +42,9 @@ def stage_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor
 class StageModel:
     """What every family's model holds, as model/registry.py builds it from (config, weights, ops,
     layout, tp): this rank's share of the heads and of the vocabulary, and the LoRA slots. The
-    family's `forward(stage_input, meta, kv_caches, logits_indices)` runs its stage."""
+    family's `forward(stage_input, metas, kv_caches, logits_indices)` runs its stage: `metas` is the
+    step's attention metadata for each K/V group (orca_backend/kv_groups.py), a layer reading its
+    group's (`kv_groups`)."""
 
     def __init__(
         self, config: Any, weights: Any, ops: KernelOps, layout: ParallelLayout, tp: TensorParallelGroup | None,
@@ -59,6 +61,8 @@ class StageModel:
         self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
         # Each of this stage's layers' FP8 K/V scales (kv_cache_dtype fp8; model/kv_scales.py), else None.
         self.kv_scales: list[KVScales | None] = [None] * len(weights.layers)
+        # Each of this stage's layers' K/V group, as the model runner lays out the pool (all 0: one).
+        self.kv_groups: list[int] = [0] * len(weights.layers)
 
     def kv_scale_names(self, layer: int) -> list[tuple[str, str]]:
         """The checkpoint names a layer's FP8 K/V scales may have, as (k, v) pairs in the order tried

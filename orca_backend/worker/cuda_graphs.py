@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ DEFAULT_MAX_GRAPH_TOKENS = 2048  # the largest mixed bucket when max_num_batched
 MIN_GRAPH_TOKENS = 16  # the smallest mixed bucket: below it a GEMM costs the same
 
 # (stage input, attention metadata, logits indices) -> logits [B, vocab]
-Forward = Callable[[StageInput, AttentionMetadata, torch.Tensor], torch.Tensor]
+Forward = Callable[[StageInput, Sequence[AttentionMetadata], torch.Tensor], torch.Tensor]
 
 # How a step's forward ran (`SamplerOutput.step_path`, counted in `orca_model_steps_total{path}` and
 # written in the iteration log): its graph replayed, or why it ran eagerly. The first group is the
@@ -165,11 +165,13 @@ class StepGraphs:
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_blocks: int, block_size: int, device: torch.device,
-        lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
+        lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
     ) -> None:  # fmt: skip
         """`hidden_layers` (an EAGLE head's): not None, each step returns every token's final hidden
-        state too, and the hidden states entering those layers (StageInput.aux_layers)."""
+        state too, and the hidden states entering those layers (StageInput.aux_layers). `num_groups`:
+        the K/V groups, each with its slots and block tables (orca_backend/kv_groups.py)."""
         self.forward = forward
+        self.num_groups = num_groups
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.block_size = block_size
@@ -178,13 +180,14 @@ class StepGraphs:
         num_tokens = max(self.shape(size)[0] for size in self.sizes)
         num_requests = max(self.shape(size)[1] for size in self.sizes)
         num_logits = max(self.num_logits(size) for size in self.sizes)
-        # Device buffers a graph reads: (token ids, positions, K/V slots); (query starts, context
-        # lengths, logits indices), the second [:R] of its row, the last [:L]; block tables.
-        self.tokens = torch.zeros((3, num_tokens), dtype=torch.int64, device=device)
+        # Device buffers a graph reads: (token ids, positions, each group's K/V slots); (query starts,
+        # context lengths, logits indices), the second [:R] of its row, the last [:L]; each group's
+        # block tables.
+        self.tokens = torch.zeros((2 + num_groups, num_tokens), dtype=torch.int64, device=device)
         self.hidden_layers = hidden_layers
         self.every_token = torch.arange(num_tokens, device=device) if hidden_layers is not None else None
         self.requests = torch.zeros((3, max(num_requests + 1, num_logits)), dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((num_requests, max_blocks), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((num_groups, num_requests, max_blocks), dtype=torch.int32, device=device)
         # LoRA (`lora_slots` adapter slots): each token's slot, the tokens sorted by slot, each slot's
         # start and count among them (orca_kernels.lora.LoRAMetadata), in one int32 buffer.
         self.lora_slots = lora_slots
@@ -269,12 +272,12 @@ class StepGraphs:
         size = self.bucket(self.size_of(inputs))
         tokens, requests = inputs.num_tokens, inputs.num_requests
         self._wait_for_copies()
-        self._host_tokens[:, :tokens] = inputs.flat64.reshape(3, tokens)
+        self._host_tokens[:, :tokens] = inputs.flat64.reshape(2 + self.num_groups, tokens)
         starts, context_lens, logits_indices = self._host_requests
         starts[: requests + 1] = inputs.query_start
         context_lens[:requests] = inputs.context_lens
         logits_indices[: len(inputs.logits_indices)] = inputs.logits_indices
-        width = inputs.block_tables.shape[1]
+        width = inputs.block_tables.shape[2]
         self._tables(requests, width)[:] = inputs.block_tables  # entries past a row's context are never read
         self._pad(tokens, requests, size)
         if self._host_lora is not None:
@@ -297,7 +300,7 @@ class StepGraphs:
         until none is left (their last token is their logits index: any valid one)."""
         num_tokens, num_requests, max_query_len = self.shape(size)
         self._host_tokens[:2, tokens:num_tokens] = 0
-        self._host_tokens[2, tokens:num_tokens] = PAD_SLOT
+        self._host_tokens[2:, tokens:num_tokens] = PAD_SLOT
         starts, context_lens, logits_indices = self._host_requests
         padding = num_requests - requests
         ends = np.minimum(tokens + self._ramp[:padding] * max_query_len, num_tokens)
@@ -325,10 +328,10 @@ class StepGraphs:
 
     def _tables(self, count: int, width: int) -> np.ndarray:
         """Where the step's block tables are written on the host: the device buffer's rows on a CPU,
-        the pinned staging packed as [count, width] on CUDA."""
+        the pinned staging packed as [groups, count, width] on CUDA."""
         if self.device.type != "cuda":
-            return self._host_tables[:count, :width]
-        return self._host_tables[: count * width].reshape(count, width)
+            return self._host_tables[:, :count, :width]
+        return self._host_tables[: self.num_groups * count * width].reshape(self.num_groups, count, width)
 
     def _wait_for_copies(self) -> None:
         if self._copied is not None:
@@ -343,7 +346,7 @@ class StepGraphs:
         if self.lora_map is not None:
             self.lora_map.copy_(torch.from_numpy(self._host_lora), non_blocking=True)
         if count and width:
-            self.block_tables[:count, :width].copy_(torch.from_numpy(self._tables(count, width)), non_blocking=True)
+            self.block_tables[:, :count, :width].copy_(torch.from_numpy(self._tables(count, width)), non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -351,21 +354,25 @@ class StepGraphs:
         """The host memory a step copies to the device from (the only such copies a graph step makes)."""
         return [a for a in (self._host_tokens, self._host_requests, self._host_tables, self._host_lora) if a is not None]
 
-    def views(self, size: int) -> tuple[StageInput, AttentionMetadata, torch.Tensor]:
-        """The forward's arguments for a bucket: views of the static buffers, and metadata whose host
-        integers are the bucket's alone. A new metadata object each call: it caches what it derives."""
+    def views(self, size: int) -> tuple[StageInput, list[AttentionMetadata], torch.Tensor]:
+        """The forward's arguments for a bucket: views of the static buffers, and metadata (one per K/V
+        group) whose host integers are the bucket's alone. New metadata objects each call: each caches
+        what it derives."""
         num_tokens, num_requests, max_query_len = self.shape(size)
-        input_ids, positions, slot_mapping = self.tokens[:, :num_tokens].unbind(0)
-        meta = AttentionMetadata(
-            query_start=self.requests[0, : num_requests + 1],
-            context_lens=self.requests[1, :num_requests],
-            block_tables=self.block_tables[:num_requests],
-            slot_mapping=slot_mapping,
-            block_size=self.block_size,
-            max_query_len=max_query_len,
-            max_context_len=self.max_context,
-            num_requests=num_requests,
-        )
+        input_ids, positions, *slot_mappings = self.tokens[:, :num_tokens].unbind(0)
+        metas = [
+            AttentionMetadata(
+                query_start=self.requests[0, : num_requests + 1],
+                context_lens=self.requests[1, :num_requests],
+                block_tables=tables[:num_requests],
+                slot_mapping=slot_mapping,
+                block_size=self.block_size,
+                max_query_len=max_query_len,
+                max_context_len=self.max_context,
+                num_requests=num_requests,
+            )
+            for tables, slot_mapping in zip(self.block_tables, slot_mappings, strict=True)
+        ]
         lora = None
         if self.lora_map is not None:  # no host copies: the kernels of every projection run (model/lora.py)
             max_tokens, slots = self.tokens.shape[1], self.lora_slots
@@ -375,7 +382,7 @@ class StepGraphs:
                                 None, None)  # fmt: skip
         every_token = self.every_token[:num_tokens] if self.every_token is not None else None
         stage_input = StageInput(input_ids, positions, None, lora, every_token, self.hidden_layers or ())
-        return stage_input, meta, self.requests[2, : self.num_logits(size)]
+        return stage_input, metas, self.requests[2, : self.num_logits(size)]
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -455,10 +462,10 @@ class MixedGraphs(StepGraphs):
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_num_seqs: int, max_blocks: int, block_size: int,
-        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
+        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
     ) -> None:  # fmt: skip
         self.max_num_seqs = max_num_seqs
-        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers, num_groups)
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_tokens
@@ -488,10 +495,10 @@ class VerifyGraphs(StepGraphs):
 
     def __init__(
         self, forward: Forward, sizes: list[int], num_speculative_tokens: int, max_blocks: int, block_size: int,
-        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None,
+        device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
     ) -> None:  # fmt: skip
         self.query_len = 1 + num_speculative_tokens
-        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers, num_groups)
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_requests

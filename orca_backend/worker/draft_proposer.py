@@ -102,5 +102,5 @@ class DraftProposer(RunnerProposer):
         first `context_lens` positions; its greedy next token after the last, on the host."""
         meta = self.metadata(batch, rows, token_rows, token_positions, lengths, context_lens)
         stage_input = StageInput(self.put(input_ids.astype(np.int64)), self.put(token_positions.astype(np.int64)))
-        logits = self.model.forward(stage_input, meta, self.kv_caches, self.put(np.cumsum(lengths) - 1))
+        logits = self.model.forward(stage_input, [meta], self.kv_caches, self.put(np.cumsum(lengths) - 1))
         return logits.argmax(dim=-1).cpu().numpy()

@@ -136,15 +136,15 @@ class StepInputs:
 
     input_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: the K/V slot each new token is written to
-    flat64: np.ndarray  # the three above, one buffer [3 * T]
+    slot_mapping: np.ndarray  # int64 [G, T]: the K/V slot each new token is written to, in each K/V group's pages
+    flat64: np.ndarray  # the three above, one buffer [(2 + G) * T]
     query_start: np.ndarray  # int32 [B + 1]
     context_lens: np.ndarray  # int32 [B]
     # int32 [B + S + R]: each request's last token, then the rows verifying proposals, then the prompt
     # logprobs' rows
     logits_indices: np.ndarray
     flat32: np.ndarray  # the three above, one buffer [3 * B + 1 + R]
-    block_tables: np.ndarray  # int32 [B, W], W the most blocks any context of the batch fills
+    block_tables: np.ndarray  # int32 [G, B, W], W the most blocks any context of the batch fills
     max_query_len: int
     max_context_len: int
     sampling: SamplingBatch
@@ -170,9 +170,12 @@ def ragged_arange(lengths: np.ndarray, total: int) -> np.ndarray:
 
 class InputBatch:
     def __init__(
-        self, max_rows: int, max_tokens: int, block_size: int, vocab_size: int, device: torch.device
+        self, max_rows: int, max_tokens: int, block_size: int, vocab_size: int, device: torch.device,
+        num_groups: int = 1,
     ) -> None:  # fmt: skip
+        """`num_groups`: the K/V groups (orca_backend/kv_groups.py), each with its block table per row."""
         self.max_rows, self.max_tokens, self.block_size = max_rows, max_tokens, block_size
+        self.num_groups = num_groups
         self.device = device
         self.states: dict[str, RequestState] = {}
         self.row_of: dict[str, int] = {}
@@ -181,7 +184,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_rows, dtype=np.int64)
         self.num_computed = np.zeros(max_rows, dtype=np.int64)
-        self.block_table = np.zeros((max_rows, -(-max_tokens // block_size)), dtype=np.int32)
+        self.block_table = np.zeros((max_rows, num_groups, -(-max_tokens // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)
         self.temperature = np.zeros(max_rows, dtype=np.float32)
         self.min_tokens = np.zeros(max_rows, dtype=np.int64)
@@ -249,7 +252,7 @@ class InputBatch:
         for request_id, num_blocks in zip(step.shrunk_ids, step.shrunk_num_blocks, strict=True):
             row = self.row_of.get(request_id, -1)
             if row >= 0:  # blocks of rejected proposals went back to the pool
-                self.block_table[row, num_blocks : self.num_blocks[row]] = 0
+                self.block_table[row, :, num_blocks : self.num_blocks[row]] = 0
                 self.num_blocks[row] = min(num_blocks, self.num_blocks[row])
         ids = step.scheduled_ids
         rows, missing = self._lookup(ids)
@@ -259,7 +262,7 @@ class InputBatch:
                 rows[index] = self._take_row(self.states[ids[index]], [])
         if step.grown_ids:
             grown = np.fromiter(map(self.row_of.__getitem__, step.grown_ids), dtype=np.int64, count=len(step.grown_ids))
-            _append(self.block_table, self.num_blocks, grown, step.grown_block_ids)
+            self._append_blocks(grown, step.grown_block_ids)
         self.num_computed[rows] = step.num_computed
         for position, drafts in zip(step.spec_rows, step.spec_tokens, strict=True):
             # Proposals are not the request's tokens: they sit past its count, where the step reads its
@@ -271,6 +274,24 @@ class InputBatch:
                                    f"({self.max_tokens} tokens)")  # fmt: skip
             self.token_ids[row, end : end + len(drafts)] = drafts
         self._rows = (step.step_id, rows)
+
+    def _append_blocks(self, rows: np.ndarray, values: list[list[int]]) -> None:
+        """Appends each row's new blocks (each group's, one group after the other) after its tables'."""
+        groups = self.num_groups
+        counts = np.fromiter((len(blocks) // groups for blocks in values), dtype=np.int64, count=len(values))
+        total = int(counts.sum())
+        if not total:
+            return
+        at_rows = np.repeat(rows, counts)
+        at_columns = np.repeat(self.num_blocks[rows], counts) + ragged_arange(counts, total)
+        if int(at_columns.max()) >= self.block_table.shape[2]:
+            raise RuntimeError(f"a request outgrew its row ({self.block_table.shape[2]} blocks)")
+        flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int32, count=total * groups)
+        if groups > 1:  # [group, block] per row -> [block, group] over all rows
+            parts = np.split(flat, np.cumsum(counts * groups)[:-1])
+            flat = np.concatenate([part.reshape(groups, -1).T for part in parts])
+        self.block_table[at_rows, :, at_columns] = flat.reshape(total, groups)
+        self.num_blocks[rows] += counts
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
         """The recorded tokens, into their requests' rows: one each, unless a step may bring several
@@ -325,9 +346,10 @@ class InputBatch:
             raise RuntimeError(f"the input batch has no free row for request {state.request_id} (all {self.max_rows} "
                                "hold running requests)")  # fmt: skip
         tokens = state.token_ids
-        if len(tokens) > self.max_tokens or len(block_ids) > self.block_table.shape[1]:
-            raise RuntimeError(f"request {state.request_id} has {len(tokens)} tokens and {len(block_ids)} blocks; "
-                               f"a row holds {self.max_tokens} and {self.block_table.shape[1]}")  # fmt: skip
+        num_blocks = len(block_ids) // self.num_groups  # each group's table, one after the other
+        if len(tokens) > self.max_tokens or num_blocks > self.block_table.shape[2]:
+            raise RuntimeError(f"request {state.request_id} has {len(tokens)} tokens and {num_blocks} blocks; "
+                               f"a row holds {self.max_tokens} and {self.block_table.shape[2]}")  # fmt: skip
         row = state.row = self._free_rows.pop()
         self._layout += 1
         self.row_epoch[row] += 1
@@ -335,8 +357,8 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = state.num_prompt_tokens
-        self.block_table[row, : len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+        self.block_table[row, :, :num_blocks] = np.reshape(block_ids, (self.num_groups, num_blocks))
+        self.num_blocks[row] = num_blocks
         new, p = state.new, state.new.params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.min_tokens[row] = p.min_tokens
@@ -382,7 +404,7 @@ class InputBatch:
         row = state.row
         # A step's tables are W columns of the rows, W its widest context: zeros past a request's blocks,
         # as a from-scratch build has, never the blocks of a row's earlier holder.
-        self.block_table[row, : self.num_blocks[row]] = 0
+        self.block_table[row, :, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         del self.row_of[state.request_id]
         self.processors.remove(row)
@@ -425,8 +447,10 @@ class InputBatch:
         if extra:
             logits_indices[count:] = np.concatenate(extra)
             logits_indices = logits_indices[:count]  # filled below; the view the step takes is the whole tail
-        flat64 = self._flat64.take(3 * total)
-        input_ids, positions, slot_mapping = flat64[:total], flat64[total : 2 * total], flat64[2 * total :]
+        groups = self.num_groups
+        flat64 = self._flat64.take((2 + groups) * total)
+        input_ids, positions = flat64[:total], flat64[total : 2 * total]
+        slot_mapping = flat64[2 * total :].reshape(groups, total)
         if total == count:  # one token each (decodes): the requests' rows are the tokens' rows
             query_start[:] = self._arange[: count + 1]
             logits_indices[:] = self._arange[:count]
@@ -445,12 +469,18 @@ class InputBatch:
             max_query_len = int(num_new.max())
         input_ids[:] = self.token_ids[token_rows, positions]
         block_index, offset = np.divmod(positions, self.block_size)
-        np.multiply(self.block_table[token_rows, block_index], self.block_size, out=slot_mapping)
+        if groups == 1:
+            np.multiply(self.block_table[token_rows, 0, block_index], self.block_size, out=slot_mapping[0])
+        else:
+            np.multiply(self.block_table[token_rows, :, block_index].T, self.block_size, out=slot_mapping)
         slot_mapping += offset
         max_context_len = int(context_lens.max())
         width = -(-max_context_len // self.block_size)
-        block_tables = self._tables.take(count * width).reshape(count, width)
-        np.take(self.block_table[:, :width], rows, axis=0, out=block_tables)
+        block_tables = self._tables.take(groups * count * width).reshape(groups, count, width)
+        if groups == 1:
+            np.take(self.block_table[:, 0, :width], rows, axis=0, out=block_tables[0])
+        else:
+            block_tables[:] = self.block_table[rows, :, :width].transpose(1, 0, 2)
         lora_slots = None
         if self.lora_slot_of:  # LoRA is on: the batch's tokens' adapters, if any token has one
             row_slots = self.lora_slot[rows]
@@ -651,20 +681,6 @@ class _RowColumns:
     penalized: np.ndarray  # bool
     repetitive: np.ndarray  # bool
     generators: list[torch.Generator | None]
-
-
-def _append(table: np.ndarray, lengths: np.ndarray, rows: np.ndarray, values: list[list[int]]) -> None:
-    """Appends each row's values after its `lengths` entries."""
-    counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    total = int(counts.sum())
-    if not total:
-        return
-    at_rows = np.repeat(rows, counts)
-    at_columns = np.repeat(lengths[rows], counts) + ragged_arange(counts, total)
-    if int(at_columns.max()) >= table.shape[1]:
-        raise RuntimeError(f"a request outgrew its row ({table.shape[1]} entries)")
-    table[at_rows, at_columns] = np.fromiter(itertools.chain.from_iterable(values), dtype=table.dtype, count=total)
-    lengths[rows] += counts
 
 
 class _HostBuffer:

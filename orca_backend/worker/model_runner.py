@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,6 +22,7 @@ from orca_backend.config import EngineConfig, pool_capacity_tokens
 from orca_backend.distributed.comm import TensorParallelGroup, any_rank, smallest_over_ranks
 from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families import AnyModelConfig
+from orca_backend.kv_groups import model_kv_groups
 from orca_backend.lora import LoRARequest
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.kv_scales import kv_pool_dtype
@@ -82,6 +84,10 @@ class ModelRunner:
             tune_cpu_allocator()
         self.layout = layout
         self.model = load_model(config, model_config, self.device, layout, tp)
+        # The K/V groups (orca_backend/kv_groups.py), as the engine core's manager lays out the pool.
+        self.kv_groups = model_kv_groups(model_config, config)
+        self.stage_layers = layout.layers(model_config.num_layers) if self.model.weights.layers else range(0)
+        self.model.kv_groups = [self.kv_groups.layer_group[i] for i in self.stage_layers]
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         # The adapters' slots before the pool: a pool sized from memory leaves them their room.
@@ -101,25 +107,30 @@ class ModelRunner:
         # The final hidden state of every token of every step, for the EAGLE head (None: not asked).
         self._every_token: torch.Tensor | None = None
         self.hidden_size = model_config.hidden_size
+        if self.drafter is not None and self.kv_groups.num_groups > 1:
+            raise ValueError(f"speculative_config: method {method!r} shares the target's block tables, and this "
+                             f"model's K/V has {self.kv_groups.num_groups} groups (local and global layers); set "
+                             "disable_hybrid_kv_cache_manager to serve it with one table")  # fmt: skip
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:
             num_slots = pool_capacity_tokens(config.kv_capacity_tokens, config.block_size)
         self.kv_capacity_tokens = num_slots  # every rank's: the engine core's K/V manager takes it
         self.kv_caches = self._allocate_pool(num_slots, model_config, config)
+        self.num_pages = self.kv_groups.num_pages(num_slots // config.block_size)
         if self.drafter is not None:
             self.drafter.allocate(num_slots)
         # The host tier (swap_space), in the same blocks as the engine core counts them.
         self.host_kv: HostKV | None = None
         if float(config.swap_space) > 0:
-            layers = self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
-            self.host_kv = HostKV(layers, config.host_kv_blocks(model_config), config.block_size)
-            logger.info("K/V host tier: %d blocks (%.2f GiB)", config.host_kv_blocks(model_config),
-                        self.host_kv.nbytes / 2**30)  # fmt: skip
+            host_blocks = self.kv_groups.num_pages(config.host_kv_blocks(model_config))
+            self.host_kv = HostKV(self._pool_tensors(), host_blocks, config.block_size)
+            logger.info("K/V host tier: %d blocks (%.2f GiB)", host_blocks, self.host_kv.nbytes / 2**30)
         # A row for every request that can run at once: max_num_seqs per batch, one batch per stage in flight.
         self.input_batch = InputBatch(
-            config.max_num_seqs * config.pipeline_parallel_size, min(model_config.max_context, num_slots),
-            config.block_size, model_config.vocab_size, self.device,
+            config.max_num_seqs * config.pipeline_parallel_size,
+            min(model_config.max_context, self.num_pages * config.block_size),  # a global group's most
+            config.block_size, model_config.vocab_size, self.device, self.kv_groups.num_groups,
         )  # fmt: skip
         self.input_batch.several_tokens_per_step = (bool(config.speculative_config) or config.async_scheduling
                                                     or config.pipeline_parallel_size > 1)  # fmt: skip
@@ -159,8 +170,20 @@ class ModelRunner:
 
     def _allocate_pool(self, num_slots: int, model_config: AnyModelConfig,
                        config: EngineConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        return allocate_kv_pool(len(self.model.weights.layers), num_slots, self.model.num_kv_heads, model_config.head_dim,
-                                kv_pool_dtype(config.kv_cache_dtype, torch_dtype(config.dtype)), self.device)  # fmt: skip
+        """Each of this stage's layers' (K, V) pools: the pool of `num_slots` slots of one table, cut
+        into the K/V groups' pages (orca_backend/kv_groups.py), a layer's the tensors of its page slot
+        (shared with the layers of other groups that have that slot)."""
+        groups, size = self.kv_groups, config.block_size
+        slots = [groups.layer_slot[i] for i in self.stage_layers]
+        tensors = allocate_kv_pool(max(slots, default=-1) + 1, groups.num_pages(num_slots // size) * size,
+                                   self.model.num_kv_heads, model_config.head_dim,
+                                   kv_pool_dtype(config.kv_cache_dtype, torch_dtype(config.dtype)), self.device)  # fmt: skip
+        return [tensors[slot] for slot in slots]
+
+    def _pool_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The distinct (K, V) pools of this rank, the draft model's included: what a block copy copies."""
+        layers = self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+        return list({id(k_cache): (k_cache, v_cache) for k_cache, v_cache in layers}.values())
 
     def _kv_slots_from_memory(self, config: EngineConfig, model_config: AnyModelConfig) -> int:
         """The pool's slots from gpu_memory_utilization (worker/kv_pool.py): the largest step runs once
@@ -188,13 +211,13 @@ class ModelRunner:
         size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
         max_blocks = -(-model_config.max_context // config.block_size)
         static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
-                             self._lora_slots(), self._hidden_layers())  # fmt: skip
+                             self._lora_slots(), self._hidden_layers(), self.kv_groups.num_groups)  # fmt: skip
         static.load_padding(size)
-        stage_input, meta, logits_indices = static.views(size)
+        stage_input, metas, logits_indices = static.views(size)
         if not self.layout.is_first_stage:
             stage_input.hidden = torch.zeros((2, size, model_config.hidden_size), dtype=torch_dtype(config.dtype),
                                              device=self.device)  # fmt: skip
-        static.forward(stage_input, meta, logits_indices)
+        static.forward(stage_input, metas, logits_indices)
 
     def _capture(self, graphs: Graphs, pool: tuple | None = None) -> Graphs:
         """The graphs, captured. A failure fails the load, naming the bucket and the error, never a
@@ -206,7 +229,7 @@ class ModelRunner:
             cause = e.__cause__
             if isinstance(cause, torch.cuda.OutOfMemoryError) or any(
                     mark in str(cause).lower() for mark in ("out of memory", "alloc_failed")):  # fmt: skip
-                pool_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
+                pool_gib = sum(k.nbytes + v.nbytes for k, v in self._pool_tensors()) / 2**30
                 raise RuntimeError(
                     f"{e}: out of GPU memory beside the weights and the K/V pool ({pool_gib:.1f} GiB); lower "
                     "kv_capacity_tokens, max_num_seqs or max_num_batched_tokens, or set enforce_eager to run "
@@ -215,24 +238,27 @@ class ModelRunner:
             raise RuntimeError(f"{e}; set enforce_eager to run steps without CUDA graphs") from cause
         return graphs
 
-    def _forward(self, stage_input: StageInput, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.model.forward(stage_input, meta, self.kv_caches, logits_indices)
+    def _forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
+                 logits_indices: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return self.model.forward(stage_input, metas, self.kv_caches, logits_indices)
 
     def static_decode(self, sizes: list[int]) -> DecodeGraphs:
         """The static buffers of decode steps padded to `sizes` (not captured yet: `capture()` does
         that on CUDA; on a CPU the same forward runs on them eagerly, as the tests do)."""
-        return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[1], self.block_size, self.device,
-                            self._lora_slots(), self._hidden_layers())  # fmt: skip
+        return DecodeGraphs(self._forward, sizes, self.input_batch.block_table.shape[2], self.block_size, self.device,
+                            self._lora_slots(), self._hidden_layers(), self.kv_groups.num_groups)  # fmt: skip
 
     def static_verify(self, sizes: list[int]) -> VerifyGraphs:
         """The static buffers of verify steps padded to `sizes` requests (as `static_decode`)."""
-        return VerifyGraphs(self._forward, sizes, self.num_speculative_tokens, self.input_batch.block_table.shape[1],
-                            self.block_size, self.device, self._lora_slots(), self._hidden_layers())  # fmt: skip
+        return VerifyGraphs(self._forward, sizes, self.num_speculative_tokens, self.input_batch.block_table.shape[2],
+                            self.block_size, self.device, self._lora_slots(), self._hidden_layers(),
+                            self.kv_groups.num_groups)  # fmt: skip
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
         """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
-        return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[1],
-                           self.block_size, self.device, self._lora_slots(), self._hidden_layers())  # fmt: skip
+        return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[2],
+                           self.block_size, self.device, self._lora_slots(), self._hidden_layers(),
+                           self.kv_groups.num_groups)  # fmt: skip
 
     def _hidden_layers(self) -> tuple[int, ...] | None:
         """What the graphs return beside the logits: for an EAGLE head, every token's hidden states
@@ -266,7 +292,7 @@ class ModelRunner:
         slots = np.asarray(copies, dtype=np.int64)[:, :, None] * size + np.arange(size)  # [copies, 2, size]
         index = self.input_batch.staging.put(slots)  # staged: no pageable copy in the step's stream
         sources, destinations = index[:, 0].reshape(-1), index[:, 1].reshape(-1)
-        for k_cache, v_cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
+        for k_cache, v_cache in self._pool_tensors():
             for cache in (k_cache, v_cache):  # as bytes: torch copies no FP8 rows by index on CPU
                 cache = cache.view(torch.uint8) if cache.element_size() == 1 else cache
                 cache.index_copy_(0, destinations, cache.index_select(0, sources))
@@ -329,7 +355,7 @@ class ModelRunner:
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
             return graphs.run(inputs, ahead)
-        input_ids, positions, attn_meta, logits_indices = self._device_inputs(inputs)
+        input_ids, positions, metas, logits_indices = self._device_inputs(inputs)
         if ahead is not None:
             input_ids.index_copy_(0, *ahead)
         lora = None
@@ -341,7 +367,7 @@ class ModelRunner:
         if hidden_layers is not None:
             pool_indices = self._every_token_index(inputs.num_tokens)
         stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices, hidden_layers or ())
-        return self.model.forward(stage_input, attn_meta, self.kv_caches, logits_indices)
+        return self.model.forward(stage_input, metas, self.kv_caches, logits_indices)
 
     def _every_token_index(self, count: int) -> torch.Tensor:
         """0..count-1 on the device (a view of one grown by doubling)."""
@@ -409,7 +435,9 @@ class ModelRunner:
             self.drafter.observe(step, self.input_batch, self.input_batch.step_rows(step), every_token, sampled.result())
         return sampled
 
-    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _device_inputs(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor]:  # fmt: skip
         """The step's index tensors: the input batch wrote them into three persistent host buffers
         (int64 tokens, int32 requests, the block tables), moved to the device in three copies (none
         on CPU); every index tensor is a view of one of them. This runs every iteration, and each call
@@ -421,20 +449,25 @@ class ModelRunner:
             self._copied = torch.cuda.Event()
             self._copied.record()
         # split_with_sizes, not split: the same views without split's Python wrapper (microseconds a step)
-        input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, num_tokens])
+        groups = self.kv_groups.num_groups
+        input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, groups * num_tokens])
         query_start, context_lens, logits_indices = flat32.split_with_sizes(
             [num_requests + 1, num_requests, len(inputs.logits_indices)])
-        attn_meta = AttentionMetadata(
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            block_size=self.block_size,
-            max_query_len=inputs.max_query_len,
-            max_context_len=inputs.max_context_len,
-            num_requests=num_requests,
-        )
-        return input_ids, positions, attn_meta, logits_indices
+        block_tables = block_tables.view(groups, num_requests, -1)
+        metas = [
+            AttentionMetadata(
+                query_start=query_start,
+                context_lens=context_lens,
+                block_tables=block_tables[g],
+                slot_mapping=slot_mapping[g * num_tokens : (g + 1) * num_tokens],
+                block_size=self.block_size,
+                max_query_len=inputs.max_query_len,
+                max_context_len=inputs.max_context_len,
+                num_requests=num_requests,
+            )
+            for g in range(groups)
+        ]
+        return input_ids, positions, metas, logits_indices
 
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """The host buffer itself on CPU; elsewhere its copy in the persistent device buffer `name`

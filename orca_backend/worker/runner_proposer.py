@@ -75,12 +75,12 @@ class RunnerProposer:
         (of `token_rows`), written to the slots the target's tables give them, each request
         attending to its first `context_lens` positions."""
         size = self.block_size
-        slots = batch.block_table[token_rows, token_positions // size].astype(np.int64) * size + token_positions % size
+        slots = batch.block_table[token_rows, 0, token_positions // size].astype(np.int64) * size + token_positions % size
         width = -(-int(context_lens.max()) // size)
         query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         return AttentionMetadata(
             query_start=self.put(query_start), context_lens=self.put(context_lens.astype(np.int32)),
-            block_tables=self.put(np.ascontiguousarray(batch.block_table[rows, :width])),
+            block_tables=self.put(np.ascontiguousarray(batch.block_table[rows, 0, :width])),
             slot_mapping=self.put(slots), block_size=size, max_query_len=int(lengths.max()),
             max_context_len=int(context_lens.max()), num_requests=len(rows),
         )  # fmt: skip

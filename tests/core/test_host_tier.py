@@ -89,7 +89,7 @@ def test_a_host_block_a_step_reads_is_not_written_by_it():
     eviction in the same step stores elsewhere or nowhere; blocks given back are reused only from
     the next step, after the copies that read them."""
     host = HostBlockPool(2, block_size=2)
-    a, b, c = block_key(None, (1, 2)), block_key(None, (3, 4)), block_key(None, (5, 6))
+    a, b, c = ((block_key(None, tokens), None) for tokens in ((1, 2), (3, 4), (5, 6)))  # (key, group)
     block_a, block_b = host.store(a, True, None), host.store(b, True, None)
     assert host.lookup(a) == block_a and host.lookup(b) == block_b
     assert host.store(c, True, None) is None and host.available() == 0  # both pinned: no room
@@ -105,21 +105,21 @@ def test_a_host_block_a_step_reads_is_not_written_by_it():
 def test_swap_out_copies_every_held_block_and_keeps_dropped_entries():
     """A windowed request's table past its dropped blocks goes to the host in order; swapped in, it
     gets fresh blocks for the same entries (the dropped ones stay -1), and the copies pair them."""
-    kv = PagedKVManager(16 * 4, block_size=4, sliding_window=4, host_blocks=8)
+    kv = PagedKVManager(16 * 4, block_size=4, windows=(4,), host_blocks=8)
     request = Request("r", list(range(12)), SamplingParams(max_tokens=8), arrival_time=0.0)
     assert kv.admit(request, others_running=False)
     request.num_computed = 12
     assert kv.grow(request, 1)  # drops the blocks wholly before the window
-    held = request.block_table[request.num_dropped_blocks :]
-    assert request.num_dropped_blocks == 2 and len(held) == 2
+    held = request.block_tables[0][request.num_dropped_blocks[0] :]
+    assert request.num_dropped_blocks == [2] and len(held) == 2
     assert kv.swap_out(request)
     to_host, _ = kv.take_transfers()
-    assert [d for d, _ in to_host] == held and [h for _, h in to_host] == request.host_table
-    host_blocks = list(request.host_table)
+    assert [d for d, _ in to_host] == held and [h for _, h in to_host] == request.host_tables[0]
+    host_blocks = list(request.host_tables[0])
     assert kv.admit(request, others_running=False)
     _, to_device = kv.take_transfers()
-    assert request.block_table[:2] == [-1, -1] and request.num_computed == 12
-    assert to_device == list(zip(host_blocks, request.block_table[2:4], strict=True))
+    assert request.block_tables[0][:2] == [-1, -1] and request.num_computed == 12
+    assert to_device == list(zip(host_blocks, request.block_tables[0][2:4], strict=True))
 
 
 def test_block_runs_coalesce_consecutive_pairs_in_order():

@@ -29,6 +29,7 @@ from orca_backend.core.kv_cache_manager import PagedKVManager, ReservationKVMana
 from orca_backend.core.request import Request
 from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.families.llama import SLIDING, LlamaConfig
+from orca_backend.kv_groups import KVGroups, model_kv_groups
 from orca_backend.messages import EngineCoreRequest
 from orca_backend.sampling_params import SamplingParams
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
@@ -48,12 +49,12 @@ def test_reservation_holds_prompt_plus_max_tokens_in_blocks_and_frees():
     assert (kv.num_blocks, kv.capacity_tokens) == (12, 96)
     a, b = req("a", 10, 20), req("b", 5, 5)
     assert kv.admit(a, others_running=False) and kv.admit(b, others_running=True)
-    assert (len(a.block_table), len(b.block_table)) == (4, 2)
-    assert not set(a.block_table) & set(b.block_table)
+    assert (len(a.block_tables[0]), len(b.block_tables[0])) == (4, 2)
+    assert not set(a.block_tables[0]) & set(b.block_tables[0])
     assert kv.grow(a, 20)  # a's whole future was reserved
-    assert len(a.block_table) == 4 and kv.used_tokens == 48
+    assert len(a.block_tables[0]) == 4 and kv.used_tokens == 48
     kv.free(a)
-    assert kv.used_tokens == 16 and a.block_table == []
+    assert kv.used_tokens == 16 and a.block_tables == []
     kv.free(a)  # double free is a no-op
     assert kv.used_tokens == 16
     assert not kv.admit(req("c", 50, 40), others_running=True)  # 12 blocks asked, 10 free
@@ -67,15 +68,15 @@ def test_paged_admits_the_prompt_and_grows_a_block_at_a_time():
     assert not kv.fits_ever(a)
     a = req("a", 6, 50)
     assert kv.fits_ever(a) and kv.admit(a, others_running=False)
-    assert len(a.block_table) == 2
+    assert len(a.block_tables[0]) == 2
     a.num_computed = 6
-    assert kv.grow(a, 1) and len(a.block_table) == 2  # position 6 is in block 1
+    assert kv.grow(a, 1) and len(a.block_tables[0]) == 2  # position 6 is in block 1
     a.num_computed = 8
-    assert kv.grow(a, 1) and len(a.block_table) == 3  # position 8 opens block 2
+    assert kv.grow(a, 1) and len(a.block_tables[0]) == 3  # position 8 opens block 2
     hog = req("hog", 52, 1)
     assert kv.admit(hog, others_running=True) and kv.used_blocks == 16
     a.num_computed = 12
-    assert not kv.grow(a, 1) and len(a.block_table) == 3  # full: the scheduler must preempt
+    assert not kv.grow(a, 1) and len(a.block_tables[0]) == 3  # full: the scheduler must preempt
     kv.free(hog)
     assert kv.grow(a, 1)
 
@@ -97,10 +98,11 @@ def test_prefix_cache_shares_full_blocks_and_always_computes_the_last_token():
     assert kv.pool.num_cached == 3
     b = req("b", prompt, 4)  # the same prompt: the last block is recomputed for its logits
     assert kv.admit(b, others_running=True)
-    assert b.num_computed == 8 and b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_computed == 8 and b.block_tables[0][:2] == a.block_tables[0][:2]
+    assert b.block_tables[0][2] != a.block_tables[0][2]
     c = req("c", prompt[:6] + [99] * 6, 4)  # shares the first block only
-    assert kv.admit(c, others_running=True) and c.num_computed == 4 and c.block_table[0] == a.block_table[0]
-    assert kv.pool.blocks[a.block_table[0]].ref_count == 3
+    assert kv.admit(c, others_running=True) and c.num_computed == 4 and c.block_tables[0][0] == a.block_tables[0][0]
+    assert kv.pool.blocks[a.block_tables[0][0]].ref_count == 3
     assert (kv.prefix_queried_tokens, kv.prefix_hit_tokens) == (36, 12)
     for r in (a, b, c):
         kv.free(r)
@@ -110,15 +112,15 @@ def test_prefix_cache_shares_full_blocks_and_always_computes_the_last_token():
 def test_cached_blocks_are_evicted_lru_and_never_while_held():
     pool = BlockPool(4)
     held, old = pool.allocate(1), pool.allocate(1)
-    pool.cache(held[0], block_key(None, (1,)))
-    pool.cache(old[0], block_key(None, (2,)))
+    pool.cache(held[0], (block_key(None, (1,)), None))
+    pool.cache(old[0], (block_key(None, (2,)), None))
     pool.release(old)  # free, still cached
-    assert pool.lookup(block_key(None, (2,))) == old[0]
+    assert pool.lookup((block_key(None, (2,)), None)) == old[0]
     taken = pool.allocate(2)  # the two never-used blocks go first (freed before `old`)
-    assert old[0] not in taken and pool.lookup(block_key(None, (2,))) == old[0]
+    assert old[0] not in taken and pool.lookup((block_key(None, (2,)), None)) == old[0]
     assert pool.allocate(1) == old  # now evicted
-    assert pool.lookup(block_key(None, (2,))) is None
-    assert pool.lookup(block_key(None, (1,))) == held[0]  # held: never handed out
+    assert pool.lookup((block_key(None, (2,)), None)) is None
+    assert pool.lookup((block_key(None, (1,)), None)) == held[0]  # held: never handed out
     with pytest.raises(RuntimeError):
         pool.allocate(1)
 
@@ -139,19 +141,25 @@ class TokenEchoExecutor:
     reads back through the block table. `fail_rate` makes batches raise, as a failed forward does."""
 
     def __init__(
-        self, config: EngineConfig, max_in_flight: int, seed: int, fail_rate: float = 0.0, window: int = 0
+        self, config: EngineConfig, max_in_flight: int, seed: int, fail_rate: float = 0.0, window: int = 0,
+        groups: KVGroups | None = None,
     ) -> None:  # fmt: skip
+        """`groups`: the model's K/V groups (one table if None), each with its block table; the pool
+        holds their pages, as the runners' does."""
         num_slots = config.kv_capacity_tokens // config.block_size * config.block_size
-        self.pool = [-1] * num_slots
+        table_blocks = num_slots // config.block_size
+        num_groups = groups.num_groups if groups is not None else 1
+        num_pages = groups.num_pages(table_blocks) if groups is not None else table_blocks
+        self.pool = [-1] * (num_pages * config.block_size)
         self.kv_capacity_tokens = num_slots
         self.max_in_flight = max_in_flight
         self.rng = random.Random(seed)
         self.fail_rate = fail_rate
         self.block_size = config.block_size
         self.window = window
-        self.input_batch = InputBatch(config.max_num_seqs * max_in_flight, num_slots, config.block_size, VOCAB,
-                                      torch.device("cpu"))  # fmt: skip
-        self._pending: deque[tuple[list[list[int]], list[int], list[bool]]] = deque()
+        self.input_batch = InputBatch(config.max_num_seqs * max_in_flight, num_pages * config.block_size,
+                                      config.block_size, VOCAB, torch.device("cpu"), num_groups)  # fmt: skip
+        self._pending: deque[tuple[list[list[list[int]]], list[int], list[bool]]] = deque()
 
     @property
     def num_in_flight(self) -> int:
@@ -160,8 +168,9 @@ class TokenEchoExecutor:
     def submit(self, step: SchedulerOutput) -> None:
         self.input_batch.apply(step)
         inputs = self.input_batch.prepare(step)  # views of buffers the next step reuses: copied out
-        for token, slot in zip(inputs.input_ids.tolist(), inputs.slot_mapping.tolist(), strict=True):
-            self.pool[slot] = token
+        for slots in inputs.slot_mapping.tolist():  # each group's slots: every group keeps the token
+            for token, slot in zip(inputs.input_ids.tolist(), slots, strict=True):
+                self.pool[slot] = token
         self._pending.append((inputs.block_tables.tolist(), inputs.context_lens.tolist(), inputs.sampling.sample.tolist()))
 
     def collect_oldest(self) -> SamplerOutput:
@@ -169,10 +178,12 @@ class TokenEchoExecutor:
         if self.rng.random() < self.fail_rate:
             raise RuntimeError("injected forward failure")
         size, tokens = self.block_size, []
-        for table, ctx, sample in zip(block_tables, context_lens, sample_flags, strict=True):
+        for tables, ctx, sample in zip(zip(*block_tables, strict=True), context_lens, sample_flags, strict=True):
             start = max(ctx - self.window, 0) if self.window else 0  # what the last position sees
-            window = [self.pool[table[j // size] * size + j % size] for j in range(start, ctx)]
-            tokens.append(expected_next(window) if sample else -1)
+            # Read through every group's table: a group whose table is wrong gives a wrong token.
+            reads = [[self.pool[table[j // size] * size + j % size] for j in range(start, ctx)] for table in tables]
+            token = expected_next(reads[0])
+            tokens.append((token if all(read == reads[0] for read in reads) else (token + 1) % VOCAB) if sample else -1)
         return SamplerOutput(tokens)
 
     def shutdown(self) -> None:
@@ -191,11 +202,11 @@ def run_fake(config: EngineConfig, seed: int, num_requests: int, pipeline_depth:
              abort_rate: float = 0.0, shared_prefix: int = 0, window: int = 0,
              max_tokens: int = 24) -> tuple[EngineCore, dict, dict, dict]:  # fmt: skip
     rng = random.Random(seed)
-    executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate, window)
     model = GPT2Config(vocab_size=VOCAB, eos_token_id=None)
     if window:  # every layer windowed: the paged manager frees what falls out of it
         model = LlamaConfig(vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=1, sliding_window=window,
                             layer_types=(SLIDING,))  # fmt: skip
+    executor = TokenEchoExecutor(config, pipeline_depth, seed, fail_rate, window, model_kv_groups(model, config))
     core = EngineCore(config, model, executor=executor)
     prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
     prompts, got, ended = {}, {}, {}
@@ -230,11 +241,12 @@ def check_accounting(core: EngineCore, window: int = 0) -> None:
     pool = core.kv.pool
     holders: dict[int, int] = {}
     for request in core.scheduler.running:
-        for block_id in request.block_table:
-            if block_id >= 0:  # -1: freed, outside every layer's window
-                holders[block_id] = holders.get(block_id, 0) + 1
+        for table in request.block_tables:
+            for block_id in table:
+                if block_id >= 0:  # -1: freed, outside its group's window
+                    holders[block_id] = holders.get(block_id, 0) + 1
     for request in core.scheduler.waiting:
-        assert request.block_table == [], "a waiting request holds blocks"
+        assert request.block_tables == [], "a waiting request holds blocks"
     for block in pool.blocks:
         assert block.ref_count == holders.get(block.block_id, 0), f"block {block.block_id}"
     assert pool.num_free == pool.num_blocks - len(holders)
@@ -339,9 +351,9 @@ def test_a_long_generation_holds_a_window_of_blocks(window, block_size):
     held = {}
     for policy, windowed in (("paged", True), ("paged", False), ("reserve", True)):
         config = EngineConfig(kv_policy=policy, block_size=block_size, kv_capacity_tokens=512, max_num_seqs=2)
-        executor = TokenEchoExecutor(config, 1, 0, window=window)
         model = LlamaConfig(vocab_size=VOCAB, eos_token_id=None, num_hidden_layers=2, sliding_window=window,
                             layer_types=(SLIDING, SLIDING if windowed else "full_attention"))  # fmt: skip
+        executor = TokenEchoExecutor(config, 1, 0, window=window, groups=model_kv_groups(model, config))
         core = EngineCore(config, model, executor=executor)
         prompt = [3, 1, 4, 1, 5]
         core.add_requests([EngineCoreRequest("r", prompt, SamplingParams(max_tokens=4 * window, ignore_eos=True), 0.0, 0)])
@@ -350,8 +362,9 @@ def test_a_long_generation_holds_a_window_of_blocks(window, block_size):
             out += [t for o in core.step() for t in o.new_token_ids]
             for request in core.scheduler.running:
                 if request.num_computed >= len(prompt) + window:
-                    most = max(most, sum(b >= 0 for b in request.block_table))
-                    assert core.kv.used_blocks == sum(b >= 0 for b in request.block_table)
+                    # the most blocks one group's table holds (a full-attention group's: every block)
+                    most = max(most, *(sum(b >= 0 for b in table) for table in request.block_tables))
+                    assert core.kv.used_blocks == sum(b >= 0 for table in request.block_tables for b in table)
         assert out == reference_tokens(prompt, 4 * window, window)
         held[policy, windowed] = most
     bound = -(-window // block_size) + 1

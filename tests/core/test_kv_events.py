@@ -140,9 +140,9 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_check
                 engine.step()
             assert all(list(s)[-1].finished for s in streams)
             kv = engine.core.kv
-            expected = {("GPU", hash(key)): list(key[1]) for key in kv.pool._cached}
+            expected = {("GPU", hash(key)): list(key[1]) for key, _ in kv.pool._cached}
             if kv.host is not None:
-                expected |= {("CPU", hash(key)): list(key[1]) for key in kv.host._cached}
+                expected |= {("CPU", hash(key)): list(key[1]) for key, _ in kv.host._cached}
             assert wait_until(lambda want=expected: router.replay(asker) or router.blocks == want, timeout_s=60), (
                 round_, len(router.blocks), len(expected))
         stats = engine.stats()
@@ -166,16 +166,16 @@ def test_evictions_and_stores_are_recorded_in_order_with_parents_and_adapters():
     first = block_key(None, (1, 2), lora_root(7))
     second = block_key(first, (3, 4))
     blocks = pool.allocate(2)
-    pool.cache(blocks[0], first, first=True, lora=lora)
-    pool.cache(blocks[1], second, lora=lora)
-    pool.cache(blocks[1], second, lora=lora)  # already cached: no second event
+    pool.cache(blocks[0], (first, None), first=True, lora=lora)
+    pool.cache(blocks[1], (second, None), lora=lora)
+    pool.cache(blocks[1], (second, None), lora=lora)  # already cached: no second event
     pool.release(blocks)
     pool.allocate(1)  # evicts the least recently freed: the last block, released first
     stored_first, stored_second, removed = pool.take_events()
     assert (stored_first.parent_block_hash, stored_second.parent_block_hash) == (None, hash(first))
     assert (stored_second.lora_id, stored_second.lora_name, stored_second.token_ids) == (7, "A", [3, 4])
     assert removed.block_hashes == [hash(second)]
-    assert pool.take_events() == [] and pool.cached_hashes() == {hash(first)}
+    assert pool.take_events() == [] and pool.cached_hashes() == {(hash(first), None)}
     assert BlockPool(2).take_events() == []  # not recording: nothing kept
 
 

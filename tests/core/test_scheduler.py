@@ -22,6 +22,7 @@ from orca_backend.core.request import Request
 from orca_backend.core.scheduler import Scheduler
 from orca_backend.core.waiting_queue import WaitingQueue
 from orca_backend.engine.llm_engine import LLMEngine
+from orca_backend.kv_groups import one_table
 from orca_backend.messages import FinishReason
 
 
@@ -145,7 +146,8 @@ def test_a_compiled_request_takes_its_place_in_the_queue_by_arrival():
             self.pending.discard(request_id)
 
     compiles = Compiles()
-    scheduler = Scheduler(make_kv_manager(EngineConfig()), 1, False, None, structured=compiles)
+    scheduler = Scheduler(make_kv_manager(EngineConfig(), one_table([0], [range(1)])), 1, False, None,
+                          structured=compiles)  # fmt: skip
     for name in ("constrained", "first", "second"):
         scheduler.add(Request(name, [1, 2], SamplingParams(structured_outputs={"regex": "a"} if name == "constrained"
                                                            else None), arrival_time=0.0))  # fmt: skip

@@ -60,7 +60,7 @@ def test_the_prompt_is_prefilled_once_and_its_blocks_are_held_once():
         core = engine.core
         while len(core.scheduler.running) < n or any(not r.output_ids for r in core.scheduler.running):
             engine.step()
-        tables = [r.block_table for r in core.scheduler.running]
+        tables = [r.block_tables[0] for r in core.scheduler.running]
         shared = (len(PROMPT) - 1) // 4
         assert all(t[:shared] == tables[0][:shared] for t in tables)
         assert len({t[shared] for t in tables}) == n  # the partly filled block: each sample's own copy

@@ -99,7 +99,7 @@ def test_rejected_proposals_give_their_blocks_back(tiny_checkpoint):
     def schedule_and_note_tables():
         batch = schedule()
         scheduled.clear()
-        scheduled.update({r.request_id: list(r.block_table) for r in core.scheduler.running})
+        scheduled.update({r.request_id: list(r.block_tables[0]) for r in core.scheduler.running})
         return batch
 
     core.scheduler.schedule = schedule_and_note_tables
@@ -113,8 +113,8 @@ def test_rejected_proposals_give_their_blocks_back(tiny_checkpoint):
         for request_id, table in scheduled.items():
             row = batch.row_of.get(request_id)
             if row is not None:
-                assert batch.block_table[row, : batch.num_blocks[row]].tolist() == table
-        held += [(len(r.block_table), -(-r.num_tokens // 2)) for r in core.scheduler.running]
+                assert batch.block_table[row, 0, : batch.num_blocks[row]].tolist() == table
+        held += [(len(r.block_tables[0]), -(-r.num_tokens // 2)) for r in core.scheduler.running]
     assert held and all(blocks == needed for blocks, needed in held)
     assert [tokens[i] for i in ids] == expected
     assert core.stats().spec_num_draft_tokens > 0 and core.kv.used_tokens == 0

@@ -117,7 +117,7 @@ def test_the_target_returns_the_hidden_states_entering_the_named_layers(llama):
     t = len(tokens)
     caches = [(torch.zeros(16 * BLOCK, 2, 16), torch.zeros(16 * BLOCK, 2, 16)) for _ in range(4)]
     stage_input = StageInput(tokens, torch.arange(t), pool_indices=torch.arange(t), aux_layers=(1, 3))
-    _, hidden = target.forward(stage_input, metadata(0, t), caches, torch.tensor([t - 1]))
+    _, hidden = target.forward(stage_input, [metadata(0, t)], caches, torch.tensor([t - 1]))
     with torch.no_grad():
         expected = hf(tokens[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(hidden, torch.cat([expected[-1][0], expected[1][0], expected[3][0]], dim=-1),

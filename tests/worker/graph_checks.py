@@ -363,12 +363,12 @@ class StepRecorder:
 
         graphs.forward, graphs.run = self._recorded_forward, labelled_run
 
-    def _recorded_forward(self, stage_input, meta, logits_indices):
+    def _recorded_forward(self, stage_input, metas, logits_indices):
         recorder = LaunchRecorder(named_buffers(self.runner, self.graphs))
         _RecordedKernel.active = recorder
         try:
             with recorder:
-                logits = self._forward(stage_input, meta, logits_indices)
+                logits = self._forward(stage_input, metas, logits_indices)
         finally:
             _RecordedKernel.active = None
         self.recordings.setdefault(self.size, []).append((self.label, recorder.launches))

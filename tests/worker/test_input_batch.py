@@ -18,10 +18,11 @@ from orca_backend.worker.logits_processors import BIAS_IDS, BIAS_VALUES
 
 def _from_scratch(step: SchedulerOutput, requests: list[Request], like: InputBatch) -> StepInputs:
     """The step's inputs from an empty input batch, every scheduled request sent whole as it is now."""
-    scratch = InputBatch(like.max_rows, like.max_tokens, like.block_size, like.processors.vocab_size, torch.device("cpu"))
+    scratch = InputBatch(like.max_rows, like.max_tokens, like.block_size, like.processors.vocab_size,
+                         torch.device("cpu"), like.num_groups)  # fmt: skip
     whole = SchedulerOutput(step.step_id, step.scheduled_ids, step.num_scheduled_tokens, step.num_computed, [
-        NewRequest(r.request_id, r.all_token_ids(), r.num_prompt_tokens, list(r.block_table), r.params, r.sampling_seed,
-                   sorted(r.stop_ids)) for r in requests])  # fmt: skip
+        NewRequest(r.request_id, r.all_token_ids(), r.num_prompt_tokens, [b for table in r.block_tables for b in table],
+                   r.params, r.sampling_seed, sorted(r.stop_ids)) for r in requests])  # fmt: skip
     scratch.apply(whole)
     return scratch.prepare(whole)
 
@@ -124,14 +125,14 @@ def test_rows_are_freed_by_ends_and_preemptions_and_taken_again():
     assert batch.row_of == {"a": 0, "c": 1} and batch.states["b"].token_ids == [4, 5, 6]
     inputs = batch.prepare(step)
     assert inputs.input_ids.tolist() == [9, 7] and inputs.positions.tolist() == [3, 0]
-    assert inputs.slot_mapping.tolist() == [5 * 4 + 3, 8 * 4] and inputs.block_tables.tolist() == [[5], [8]]
+    assert inputs.slot_mapping.tolist() == [[5 * 4 + 3, 8 * 4]] and inputs.block_tables.tolist() == [[[5], [8]]]
     # "a" ends; "b" resumes with a whole new table, in the row "a" left, holding every token it had.
     step = _step(2, ["b"], [3], [0], grown={"b": [1]}, finished=["a"])
     batch.apply(step)
     assert batch.row_of == {"c": 1, "b": 0} and "a" not in batch.states
-    assert batch.block_table[0, :3].tolist() == [1, 0, 0]  # nothing left of "a"'s two blocks
+    assert batch.block_table[0, 0, :3].tolist() == [1, 0, 0]  # nothing left of "a"'s two blocks
     inputs = batch.prepare(step)
-    assert inputs.input_ids.tolist() == [4, 5, 6] and inputs.slot_mapping.tolist() == [4, 5, 6]
+    assert inputs.input_ids.tolist() == [4, 5, 6] and inputs.slot_mapping.tolist() == [[4, 5, 6]]
     assert inputs.sampling.sample.tolist() == [True]
     with pytest.raises(RuntimeError, match="sent as new twice"):
         batch.apply(_step(3, ["c"], [1], [1], new=[NewRequest("c", [7], 1, [8], params, 0)]))

@@ -97,14 +97,14 @@ def _count_steps(model_path: str, batch: int, monkeypatch: pytest.MonkeyPatch) -
     steps: dict[str, list[str]] = {}
     forward = model.forward
 
-    def counted(stage_input, meta, kv_caches, logits_indices):
+    def counted(stage_input, metas, kv_caches, logits_indices):
         counter = active[0] = KernelCounter()
         try:
             with counter:
-                return forward(stage_input, meta, kv_caches, logits_indices)
+                return forward(stage_input, metas, kv_caches, logits_indices)
         finally:
             active[0] = None
-            kind = "decode" if meta.max_query_len == 1 else "prefill"
+            kind = "decode" if metas[0].max_query_len == 1 else "prefill"
             steps[kind] = counter.launches
 
     monkeypatch.setattr(model, "forward", counted)

@@ -70,9 +70,9 @@ def test_the_profile_step_runs_the_largest_step_and_leaves_the_pool_alone(max_nu
     seen: list[int] = []
     forward = runner._forward
 
-    def counting(stage_input, meta, logits_indices):
+    def counting(stage_input, metas, logits_indices):
         seen.append(stage_input.input_ids.shape[0])
-        return forward(stage_input, meta, logits_indices)
+        return forward(stage_input, metas, logits_indices)
 
     runner._forward = counting
     runner.run_profile_step(llm.engine.model_config, llm.engine.config)
