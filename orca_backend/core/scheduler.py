@@ -125,13 +125,13 @@ def make_scheduler_output(
             continue
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens,
-                                  [block for table in tables for block in table],
+                                  list(tables[0]) if len(tables) == 1 else [b for table in tables for b in table],
                                   request.params, request.sampling_seed, sorted(request.stop_ids),
                                   request.lora.lora_id if request.lora is not None else 0,
                                   pooling_mode if request.pooling is not None else ""))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
-            grown_block_ids.append([block for table in tables for block in table[sent:]])
+            grown_block_ids.append(tables[0][sent:] if len(tables) == 1 else [b for table in tables for b in table[sent:]])
         request.num_blocks_sent = length
     # Each request's first position this step: what it had scheduled before this batch, which the
     # scheduler has counted in flight already (a batch built by hand, as tests do, is not: its
@@ -420,7 +420,7 @@ class Scheduler:
                 request.num_in_flight_tokens += 1
                 decodes.append(request)
                 last_prompt_tokens += not (num_output or ahead)  # (run ahead: its first output token)
-                if scheduled >= request.num_blocks * block_size:
+                if scheduled >= len(request.block_tables[0]) * block_size:  # (num_blocks, inlined: running, it holds some)
                     need_block.append(request)
                 if speculating and num_output and request.can_speculate:
                     drafts = self._propose(request)

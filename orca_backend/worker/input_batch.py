@@ -287,10 +287,11 @@ class InputBatch:
         if int(at_columns.max()) >= self.block_table.shape[2]:
             raise RuntimeError(f"a request outgrew its row ({self.block_table.shape[2]} blocks)")
         flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int32, count=total * groups)
-        if groups > 1:  # [group, block] per row -> [block, group] over all rows
+        if groups == 1:
+            self.block_table[:, 0][at_rows, at_columns] = flat
+        else:  # [group, block] per row -> [block, group] over all rows
             parts = np.split(flat, np.cumsum(counts * groups)[:-1])
-            flat = np.concatenate([part.reshape(groups, -1).T for part in parts])
-        self.block_table[at_rows, :, at_columns] = flat.reshape(total, groups)
+            self.block_table[at_rows, :, at_columns] = np.concatenate([part.reshape(groups, -1).T for part in parts])
         self.num_blocks[rows] += counts
 
     def _append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
