@@ -442,30 +442,30 @@ class ModelRunner:
         (int64 tokens, int32 requests, the block tables), moved to the device in three copies (none
         on CPU); every index tensor is a view of one of them. This runs every iteration, and each call
         into numpy or torch costs microseconds whatever its size."""
-        num_tokens, num_requests = inputs.num_tokens, inputs.num_requests
+        num_tokens, num_requests, groups = inputs.num_tokens, inputs.num_requests, self.kv_groups.num_groups
+        tables = inputs.block_tables[0] if groups == 1 else inputs.block_tables  # (a numpy view costs less)
         flat64, flat32, block_tables = (self._to_device(name, array) for name, array in
-                                        (("flat64", inputs.flat64), ("flat32", inputs.flat32), ("tables", inputs.block_tables)))  # fmt: skip
+                                        (("flat64", inputs.flat64), ("flat32", inputs.flat32), ("tables", tables)))  # fmt: skip
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         # split_with_sizes, not split: the same views without split's Python wrapper (microseconds a step)
-        groups = self.kv_groups.num_groups
-        input_ids, positions, slot_mapping = flat64.split_with_sizes([num_tokens, num_tokens, groups * num_tokens])
+        input_ids, positions, *slot_mappings = flat64.split_with_sizes([num_tokens] * (2 + groups))
         query_start, context_lens, logits_indices = flat32.split_with_sizes(
             [num_requests + 1, num_requests, len(inputs.logits_indices)])
-        block_tables = block_tables.view(groups, num_requests, -1)
+        group_tables = (block_tables,) if groups == 1 else block_tables.unbind(0)
         metas = [
             AttentionMetadata(
                 query_start=query_start,
                 context_lens=context_lens,
-                block_tables=block_tables[g],
-                slot_mapping=slot_mapping[g * num_tokens : (g + 1) * num_tokens],
+                block_tables=table,
+                slot_mapping=slot_mapping,
                 block_size=self.block_size,
                 max_query_len=inputs.max_query_len,
                 max_context_len=inputs.max_context_len,
                 num_requests=num_requests,
             )
-            for g in range(groups)
+            for table, slot_mapping in zip(group_tables, slot_mappings, strict=True)
         ]
         return input_ids, positions, metas, logits_indices
 
