@@ -55,15 +55,20 @@ def decode(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
             assert len(event["token_ids"]) == event["block_size"] * len(event["block_hashes"])
             assert event["lora_id"] is None or isinstance(event["lora_id"], int)
             assert event["medium"] in (None, "GPU", "CPU") and (event["lora_name"] is None or isinstance(event["lora_name"], str))
+            kind, window = event.get("kv_cache_spec_kind"), event.get("kv_cache_spec_sliding_window")
+            assert kind in (None, "full_attention", "sliding_window") and (window is None) == (kind != "sliding_window")
+            assert ("group_idx" in event) == (kind is not None)  # a kind only where the pool has several groups
         elif event["type"] == "BlockRemoved":
             assert all(map(is_hash, event["block_hashes"])) and event["medium"] in (None, "GPU", "CPU")
+        assert event.get("group_idx") is None or isinstance(event["group_idx"], int) and event["group_idx"] >= 0
     rank = batch.get("data_parallel_rank")
     assert rank is None or isinstance(rank, int)
     return batch["ts"], batch["events"], rank
 
 
 class Subscriber:
-    """A router's view: the cached blocks (medium, hash) and their token ids, from the events alone."""
+    """A router's view: the cached blocks (medium, K/V group, hash) and their token ids, from the events
+    alone."""
 
     def __init__(self) -> None:
         self.blocks: dict[Any, list[int]] = {}
@@ -71,21 +76,23 @@ class Subscriber:
 
     def apply(self, payload: bytes) -> None:
         for event in decode(payload)[1]:
-            medium = event.get("medium")
+            medium, group = event.get("medium"), event.get("group_idx")
             if event["type"] == "BlockStored":
                 size = event["block_size"]
                 for i, block_hash in enumerate(event["block_hashes"]):
-                    assert (medium, block_hash) not in self.blocks, "stored twice without a removal"
-                    # On the device a block is cached after its parent and evicted before it; the host
+                    assert (medium, group, block_hash) not in self.blocks, "stored twice without a removal"
+                    # On the device a block of a global group is cached after its parent and evicted
+                    # before it; a windowed group caches only what its window still reads; the host
                     # tier takes evicted blocks in eviction order, and may have dropped a parent since.
                     parent = event["parent_block_hash"]
-                    assert medium != "GPU" or parent is None or (medium, parent) in self.blocks or i > 0, \
-                        "a block whose parent the router never saw stored"
-                    self.blocks[medium, block_hash] = event["token_ids"][i * size : (i + 1) * size]
+                    windowed = event.get("kv_cache_spec_kind") == "sliding_window"
+                    assert medium != "GPU" or windowed or parent is None or (medium, group, parent) in self.blocks \
+                        or i > 0, "a block whose parent the router never saw stored"  # fmt: skip
+                    self.blocks[medium, group, block_hash] = event["token_ids"][i * size : (i + 1) * size]
             elif event["type"] == "BlockRemoved":
                 for block_hash in event["block_hashes"]:
-                    assert (medium, block_hash) in self.blocks, "removed a block never stored"
-                    del self.blocks[medium, block_hash]
+                    assert (medium, group, block_hash) in self.blocks, "removed a block never stored"
+                    del self.blocks[medium, group, block_hash]
             else:
                 self.blocks.clear()
 
@@ -108,20 +115,26 @@ def endpoints():
     yield f"ipc://{directory}/pub", f"ipc://{directory}/replay"
 
 
-@pytest.mark.parametrize("host_blocks", [0, 6])
-def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_checkpoint, endpoints, host_blocks):
+@pytest.mark.parametrize(("model", "host_blocks"), [("tiny", 0), ("tiny", 6), ("gemma2-tiny", 6)])
+def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_checkpoint, endpoints, model, host_blocks):
     """Both tiers with a host tier (swap_space) of 6 blocks: evicted prefixes stored on the host and
-    dropped from it, swapped preemptions; the router's view is the device's and the host's caches."""
+    dropped from it, swapped preemptions; the router's view is the device's and the host's caches.
+    Gemma 2's local and global layers make two K/V groups (events name them), generating past the
+    32-token window so that the local group gives blocks back."""
     pub, replay = endpoints
+    grouped = model != "tiny"
+    model = model if grouped else str(tiny_checkpoint[0])
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
                          "topic": "kv"})  # fmt: skip
     # A pool of 12 blocks of 4 for requests of up to 20 tokens: prefixes are cached, evicted to make room,
     # and paged growth preempts.
-    probe = EngineConfig(model=str(tiny_checkpoint[0]), block_size=4)
+    probe = EngineConfig(model=model, block_size=4)
     block_bytes = probe.kv_bytes_per_token(probe.model_config()) * 4
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint[0]), kv_policy="paged", block_size=4,
-                                    kv_capacity_tokens=48, max_num_seqs=4, enable_prefix_caching=True,
+    engine = LLMEngine(EngineConfig(model=model, kv_policy="paged", block_size=4,
+                                    kv_capacity_tokens=96 if grouped else 48, max_num_seqs=4, enable_prefix_caching=True,
+                                    max_num_batched_tokens=8 if grouped else 0,
                                     kv_events_config=events, swap_space=host_blocks * block_bytes / 2**30))  # fmt: skip
+    assert engine.core.kv.num_groups == (2 if grouped else 1)
     context = zmq.Context.instance()
     live = context.socket(zmq.SUB)
     live.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -134,15 +147,17 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(tiny_check
     try:
         for round_ in range(4):
             prompts = [rng.choice(shared) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))] for _ in range(6)]
-            streams = [engine.add_request(p, SamplingParams(max_tokens=rng.randrange(2, 8), temperature=0.0,
+            longest = 48 if grouped else 8
+            streams = [engine.add_request(p, SamplingParams(max_tokens=rng.randrange(2, longest), temperature=0.0,
                                                             ignore_eos=True)) for p in prompts]  # fmt: skip
             while engine.has_work():
                 engine.step()
             assert all(list(s)[-1].finished for s in streams)
             kv = engine.core.kv
-            expected = {("GPU", hash(key)): list(key[1]) for key, _ in kv.pool._cached}
+            expected = {("GPU", group, hash(key)): list(key[1]) for key, group in kv.pool._cached}
             if kv.host is not None:
-                expected |= {("CPU", hash(key)): list(key[1]) for key, _ in kv.host._cached}
+                expected |= {("CPU", group, hash(key)): list(key[1]) for key, group in kv.host._cached}
+            assert not grouped or {group for _, group, _ in expected} == {0, 1}
             assert wait_until(lambda want=expected: router.replay(asker) or router.blocks == want, timeout_s=60), (
                 round_, len(router.blocks), len(expected))
         stats = engine.stats()
@@ -187,6 +202,13 @@ def test_the_wire_format_follows_vllms_structs():
     ts, events, rank = decode(payload)
     assert (ts, rank, [e["type"] for e in events]) == (12.5, 0, ["BlockStored", "BlockRemoved", "AllBlocksCleared"])
     assert "data_parallel_rank" not in msgpack.unpackb(encode_batch(1.0, [], None))  # omitted at its default
+    grouped = encode_batch(1.0, [BlockStored([11], None, [1, 2], 2, None, "GPU", None, group_idx=1,
+                                             kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=32),
+                                 BlockRemoved([11], "GPU", group_idx=1)], None)  # fmt: skip
+    stored, removed = decode(grouped)[1]
+    assert list(stored)[-3:] == ["group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"]
+    assert (stored["group_idx"], stored["kv_cache_spec_sliding_window"], removed["group_idx"]) == (1, 32, 1)
+    assert "group_idx" not in events[0] and "extra_keys" not in events[0]  # one group: left out
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -36,7 +36,7 @@ def test_model_json_reaches_the_engine_with_vllms_meaning():
         "enable_prefix_caching": True, "enforce_eager": True, "enable_chunked_prefill": True, "seed": 3,
         "tensor_parallel_size": 1, "distributed_executor_backend": "mp", "enable_lora": True, "max_loras": 2,
         "max_lora_rank": 8, "async_scheduling": False, "kv_cache_memory_bytes": 2**20, "kv_cache_dtype": "fp8",
-        "swap_space": 2, "calculate_kv_scales": False,
+        "swap_space": 2, "calculate_kv_scales": False, "disable_hybrid_kv_cache_manager": True,
     })  # fmt: skip
     assert (config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.block_size) == (
         "gpt2-tiny", "float16", 7, 128, 32)
@@ -45,6 +45,7 @@ def test_model_json_reaches_the_engine_with_vllms_meaning():
     assert config.device == "auto"  # vLLM's default where model.json names none
     assert config.kv_cache_memory_bytes == 2**20
     assert config.kv_cache_dtype == "fp8" and float(config.swap_space) == 2.0
+    assert config.disable_hybrid_kv_cache_manager is True
 
 
 def test_config_pbtxt_parameters_override_model_json_and_the_adapter_forces_its_own():
