@@ -154,12 +154,19 @@ class GaugeSampler:
                 "max": max(self.samples, default=None), "period_s": self.period_s}  # fmt: skip
 
 
-def engine_counters(metrics_url: str) -> dict[str, float]:
-    values = bench_server.read_engine_metrics(metrics_url, [ITERATIONS, GENERATED], [MODEL])
-    counters = (values or {}).get(MODEL, {})
-    if ITERATIONS not in counters or GENERATED not in counters:
-        raise RuntimeError(f"the metrics endpoint exports no {ITERATIONS} / {GENERATED} for {MODEL}")
-    return counters
+def engine_counters(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """The engine's counters, scraped until they are there: a scrape can fail while a loaded 2-core
+    server answers late, and the engine's first export follows its start by an export period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = bench_server.read_engine_metrics(metrics_url, [ITERATIONS, GENERATED], [MODEL])
+        counters = (values or {}).get(MODEL, {})
+        if ITERATIONS in counters and GENERATED in counters:
+            return counters
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the metrics endpoint exports no {ITERATIONS} / {GENERATED} for {MODEL}"
+                               + (" (unreadable)" if values is None else ""))  # fmt: skip
+        time.sleep(0.25)
 
 
 # ---------------------------------------------------------------------------------- one burst

@@ -99,9 +99,17 @@ def kv_groups(windows: list[int], stages: list[range], hybrid: bool = True) -> K
 
 def model_kv_groups(model_config: AnyModelConfig, config: EngineConfig) -> KVGroups:
     """The groups an engine gives the model: per window under the paged policy, unless
-    `disable_hybrid_kv_cache_manager`; one table otherwise (module docstring)."""
+    `disable_hybrid_kv_cache_manager`, or a draft model or an EAGLE head shares the target's block
+    table (speculative decoding: its K/V is addressed by the target's one table); one table otherwise
+    (module docstring)."""
     count, pp = model_config.num_layers, int(config.pipeline_parallel_size)
     stages = [stage_layers(count, pp, rank) for rank in range(pp)]
     paged = config.kv_policy == "paged"  # the policy that gives blocks back behind a window
     windows = [model_config.window(i) if paged else 0 for i in range(count)]
-    return kv_groups(windows, stages, hybrid=not config.disable_hybrid_kv_cache_manager)
+    return kv_groups(windows, stages, hybrid=not (config.disable_hybrid_kv_cache_manager or shares_one_table(config)))
+
+
+def shares_one_table(config: EngineConfig) -> bool:
+    """Whether a draft model or an EAGLE head proposes in the runners, over the target's block table."""
+    speculative = config.speculative()
+    return speculative is not None and speculative.method in ("draft_model", "eagle", "eagle3")

@@ -107,10 +107,9 @@ class ModelRunner:
         # The final hidden state of every token of every step, for the EAGLE head (None: not asked).
         self._every_token: torch.Tensor | None = None
         self.hidden_size = model_config.hidden_size
-        if self.drafter is not None and self.kv_groups.num_groups > 1:
-            raise ValueError(f"speculative_config: method {method!r} shares the target's block tables, and this "
-                             f"model's K/V has {self.kv_groups.num_groups} groups (local and global layers); set "
-                             "disable_hybrid_kv_cache_manager to serve it with one table")  # fmt: skip
+        if self.drafter is not None and len({model_config.window(i) for i in range(model_config.num_layers)}) > 1:
+            logger.info("K/V: one block table for every layer (no per-group K/V): speculative_config method %r "
+                        "proposes over the target's table", method)  # fmt: skip
         if config.sizes_kv_pool_from_memory():
             num_slots = self._kv_slots_from_memory(config, model_config)
         else:

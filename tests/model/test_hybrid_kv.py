@@ -14,6 +14,7 @@ from hf_tiny import hf_greedy, randomize_norms, write_tiny
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import EngineConfig, model_config_from_hf
 from orca_backend.core.engine_core import EngineCore
+from orca_backend.kv_groups import model_kv_groups
 from orca_backend.messages import EngineCoreRequest
 
 transformers = pytest.importorskip("transformers")
@@ -121,6 +122,17 @@ def test_prefix_hits_share_the_global_blocks_and_the_local_window(gemma3):
         assert core.kv.prefix_hit_tokens == 4 * BLOCK
     finally:
         core.shutdown()
+
+
+def test_a_draft_model_keeps_one_table(gemma3):
+    """A draft model proposes over the target's one block table: with one (the target as its own
+    draft), the engine keeps one table, and its tokens are transformers'."""
+    path, _, references = gemma3
+    spec = f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": 2}}'
+    tokens, _, _ = run_core(path, PROMPTS[:2], speculative_config=spec)
+    assert tokens == references[:2]
+    config = EngineConfig(model=str(path), dtype="float32", block_size=BLOCK, speculative_config=spec)
+    assert model_kv_groups(model_config_from_hf(path / "config.json"), config).num_groups == 1
 
 
 @pytest.mark.slow
