@@ -83,3 +83,24 @@ def test_prefix_cache_events_name_the_group_and_its_kind():
     assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored] == \
         [(0, "full_attention", None)] * 2 + [(1, "sliding_window", 8)] * 2  # fmt: skip
     assert kv.pool.cached_hashes() == {(e.block_hashes[0], e.group_idx) for e in stored}
+
+
+def test_a_long_gemma3_1b_request_holds_about_a_sixth_of_one_tables_bytes():
+    """Gemma 3 1B's geometry (26 layers, 22 local with a 512-token window, pages of 4 layer slots),
+    blocks of 16, a 32k-token request computed in chunks of 256: at its peak it holds its global
+    group's blocks and about a window and a chunk per local group, under a fifth of the bytes one
+    table over every layer holds for it (a sixth as the context grows)."""
+    groups = kv_groups(gemma3_windows(26), [range(26)])
+    size, chunk, tokens = 16, 256, 32768
+    kv = PagedKVManager(groups.num_pages(tokens // size) * size, block_size=size, windows=groups.windows,
+                        step_tokens=chunk)  # fmt: skip
+    request = Request("r", list(range(tokens)), SamplingParams(max_tokens=1), 0.0)
+    assert kv.admit(request, others_running=False, step_tokens=chunk)
+    peak = 0
+    while request.num_computed < tokens:
+        step = min(chunk, tokens - request.num_computed)
+        assert kv.grow(request, step)
+        peak = max(peak, kv.used_blocks)
+        request.num_computed += step
+    one_table_bytes = (tokens // size) * 26  # layer-blocks
+    assert peak * groups.slots < one_table_bytes / 5
