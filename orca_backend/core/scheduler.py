@@ -125,13 +125,13 @@ def make_scheduler_output(
             continue
         if sent < 0:
             new.append(NewRequest(request.request_id, request.all_token_ids(), request.num_prompt_tokens,
-                                  list(tables[0]) if len(tables) == 1 else [b for table in tables for b in table],
+                                  _group_major(tables, 0),
                                   request.params, request.sampling_seed, sorted(request.stop_ids),
                                   request.lora.lora_id if request.lora is not None else 0,
                                   pooling_mode if request.pooling is not None else ""))  # fmt: skip
         else:
             grown_ids.append(request.request_id)
-            grown_block_ids.append(tables[0][sent:] if len(tables) == 1 else [b for table in tables for b in table[sent:]])
+            grown_block_ids.append(_group_major(tables, sent))
         request.num_blocks_sent = length
     # Each request's first position this step: what it had scheduled before this batch, which the
     # scheduler has counted in flight already (a batch built by hand, as tests do, is not: its
@@ -167,6 +167,12 @@ def make_scheduler_output(
     starts = dict(zip(spec, itertools.accumulate(map(len, spec.values()), initial=0), strict=False))
     output.spec_bitmask_rows = [starts[i] + j for i in bitmask_rows if i in spec for j in range(len(spec[i]))]
     return output
+
+
+def _group_major(tables: list[list[int]], start: int) -> list[int]:
+    """Every group's blocks from `start` on, one group after the other (NewRequest.block_ids); one
+    group's a plain slice, as this runs for every request whose table changed."""
+    return tables[0][start:] if len(tables) == 1 else [block for table in tables for block in table[start:]]
 
 
 _request_id = operator.attrgetter("request_id")

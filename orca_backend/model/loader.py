@@ -47,8 +47,7 @@ def load_model(
     with gemm.packing_for(ops):
         weights = code.weights.load(source, model_config, layout, torch_dtype(config.dtype), device)
     model = code.model(model_config, weights, ops, layout, tp)
-    stage_layers = layout.layers(model_config.num_layers) if weights.layers else range(0)  # (a model with no layer)
-    names = [model.kv_scale_names(i) for i in stage_layers]
+    names = [model.kv_scale_names(i) for i in model.stage_layers]
     model.kv_scales = load_kv_scales(source, names, model_config.num_kv_heads, layout, config.kv_cache_dtype, device,
                                      declared=getattr(model_config, "kv_scales", False))  # fmt: skip
     return model

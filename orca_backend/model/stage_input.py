@@ -58,6 +58,8 @@ class StageModel:
         self.num_heads = num_heads // layout.tp_size  # this rank's
         self.num_kv_heads = num_kv_heads // layout.tp_size  # the K/V pool's heads (model_runner.py)
         self.vocab_lo, self.vocab_hi = layout.vocab_shard(config.vocab_size)
+        # This stage's layers, by their index in the model (none for a model with no layer).
+        self.stage_layers = layout.layers(config.num_layers) if weights.layers else range(0)
         self.lora: LoRAStack | None = None  # the adapters' slots, with enable_lora (worker/lora_manager.py)
         # Each of this stage's layers' FP8 K/V scales (kv_cache_dtype fp8; model/kv_scales.py), else None.
         self.kv_scales: list[KVScales | None] = [None] * len(weights.layers)

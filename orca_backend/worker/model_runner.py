@@ -86,8 +86,7 @@ class ModelRunner:
         self.model = load_model(config, model_config, self.device, layout, tp)
         # The K/V groups (orca_backend/kv_groups.py), as the engine core's manager lays out the pool.
         self.kv_groups = model_kv_groups(model_config, config)
-        self.stage_layers = layout.layers(model_config.num_layers) if self.model.weights.layers else range(0)
-        self.model.kv_groups = [self.kv_groups.layer_group[i] for i in self.stage_layers]
+        self.model.kv_groups = [self.kv_groups.layer_group[i] for i in self.model.stage_layers]
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         # The adapters' slots before the pool: a pool sized from memory leaves them their room.
@@ -173,7 +172,7 @@ class ModelRunner:
         into the K/V groups' pages (orca_backend/kv_groups.py), a layer's the tensors of its page slot
         (shared with the layers of other groups that have that slot)."""
         groups, size = self.kv_groups, config.block_size
-        slots = [groups.layer_slot[i] for i in self.stage_layers]
+        slots = [groups.layer_slot[i] for i in self.model.stage_layers]
         tensors = allocate_kv_pool(max(slots, default=-1) + 1, groups.num_pages(num_slots // size) * size,
                                    self.model.num_kv_heads, model_config.head_dim,
                                    kv_pool_dtype(config.kv_cache_dtype, torch_dtype(config.dtype)), self.device)  # fmt: skip
