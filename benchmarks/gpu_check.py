@@ -104,6 +104,36 @@ def median_seconds(fn: Callable[[], object], device: torch.device, reps: int, wa
     return statistics.median(times)
 
 
+# What the L2 flush writes between graph-timed calls: larger than any lent GPU's L2 (50 MB on an H100,
+# 60 MB on an H200), so every call reads its operands from memory, as a layer does inside a step.
+FLUSH_BYTES = 256 << 20
+
+
+def graph_seconds(fn: Callable[[], object], device: torch.device, reps: int, calls: int = 10) -> float:
+    """Median device time of one call of a capture-safe op, the host's launch cost left out (what a
+    step replayed from a CUDA graph pays): a graph of `calls` x (L2 flush, call) replayed `reps` times,
+    less a graph of the flushes alone. On a CPU: median_seconds."""
+    if device.type != "cuda":
+        return median_seconds(fn, device, reps)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)  # capture's warm-up on a side stream, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    with_call, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(with_call):
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(flushes):
+        for _ in range(calls):
+            flush.zero_()
+    total = median_seconds(with_call.replay, device, reps, warmup=1)
+    return max(total - median_seconds(flushes.replay, device, reps, warmup=1), 0.0) / calls
+
+
 def wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Host wall time of one engine call, the device drained on both sides: what a caller waits."""
     sync(device)

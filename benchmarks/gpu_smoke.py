@@ -6,29 +6,32 @@ lands in --out as it goes, so a run cut short still leaves every stage that ende
     python benchmarks/gpu_smoke.py --stages env,graphs           # some of them
     python benchmarks/gpu_smoke.py --device cpu --quick --out DIR   # the plumbing on a CPU (CI)
 
-Stages, in the order they run. The budget is for one H100 and is an estimate: none has run on a GPU
-yet. `make gpu-smoke` adds the package's install (~10-20 s) before them; the run's own budget
-(--budget-s, 380 s) cuts every timeout to what is left of it, so the whole stays under 7 minutes.
+Stages, in the order they run, with their seconds on one H200 (2026-11-29, docs/bench/gpu/smoke-2026-11-29;
+each stage's time from the run where it passed: about 3.5 minutes in all). `make gpu-smoke` adds the package's
+install (~10-20 s) before them; the run's own budget (--budget-s, 380 s) cuts every timeout to what is
+left of it, so the whole stays under 7 minutes.
 
-| stage            | what                                                                | expected | timeout |
+| stage            | what                                                                | H200     | timeout |
 |------------------|---------------------------------------------------------------------|----------|---------|
-| env              | versions, the device, nvidia-smi's clocks and memory                | 5-10 s   | 60 s    |
-| kernel_tests     | the kernel tests never run compiled (split-K decode with the fused  | 60-120 s | 170 s   |
-|                  | K/V write and rotary, windows, FP8, LoRA, MoE) and the engine's     |          |         |
-|                  | CUDA-graph, async, FP8, MoE, window and LoRA token tests on CUDA    |          |         |
-| graphs           | both models graphed at max_num_seqs 256, the K/V pool sized from    | 40-80 s  | 120 s   |
+| env              | versions, the device, nvidia-smi's clocks and memory                | 8 s      | 60 s    |
+| kernel_tests     | the kernel tests never run compiled (split-K decode with the fused  | 88 s     | 170 s   |
+|                  | K/V write and rotary, windows, FP8, LoRA, MoE, int4/int8) and the   |          |         |
+|                  | engine's CUDA-graph, async, FP8, MoE, window and LoRA token tests   |          |         |
+| graphs           | both models graphed at max_num_seqs 256, the K/V pool sized from    | 65 s     | 120 s   |
 |                  | gpu_memory_utilization 0.9: every bucket captured (a                |          |         |
 |                  | failure fails the stage), decode steps replay graphs, per-bucket    |          |         |
 |                  | replay time (CUDA events), graph pool memory, capture seconds, one  |          |         |
 |                  | profiler trace per model of a bucket-1 and a bucket-64 replay       |          |         |
-| decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 20-40 s  | 60 s    |
+| decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 24 s     | 60 s    |
 |                  | 14/2x64; batch 1, 64, 256; context 1k, 8k) against a copy of the    |          |         |
-|                  | same bytes                                                          |          |         |
-| triton_compile   | each Triton kernel's first call minus its warm call, on an empty    | 20-40 s  | 60 s    |
+|                  | same bytes, device time from CUDA-graph replays, and one eager call |          |         |
+| int4_gemm        | the int4 dequantizing GEMM and the W8A8 GEMMs against cuBLAS over   | 12 s     | 45 s    |
+|                  | the same weight dequantized, decode and prefill token counts        |          |         |
+| triton_compile   | each Triton kernel's first call minus its warm call, on an empty    | 17 s     | 60 s    |
 |                  | Triton cache                                                        |          |         |
-| served           | serving_cost.py on the host CPUs: 256 and 1,024 streams, 1, 4 and 8 | 40-70 s  | 90 s    |
+| served           | serving_cost.py on the host CPUs: 256 and 1,024 streams, 1, 4 and 8 | not run  | 90 s    |
 |                  | instances over one core (only where tritonserver's wheels are here) |          |         |
-| total            |                                                                     | 3-6 min  | 380 s   |
+| total            |                                                                     | ~3.5 min | 380 s   |
 
 Files in --out (six: a lent machine sends back eight at most): smoke.json (every stage's status,
 seconds and result, rewritten as each stage reports), smoke.log (every stage's output as it prints),
@@ -475,6 +478,9 @@ def run_graphs(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         except Exception as exc:  # this model's failure is reported; the other model still runs
             traceback.print_exc()
             result["errors"].append(f"{model}: {type(exc).__name__}: {exc}")
+        # The engine's cycles freed and torch's cache emptied: the next engine sizes its K/V pool from
+        # the device's free memory (worker/kv_pool.py), which must not still hold this one's.
+        load_gpu_check().release(None)
         report(result)
     return result
 
@@ -734,24 +740,30 @@ def attention_point(
     # K and V of every context token read; q read, the output and the new K/V written.
     nbytes = (2 * batch * context * kv_heads * k_cache.element_size()
               + (2 * batch * q_heads + 2 * batch * kv_heads) * dtype.itemsize) * head_dim  # fmt: skip
-    seconds = gpu_check.median_seconds(call, device, reps=args.attention_reps)
+    # Device time as a captured step pays it (the launch's host cost left out), beside one eager call's
+    # (what an eager step pays, host launch included).
+    seconds = gpu_check.graph_seconds(call, device, reps=args.attention_reps)
+    eager_s = gpu_check.median_seconds(call, device, reps=args.attention_reps)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = gpu_check.median_seconds(functools.partial(dst.copy_, src), device, reps=args.attention_reps)
+    copy_s = gpu_check.graph_seconds(functools.partial(dst.copy_, src), device, reps=args.attention_reps)
     gb_s, copy_gb_s = nbytes / seconds / 1e9, 2 * nbytes / copy_s / 1e9
-    return {"batch": batch, "context": context, "bytes": nbytes, "us": seconds * 1e6, "gb_s": gb_s,
-            "copy_us": copy_s * 1e6, "copy_gb_s": copy_gb_s, "fraction_of_copy": gb_s / copy_gb_s}  # fmt: skip
+    return {"batch": batch, "context": context, "bytes": nbytes, "us": seconds * 1e6, "eager_us": eager_s * 1e6,
+            "gb_s": gb_s, "copy_us": copy_s * 1e6, "copy_gb_s": copy_gb_s, "fraction_of_copy": gb_s / copy_gb_s}  # fmt: skip
 
 
 def render_decode_attention(r: dict[str, Any]) -> list[str]:
     lines = ["## Decode attention vs copy bandwidth", "",
              f"{r['kernels']} kernels, {r['dtype']}; bytes = K/V of every context token (one byte an element in an "
-             "fp8 pool) + q, output and the new K/V; copy GB/s counts bytes read + written.", "",
-             "| shape | K/V | batch | context | MB | us | GB/s | copy GB/s | of copy |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "fp8 pool) + q, output and the new K/V; copy GB/s counts bytes read + written. us: device time from "
+             "CUDA-graph replays, L2 flushed before each call (gpu_check.graph_seconds); eager us: one eager call "
+             "between CUDA events, the host's launch included.", "",
+             "| shape | K/V | batch | context | MB | us | eager us | GB/s | copy GB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in r["points"]:
         lines.append(f"| {p['shape']} | {p.get('kv', 'auto')} | {p['batch']} | {p['context']} | {p['bytes'] / 1e6:.1f} | "
-                     f"{p['us']:.1f} | {p['gb_s']:.0f} | {p['copy_gb_s']:.0f} | {p['fraction_of_copy']:.0%} |")  # fmt: skip
+                     f"{p['us']:.1f} | {p.get('eager_us', float('nan')):.1f} | {p['gb_s']:.0f} | {p['copy_gb_s']:.0f} | "
+                     f"{p['fraction_of_copy']:.0%} |")  # fmt: skip
     return [*lines, ""]
 
 
@@ -786,13 +798,14 @@ def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         for tokens in args.int_gemm_tokens:
             x = torch.randn(tokens, k, generator=g, device=device).to(dtype)
             int4 = functools.partial(int_linear_triton, x, packed, scales, zeros, 4, 128)
-            int4_s = gpu_check.median_seconds(int4, device, reps=args.int_gemm_reps)
-            dense_s = gpu_check.median_seconds(functools.partial(F.linear, x, dense), device, reps=args.int_gemm_reps)
+            # Device times from CUDA-graph replays (the layers run captured), L2 flushed before each call.
+            int4_s = gpu_check.graph_seconds(int4, device, reps=args.int_gemm_reps)
+            dense_s = gpu_check.graph_seconds(functools.partial(F.linear, x, dense), device, reps=args.int_gemm_reps)
             point = {"out": n, "in": k, "tokens": tokens, "int4_us": int4_s * 1e6, "dense_us": dense_s * 1e6,
                      "int4_weight_gb_s": weight_bytes / int4_s / 1e9, "dense_over_int4": dense_s / int4_s}  # fmt: skip
             for act, weight in w8.items():
                 call = functools.partial(w8a8_linear, x, weight, row_scale, act)
-                point[f"w8a8_{act}_us"] = gpu_check.median_seconds(call, device, reps=args.int_gemm_reps) * 1e6
+                point[f"w8a8_{act}_us"] = gpu_check.graph_seconds(call, device, reps=args.int_gemm_reps) * 1e6
             result["points"].append(point)
             w8a8 = ", ".join(f"w8a8 {act} {point[f'w8a8_{act}_us']:.1f} us" for act in w8)
             print(f"[{n}, {k}] x {tokens:5d} tokens: int4 {point['int4_us']:8.1f} us, {args.dtype} {point['dense_us']:8.1f} us"
@@ -804,7 +817,8 @@ def run_int4_gemm(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 def render_int4_gemm(r: dict[str, Any]) -> list[str]:
     lines = ["## The int4 dequantizing GEMM and the W8A8 GEMMs vs the dense one", "",
              f"groups of {r['group']}, activations {r['dtype']}; the dense GEMM is torch's F.linear (cuBLAS on a GPU) "
-             "over the same weight dequantized; W8A8 quantizes the activations per token first.", "",
+             "over the same weight dequantized; W8A8 quantizes the activations per token first. Device times from "
+             "CUDA-graph replays, L2 flushed before each call.", "",
              "| out x in | tokens | int4 us | dense us | int4 weight GB/s | dense / int4 | W8A8 int8 us | W8A8 fp8 us |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {p['out']} x {p['in']} | {p['tokens']} | {p['int4_us']:.1f} | {p['dense_us']:.1f} | "

@@ -177,15 +177,32 @@ def _norm_linear_kernel(
 INTERPRETED: bool = not isinstance(_norm_linear_kernel, JITFunction)
 
 
-def _blocks(rows: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K). tl.dot's smallest tile has 16 rows. At decode sizes the launch
-    streams the weight: narrow column blocks give an H100's 132 SMs work even at one row (a [1024,
-    3072] weight is 96 programs of 32 columns). Not tuned on a GPU yet (docs/architecture.md)."""
+# A launch's tiling: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+Blocks = tuple[int, int, int, int, int]
+
+
+# Weights wider than this (LM heads) take 64-column blocks at decode sizes, 128 beyond (measured).
+WIDE_OUT_COLS = 16384
+
+
+def _blocks(rows: int, out_cols: int, gated: bool, device: torch.device, dtype: torch.dtype) -> Blocks:
+    """The tiling for `rows` rows of a weight with `out_cols` output columns, from the sweep on an H200
+    (benchmarks/norm_linear_configs.py; docs/bench/gpu/norm-linear-tilings.md) at GPT-2-medium's and
+    Qwen2.5-0.5B's shapes. At decode sizes (up to 16 rows: tl.dot's smallest tile) the launch streams the
+    weight, and what counts is how much of it each program has in flight: 256-wide K steps in
+    32-column blocks cut the QKV and MLP launches from 19-20 us to 12-13, and 64-column blocks suit the
+    LM head. Beyond 16 rows, 128-wide K steps with 8 warps (64-row tiles), 64-wide with 128-column
+    blocks for the LM head. float32 keeps 32-wide K steps: its tiles are twice the bytes."""
     if device.type != "cuda":
-        return 16, 32, 32  # the interpreter: small tiles, every mask path still exercised
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_n = 32 if rows <= 16 else 64
-    return block_m, block_n, (32 if dtype == torch.float32 else 64)
+        return 16, 32, 32, 4, 1  # the interpreter: small tiles, every mask path still exercised
+    wide = out_cols > WIDE_OUT_COLS and not gated
+    if dtype == torch.float32:
+        return (16 if rows <= 16 else 64), 64, 32, 4, 2
+    if rows <= 16:
+        return 16, (64 if wide else 32), 256, 4, 3
+    if rows <= 32:
+        return 32, 64, 128, 4, 3
+    return (64, 128, 64, 8, 3) if wide else (64, 64, 128, 8, 3)
 
 
 def norm_linear_triton(
@@ -198,8 +215,10 @@ def norm_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str = "none",
+    blocks: Blocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``norm_linear_torch``, for 2-D x [T, hidden] and a contiguous weight [N, hidden]."""
+    """Same contract as ``norm_linear_torch``, for 2-D x [T, hidden] and a contiguous weight [N, hidden].
+    `blocks` overrides the tiling (the tuning sweep's knob; the models leave it to `_blocks`)."""
     check_activation(activation, bias)
     hidden = x.shape[-1]
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden or weight.stride(1) != 1:
@@ -217,7 +236,8 @@ def norm_linear_triton(
     rows = x2.shape[0]
     if rows == 0:
         return out, summed
-    block_m, block_n, block_k = _blocks(rows, x.device, weight.dtype)
+    block_m, block_n, block_k, num_warps, num_stages = blocks or _blocks(rows, out_cols, gated, x.device,
+                                                                         weight.dtype)  # fmt: skip
     summed2 = summed if summed.dim() == 2 else summed.view(-1, hidden)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_cols, block_n))
     _norm_linear_kernel[grid](
@@ -250,6 +270,7 @@ def norm_linear_triton(
         BLOCK_K=block_k,
         INPUT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and weight.dtype == torch.bfloat16,
-        num_warps=4,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out, summed

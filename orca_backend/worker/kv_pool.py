@@ -1,10 +1,13 @@
 """Sizing the K/V pool from a GPU's memory: vLLM's `gpu_memory_utilization`.
 
-The engine may use `utilization` x the device's memory. After the weights are loaded, the largest
-step the scheduler can send (max_num_batched_tokens tokens, max_num_seqs logits rows) runs once;
-torch's peak allocation over it (weights included) and what the process holds outside torch's
-allocator (the CUDA context, cuBLAS and NCCL workspaces) are what the model needs besides its
-K/V. The pool takes the rest of the budget in whole blocks. The CUDA graphs are captured after
+The engine may use `utilization` x the device's memory. Before it loads anything it reads the device
+(the baseline): what is in use then (its CUDA context, another engine in the same process, other
+processes on the GPU) is not its own, and it refuses to start when less than its budget is free, as
+vLLM does. After the weights are loaded, the largest step the scheduler can send
+(max_num_batched_tokens tokens, max_num_seqs logits rows) runs once; torch's peak allocation over it
+(weights included) and what the process came to hold outside torch's allocator (cuBLAS and NCCL
+workspaces), each counted from the baseline, are what the model needs besides its K/V. The pool takes
+the rest of the budget in whole blocks. The CUDA graphs are captured after
 the pool, from what the budget leaves of the device (1 - utilization); a capture that runs out of
 memory says what to lower (model_runner.py).
 
@@ -28,7 +31,13 @@ class MemoryReading:
     total_bytes: int  # the device's memory
     free_bytes: int  # free by the driver's count
     reserved_bytes: int  # held by torch's caching allocator
+    allocated_bytes: int  # torch's allocation now
     peak_allocated_bytes: int  # torch's peak allocation since the last reset
+
+    @property
+    def non_torch_bytes(self) -> int:
+        """In use outside torch's allocator: the CUDA context, libraries' workspaces, other processes."""
+        return max(self.total_bytes - self.free_bytes - self.reserved_bytes, 0)
 
 
 @dataclass(frozen=True)
@@ -38,20 +47,34 @@ class MemoryProfile:
     total_bytes: int
     weights_bytes: int  # torch's allocation after loading, before the profile step
     peak_bytes: int  # torch's peak allocation over the profile step, weights included
-    non_torch_bytes: int  # in use outside torch's allocator (CUDA context, cuBLAS, NCCL)
+    non_torch_bytes: int  # in use outside torch's allocator since the baseline (cuBLAS, NCCL)
 
 
-def profile_memory(weights_bytes: int, run_largest_step: Callable[[], None],
+def check_free_memory(baseline: MemoryReading, utilization: float) -> None:
+    """ValueError, with the figures and what to change, when the device has less free than the
+    engine's budget before it loads anything (another engine or process holds the rest)."""
+    budget = int(baseline.total_bytes * utilization)
+    if baseline.free_bytes < budget:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization:g} asks for {budget / GIB:.2f} GiB of the device's "
+            f"{baseline.total_bytes / GIB:.2f} GiB, but only {baseline.free_bytes / GIB:.2f} GiB is free before "
+            "loading (other engines or processes hold the rest); lower gpu_memory_utilization so that the "
+            "engines on this GPU add up to at most 1, or size the pool with kv_cache_memory_bytes"
+        )
+
+
+def profile_memory(baseline: MemoryReading, loaded: MemoryReading, run_largest_step: Callable[[], None],
                    read: Callable[[], MemoryReading]) -> MemoryProfile:  # fmt: skip
-    """Runs the largest step once and reads the memory after it (`read` resets nothing: the caller
-    resets torch's peak after loading the weights, before calling)."""
+    """Runs the largest step once and reads the memory after it, each figure counted from `baseline`
+    (read before loading); `loaded` is the reading after loading (`read` resets nothing: the caller
+    resets torch's peak after `loaded`, before calling)."""
     run_largest_step()
     after = read()
     return MemoryProfile(
         total_bytes=after.total_bytes,
-        weights_bytes=weights_bytes,
-        peak_bytes=after.peak_allocated_bytes,
-        non_torch_bytes=max(after.total_bytes - after.free_bytes - after.reserved_bytes, 0),
+        weights_bytes=loaded.allocated_bytes - baseline.allocated_bytes,
+        peak_bytes=after.peak_allocated_bytes - baseline.allocated_bytes,
+        non_torch_bytes=max(after.non_torch_bytes - baseline.non_torch_bytes, 0),
     )
 
 
@@ -85,4 +108,5 @@ def read_cuda_memory(device: object) -> MemoryReading:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     return MemoryReading(total_bytes=total, free_bytes=free, reserved_bytes=torch.cuda.memory_reserved(device),
+                         allocated_bytes=torch.cuda.memory_allocated(device),
                          peak_allocated_bytes=torch.cuda.max_memory_allocated(device))  # fmt: skip

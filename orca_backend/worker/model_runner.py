@@ -48,8 +48,14 @@ from orca_backend.worker.draft_proposer import DraftProposer
 from orca_backend.worker.eagle_proposer import EagleProposer
 from orca_backend.worker.host_kv import HostKV
 from orca_backend.worker.input_batch import InputBatch, StepInputs
+from orca_backend.worker.kv_pool import (
+    MemoryReading,
+    check_free_memory,
+    kv_pool_tokens,
+    profile_memory,
+    read_cuda_memory,
+)
 from orca_backend.worker.kv_pool import describe as describe_memory
-from orca_backend.worker.kv_pool import kv_pool_tokens, profile_memory, read_cuda_memory
 from orca_backend.worker.lora_manager import LoRAManager
 from orca_backend.worker.runner_proposer import RunnerProposer
 from orca_backend.worker.sampler import SampledTokens, Sampler
@@ -83,6 +89,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.layout = layout
+        # What the device holds before this engine loads anything is not its own (worker/kv_pool.py).
+        self._memory_baseline: MemoryReading | None = None
+        if config.sizes_kv_pool_from_memory():
+            self._memory_baseline = read_cuda_memory(self.device)
+            check_free_memory(self._memory_baseline, config.gpu_memory_utilization)
         self.model = load_model(config, model_config, self.device, layout, tp)
         # The K/V groups (orca_backend/kv_groups.py), as the engine core's manager lays out the pool.
         self.kv_groups = model_kv_groups(model_config, config)
@@ -187,10 +198,11 @@ class ModelRunner:
         """The pool's slots from gpu_memory_utilization (worker/kv_pool.py): the largest step runs once
         on a pool of one block, and every rank takes the smallest rank's answer (their pools are one
         block table's)."""
-        weights_bytes = torch.cuda.memory_allocated(self.device)  # with the adapters' slots, where LoRA is on
+        assert self._memory_baseline is not None
+        loaded = read_cuda_memory(self.device)  # the weights, with the adapters' slots where LoRA is on
         torch.cuda.reset_peak_memory_stats(self.device)  # the peak from here: the weights and the step (not the load's)
         self.kv_caches = self._allocate_pool(config.block_size, model_config, config)
-        profile = profile_memory(weights_bytes, lambda: self.run_profile_step(model_config, config),
+        profile = profile_memory(self._memory_baseline, loaded, lambda: self.run_profile_step(model_config, config),
                                  lambda: read_cuda_memory(self.device))  # fmt: skip
         del self.kv_caches
         torch.cuda.empty_cache()

@@ -98,3 +98,18 @@ def test_norm_linear_refuses_what_it_cannot_compute(ops: KernelOps) -> None:
     with pytest.raises(ValueError, match="row-major weight"):
         ops.norm_linear(**args)
     assert DEVICE in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_cuda_tiling_fits_a_hoppers_shared_memory(dtype: torch.dtype) -> None:
+    """The tilings chosen on CUDA, checked without a GPU: each pipeline stage holds an x tile and one
+    weight tile (two for a gated MLP), and `num_stages` of them must stay well inside the 227 KB an H100
+    or H200 gives a block (the sweep's gated (16, 64, 256) tiling at 4 stages needed 250 KB and failed)."""
+    from orca_kernels.triton_norm_linear import _blocks
+
+    for rows in (1, 16, 17, 32, 33, 64, 256):
+        for out_cols, gated in ((1152, False), (4864, True), (14336, True), (50257, False), (151936, False)):
+            block_m, block_n, block_k, _, stages = _blocks(rows, out_cols, gated, torch.device("cuda"), dtype)
+            assert min(block_m, block_n, block_k) >= 16
+            per_stage = (block_m * block_k + block_k * block_n * (2 if gated else 1)) * dtype.itemsize
+            assert per_stage * stages <= 200 * 1024, (rows, out_cols, gated, per_stage * stages)

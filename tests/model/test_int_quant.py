@@ -290,6 +290,11 @@ def test_kernel_in_fresh_process() -> None:
     (17, 33, 96, 8, 32, False),  # edges the tiles do not divide
     (5, 24, 128, 4, 32, True),   # desc_act's g_idx
     (2, 16, 64, 4, 64, False),   # one group per row
+    (20, 48, 256, 4, 128, False),  # prefill over several output tiles; groups of four tiles
+    (1, 16, 512, 4, 128, False),   # four input slices of one group each
+    (3, 40, 96, 4, 24, False),     # groups no block of 16 or more divides: scales per value
+    (4, 24, 128, 8, 32, True),     # desc_act at 8 bits
+    (2, 24, 96, 8, 96, False),     # one group per row of three tiles
 ])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_int_linear_triton_equals_the_reference(monkeypatch, dtype, m, n, k, bits, group, act_order, bias):
@@ -313,6 +318,32 @@ def test_int_linear_triton_equals_the_reference(monkeypatch, dtype, m, n, k, bit
         torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
     else:  # the interpreter rounds the weight toward zero (GPUs to nearest): a bf16 ulp of the largest terms
         torch.testing.assert_close(out.float().cpu(), expected, atol=1e-2 * float(expected.abs().max()), rtol=2e-2)
+
+
+def test_the_tiles_take_a_group_vector_where_a_block_divides_the_group():
+    """Under the interpreter a group may be one tile, less, or several; on CUDA the stages of
+    every path stay well inside Hopper's 227 KB of shared memory (x and packed-word tiles, and
+    the per-value path's two float32 gathers, per stage)."""
+    from orca_kernels.triton_int_quant import config
+
+    def cpu(group: int, has_g_idx: bool = False) -> tuple[int, bool]:
+        c = config(3, 4, group, has_g_idx, torch.bfloat16, cuda=False)
+        return c.block_k, c.group_tile
+
+    assert cpu(16) == (16, True) and cpu(32) == (32, True) and cpu(128) == (32, True) and cpu(96) == (32, True)
+    assert cpu(24) == (32, False) and cpu(8) == (32, False) and cpu(128, has_g_idx=True) == (32, False)
+    assert config(1, 4, 128, False, torch.bfloat16, cuda=True).block_k == 128
+    for m in (1, 16, 17, 4096):
+        for bits in (4, 8):
+            for group, has_g_idx in ((16, False), (32, False), (128, False), (4096, False), (24, False), (128, True)):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    c = config(m, bits, group, has_g_idx, dtype, cuda=True)
+                    assert c.group_tile == (not has_g_idx and group % 16 == 0)
+                    assert not c.group_tile or group % c.block_k == 0
+                    stage = c.block_m * c.block_k * dtype.itemsize + c.block_n * c.block_k * bits // 8
+                    if not c.group_tile:
+                        stage += 2 * c.block_n * c.block_k * 4 + c.block_k * 4
+                    assert stage * c.num_stages <= 128 * 1024, (m, bits, group, has_g_idx, dtype, c)
 
 
 def test_split_k_fills_the_programs_at_decode_and_not_at_prefill():

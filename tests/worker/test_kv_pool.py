@@ -17,7 +17,14 @@ from orca_backend.distributed.layout import ParallelLayout
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.entrypoints.llm import LLM
 from orca_backend.sampling_params import SamplingParams
-from orca_backend.worker.kv_pool import GIB, MemoryProfile, MemoryReading, kv_pool_tokens, profile_memory
+from orca_backend.worker.kv_pool import (
+    GIB,
+    MemoryProfile,
+    MemoryReading,
+    check_free_memory,
+    kv_pool_tokens,
+    profile_memory,
+)
 
 # An 80 GiB GPU: 14 GiB of weights, 3 GiB more at the largest step's peak, 1 GiB outside torch.
 H100 = MemoryProfile(total_bytes=80 * GIB, weights_bytes=14 * GIB, peak_bytes=17 * GIB, non_torch_bytes=1 * GIB)
@@ -44,18 +51,44 @@ def test_a_budget_the_model_fills_is_refused_with_the_figures_and_what_to_change
     assert "outside torch 1.00 GiB" in message and "kv_cache_memory_bytes" in message
 
 
+def reading(free: float, reserved: float, allocated: float, peak: float) -> MemoryReading:
+    """An 80 GiB device's reading, the figures in GiB."""
+    return MemoryReading(total_bytes=80 * GIB, free_bytes=int(free * GIB), reserved_bytes=int(reserved * GIB),
+                         allocated_bytes=int(allocated * GIB), peak_allocated_bytes=int(peak * GIB))  # fmt: skip
+
+
 def test_the_profile_reads_the_memory_after_the_step_and_counts_what_torch_does_not_hold():
     ran = []
-    reading = MemoryReading(total_bytes=80 * GIB, free_bytes=50 * GIB, reserved_bytes=28 * GIB,
-                            peak_allocated_bytes=25 * GIB)  # fmt: skip
 
     def read():
         assert ran, "read before the step ran"
-        return reading
+        return reading(free=50, reserved=28, allocated=14, peak=25)
 
-    profile = profile_memory(14 * GIB, lambda: ran.append(True), read)
+    baseline = reading(free=79.5, reserved=0, allocated=0, peak=0)  # the CUDA context: 0.5 GiB
+    profile = profile_memory(baseline, reading(free=65, reserved=14.5, allocated=14, peak=14),
+                             lambda: ran.append(True), read)  # fmt: skip
+    # Outside torch: 80 - 50 - 28 = 2 GiB after the step, 0.5 of it the context the baseline held.
     assert profile == MemoryProfile(total_bytes=80 * GIB, weights_bytes=14 * GIB, peak_bytes=25 * GIB,
-                                    non_torch_bytes=2 * GIB)  # fmt: skip
+                                    non_torch_bytes=int(1.5 * GIB))  # fmt: skip
+
+
+def test_what_the_device_held_before_loading_is_not_counted_as_this_engines():
+    """Another engine in the process (20 GiB allocated, 2 GiB of its workspaces outside torch): the
+    weights, the step's peak and the memory outside torch are this engine's growth from the baseline."""
+    baseline = reading(free=58, reserved=20, allocated=20, peak=20)
+    loaded = reading(free=44, reserved=34, allocated=34, peak=34)
+    profile = profile_memory(baseline, loaded, lambda: None, lambda: reading(free=40, reserved=37, allocated=34, peak=37))
+    assert profile == MemoryProfile(total_bytes=80 * GIB, weights_bytes=14 * GIB, peak_bytes=17 * GIB,
+                                    non_torch_bytes=1 * GIB)  # fmt: skip
+    assert kv_pool_tokens(profile, 0.5, LLAMA_8B_TOKEN, 16) == (40 * GIB - 18 * GIB) // LLAMA_8B_TOKEN // 16 * 16
+
+
+def test_an_engine_whose_budget_is_not_free_before_loading_is_refused_with_the_figures():
+    check_free_memory(reading(free=79.5, reserved=0, allocated=0, peak=0), 0.9)  # 72 GiB of 79.5 free: starts
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.9") as refused:
+        check_free_memory(reading(free=58, reserved=20, allocated=20, peak=20), 0.9)
+    message = str(refused.value)
+    assert "72.00 GiB" in message and "58.00 GiB is free" in message and "add up to at most 1" in message
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [0, 96])
@@ -119,12 +152,14 @@ def test_the_runner_sizes_its_pool_from_the_reading_after_the_profile_step(monke
     steps: list[int] = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * mib)
+    # Before loading (the CUDA context: 1 MiB), after loading (2 MiB of weights), after the step.
+    readings = [(63, 0, 0, 0), (60, 2, 2, 2), (52, 8, 2, 8)]
 
     def read(device: object) -> MemoryReading:
         steps.append(len(runner_pool[0]))
-        return MemoryReading(total_bytes=64 * mib, free_bytes=52 * mib, reserved_bytes=8 * mib,
-                             peak_allocated_bytes=8 * mib)  # fmt: skip
+        free, reserved, allocated, peak = readings[len(steps) - 1]
+        return MemoryReading(total_bytes=64 * mib, free_bytes=free * mib, reserved_bytes=reserved * mib,
+                             allocated_bytes=allocated * mib, peak_allocated_bytes=peak * mib)  # fmt: skip
 
     runner_pool: list[list] = [[]]
     original = ModelRunner.run_profile_step
@@ -143,7 +178,8 @@ def test_the_runner_sizes_its_pool_from_the_reading_after_the_profile_step(monke
     runner = ModelRunner(dataclasses.replace(config, pipeline_parallel_size=2), model_config, torch.device("cpu"),
                          layout, TensorParallelGroup(1, None))  # fmt: skip
     per_token = dataclasses.replace(config, pipeline_parallel_size=2).kv_bytes_per_token(model_config)
-    # 32 MiB of 64, less the 8 MiB peak and 4 MiB outside torch (64 - 52 free - 8 reserved): 20 MiB.
-    expected = 20 * mib // per_token // 16 * 16
-    assert steps == [len(runner_pool[0])] and runner.kv_capacity_tokens == expected
+    # 32 MiB of 64, less the 8 MiB peak and 3 MiB that came to be held outside torch (64 - 52 free - 8
+    # reserved, less the baseline's 1): 21 MiB.
+    expected = 21 * mib // per_token // 16 * 16
+    assert steps == [0, 0, len(runner_pool[0])] and runner.kv_capacity_tokens == expected
     assert all(k.shape[0] == v.shape[0] == expected for k, v in runner.kv_caches)
