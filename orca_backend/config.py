@@ -243,7 +243,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # Schedule step N+1 while step N runs (vLLM's name): a request's token from N reaches N+1 on the
     # device, and the host's work of a step overlaps the model's. tp = pp = 1, iteration-level only.
-    async_scheduling: bool = False
+    # None (unset): on where that applies on a CUDA device (its tokens equal the synchronous engine's
+    # there, tests/model/test_cuda.py), off on a CPU, whose cores run the model and the host's work
+    # alike (`resolved_config` decides when the engine starts).
+    async_scheduling: bool | None = None
     # Multi-LoRA (vLLM's names): requests name an adapter (`lora_name`) of `lora_modules` ({name: PEFT
     # adapter directory}; served: the model's multi_lora.json); `max_loras` adapters are resident at
     # once (the others wait, evicted least recently used), each of rank at most `max_lora_rank`;
@@ -318,8 +321,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "kv_capacity_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.async_scheduling and (self.scheduling != "iteration" or int(self.tensor_parallel_size) != 1
-                                      or int(self.pipeline_parallel_size) != 1):  # fmt: skip
+        if self.async_scheduling and not self.async_applies():
             raise ValueError("async_scheduling runs one process with iteration-level scheduling: it needs "
                              "tensor_parallel_size = pipeline_parallel_size = 1 and scheduling 'iteration'")
         if self.distributed_executor_backend not in ("mp", "ray"):
@@ -399,6 +401,11 @@ class EngineConfig:
         per_block = self.kv_bytes_per_token(model_config) * int(self.block_size)
         return int(float(self.swap_space) * 2**30) // per_block if per_block else 0
 
+    def async_applies(self) -> bool:
+        """Whether async scheduling can run: one process, iteration-level scheduling."""
+        return (self.scheduling == "iteration" and int(self.tensor_parallel_size) == 1
+                and int(self.pipeline_parallel_size) == 1)  # fmt: skip
+
     def sizes_kv_pool_from_memory(self) -> bool:
         """Whether the engine core sizes the K/V pool from the GPU's memory (gpu_memory_utilization on
         a CUDA device, kv_cache_memory_bytes unset): kv_capacity_tokens is then what it finds."""
@@ -454,7 +461,7 @@ class EngineConfig:
                 raise ValueError("parameter lora_modules is not read: list the adapters in the model version's "
                                  "multi_lora.json (Triton's vLLM backend's file)")  # fmt: skip
             default = known[key].default
-            if isinstance(default, bool):
+            if isinstance(default, bool) or known[key].type == "bool | None":
                 kwargs[key] = parameter_bool(key, value)
             elif isinstance(default, (int, float)):
                 try:

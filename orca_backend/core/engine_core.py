@@ -33,19 +33,25 @@ logger = logging.getLogger("orca.engine")
 HEARTBEAT_S = 1.0  # an idle loop's frames while grammars compile (the frontend's watchdog needs signs of life)
 
 
-def resolved_device(config: EngineConfig) -> EngineConfig:
-    """`device="auto"` made cuda or cpu, by what this process sees (vLLM's default)."""
+def resolved_config(config: EngineConfig) -> EngineConfig:
+    """The settings left to the engine made concrete: `device="auto"` cuda or cpu, by what this process
+    sees (vLLM's default); an unset `async_scheduling` on where it applies on CUDA, off elsewhere."""
     if config.device == "auto":
         import torch
 
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
         logger.info("device auto: %s", config.device)
+    if config.async_scheduling is None:
+        config = dataclasses.replace(config, async_scheduling=config.device.startswith("cuda") and config.async_applies())
+        logger.info("async_scheduling unset: %s (%s)", "on" if config.async_scheduling else "off",
+                    "CUDA, one process, iteration-level" if config.async_scheduling
+                    else "on only on CUDA, in one process with iteration-level scheduling")  # fmt: skip
     return config
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config: AnyModelConfig, executor: Executor | None = None) -> None:
-        config = resolved_device(config).with_kv_capacity(model_config)
+        config = resolved_config(config).with_kv_capacity(model_config)
         self.model_config = model_config
         self.executor = executor if executor is not None else make_executor(config, model_config)
         # The pool the ranks allocated: kv_capacity_tokens, or what gpu_memory_utilization left.

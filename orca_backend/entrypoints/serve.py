@@ -506,8 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="orca: K/V slots per block")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="orca: share the K/V of equal prompt prefixes")
-    p.add_argument("--async-scheduling", action="store_true", default=None,
-                   help="orca: schedule each step while the last one runs (one process: tp = pp = 1)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="orca: schedule each step while the last one runs (one process: tp = pp = 1; unset: on "
+                        "where that applies on CUDA, off on a CPU)")
     p.add_argument("--speculative-config", metavar="JSON",
                    help='orca: speculative decoding, vLLM\'s speculative_config, e.g. '
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')

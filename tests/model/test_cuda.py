@@ -222,10 +222,12 @@ def test_async_scheduling_tokens_equal_sync(make_checkpoint) -> None:
     path, config = make_checkpoint(GEOMETRIES[1], seed=6, tokenizer=False)
     prompts = prompts_for(config.vocab_size, seed=8) * 2
     params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
-    sync = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16)
+    sync = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16, async_scheduling=False)
     expected = [o.output_ids for o in sync.generate(prompts, params)]
+    assert sync.engine.core.max_batches_in_flight == 1
     del sync
-    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16, async_scheduling=True)
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16)  # unset: on, on CUDA
+    assert llm.engine.core.config.async_scheduling is True
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.core.max_batches_in_flight == 2
 

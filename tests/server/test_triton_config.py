@@ -10,7 +10,7 @@ import json
 import pytest
 
 from orca_backend.config import EngineConfig, hub_snapshot
-from orca_backend.core.engine_core import resolved_device
+from orca_backend.core.engine_core import resolved_config
 from orca_backend.engine.llm_engine import LLMEngine
 from orca_backend.families import PRESETS
 from orca_backend.sampling_params import SamplingParams
@@ -158,8 +158,26 @@ def test_max_model_len_bounds_requests_below_the_models_context():
 
 
 def test_device_auto_is_the_machines():
-    assert resolved_device(EngineConfig(device="auto")).device == "cpu"  # no CUDA device in CI
-    assert resolved_device(EngineConfig(device="cpu", gpu_memory_utilization=0.9)).device == "cpu"
+    assert resolved_config(EngineConfig(device="auto")).device == "cpu"  # no CUDA device in CI
+    assert resolved_config(EngineConfig(device="cpu", gpu_memory_utilization=0.9)).device == "cpu"
+
+
+def test_unset_async_scheduling_is_on_where_it_applies_on_cuda_and_off_elsewhere():
+    """Resolved from the settings alone (no device is opened): on for one CUDA process scheduling by
+    iterations; off on a CPU, for the request-level baseline and for several ranks; a value given stays."""
+    assert resolved_config(EngineConfig(device="cuda")).async_scheduling is True
+    assert resolved_config(EngineConfig(device="cuda:1")).async_scheduling is True
+    assert resolved_config(EngineConfig(device="cuda", async_scheduling=False)).async_scheduling is False
+    assert resolved_config(EngineConfig(device="auto")).async_scheduling is False  # auto is a CPU in CI
+    assert resolved_config(EngineConfig(device="cpu", async_scheduling=True)).async_scheduling is True
+    for off in ({"scheduling": "request"}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        assert resolved_config(EngineConfig(device="cuda", **off)).async_scheduling is False, off
+    # config.pbtxt and model.json values parse as booleans; absent stays unset.
+    assert EngineConfig.from_parameters({"async_scheduling": "false"}).async_scheduling is False
+    assert EngineConfig.from_parameters({"async_scheduling": "true"}).async_scheduling is True
+    assert EngineConfig.from_parameters({}).async_scheduling is None
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig.from_parameters({"async_scheduling": "sometimes"})
 
 
 def test_a_pool_size_in_config_pbtxt_overrides_model_jsons_gpu_memory_utilization():
