@@ -22,6 +22,14 @@ def test_kv_flags_reach_orca_only():
                                                  "enable_prefix_caching": "true", "max_num_batched_tokens": "512"}}
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--async-scheduling", "true"), ("--no-async-scheduling", "false")])
+def test_async_scheduling_is_set_either_way_for_orca_and_left_unset_without_a_flag(flag, value):
+    options = options_from_args(build_parser().parse_args([flag]))
+    assert options.model_parameters == {"orca": {"async_scheduling": value}}
+    assert EngineConfig.from_parameters(options.model_parameters["orca"]).async_scheduling is (value == "true")
+    assert options_from_args(build_parser().parse_args([])).model_parameters == {}
+
+
 def test_checked_in_orca_config_parses_and_a_rendered_override_takes():
     from orca_backend.entrypoints.serve import default_model_repository
 
