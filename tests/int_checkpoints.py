@@ -26,6 +26,7 @@ not read the format).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -36,8 +37,10 @@ AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def projections(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The decoder projections a quantizer converts (not the embedding, LM head or MoE router)."""
-    return [k[: -len(".weight")] for k in tensors if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    """The decoder projections a quantizer converts (not the embedding, LM head or MoE router): the
+    `*_proj` layers, and Mixtral's experts (`w1`, `w2`, `w3`)."""
+    return [k[: -len(".weight")] for k in tensors if k.startswith("model.layers.")
+            and (k.endswith("proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", k))]  # fmt: skip
 
 
 def minmax_quantize(w: torch.Tensor, bits: int, g_idx: torch.Tensor, sym: bool, awq: bool):

@@ -125,3 +125,9 @@ def int_linear_cpu(x: torch.Tensor, weight: CpuIntWeight, bias: torch.Tensor | N
                   weight.zeros.data_ptr(), n, k, weight.group, weight.bits, None if b is None else b.data_ptr(),
                   y.data_ptr(), torch.get_num_threads(), _isa_id(isa or cpu_isa()))  # fmt: skip
     return y.to(dtype)
+
+
+def expert_linear_cpu(x: torch.Tensor, weight: CpuIntWeight | torch.Tensor) -> torch.Tensor:
+    """An expert's GEMM in the CPU kernel set's MoE (moe.py): its integer weight through the C
+    kernel, a float one through linear_cpu."""
+    return int_linear_cpu(x, weight) if isinstance(weight, CpuIntWeight) else linear_cpu(x, weight)

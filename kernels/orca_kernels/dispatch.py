@@ -26,7 +26,7 @@ import torch
 from . import cpu_gpt2_ops, cpu_llama_ops, native
 from .attention import attention_torch, rotate_and_attend, write_kv_and_attend, write_kv_torch
 from .cpu_attention import attention_cpu, load_decode_kernel, load_write_kv_kernel, write_kv_cpu
-from .cpu_gemm import linear_cpu
+from .cpu_int_gemm import expert_linear_cpu
 from .gelu import bias_gelu_torch
 from .layernorm import add_layernorm_torch
 from .lora import lora_torch
@@ -144,7 +144,7 @@ CPU_OPS = KernelOps(
     "cpu", add_layernorm_cpu_or_torch, bias_gelu_cpu_or_torch, attention_cpu, write_kv_cpu,
     add_rmsnorm_cpu_or_torch, silu_and_mul_cpu_or_torch, rotary_cpu_or_torch, _write_kv_attention_cpu,
     functools.partial(rotate_and_attend, rotary_cpu_or_torch, _write_kv_attention_cpu),
-    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch, linear=linear_cpu), gelu_and_mul_torch,
+    functools.partial(moe_torch, silu_and_mul=silu_and_mul_cpu_or_torch, linear=expert_linear_cpu), gelu_and_mul_torch,
     lora_torch,
 )  # fmt: skip
 
@@ -191,6 +191,7 @@ def _triton_ops(device: torch.device) -> KernelOps:
     from . import (
         triton_attention,
         triton_gelu,
+        triton_int_quant,
         triton_layernorm,
         triton_lora,
         triton_moe,
@@ -200,8 +201,9 @@ def _triton_ops(device: torch.device) -> KernelOps:
         triton_silu,
     )
 
-    modules = (triton_attention, triton_gelu, triton_layernorm, triton_lora, triton_moe, triton_norm_linear,
-               triton_rmsnorm, triton_rotary, triton_silu)  # fmt: skip
+    # triton_int_quant before triton_moe: the grouped GEMM calls its dequantizing tile.
+    modules = (triton_attention, triton_gelu, triton_int_quant, triton_layernorm, triton_lora, triton_moe,
+               triton_norm_linear, triton_rmsnorm, triton_rotary, triton_silu)  # fmt: skip
     for module in modules:
         # @triton.jit fixes compiled-vs-interpreted when our kernel modules are imported, which may
         # have happened with TRITON_INTERPRET set differently (tests toggle it).

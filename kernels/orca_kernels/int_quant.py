@@ -15,15 +15,80 @@ GPTQ, AWQ and compressed-tensors checkpoints each pack their integers their own 
   subtracts them as it multiplies.
 
 The products ``(q - z) * s`` are formed in float32 and the weight is used in the activations' dtype,
-as transformers' dequantizing loads compute it.
+as transformers' dequantizing loads compute it. A MoE layer's experts stack their weights in the same
+layout with one more leading dimension (`IntExperts`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 BITS = (4, 8)
+
+
+@dataclass
+class IntWeight:
+    """A linear layer's integer weight in this module's layout."""
+
+    packed: torch.Tensor  # int32 [out, in * bits / 32]
+    scales: torch.Tensor  # float32 [out, groups]
+    zeros: torch.Tensor  # float32 [out, groups]
+    bits: int
+    group: int  # input columns per group
+    g_idx: torch.Tensor | None  # int32 [in]: each column's group, when not runs of `group`
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 32 // self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.g_idx) if t is not None)
+
+
+@dataclass
+class IntExperts:
+    """One projection of every expert of a MoE layer, stacked: `IntWeight`'s tensors with a leading
+    expert dimension (``g_idx`` [experts, in] when the experts order their groups by activation)."""
+
+    packed: torch.Tensor  # int32 [experts, out, in * bits / 32]
+    scales: torch.Tensor  # float32 [experts, out, groups]
+    zeros: torch.Tensor  # float32 [experts, out, groups]
+    bits: int
+    group: int
+    g_idx: torch.Tensor | None  # int32 [experts, in]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.packed.shape[:2], self.packed.shape[2] * 32 // self.bits))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.g_idx) if t is not None)
+
+    def __len__(self) -> int:
+        return self.packed.shape[0]
+
+    def __getitem__(self, expert: int) -> IntWeight:
+        g_idx = None if self.g_idx is None else self.g_idx[expert]
+        return IntWeight(self.packed[expert], self.scales[expert], self.zeros[expert], self.bits, self.group, g_idx)
+
+
+def stack_experts(weights: list[IntWeight]) -> IntExperts:
+    """The experts' weights of one projection stacked; they must share bits and group size. Where
+    some experts order their groups by activation, the others' runs are written out as a g_idx too."""
+    first = weights[0]
+    if any(w.bits != first.bits or w.group != first.group or w.shape != first.shape for w in weights):
+        raise ValueError("a MoE layer's experts are quantized with different bits, group sizes or shapes")
+    g_idx = None
+    if any(w.g_idx is not None for w in weights):
+        cols = first.shape[1]
+        g_idx = torch.stack([group_index(cols, w.group, w.g_idx, w.packed.device).to(torch.int32) for w in weights])
+    return IntExperts(torch.stack([w.packed for w in weights]), torch.stack([w.scales for w in weights]),
+                      torch.stack([w.zeros for w in weights]), first.bits, first.group, g_idx)  # fmt: skip
 
 
 def values_per_word(bits: int) -> int:

@@ -6,27 +6,39 @@ stacked (`w13` [E, 2 I, H]: gate rows, then up rows) and its down projection `w2
 tokens of each expert that any token chose are gathered and multiplied by that expert's weights
 once, so a step reads each active expert's weights once however many tokens chose it; the
 weighted outputs are summed per token in expert order (transformers' order). The expert GEMMs go
-through `linear` (F.linear by default; the CPU kernel set binds cpu_gemm's, whose C kernel reads an
-expert's weights at streaming bandwidth for the few tokens a decode step routes to it).
+through `linear` (F.linear by default; the CPU kernel set binds cpu_int_gemm.expert_linear_cpu, whose
+C kernels read an expert's float or integer weights at streaming bandwidth for the few tokens a
+decode step routes to it). Experts stored as integers come as `int_quant.IntExperts` (or, on the CPU,
+a list of the C kernel's weights); this reference multiplies an `IntWeight` dequantized.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .int_quant import IntWeight, int_linear_torch
+
 
 def moe_torch(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    x: torch.Tensor, w13: Sequence, w2: Sequence, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor], linear: Callable = F.linear,
 ) -> torch.Tensor:  # fmt: skip
-    """x [T, H] -> [T, H]: sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    """x [T, H] -> [T, H]: sum over each token's k experts of weight * down(silu(gate(x)) * up(x)).
+    `w13` and `w2` hold one weight per expert: stacked tensors, IntExperts, or lists of weights."""
     out = torch.zeros_like(x)
     flat, flat_weights = topk_ids.flatten(), topk_weights.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host needs them to slice (CPU path)
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # the host needs them to slice (CPU path)
+
+    def expert_linear(a: torch.Tensor, weight: object) -> torch.Tensor:
+        if isinstance(weight, IntWeight):
+            return int_linear_torch(a, weight.packed, weight.scales, weight.zeros, weight.bits, weight.group,
+                                    weight.g_idx)  # fmt: skip
+        return linear(a, weight)
+
     k = topk_ids.shape[1]
     start = 0
     for expert, count in enumerate(counts):
@@ -35,6 +47,6 @@ def moe_torch(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // k
-        hidden = linear(silu_and_mul(linear(x[tokens], w13[expert])), w2[expert])
+        hidden = expert_linear(silu_and_mul(expert_linear(x[tokens], w13[expert])), w2[expert])
         out.index_add_(0, tokens, hidden * flat_weights[pairs, None])
     return out

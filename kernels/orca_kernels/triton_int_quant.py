@@ -33,6 +33,42 @@ from triton.runtime.jit import JITFunction
 
 
 @triton.jit
+def dequantized_tile(
+    w_ptr, s_ptr, z_ptr, g_ptr, rows_n, n_mask, k0, K, stride_wn, stride_sn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, GROUP_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Rows `rows_n` (int64 [BLOCK_N], masked by `n_mask`), columns [k0, k0 + BLOCK_K) of a packed
+    integer weight, dequantized to float32 [BLOCK_N, BLOCK_K] (the integer linear layer's and the
+    MoE grouped GEMM's tile; the pointers are one weight's, an expert's in the grouped GEMM)."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    shifts = tl.arange(0, PER) * BITS  # value j of a word sits in its bits [j * BITS, (j + 1) * BITS)
+    # k0 is a multiple of BLOCK_K, hence of PER, and K of PER: a word is all inside K or all past it.
+    offs_w = k0 // PER + tl.arange(0, WORDS)
+    words = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :],
+                    mask=n_mask[:, None] & (offs_w < K // PER)[None, :], other=0)  # fmt: skip
+    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    q = tl.reshape(q, [BLOCK_N, BLOCK_K])  # row-major: column word * PER + j, as packed
+    if GROUP_TILE:  # the tile lies in group k0 // GROUP: one scale and zero point per row
+        g = k0 // GROUP
+        s = tl.load(s_ptr + rows_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
+        z = tl.load(z_ptr + rows_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
+    else:
+        if HAS_G_IDX:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            g = offs_k // GROUP
+        wk_mask = n_mask[:, None] & k_mask[None, :]
+        s = tl.load(s_ptr + rows_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
+        z = tl.load(z_ptr + rows_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
+    # Dequantized in registers. Columns past K are finite and meet x's zeros.
+    return (q.to(tl.float32) - z) * s
+
+
+@triton.jit
 def _int_linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,
@@ -41,40 +77,18 @@ def _int_linear_kernel(
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    PER: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = tl.program_id(2) * K_PER_SPLIT
     m_mask, n_mask = offs_m < M, offs_n < N
     rows_n = offs_n.to(tl.int64)
-    shifts = tl.arange(0, PER) * BITS  # value j of a word sits in its bits [j * BITS, (j + 1) * BITS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        # k0 is a multiple of BLOCK_K, hence of PER, and K of PER: a word is all inside K or all past it.
-        offs_w = k0 // PER + tl.arange(0, WORDS)
-        words = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :],
-                        mask=n_mask[:, None] & (offs_w < K // PER)[None, :], other=0)  # fmt: skip
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K])  # row-major: column word * PER + j, as packed
-        if GROUP_TILE:  # the tile lies in group k0 // GROUP: one scale and zero point per row
-            g = k0 // GROUP
-            s = tl.load(s_ptr + rows_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
-            z = tl.load(z_ptr + rows_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
-        else:
-            if HAS_G_IDX:  # noqa: SIM108 - a constexpr branch, resolved when the kernel compiles
-                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-            else:
-                g = offs_k // GROUP
-            wk_mask = n_mask[:, None] & k_mask[None, :]
-            s = tl.load(s_ptr + rows_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
-            z = tl.load(z_ptr + rows_n[:, None] * stride_sn + g[None, :], mask=wk_mask, other=0.0)
-        # [BLOCK_N, BLOCK_K], dequantized in registers. Columns past K are finite and meet x's zeros.
-        w = (q.to(tl.float32) - z) * s
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+        w = dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, rows_n, n_mask, k0, K, stride_wn, stride_sn, BITS, GROUP,
+                             HAS_G_IDX, GROUP_TILE, BLOCK_N, BLOCK_K)  # fmt: skip
         if IEEE:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         elif DOT_FP32:  # the weight rounded to x's dtype as the MMA reads it, multiplied in float32

@@ -1,5 +1,9 @@
 """The mixture-of-experts MLP as grouped GEMMs in Triton (the semantics are moe.py's).
 
+Experts stored as integers (GPTQ, AWQ, compressed-tensors: int_quant.IntExperts) stay packed: each
+tile of an expert's weight is unpacked and dequantized in registers as the integer linear layer's is
+(triton_int_quant.dequantized_tile), so a step reads 4 or 8 bits a weight of each active expert.
+
 The (token, slot) pairs of a step are sorted by expert on the device and each expert's run is
 padded to a multiple of ``BLOCK_M`` (`moe_align`), so every program of one grouped GEMM multiplies
 ``BLOCK_M`` rows that all go to one expert by that expert's weight tile: the gate/up GEMM reads
@@ -18,13 +22,17 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .int_quant import IntExperts
+from .triton_int_quant import dequantized_tile, group_block_k
+
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr,
-    N, K, num_pairs, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, s_ptr, z_ptr, g_ptr,
+    N, K, num_pairs, stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_ge,
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, NUM_EXPERTS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -35,14 +43,20 @@ def _moe_gemm_kernel(
     a_rows = (pair // A_ROW_DIV).to(tl.int64)  # the token (gate/up GEMM) or the pair (down GEMM)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    expert = expert.to(tl.int64)
+    w_base = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # fmt: skip
+        if BITS == 0:
+            w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # fmt: skip
+        else:  # packed integers: dequantized in float32, then rounded to the activations' dtype as the MMA reads it
+            w = dequantized_tile(w_base, s_ptr + expert * stride_se, z_ptr + expert * stride_se, g_ptr + expert * stride_ge,
+                                 offs_n.to(tl.int64), n_mask, k0, K, stride_wn, stride_sn, BITS, GROUP, HAS_G_IDX,
+                                 GROUP_TILE, BLOCK_N, BLOCK_K).to(a.dtype)  # fmt: skip
         if DOT_FP32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -76,28 +90,45 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 def _grouped_gemm(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-    weights: torch.Tensor | None, a_row_div: int, num_pairs: int, block_m: int,
+    a: torch.Tensor, w: torch.Tensor | IntExperts, out: torch.Tensor, sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor, weights: torch.Tensor | None, a_row_div: int, num_pairs: int, block_m: int,
 ) -> None:  # fmt: skip
     """out[pair] = a[pair // a_row_div] @ w[expert of pair].T (times the pair's weight, if given)."""
-    n, k = w.shape[1], w.shape[2]
-    block_n, block_k = (64, 64) if a.device.type == "cuda" else (16, 16)
+    num_experts, n, k = w.shape
+    cuda = a.device.type == "cuda"
+    block_n, block_k = (64, 64) if cuda else (16, 16)
+    if isinstance(w, IntExperts):
+        # A tile inside one group takes one scale and zero point a row (triton_int_quant.group_block_k).
+        group_k = 0 if w.g_idx is not None else group_block_k(w.group, block_k if cuda else 32)
+        block_k = group_k or (32 if cuda else 16)
+        words, s, z = w.packed, w.scales, w.zeros
+        g = w.g_idx if w.g_idx is not None else w.packed  # unread without g_idx
+        quant = {"BITS": w.bits, "GROUP": w.group, "HAS_G_IDX": w.g_idx is not None, "GROUP_TILE": bool(group_k)}
+        strides = (s.stride(0), s.stride(1), g.stride(0))
+    else:
+        words = s = z = g = w  # unread for float weights
+        quant = {"BITS": 0, "GROUP": 0, "HAS_G_IDX": False, "GROUP_TILE": False}
+        strides = (0, 0, 0)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, weights if weights is not None else out,
-        n, k, num_pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=w.shape[0],
+        a, words, out, sorted_ids, block_expert, weights if weights is not None else out, s, z, g,
+        n, k, num_pairs, a.stride(0), words.stride(0), words.stride(1), out.stride(0), *strides,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, NUM_EXPERTS=num_experts,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot; GPUs never take this path.
-        DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16, **quant, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )  # fmt: skip
 
 
 def moe_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor, w13: torch.Tensor | IntExperts, w2: torch.Tensor | IntExperts, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as ``moe_torch``: two grouped GEMMs around the kernel set's SiLU-and-multiply."""
+    if isinstance(w13, list) or isinstance(w2, list):
+        raise ValueError("the Triton MoE kernel reads stacked experts; integer experts loaded for a CPU (one C-kernel "
+                         "weight per expert) run on the CPU kernel set")  # fmt: skip
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, k = topk_ids.shape

@@ -38,7 +38,8 @@ from orca_backend.distributed.layout import SINGLE_PROCESS, ParallelLayout
 from orca_backend.families.llama import LlamaConfig, expert_names
 from orca_backend.model import gemm
 from orca_backend.model.checkpoint import WeightSource
-from orca_backend.model.linear_weights import LinearWeight, concat_rows, load_linear
+from orca_backend.model.int_quant import is_int_quantized
+from orca_backend.model.linear_weights import Experts, LinearWeight, concat_rows, load_linear, stack_experts
 from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parallel_embed
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies, rope_table
 from orca_backend.model.stage_input import StageInput, StageModel, stage_output
@@ -90,10 +91,11 @@ class DecoderLayerWeights:
     post_attn_norm_w: torch.Tensor | None = None
     post_mlp_norm_w: torch.Tensor | None = None
     # Mixtral (no dense MLP then): the router [experts, hidden] in float32, and every expert's slice
-    # of gate then up [experts, 2 i, hidden] and of down [experts, hidden, i].
+    # of gate then up [experts, 2 i, hidden] and of down [experts, hidden, i]: float tensors, or
+    # integer experts kept packed (`Experts`).
     router_w: torch.Tensor | None = None
-    experts_w13: torch.Tensor | None = None
-    experts_w2: torch.Tensor | None = None
+    experts_w13: Experts | None = None
+    experts_w2: Experts | None = None
     # Qwen2-MoE's shared expert (a dense SwiGLU of this rank's slice) and its gate [1, hidden].
     shared_gate_up_w: torch.Tensor | None = None
     shared_down_w: torch.Tensor | None = None
@@ -115,10 +117,12 @@ class DecoderWeights:
         raise NotImplementedError
 
     def num_bytes(self) -> int:
-        """The bytes of every tensor held, each once (a tied LM head is the embedding)."""
+        """The bytes of every tensor held, each once (a tied LM head is the embedding; experts kept one
+        weight per expert count each)."""
         tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
         for layer in self.layers:
-            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
+            for value in vars(layer).values():
+                tensors.update({id(t): t for t in (value if isinstance(value, list) else [value]) if t is not None})
         return sum(t.nbytes for t in tensors.values())
 
     @classmethod
@@ -161,7 +165,7 @@ class DecoderWeights:
                                    get(a + "v_proj.bias", 0, kv_lo * d, kv_hi * d)])  # fmt: skip
             m = p + "mlp."
             norms = {name: norm(f"{p}{name}.weight") for name in hooks.norm_names}
-            moe = _load_experts(dense, config, layout, p) if config.is_moe_layer(i) else {}
+            moe = _load_experts(src, dense, linear, config, layout, p) if config.is_moe_layer(i) else {}
             layers.append(
                 DecoderLayerWeights(
                     input_norm_w=norms[hooks.pre_attn_norm],
@@ -243,25 +247,28 @@ def _load_vocab(
     return embed, lm_head
 
 
-def _load_experts(dense, config: LlamaConfig, layout: ParallelLayout, layer: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _load_experts(src: WeightSource, dense, linear, config: LlamaConfig, layout: ParallelLayout,  # noqa: ANN001
+                  layer: str) -> dict[str, Any]:  # fmt: skip
     """A MoE layer's weights: the router, kept in float32 (routing decides by small margins), and each
     expert's gate and up rows and down columns of this rank's slice of the expert width, under the
     architecture's names (families.llama.expert_names); Qwen2-MoE adds mlp.shared_expert (a dense
-    SwiGLU) and its gate. `dense` reads a linear layer's weight in float whatever its
-    checkpoint stores (integer experts are dequantized at load: the grouped GEMMs read
-    float weights)."""
+    SwiGLU) and its gate. `dense` reads a linear layer's weight in float whatever its checkpoint
+    stores, `linear` as the kernels read it: integer experts stay packed (the grouped GEMMs and the
+    CPU's C kernel read them), FP8 and W8A8 ones are dequantized at load (no grouped GEMM reads them)."""
     module, names = expert_names(config)
     prefix = f"{layer}{module}."
     lo, hi = layout.shard(config.moe_intermediate_size)
+    packed = is_int_quantized(src, f"{prefix}experts.0.{names[0]}", config.int_format)
+    read = linear if packed else dense
 
-    def expert(e: int, name: str, dim: int) -> torch.Tensor:
-        return dense(f"{prefix}experts.{e}.{name}", dim, lo, hi)
+    def expert(e: int, name: str, dim: int) -> LinearWeight:
+        return read(f"{prefix}experts.{e}.{name}", dim, lo, hi)
 
     experts = range(config.num_experts)
     weights = {
         "router_w": dense(prefix + "gate").float(),
-        "experts_w13": torch.stack([torch.cat([expert(e, names[0], 0), expert(e, names[1], 0)]) for e in experts]),
-        "experts_w2": torch.stack([expert(e, names[2], 1) for e in experts]),
+        "experts_w13": stack_experts([concat_rows([expert(e, names[0], 0), expert(e, names[1], 0)]) for e in experts]),
+        "experts_w2": stack_experts([expert(e, names[2], 1) for e in experts]),
     }
     if config.shared_expert_intermediate_size:
         s_lo, s_hi = layout.shard(config.shared_expert_intermediate_size)

@@ -30,31 +30,11 @@ import torch
 
 from orca_backend.model.checkpoint import INT_TENSORS, WeightSource
 from orca_kernels import cpu_int_gemm, native
-from orca_kernels.int_quant import as_int32, dequantize_values, pack_int32, unpack_int32
+from orca_kernels.int_quant import IntWeight, as_int32, dequantize_values, pack_int32, unpack_int32
 
 logger = logging.getLogger("orca.model")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: word element k holds column AWQ_ORDER[k] of its 8
-
-@dataclass
-class IntWeight:
-    """A linear layer's integer weight in kernels/orca_kernels/int_quant.py's layout."""
-
-    packed: torch.Tensor  # int32 [out, in * bits / 32]
-    scales: torch.Tensor  # float32 [out, groups]
-    zeros: torch.Tensor  # float32 [out, groups]
-    bits: int
-    group: int  # input columns per group
-    g_idx: torch.Tensor | None  # int32 [in]: each column's group, when not runs of `group`
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 32 // self.bits))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.g_idx) if t is not None)
-
 
 @dataclass
 class _Unpacked:

@@ -1,5 +1,6 @@
 """A linear layer's weight as its checkpoint stores it: float, FP8 (model/fp8.py), integers
-(model/int_quant.py) or W8A8 (model/w8a8.py), and projections over one input stacked into one weight."""
+(model/int_quant.py) or W8A8 (model/w8a8.py), projections over one input stacked into one weight, and
+a MoE layer's experts stacked for the grouped GEMMs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from orca_backend.model.fp8 import Fp8Weight, concat_fp8_rows, load_fp8_linear
 from orca_backend.model.int_quant import IntWeight, concat_int_rows, is_int_quantized, load_int_linear
 from orca_backend.model.w8a8 import W8A8Weight, concat_w8a8_rows, load_w8a8_linear
 from orca_kernels.cpu_int_gemm import CpuIntWeight
+from orca_kernels.int_quant import IntExperts
+from orca_kernels.int_quant import stack_experts as stack_int_experts
 
 LinearWeight = torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight | W8A8Weight
+# One projection of every expert of a MoE layer (stack_experts).
+Experts = torch.Tensor | IntExperts | list[CpuIntWeight]
 
 
 def load_linear(
@@ -46,3 +51,19 @@ def concat_rows(parts: list[LinearWeight]) -> LinearWeight:
     if isinstance(parts[0], (IntWeight, CpuIntWeight)):
         return concat_int_rows(parts)  # type: ignore[arg-type]
     return torch.cat(parts)  # type: ignore[arg-type]
+
+
+def stack_experts(weights: list[LinearWeight]) -> Experts:
+    """One projection of every expert of a MoE layer, as the grouped GEMMs read it: float weights
+    stacked, integer ones stacked packed on CUDA (IntExperts) and kept one per expert in the C
+    kernel's layout on the CPU."""
+    first = weights[0]
+    if len({type(w) for w in weights}) > 1:
+        raise ValueError("a MoE layer's experts are stored partly quantized and partly in float")
+    if isinstance(first, IntWeight):
+        return stack_int_experts(weights)  # type: ignore[arg-type]
+    if isinstance(first, CpuIntWeight):
+        return list(weights)  # type: ignore[arg-type]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(weights)  # type: ignore[arg-type]
+    raise ValueError(f"experts stored as {type(first).__name__} are read dequantized, not as stored")

@@ -281,6 +281,27 @@ def test_mixtral_on_cuda_equals_the_cpu(tmp_path) -> None:
     assert [o.output_ids for o in gpu.generate(prompts, params)] == cpu
 
 
+def test_integer_experts_on_cuda_stay_packed_and_give_the_cpus_tokens(tmp_path) -> None:
+    """Qwen2-MoE with GPTQ experts (4 bits, activation order): on CUDA each projection's experts stay
+    packed, stacked (the Triton grouped GEMMs dequantize their tiles), and the float32 greedy tokens
+    equal the CPU's (each expert through the C kernel)."""
+    from int_checkpoints import write_gptq
+    from test_int_quant import PROMPTS
+
+    from orca_kernels.int_quant import IntExperts
+
+    write_tiny("Qwen2Moe", tmp_path / "float", seed=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)  # fmt: skip
+    write_gptq(tmp_path / "float", tmp_path / "gptq", 4, 32, sym=False, desc_act=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = [o.output_ids for o in LLM(str(tmp_path / "gptq"), dtype="float32").generate(PROMPTS, params)]
+    gpu = LLM(str(tmp_path / "gptq"), device="cuda", dtype="float32", max_num_seqs=8)
+    layer = gpu.engine.core.executor.runner.model.weights.layers[0]
+    assert isinstance(layer.experts_w13, IntExperts) and isinstance(layer.experts_w2, IntExperts)
+    assert layer.experts_w13.g_idx is not None and len(layer.experts_w13) == 4
+    assert [o.output_ids for o in gpu.generate(PROMPTS, params)] == cpu
+
+
 @pytest.mark.parametrize("family", ["Mistral", "Gemma2", "Gemma3"])
 def test_windowed_families_on_cuda_equal_transformers(tmp_path, family: str) -> None:
     """Sliding windows (blocks freed behind Mistral's), Gemma 2's soft-capping and Gemma 3's two rope

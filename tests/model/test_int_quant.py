@@ -33,6 +33,7 @@ from triton_testing import DEVICE, NEEDS_FRESH_PROCESS, run_in_fresh_process, us
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.config import model_config_from_hf
+from orca_kernels.cpu_int_gemm import CpuIntWeight
 from orca_kernels.int_quant import dequantize_int, pack_int32
 
 transformers = pytest.importorskip("transformers")
@@ -117,17 +118,44 @@ def test_qwen2_biases_beside_integer_projections(tmp_path):
     assert [o.output_ids for o in LLM(str(tmp_path / "gptq"), dtype="float32").generate(PROMPTS, GREEDY)] == expected
 
 
-def test_mixture_of_experts_with_integer_experts(tmp_path):
+@pytest.mark.parametrize(("group", "packed"), [(32, True), (16, False)])
+def test_mixture_of_experts_with_integer_experts(tmp_path, group, packed):
     """Qwen2-MoE with every expert, shared expert and attention projection GPTQ-quantized (the
-    router left in float, as quantizers leave it): the experts are dequantized at load."""
+    router left in float, as quantizers leave it): groups of 32 keep every expert packed for the C
+    kernel (one weight per expert), groups of 16, which it cannot read, are dequantized at load."""
     write_tiny("Qwen2Moe", tmp_path / "float", seed=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=48)  # fmt: skip
-    dense = write_gptq(tmp_path / "float", tmp_path / "gptq", 4, 16)
+    dense = write_gptq(tmp_path / "float", tmp_path / "gptq", 4, group)
     assert any(".experts." in name for name in dense)
     model = transformers.Qwen2MoeForCausalLM.from_pretrained(dequantized_copy(tmp_path / "gptq", dense),
                                                              dtype=torch.float32).eval()  # fmt: skip
     expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
-    assert [o.output_ids for o in LLM(str(tmp_path / "gptq"), dtype="float32").generate(PROMPTS, GREEDY)] == expected
+    llm = LLM(str(tmp_path / "gptq"), dtype="float32")
+    layer = llm.engine.core.executor.runner.model.weights.layers[0]
+    for experts in (layer.experts_w13, layer.experts_w2):
+        if packed:
+            assert isinstance(experts, list) and len(experts) == 4
+            assert all(isinstance(w, CpuIntWeight) and w.bits == 4 and w.group == group for w in experts)
+        else:
+            assert isinstance(experts, torch.Tensor) and experts.dtype == torch.float32
+    assert [o.output_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_mixtral_with_compressed_tensors_experts_keeps_them_packed(tmp_path):
+    """Mixtral with every expert (w1, w2, w3) and attention projection pack-quantized by the
+    compressed-tensors package (4 bits, asymmetric groups of 32): each expert stays packed for the C
+    kernel, and the greedy tokens equal transformers' over the package's own dequantization."""
+    write_tiny("Mixtral", tmp_path / "float", seed=5, num_local_experts=4, num_experts_per_tok=2,
+               intermediate_size=64)  # fmt: skip
+    dense = write_compressed_tensors(tmp_path / "float", tmp_path / "ct", 4, "group", 32, False)
+    assert any(".experts.0.w2." in name for name in dense)
+    model = transformers.MixtralForCausalLM.from_pretrained(dequantized_copy(tmp_path / "ct", dense),
+                                                            dtype=torch.float32).eval()  # fmt: skip
+    expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    llm = LLM(str(tmp_path / "ct"), dtype="float32")
+    layer = llm.engine.core.executor.runner.model.weights.layers[0]
+    assert all(isinstance(w, CpuIntWeight) for w in [*layer.experts_w13, *layer.experts_w2])
+    assert [o.output_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
 
 
 def test_lora_on_an_integer_base_equals_peft_on_the_dequantized_base(llama, tmp_path):

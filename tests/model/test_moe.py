@@ -120,6 +120,7 @@ def test_moe_reference_equals_each_expert_run_alone():
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel tests run in this process")
 def test_kernels_in_fresh_process() -> None:
     run_in_fresh_process(__file__ + "::test_moe_triton_equals_the_reference")
+    run_in_fresh_process(__file__ + "::test_moe_triton_with_integer_experts_equals_the_reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,6 +141,56 @@ def test_moe_triton_equals_the_reference(monkeypatch, dtype, tokens, k, experts)
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)  # compiled outside the guard
     with no_host_reads(monkeypatch, "the Triton mixture-of-experts launch"):
+        out = triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+def int_experts(experts: int, out: int, cols: int, bits: int, group: int, g_idx: bool, g: torch.Generator):
+    """Random integer experts (int_quant's layout, stacked) and the float weights they stand for."""
+    from orca_kernels.int_quant import IntWeight, dequantize_values, pack_int32, stack_experts
+
+    groups = -(-cols // group)
+    weights, dense = [], []
+    for _ in range(experts):
+        q = torch.randint(0, 2**bits, (out, cols), generator=g, dtype=torch.int32)
+        scales = (torch.rand(out, groups, generator=g) + 0.5) / 2 ** (bits + 2)  # weights within about +-0.4
+        zeros = torch.randint(0, 2**bits, (out, groups), generator=g).float()
+        order = (torch.arange(cols) // group)[torch.randperm(cols, generator=g)].to(torch.int32) if g_idx else None
+        weights.append(IntWeight(pack_int32(q, bits), scales, zeros, bits, group, order))
+        dense.append(dequantize_values(q, scales, zeros, group, order, torch.float32))
+    return stack_experts(weights), torch.stack(dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group", "g_idx"), [(4, 32, False), (4, 16, False), (8, 64, False), (4, 24, False),
+                                                      (4, 16, True), (8, 32, True)])  # fmt: skip
+def test_moe_triton_with_integer_experts_equals_the_reference(monkeypatch, dtype, bits, group, g_idx):
+    """Integer experts stay packed in the grouped GEMMs: a group spanning several tiles (32, 64 with
+    the interpreter's 16-wide and 32-wide steps), one per tile (16), a group no tile fits (24) and
+    activation order (g_idx: the per-value gather), against the reference over the same weights
+    dequantized, and the reference's own integer path against it; nothing read back to the host."""
+    use_import_mode(monkeypatch)
+    from orca_kernels import triton_moe, triton_silu
+
+    g = torch.Generator().manual_seed(bits * group + g_idx)
+    tokens, k, experts, hidden, inner = 7, 2, 4, 64, 32
+    w13, w13_dense = int_experts(experts, 2 * inner, hidden, bits, group, g_idx, g)
+    w2, w2_dense = int_experts(experts, hidden, inner, bits, group, g_idx, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(experts - 1, generator=g)[:k] for _ in range(tokens)])  # the last: no token
+    weights = torch.rand(tokens, k, generator=g).to(dtype)
+    expected = moe_torch(x.float(), w13_dense, w2_dense, weights.float(), ids, silu_and_mul_torch)
+    torch.testing.assert_close(moe_torch(x.float(), w13, w2, weights.float(), ids, silu_and_mul_torch), expected)
+    on_device = {name: getattr(w13, name).to(DEVICE) if getattr(w13, name) is not None else None
+                 for name in ("packed", "scales", "zeros", "g_idx")}  # fmt: skip
+    w13 = type(w13)(**on_device, bits=bits, group=group)
+    on_device = {name: getattr(w2, name).to(DEVICE) if getattr(w2, name) is not None else None
+                 for name in ("packed", "scales", "zeros", "g_idx")}  # fmt: skip
+    w2 = type(w2)(**on_device, bits=bits, group=group)
+    args = (x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)  # compiled outside the guard
+    with no_host_reads(monkeypatch, "the Triton mixture-of-experts launch over integer experts"):
         out = triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)
     tol = 1e-4 if dtype == torch.float32 else 6e-2
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
