@@ -13,7 +13,8 @@ Suites:
               same for vLLM and the ratio; --floor adds transformers one request at a time.
   modes       iteration-level (ORCA) vs request-level scheduling with max batch 16 < 64 requests,
               so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
-  roofline    batch-1 decode step vs the memory roofline: each step against reads of its weight bytes beside it.
+  roofline    batch-1 decode step vs the memory roofline: each step against reads of the weight bytes it reads
+              (a MoE layer's k experts of E; one row of an untied embedding) beside it.
   prefill     one prefill step of 8 x 512 tokens against this CPU's measured multiply-add peak for --dtype.
   overhead    engine time per iteration that is not the model forward, on a tiny model: 64 and 256
               requests decoding in lockstep, ~256 churning (requests ending and joining), and the
@@ -267,7 +268,16 @@ def suite_roofline(args, model: str, dtype: str | None = None) -> dict:
     tables = [getattr(weights, "wpe", None)]
     if getattr(weights, "embed", None) is not None and weights.embed is not weights.lm_head:
         tables.append(weights.embed)
-    weight_bytes = weights.num_bytes() - sum(t.nbytes for t in tables if t is not None)
+    # A MoE layer's batch-1 step reads its token's k experts of the layer's E.
+    config, unread = engine.model_config, 0.0
+    if getattr(config, "num_experts", 0):
+        share = 1 - config.num_experts_per_tok / config.num_experts
+        for layer in weights.layers:
+            for experts in (getattr(layer, "experts_w13", None), getattr(layer, "experts_w2", None)):
+                if experts is not None:
+                    unread += share * sum(w.nbytes for w in (experts if isinstance(experts, list) else [experts]))
+    resident_bytes = weights.num_bytes()
+    weight_bytes = resident_bytes - sum(t.nbytes for t in tables if t is not None) - int(unread)
     engine.add_request(list(range(1, 33)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output=lambda o: None)
     for _ in range(5):  # prefill + warm-up
         engine.step()
@@ -285,7 +295,7 @@ def suite_roofline(args, model: str, dtype: str | None = None) -> dict:
         rooflines.append(min(reads[-2:]))
     fraction = statistics.median(r / s for r, s in zip(rooflines, steps, strict=True))
     step, roofline = statistics.median(steps), statistics.median(rooflines)
-    result = {"weight_bytes": weight_bytes, "read_bandwidth_gb_s": weight_bytes / roofline / 1e9, "decode_step_ms": step * 1e3,
+    result = {"weight_bytes": weight_bytes, "resident_weight_bytes": resident_bytes, "read_bandwidth_gb_s": weight_bytes / roofline / 1e9, "decode_step_ms": step * 1e3,
               "roofline_ms": roofline * 1e3, "fraction_of_roofline": fraction}  # fmt: skip
     print(f"batch-1 decode step {step * 1e3:.1f} ms; roofline {roofline * 1e3:.1f} ms = {weight_bytes / 1e6:.0f} MB / "
           f"{weight_bytes / roofline / 1e9:.1f} GB/s (medians of {len(steps)}) -> {fraction:.0%} of roofline (median of "
@@ -312,7 +322,8 @@ def suite_quantized(args, model: str) -> dict:
         for name, (path, dtype) in variants.items():
             print(f"-- round {r + 1}, {name}:", end=" ", flush=True)
             rounds[name].append(suite_roofline(args, str(path), dtype))
-    return {name: {"weight_bytes": runs[0]["weight_bytes"], "runs": runs,
+    return {name: {"weight_bytes": runs[0]["weight_bytes"], "resident_weight_bytes": runs[0]["resident_weight_bytes"],
+                   "runs": runs,
                    "fraction_of_roofline": [x["fraction_of_roofline"] for x in runs],
                    "decode_step_ms": [x["decode_step_ms"] for x in runs]} for name, runs in rounds.items()}  # fmt: skip
 
