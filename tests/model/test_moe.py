@@ -6,6 +6,8 @@ reading anything back to the host."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import chunked_then_cached
@@ -182,13 +184,11 @@ def test_moe_triton_with_integer_experts_equals_the_reference(monkeypatch, dtype
     weights = torch.rand(tokens, k, generator=g).to(dtype)
     expected = moe_torch(x.float(), w13_dense, w2_dense, weights.float(), ids, silu_and_mul_torch)
     torch.testing.assert_close(moe_torch(x.float(), w13, w2, weights.float(), ids, silu_and_mul_torch), expected)
-    on_device = {name: getattr(w13, name).to(DEVICE) if getattr(w13, name) is not None else None
-                 for name in ("packed", "scales", "zeros", "g_idx")}  # fmt: skip
-    w13 = type(w13)(**on_device, bits=bits, group=group)
-    on_device = {name: getattr(w2, name).to(DEVICE) if getattr(w2, name) is not None else None
-                 for name in ("packed", "scales", "zeros", "g_idx")}  # fmt: skip
-    w2 = type(w2)(**on_device, bits=bits, group=group)
-    args = (x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    def on_device(experts):  # noqa: ANN001, ANN202
+        return dataclasses.replace(experts, **{name: t.to(DEVICE) for name in ("packed", "scales", "zeros", "g_idx")
+                                               if (t := getattr(experts, name)) is not None})  # fmt: skip
+
+    args = (x.to(DEVICE), on_device(w13), on_device(w2), weights.to(DEVICE), ids.to(DEVICE))
     triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)  # compiled outside the guard
     with no_host_reads(monkeypatch, "the Triton mixture-of-experts launch over integer experts"):
         out = triton_moe.moe_triton(*args, silu_and_mul=triton_silu.silu_and_mul_triton)
