@@ -1,4 +1,5 @@
-"""GPT-2's element-wise ops as C kernels on CPU (csrc/gpt2_ops.c), float32 only.
+"""GPT-2's element-wise ops as C kernels on CPU (csrc/gpt2_ops.c): residual-add + LayerNorm in float32,
+bias + GeLU in float32 and bfloat16.
 
 At batch 1 a decode step of the torch references is dispatch-bound: residual-add + LayerNorm is
 2 aten ops (add, layer_norm) and bias + GeLU 2 more (add, gelu), 25 + 12 calls per GPT-2-small
@@ -8,8 +9,8 @@ its inputs and writes its outputs once, with tokens spread over torch's threads 
 enough of them.
 
 The wrappers keep the signatures and contracts of the torch references (layernorm.py, gelu.py).
-They take float32 CPU tensors only and say so with a ValueError otherwise; choosing them for
-float32 and the references for other dtypes is dispatch's job (dispatch.py).
+They take the CPU dtypes they have kernels for and say so with a ValueError otherwise; choosing them
+where they apply and the references elsewhere is dispatch's job (dispatch.py).
 """
 
 from __future__ import annotations
@@ -36,16 +37,18 @@ def load_add_layernorm_kernel() -> ctypes._CFuncPtr:
 
 
 @functools.cache
-def load_bias_gelu_kernel() -> ctypes._CFuncPtr:
+def load_bias_gelu_kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr:
     # x, x_stride, bias, out, rows, inner, num_threads
-    return declare(LIBRARY, "orca_bias_gelu_f32", [_P, _I64, _P, _P, _I64, _I64, ctypes.c_int], None)
+    name = "orca_bias_gelu_bf16" if dtype == torch.bfloat16 else "orca_bias_gelu_f32"
+    return declare(LIBRARY, name, [_P, _I64, _P, _P, _I64, _I64, ctypes.c_int], None)
 
 
 def load_gpt2_kernels() -> None:
     """Builds (once per machine) and declares every kernel; raises NativeBuildError or OSError with
     the reason, as `load_decode_kernel` does."""
     load_add_layernorm_kernel()
-    load_bias_gelu_kernel()
+    load_bias_gelu_kernel(torch.float32)
+    load_bias_gelu_kernel(torch.bfloat16)
     add_layernorm_order()
 
 
@@ -115,17 +118,19 @@ def add_layernorm_cpu(
 
 
 def bias_gelu_cpu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Same contract as `bias_gelu_torch`: gelu_tanh(x + bias) for x [..., inner], bias [inner]."""
-    check_float32("bias_gelu_cpu", x, bias)
+    """Same contract as `bias_gelu_torch`: gelu_tanh(x + bias) for x [..., inner], bias [inner], both
+    float32 or both bfloat16 (the GeLU in float32, rounded once: gpt2_ops.c)."""
+    if not (x.dtype == bias.dtype == torch.bfloat16 and x.device.type == bias.device.type == "cpu"):
+        check_float32("bias_gelu_cpu", x, bias)
     inner = x.shape[-1]
     if bias.shape != (inner,):
         raise ValueError(f"bias_gelu_cpu needs x [..., {inner}] and bias [{inner}], got x {tuple(x.shape)}, "
                          f"bias {tuple(bias.shape)}")  # fmt: skip
     x2 = as_rows(x, inner)
     rows = x2.shape[0]
-    out = empty_rows(x, rows, inner)
+    out = empty_rows(x, rows, inner, x.dtype)
     if rows and inner:
-        load_bias_gelu_kernel()(
+        load_bias_gelu_kernel(x.dtype)(
             x2.data_ptr(),
             x2.stride(0),
             bias.contiguous().data_ptr(),

@@ -125,7 +125,7 @@ def add_layernorm_cpu_or_torch(
 
 
 def bias_gelu_cpu_or_torch(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    if _float32_cpu(x, bias):
+    if _float32_cpu(x, bias) or _bfloat16_cpu(x, bias):
         return cpu_gpt2_ops.bias_gelu_cpu(x, bias)
     return bias_gelu_torch(x, bias)
 

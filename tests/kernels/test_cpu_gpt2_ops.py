@@ -132,10 +132,52 @@ def test_bias_gelu_many_tokens_any_thread_count(threads: int) -> None:
     torch.testing.assert_close(out, bias_gelu_torch(x, bias), **GELU_TOL)
 
 
-# --- float32 only, and dispatch ----------------------------------------------------------------
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two bfloat16 tensors are, element by element (same-sign values:
+    the bit patterns' distance; across zero, the sum of both sides' distances from it)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).to(torch.int32) & 0xFFFF
+        return torch.where(bits >= 0x8000, 0x8000 - bits, bits)  # monotone in the value
+
+    return (ordered(a) - ordered(b)).abs()
 
 
-def test_wrappers_take_float32_cpu_tensors_only() -> None:
+def assert_bf16_gelu_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one bfloat16 step of torch's, or (the GeLU's negative tail, where torch's tanh may
+    round to -1 and give 0 while float32's own rounding leaves ~1e-7) within 1e-6; and rarely apart."""
+    ulps, gap = bf16_ulps(out, ref), (out.float() - ref.float()).abs()
+    assert bool(((ulps <= 1) | (gap <= 1e-6)).all()), (int(ulps.max()), float(gap.max()))
+    assert float(((ulps > 0) & (gap > 1e-6)).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("inner", [1, 50, 3072])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_bias_gelu_bf16_is_torchs_within_one_ulp(inner: int, tokens: int) -> None:
+    """bfloat16: the sum rounded as torch's add rounds it, the GeLU in float32 rounded once. Only this
+    file's tanh differs from torch's (a few float32 ulps), so an output moves at most one bfloat16
+    step, and only where the float32 result lies at a rounding boundary (or in the far negative
+    tail, by ~1e-7): rarely."""
+    x = _randn(tokens, inner, seed=inner + tokens, scale=4.0).to(torch.bfloat16)
+    bias = _randn(inner, seed=inner).to(torch.bfloat16)
+    out = bias_gelu_cpu(x, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert_bf16_gelu_close(out, bias_gelu_torch(x, bias))
+
+
+def test_bias_gelu_bf16_whole_range_and_strided() -> None:
+    every = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every bfloat16
+    every = every[torch.isfinite(every)].unsqueeze(0)
+    zero = torch.zeros(every.shape[-1], dtype=torch.bfloat16)
+    assert_bf16_gelu_close(bias_gelu_cpu(every, zero), bias_gelu_torch(every, zero))
+    strided = _randn(2, 3, 300 + 8, seed=5, scale=4.0).to(torch.bfloat16)[..., 8:]
+    bias = _randn(300, seed=6).to(torch.bfloat16)
+    assert_bf16_gelu_close(bias_gelu_cpu(strided, bias), bias_gelu_torch(strided, bias))
+
+
+# --- dtypes, and dispatch -----------------------------------------------------------------------
+
+
+def test_wrappers_take_the_dtypes_they_have_kernels_for() -> None:
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32 CPU tensors only"):
@@ -143,7 +185,9 @@ def test_wrappers_take_float32_cpu_tensors_only() -> None:
     with pytest.raises(ValueError, match="float32 CPU tensors only"):
         add_layernorm_cpu(x.float(), None, w.float(), w, 1e-5)  # the bias too
     with pytest.raises(ValueError, match="float32 CPU tensors only"):
-        bias_gelu_cpu(x, w)
+        bias_gelu_cpu(x, w.float())  # mixed dtypes
+    with pytest.raises(ValueError, match="float32 CPU tensors only"):
+        bias_gelu_cpu(x.half(), w.half())
 
 
 @pytest.mark.skipif(
@@ -163,9 +207,14 @@ def test_cpu_ops_use_the_c_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) 
     assert calls == ["add_layernorm_cpu", "bias_gelu_cpu"]
 
 
-def test_cpu_ops_keep_the_references_for_half_precision() -> None:
+def test_cpu_ops_keep_the_references_for_half_precision_but_bf16_gelu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LayerNorm keeps torch's reference in bfloat16 and float16 (its moments would have to be torch's
+    bit for bit); bias + GeLU takes the C kernel in bfloat16, the reference in float16."""
     ops = dispatch.CPU_OPS
     g = torch.Generator().manual_seed(0)
+    calls: list[torch.dtype] = []
+    original = cpu_gpt2_ops.bias_gelu_cpu
+    monkeypatch.setattr(cpu_gpt2_ops, "bias_gelu_cpu", lambda x, b: calls.append(x.dtype) or original(x, b))
     for dtype in (torch.bfloat16, torch.float16):
         x, residual = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(2))
         weight, bias = (torch.randn(64, generator=g).to(dtype) for _ in range(2))
@@ -174,4 +223,8 @@ def test_cpu_ops_keep_the_references_for_half_precision() -> None:
             add_layernorm_torch(x, residual, weight, bias, 1e-5),
         )
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-        assert torch.equal(ops.bias_gelu(x, bias), bias_gelu_torch(x, bias))
+        if dtype == torch.bfloat16:
+            assert_bf16_gelu_close(ops.bias_gelu(x, bias), bias_gelu_torch(x, bias))
+        else:
+            assert torch.equal(ops.bias_gelu(x, bias), bias_gelu_torch(x, bias))
+    assert calls == [torch.bfloat16]

@@ -1,5 +1,5 @@
-/* GPT-2's element-wise ops on CPU, float32: residual-add + LayerNorm and bias + GeLU (tanh
- * approximation). Semantics equal the torch references in layernorm.py and gelu.py (see there);
+/* GPT-2's element-wise ops on CPU: residual-add + LayerNorm (float32) and bias + GeLU (tanh
+ * approximation; float32 and bfloat16). Semantics equal the torch references in layernorm.py and gelu.py (see there);
  * the Python side is cpu_gpt2_ops.py.
  *
  * Why C: at a handful of tokens each reference is 2-3 small aten ops (add, layer_norm; add, gelu)
@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
 
 #define MAX_LANES 16
@@ -141,22 +142,30 @@ static inline float tanhf_approx(float u) {
     return a < 0.5f ? small : big;
 }
 
-/* out[r] = gelu_tanh(x[r] + bias) for x rows at x_stride floats (unit column stride) into
+/* out[r] = gelu_tanh(x[r] + bias) for x rows at x_stride elements (unit column stride) into
  * contiguous out [rows, inner], rounded operation by operation as torch's GeluKernel writes it:
- * v = x + bias; inner = kBeta * (v + kKappa * (v * v * v)); 0.5 * v * (1 + tanh(inner)). */
-void orca_bias_gelu_f32(const float *x, int64_t x_stride, const float *bias, float *out, int64_t rows, int64_t inner,
-                        int num_threads) {
-    const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * inner;
-#pragma omp simd
-        for (int64_t i = 0; i < inner; i++) {
-            const float v = xr[i] + bias[i];
-            const float cube = v * v * v;
-            const float t = tanhf_approx(beta * (v + kappa * cube));
-            o[i] = 0.5f * v * (1.0f + t);
-        }
+ * v = x + bias; inner = kBeta * (v + kKappa * (v * v * v)); 0.5 * v * (1 + tanh(inner)).
+ * bfloat16 rows: v is the sum rounded to bfloat16 (torch's add rounds to the tensors' dtype), the
+ * GeLU of v runs in float32 and rounds once to bfloat16, as torch's kernel widens bfloat16 to float;
+ * with this file's tanh an output can differ from torch's by one bfloat16 ulp where the float32
+ * result lies within a few float32 ulps of a rounding boundary. */
+#define DEFINE_BIAS_GELU(NAME, T, LOAD, KEEP, STORE)                                                          \
+    void NAME(const T *x, int64_t x_stride, const T *bias, T *out, int64_t rows, int64_t inner, int num_threads) { \
+        const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;                           \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && rows * inner >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                                 \
+            const T *xr = x + r * x_stride;                                                                  \
+            T *o = out + r * inner;                                                                          \
+            _Pragma("omp simd")                                                                              \
+            for (int64_t i = 0; i < inner; i++) {                                                            \
+                const float v = KEEP(LOAD(xr[i]) + LOAD(bias[i]));                                           \
+                const float cube = v * v * v;                                                                \
+                const float t = tanhf_approx(beta * (v + kappa * cube));                                     \
+                o[i] = STORE(0.5f * v * (1.0f + t));                                                         \
+            }                                                                                                \
+        }                                                                                                    \
     }
-}
+#define F32_SAME(v) (v)
+#define BF16_KEEP(v) bf16_to_f32(f32_to_bf16(v))
+DEFINE_BIAS_GELU(orca_bias_gelu_f32, float, F32_SAME, F32_SAME, F32_SAME)
+DEFINE_BIAS_GELU(orca_bias_gelu_bf16, uint16_t, bf16_to_f32, BF16_KEEP, f32_to_bf16)
