@@ -23,8 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
 #include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
+#include "bf16.h"         /* after elementwise.h: its pragma must cover these helpers for them to inline and vectorise */
 
 #define MAX_LANES 16
 #define CHUNK 16     /* kChunkSize in torch's moments_utils.h: vectors per Welford chunk */
