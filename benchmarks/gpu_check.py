@@ -204,14 +204,16 @@ def model_config(args: argparse.Namespace) -> GPT2Config:
 
 
 def make_llm(args: argparse.Namespace, scheduling: str, max_seqs: int | None = None) -> LLM:
-    """The A/B's (and decode's, prefill's) engine: graphs on where the device has them (the default)."""
+    """The A/B's (and decode's, prefill's) engine: graphs on where the device has them (the default),
+    steps synchronous in both modes (these sections time whole steps; the graphs section measures
+    async scheduling, on by default on CUDA for iteration-level engines, with its own engine)."""
     cfg = model_config(args)
     max_seqs = max_seqs or args.max_seqs
     # Room for every request of a full batch at the model's whole context: nothing is ever preempted.
     kv_tokens = max_seqs * cfg.max_context
     return LLM(
         args.model, device=args.device, dtype=args.dtype, kv_capacity_tokens=kv_tokens, scheduling=scheduling,
-        max_num_seqs=max_seqs,
+        max_num_seqs=max_seqs, async_scheduling=False,
     )  # fmt: skip
 
 

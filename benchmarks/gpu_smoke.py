@@ -520,9 +520,11 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
     try:
         started = time.perf_counter()
         # On a GPU the pool takes what 0.9 of its memory leaves (worker/kv_pool.py), as vLLM's default
-        # does; a CPU ignores it and takes kv_tokens.
+        # does; a CPU ignores it and takes kv_tokens. Steps synchronous: the stage counts each step's
+        # tokens as it returns (async scheduling, on by default on CUDA, hands them over a step later).
         llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.graph_max_seqs,
-                  kv_capacity_tokens=kv_tokens, gpu_memory_utilization=KV_POOL_UTILIZATION)  # fmt: skip
+                  kv_capacity_tokens=kv_tokens, gpu_memory_utilization=KV_POOL_UTILIZATION,
+                  async_scheduling=False)  # fmt: skip
         build_s = time.perf_counter() - started
     finally:
         StepGraphs.capture = capture  # type: ignore[method-assign]

@@ -67,9 +67,11 @@ def main() -> None:
         rates = {}
         for spec in args.configs.split(","):
             tp, pp = (int(x) for x in spec.split("x"))
+            # Synchronous steps in every layout (async scheduling, on by default on CUDA, runs one process
+            # only): the layouts differ in their parallelism alone.
             engines = {backend: LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                     tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                    distributed_executor_backend=backend)
+                                    distributed_executor_backend=backend, async_scheduling=False)
                        for backend in backends}  # fmt: skip
             vocab = next(iter(engines.values())).engine.model_config.vocab_size
             trace = synthetic_trace(args.num_requests, "uniform:16:128", "uniform:16:64", vocab)
