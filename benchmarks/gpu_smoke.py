@@ -22,6 +22,8 @@ left of it, so the whole stays under 7 minutes.
 |                  | failure fails the stage), decode steps replay graphs, per-bucket    |          |         |
 |                  | replay time (CUDA events), graph pool memory, capture seconds, one  |          |         |
 |                  | profiler trace per model of a bucket-1 and a bucket-64 replay       |          |         |
+| decode_throughput| the first graph model decoding 256 requests of 900-token prompts   | not run  | 90 s    |
+|                  | (graphs, async scheduling: the defaults), 64 steps timed: tok/s     |          |         |
 | decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 24 s     | 60 s    |
 |                  | 14/2x64; batch 1, 64, 256; context 1k, 8k) against a copy of the    |          |         |
 |                  | same bytes, device time from CUDA-graph replays, and one eager call |          |         |
@@ -672,6 +674,81 @@ def render_graphs(r: dict[str, Any]) -> list[str]:
 ATTENTION_SHAPES = [("mha 16x64", 16, 16, 64), ("gqa 14/2x64", 14, 2, 64)]
 
 
+def run_decode_throughput(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    """The first graph model decoding --throughput-running requests of --throughput-context-token
+    prompts as a user's engine runs it (CUDA graphs, and on CUDA async scheduling, both defaults;
+    prompts prefilled in chunks of --throughput-chunk tokens): output tok/s and ms a step over
+    --throughput-steps steps in which every request decodes, timed from the host."""
+    import random
+
+    import torch
+
+    from orca_backend import LLM, SamplingParams
+
+    gpu_check = load_gpu_check()
+    device = torch.device(args.device)
+    model, running, context = args.graph_models[0], args.throughput_running, args.throughput_context
+    steps = args.throughput_steps
+    kv_tokens = running * (-(-(context + steps + 16) // 16) + 1) * 16  # a CPU's pool; a GPU's takes 0.9
+    started = time.perf_counter()
+    llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running, kv_capacity_tokens=kv_tokens,
+              gpu_memory_utilization=KV_POOL_UTILIZATION, max_num_batched_tokens=args.throughput_chunk)  # fmt: skip
+    result: dict[str, Any] = {"model": model, "dtype": args.dtype, "running": running, "context": context,
+                              "steps": steps, "chunk": args.throughput_chunk, "build_s": time.perf_counter() - started,
+                              "async_scheduling": bool(llm.engine.core.config.async_scheduling)}  # fmt: skip
+    streams = []
+    try:
+        engine = llm.engine
+        rng = random.Random(0)
+        vocab = engine.model_config.vocab_size
+        prompts = [[rng.randrange(1, vocab) for _ in range(context)] for _ in range(running)]
+        tokens, decoding = [0], set()
+
+        def on_output(out: Any) -> None:
+            if out.new_token_ids:
+                tokens[0] += len(out.new_token_ids)
+                decoding.add(out.request_id)
+
+        params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
+        streams = engine.add_requests(prompts, params, on_output=on_output)
+        started = time.perf_counter()
+        while len(decoding) < running:  # the prompts, in chunks, until every request has a token
+            engine.step()
+        for _ in range(3):  # every request decoding, async scheduling's pipeline full
+            engine.step()
+        gpu_check.sync(device)
+        result["prefill_s"] = time.perf_counter() - started
+        before, started = tokens[0], time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        gpu_check.sync(device)
+        elapsed = time.perf_counter() - started
+        result |= {"tokens": tokens[0] - before, "tok_s": (tokens[0] - before) / elapsed,
+                   "ms_per_step": elapsed / steps * 1e3, "steps_by_path": dict(engine.stats().steps_by_path)}  # fmt: skip
+        print(f"{model}: {running} running at ~{context}-token contexts: {result['tok_s']:,.0f} tok/s, "
+              f"{result['ms_per_step']:.2f} ms a step (async scheduling {result['async_scheduling']})", flush=True)  # fmt: skip
+        report(result)
+        return result
+    finally:
+        for stream in streams:
+            llm.engine.abort_request(stream.request_id)
+        gpu_check.drain(llm)
+        llm.shutdown()
+        del llm
+        gpu_check.release(None)
+
+
+def render_decode_throughput(r: dict[str, Any]) -> list[str]:
+    lines = ["## Decode throughput", "",
+             f"{r['model']} ({r['dtype']}): {r['running']} requests of {r['context']}-token prompts (prefilled in "
+             f"{r['chunk']}-token steps, {r.get('prefill_s', float('nan')):.1f} s), then {r['steps']} steps in which every "
+             f"request decodes; async scheduling {'on' if r['async_scheduling'] else 'off'}."]  # fmt: skip
+    if "tok_s" in r:
+        lines.append(f"**{r['tok_s']:,.0f} output tok/s**, {r['ms_per_step']:.2f} ms a step; steps by path "
+                     f"{r['steps_by_path']}.")  # fmt: skip
+    return [*lines, ""]
+
+
 def run_decode_attention(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     """The decode step's attention launch as the models make it (GPT-2's write_kv_attention, the
     Llama family's rotary_write_kv_attention) over a paged pool of shuffled 16-token blocks, every
@@ -982,6 +1059,9 @@ STAGES = [
     Stage("kernel_tests", "the kernel and engine tests never run compiled", 170, run_kernel_tests, render_kernel_tests),
     Stage("graphs", "both models graphed: every bucket, replay times, pool memory, capture s, traces", 120, run_graphs,
           render_graphs),
+    # 900-token prompts and 96 tokens at most: inside GPT-2's 1,024-token context.
+    Stage("decode_throughput", "the first model decoding 256 requests at ~1k-token contexts: tok/s", 90,
+          run_decode_throughput, render_decode_throughput),
     Stage("decode_attention", "decode attention at real shapes vs copy bandwidth", 60, run_decode_attention,
           render_decode_attention),
     Stage("int4_gemm", "the int4 dequantizing GEMM vs the dense GEMM at decode and prefill shapes", 45, run_int4_gemm,
@@ -1001,12 +1081,14 @@ DEFAULTS: dict[str, Any] = {
     "attention_reps": 20,
     "served_streams": [256, 1024], "served_instances": [1, 4, 8],
     "int_gemm_shapes": [(4096, 4096), (14336, 4096)], "int_gemm_tokens": [1, 16, 256, 2048], "int_gemm_reps": 20,
+    "throughput_running": 256, "throughput_context": 900, "throughput_steps": 64, "throughput_chunk": 8192,
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "dtype": "float32", "graph_models": ["gpt2-tiny", "llama-tiny"], "graph_max_seqs": 8, "replay_reps": 3,
     "attention_batches": [1, 4], "attention_contexts": [64, 256], "attention_fp8_contexts": [256], "attention_reps": 3,
     "served_streams": [16], "served_instances": [2],
     "int_gemm_shapes": [(48, 256)], "int_gemm_tokens": [1, 20], "int_gemm_reps": 2,
+    "throughput_running": 4, "throughput_context": 40, "throughput_steps": 3, "throughput_chunk": 64,
 }  # fmt: skip
 
 
@@ -1036,6 +1118,10 @@ def parse_args(argv: list[str], stages: list[Stage]) -> argparse.Namespace:
     p.add_argument("--attention-reps", type=int)
     p.add_argument("--served-streams", type=int, nargs="+", help="served stage: concurrent streams per burst")
     p.add_argument("--served-instances", type=int, nargs="+", help="served stage: orca instance counts")
+    p.add_argument("--throughput-running", type=int, help="decode_throughput stage: requests decoding together")
+    p.add_argument("--throughput-context", type=int, help="decode_throughput stage: each prompt's tokens")
+    p.add_argument("--throughput-steps", type=int, help="decode_throughput stage: decode steps timed")
+    p.add_argument("--throughput-chunk", type=int, help="decode_throughput stage: max_num_batched_tokens")
     p.add_argument("--int-gemm-tokens", type=int, nargs="+", help="int4_gemm stage: token counts")
     p.add_argument("--int-gemm-reps", type=int)
     p.set_defaults(int_gemm_shapes=None)  # [out, in] pairs: DEFAULTS' or QUICK's, no flag

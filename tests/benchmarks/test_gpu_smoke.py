@@ -22,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.py"
-STAGES = ("env", "kernel_tests", "graphs", "decode_attention", "int4_gemm", "triton_compile", "served")
+STAGES = ("env", "kernel_tests", "graphs", "decode_throughput", "decode_attention", "int4_gemm", "triton_compile",
+          "served")
 
 # Stand-in stages. `hang` reports its own pid and a child's, then never ends; `fail` reports a partial
 # result, then raises; `kill_runner` kills the runner (a device command cut off at its limit).
@@ -217,6 +218,17 @@ def test_graphs_every_bucket_replayed_and_traced(quick_run):
         events = json.loads(gzip.decompress((out / trace["file"]).read_bytes()))["traceEvents"]
         names = {e.get("name") for e in events}
         assert {"gpu_smoke.replay_bucket_1", "gpu_smoke.replay_bucket_8"} <= names
+
+
+@QUICK_RUN
+def test_decode_throughput_times_steps_where_every_request_decodes(quick_run):
+    run = result(quick_run, "decode_throughput")
+    assert (run["model"], run["running"], run["context"], run["steps"]) == ("gpt2-tiny", 4, 40, 3)
+    assert run["async_scheduling"] is False  # unset: off on a CPU
+    # Every timed step decoded every request: a token each (none had reached its max_tokens).
+    assert run["tokens"] == run["running"] * run["steps"]
+    assert finite_positive(run["tok_s"]) and finite_positive(run["ms_per_step"])
+    assert "Decode throughput" in quick_run[1] and "output tok/s" in quick_run[1]
 
 
 @QUICK_RUN
