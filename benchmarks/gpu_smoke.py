@@ -606,6 +606,10 @@ def graph_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
             result["trace"] = trace_replays(
                 args, device, model, {s: replay(s) for s in traced_buckets(sizes)}
             )
+            # #41's count: kernels a decoder layer launches (the step's over its layers, the LM head and
+            # the embedding included, so a little over the layer's own).
+            layers = engine.model_config.num_layers
+            result["kernels_per_layer"] = {b: n / layers for b, n in result["trace"].get("device_events_per_replay", {}).items()}
         finally:
             for s in streams:
                 engine.abort_request(s.request_id)
@@ -650,7 +654,16 @@ def trace_replays(
         with raw.open("rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return {"file": path.name, "buckets": list(replays), "device_events": len(kernels)}
+    result: dict[str, Any] = {"file": path.name, "buckets": list(replays), "device_events": len(kernels)}
+    if device.type == "cuda":  # each bucket's replay on its own: how many kernels one step launches
+        per_replay = {}
+        for size, fn in replays.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as one:
+                fn()
+                torch.cuda.synchronize(device)
+            per_replay[str(size)] = sum(e.device_type == DeviceType.CUDA for e in one.events())
+        result["device_events_per_replay"] = per_replay
+    return result
 
 
 def render_graphs(r: dict[str, Any]) -> list[str]:
@@ -666,6 +679,9 @@ def render_graphs(r: dict[str, Any]) -> list[str]:
         lines.append(f"K/V pool: {pool['tokens']:,} tokens, {pool['gib']:.2f} GiB, {sized}.")
         lines += ["", "| bucket | " + " | ".join(m["replay_ms"]) + " |", "|---|" + "---|" * len(m["replay_ms"]),
                   "| replay ms | " + " | ".join(f"{v:.3f}" for v in m["replay_ms"].values()) + " |", ""]  # fmt: skip
+        if m.get("kernels_per_layer"):
+            lines += ["Kernels a replay launches per decoder layer (the whole step's over its layers): " + ", ".join(
+                f"bucket {b}: {v:.1f}" for b, v in m["kernels_per_layer"].items()) + ".", ""]  # fmt: skip
     lines += [f"- error: {e}" for e in r["errors"]]
     return [*lines, ""]
 
