@@ -7,7 +7,7 @@ lands in --out as it goes, so a run cut short still leaves every stage that ende
     python benchmarks/gpu_smoke.py --device cpu --quick --out DIR   # the plumbing on a CPU (CI)
 
 Stages, in the order they run, with their seconds on one H200 (2026-11-29, docs/bench/gpu/smoke-2026-11-29;
-each stage's time from the run where it passed: about 3.5 minutes in all). `make gpu-smoke` adds the package's
+each stage's time from the run where it passed: about 3.5 minutes in all, before decode_throughput joined). `make gpu-smoke` adds the package's
 install (~10-20 s) before them; the run's own budget (--budget-s, 380 s) cuts every timeout to what is
 left of it, so the whole stays under 7 minutes.
 
