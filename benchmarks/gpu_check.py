@@ -35,6 +35,7 @@ Sections (all measured in this run, each figure against what this device measure
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -102,6 +103,14 @@ def median_seconds(fn: Callable[[], object], device: torch.device, reps: int, wa
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def copy_seconds(device: torch.device, nbytes: int, reps: int = 20) -> float:
+    """Median seconds of a device copy of `nbytes` random bytes: over buffers far larger than L2 (50 MB
+    on an H100) it reads and writes every byte once, the memory's ceiling."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)  # not zeros (see METHOD.md)
+    dst = torch.empty_like(src)
+    return median_seconds(functools.partial(dst.copy_, src), device, reps=reps)
 
 
 # What the L2 flush writes between graph-timed calls: larger than any lent GPU's L2 (50 MB on an H100,
@@ -231,11 +240,8 @@ def release(llm: LLM | None) -> None:
 
 # ---------------------------------------------------------------------------------------- sections
 def section_ceilings(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    # A copy over buffers far larger than L2 (50 MB on an H100) reads and writes every byte once.
     n = args.copy_mib << 20
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)  # not zeros (see METHOD.md)
-    dst = torch.empty_like(src)
-    copy_s = median_seconds(lambda: dst.copy_(src), device, reps=20)
+    copy_s = copy_seconds(device, n)
     # The matmul peak in the engine's dtype, on random data, two operand sets alternated.
     mm_dtype = getattr(torch, args.dtype)
     n_mm = args.matmul_n

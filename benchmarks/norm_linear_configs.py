@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
-import importlib.util
 import itertools
 import json
 import multiprocessing
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
+import gpu_smoke  # beside this script: its loader of gpu_check.py, whose timing helpers this uses
 
 
 @dataclass(frozen=True)
@@ -63,15 +62,6 @@ WIDE_TILINGS = [(64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 128, 64, 8, 3), (1
                 (64, 64, 128, 8, 3)]  # fmt: skip
 ROWS = {1: DECODE_TILINGS, 16: DECODE_TILINGS, 64: WIDE_TILINGS}
 QUICK_ROWS = {1: [(16, 16, 16, 4, 1), (16, 32, 32, 4, 1)], 20: [(16, 32, 32, 4, 1), (32, 16, 16, 4, 1)]}
-
-
-def load_gpu_check() -> Any:
-    spec = importlib.util.spec_from_file_location("orca_bench_gpu_check", BENCH_DIR / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def operands(case: Case, rows: int, device: Any, dtype: Any) -> dict[str, Any]:
@@ -117,15 +107,6 @@ def compile_shard(points: list[tuple[Case, int, tuple[int, ...]]], device: str, 
     return errors
 
 
-def copy_bandwidth(gpu_check: Any, device: Any, nbytes: int) -> float:
-    """A device copy's GB/s (bytes read + written) over buffers far larger than L2."""
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / gpu_check.median_seconds(functools.partial(dst.copy_, src), device, reps=10) / 1e9
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -143,7 +124,7 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
-    gpu_check = load_gpu_check()
+    gpu_check = gpu_smoke.load_gpu_check()
     cases, rows_tilings = (QUICK_CASES, QUICK_ROWS) if args.quick else (CASES, ROWS)
     points = [(c, rows, t) for c in cases for rows, tilings in rows_tilings.items()
               for t in dict.fromkeys([*tilings, chosen_tiling(c, rows, device, dtype)])]  # fmt: skip
@@ -155,7 +136,8 @@ def main() -> int:
             for errors in pool.map(compile_shard, shards, itertools.repeat(args.device), itertools.repeat(args.dtype)):
                 for e in errors:
                     print("compile:", e, flush=True)
-    copy_gb_s = copy_bandwidth(gpu_check, device, (1 << 20) if args.quick else (1 << 30))
+    copy_bytes = (1 << 20) if args.quick else (1 << 30)
+    copy_gb_s = 2 * copy_bytes / gpu_check.copy_seconds(device, copy_bytes, reps=10) / 1e9
     results: list[dict[str, Any]] = []
     for case, rows, blocks in points:
         point = {**asdict(case), "rows": rows, "blocks": list(blocks), "chosen": blocks == chosen_tiling(case, rows, device, dtype)}

@@ -140,15 +140,24 @@ def config(m: int, bits: int, group: int, has_g_idx: bool, dtype: torch.dtype, c
     return _config(64, 128, 128, 32, group, has_g_idx, warps=4, stages=3, per_value_stages=2)
 
 
+def tile_k(group: int, has_g_idx: bool, widest: int, per_value_k: int) -> tuple[int, bool]:
+    """(BLOCK_K, whether each tile lies in one group): the widest block up to `widest` that divides
+    the group, where the groups run in order and one does; else `per_value_k`, the scales and zero
+    points gathered per value (`dequantized_tile`'s two paths; the integer linear layer's and the MoE
+    grouped GEMM's choice)."""
+    block_k = 0 if has_g_idx else group_block_k(group, widest)
+    return (block_k, True) if block_k else (per_value_k, False)
+
+
 def _config(
     block_m: int, block_n: int, widest: int, per_value_k: int, group: int, has_g_idx: bool, warps: int,
     stages: int, per_value_stages: int, per_value_n: int | None = None,
 ) -> Config:  # fmt: skip
-    block_k = 0 if has_g_idx else group_block_k(group, widest)
-    if block_k:
+    block_k, group_tile = tile_k(group, has_g_idx, widest, per_value_k)
+    if group_tile:
         return Config(block_m, block_n, block_k, True, warps, stages)
     # Per-value scales and zero points: their float32 gathers go through the stages too.
-    return Config(block_m, per_value_n or block_n, per_value_k, False, warps, per_value_stages)
+    return Config(block_m, per_value_n or block_n, block_k, False, warps, per_value_stages)
 
 
 def split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, programs: int) -> int:

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .int_quant import IntExperts
-from .triton_int_quant import dequantized_tile, group_block_k
+from .triton_int_quant import dequantized_tile, tile_k
 
 
 @triton.jit
@@ -98,12 +98,11 @@ def _grouped_gemm(
     cuda = a.device.type == "cuda"
     block_n, block_k = (64, 64) if cuda else (16, 16)
     if isinstance(w, IntExperts):
-        # A tile inside one group takes one scale and zero point a row (triton_int_quant.group_block_k).
-        group_k = 0 if w.g_idx is not None else group_block_k(w.group, block_k if cuda else 32)
-        block_k = group_k or (32 if cuda else 16)
+        # A tile inside one group takes one scale and zero point a row.
+        block_k, group_tile = tile_k(w.group, w.g_idx is not None, block_k if cuda else 32, 32 if cuda else 16)
         words, s, z = w.packed, w.scales, w.zeros
         g = w.g_idx if w.g_idx is not None else w.packed  # unread without g_idx
-        quant = {"BITS": w.bits, "GROUP": w.group, "HAS_G_IDX": w.g_idx is not None, "GROUP_TILE": bool(group_k)}
+        quant = {"BITS": w.bits, "GROUP": w.group, "HAS_G_IDX": w.g_idx is not None, "GROUP_TILE": group_tile}
         strides = (s.stride(0), s.stride(1), g.stride(0))
     else:
         words = s = z = g = w  # unread for float weights

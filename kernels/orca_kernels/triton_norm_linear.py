@@ -187,7 +187,8 @@ WIDE_OUT_COLS = 16384
 
 def _blocks(rows: int, out_cols: int, gated: bool, device: torch.device, dtype: torch.dtype) -> Blocks:
     """The tiling for `rows` rows of a weight with `out_cols` output columns, from the sweep on an H200
-    (benchmarks/norm_linear_configs.py; docs/bench/gpu/norm-linear-tilings.md) at GPT-2-medium's and
+    (benchmarks/norm_linear_configs.py;
+    docs/bench/gpu/smoke-2026-11-29/run2/norm_linear_configs.md) at GPT-2-medium's and
     Qwen2.5-0.5B's shapes. At decode sizes (up to 16 rows: tl.dot's smallest tile) the launch streams the
     weight, and what counts is how much of it each program has in flight: 256-wide K steps in
     32-column blocks cut the QKV and MLP launches from 19-20 us to 12-13, and 64-column blocks suit the

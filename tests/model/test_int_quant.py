@@ -65,7 +65,8 @@ def engine_outputs(path: Path, **options) -> list:
 
 
 def hf_tokens(path: Path, **load) -> list[list[int]]:
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
+    """transformers' float32 greedy tokens for PROMPTS, the checkpoint's own architecture."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     return [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
 
 
@@ -112,9 +113,7 @@ def test_qwen2_biases_beside_integer_projections(tmp_path):
     """Qwen2's q/k/v biases stay float beside GPTQ integer projections."""
     write_tiny("Qwen2", tmp_path / "float", seed=5)
     dense = write_gptq(tmp_path / "float", tmp_path / "gptq", 4, 16, sym=False)
-    model = transformers.Qwen2ForCausalLM.from_pretrained(dequantized_copy(tmp_path / "gptq", dense),
-                                                          dtype=torch.float32).eval()  # fmt: skip
-    expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    expected = hf_tokens(dequantized_copy(tmp_path / "gptq", dense))
     assert [o.output_ids for o in LLM(str(tmp_path / "gptq"), dtype="float32").generate(PROMPTS, GREEDY)] == expected
 
 
@@ -127,9 +126,7 @@ def test_mixture_of_experts_with_integer_experts(tmp_path, group, packed):
                shared_expert_intermediate_size=48)  # fmt: skip
     dense = write_gptq(tmp_path / "float", tmp_path / "gptq", 4, group)
     assert any(".experts." in name for name in dense)
-    model = transformers.Qwen2MoeForCausalLM.from_pretrained(dequantized_copy(tmp_path / "gptq", dense),
-                                                             dtype=torch.float32).eval()  # fmt: skip
-    expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    expected = hf_tokens(dequantized_copy(tmp_path / "gptq", dense))
     llm = LLM(str(tmp_path / "gptq"), dtype="float32")
     layer = llm.engine.core.executor.runner.model.weights.layers[0]
     for experts in (layer.experts_w13, layer.experts_w2):
@@ -149,9 +146,7 @@ def test_mixtral_with_compressed_tensors_experts_keeps_them_packed(tmp_path):
                intermediate_size=64)  # fmt: skip
     dense = write_compressed_tensors(tmp_path / "float", tmp_path / "ct", 4, "group", 32, False)
     assert any(".experts.0.w2." in name for name in dense)
-    model = transformers.MixtralForCausalLM.from_pretrained(dequantized_copy(tmp_path / "ct", dense),
-                                                            dtype=torch.float32).eval()  # fmt: skip
-    expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    expected = hf_tokens(dequantized_copy(tmp_path / "ct", dense))
     llm = LLM(str(tmp_path / "ct"), dtype="float32")
     layer = llm.engine.core.executor.runner.model.weights.layers[0]
     assert all(isinstance(w, CpuIntWeight) for w in [*layer.experts_w13, *layer.experts_w2])
