@@ -84,6 +84,7 @@ gpu-smoke-cpu: setup
 # cores: 198 s for the tests, 36 s with 2).
 GPU_CHECK_ARGS ?=
 GPU_TESTS = tests/kernels/test_kernels.py tests/kernels/test_kernels_llama.py tests/kernels/test_triton_decode_attention.py \
+	tests/kernels/test_norm_linear.py \
 	tests/kernels/test_lora_kernels.py tests/kernels/test_triton_window_attention.py \
 	tests/kernels/test_triton_fp8_kv_cache.py tests/kernels/test_w8a8_gemm.py \
 	tests/model/test_fp8.py tests/model/test_moe.py tests/model/test_cuda.py

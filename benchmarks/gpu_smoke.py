@@ -365,11 +365,12 @@ def render_env(r: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-# The tests that have never run compiled on a GPU (issue #41): the split-K decode kernels with the
-# fused K/V write and rotary, the windowed kernels, FP8, multi-LoRA and the MoE grouped GEMM, and the
-# engine on CUDA for CUDA graphs, async scheduling and the families that use those kernels. The
+# The tests that have never run compiled on a GPU (issue #41): the fused norm + GEMM, the split-K decode
+# kernels with the fused K/V write and rotary, the windowed kernels, FP8, multi-LoRA and the MoE grouped
+# GEMM, and the engine on CUDA for CUDA graphs, async scheduling and the families that use those kernels. The
 # `*_in_fresh_process` tests (-k) only rerun a file under the interpreter on a CPU.
 SMOKE_TESTS = [
+    "tests/kernels/test_norm_linear.py",
     "tests/kernels/test_triton_decode_attention.py",
     "tests/kernels/test_triton_window_attention.py",
     "tests/kernels/test_lora_kernels.py",

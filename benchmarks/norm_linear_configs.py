@@ -1,8 +1,11 @@
 """The fused norm + GEMM kernel's tilings (kernels/orca_kernels/triton_norm_linear.py) swept at the
 shapes the models launch it with: device time of each (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-num_stages) at 1, 16 and 64 rows, from CUDA-graph replays with L2 flushed before each call, as a
-fraction of a device copy's bandwidth over the weight's bytes. What `_blocks` chooses is marked, so
-a run says how far the chosen tiling is from the best one here.
+num_stages, STATS_K) at 1 to 256 rows, from CUDA-graph replays with L2 flushed before each call, as a
+fraction of a device copy's bandwidth over the weight's bytes. What `_blocks` chooses is marked, so a
+run says how far the chosen tiling is from the best one here. Beside them, per row count, the unfused
+path the models take beyond `gemm.NORM_LINEAR_MAX_TOKENS`: the Triton add + norm kernel, then the
+GEMM as the model calls it (cuBLAS, its bias/GELU epilogue where it has one) and the Triton activation:
+where that is faster, the fused kernel should not run.
 
     python benchmarks/norm_linear_configs.py --out DIR                  # on a GPU
     python benchmarks/norm_linear_configs.py --device cpu --quick --out DIR   # the plumbing (CI)
@@ -10,7 +13,7 @@ a run says how far the chosen tiling is from the best one here.
 Compiling every tiling is most of the run: it is spread over --jobs processes first (each fills
 Triton's on-disk cache), then one process times them all. Files in --out: norm_linear_configs.json
 (every point) and norm_linear_configs.md (per shape and row count: the chosen tiling, the best, and
-their times).
+their times, and the unfused path's).
 """
 
 from __future__ import annotations
@@ -55,13 +58,20 @@ CASES = [
 ]
 QUICK_CASES = [Case("tiny qkv", 96, 32, "none", True, True, True), Case("tiny gate_up", 128, 32, "silu_and_mul", False, False, False)]  # fmt: skip
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried at each row count.
-DECODE_TILINGS = [(16, n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
-DECODE_TILINGS += [(16, 16, 256, 2, 4), (16, 32, 256, 8, 4)]
-WIDE_TILINGS = [(64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 128, 64, 8, 3), (16, 64, 128, 4, 4), (32, 32, 128, 4, 4),
-                (64, 64, 128, 8, 3)]  # fmt: skip
-ROWS = {1: DECODE_TILINGS, 16: DECODE_TILINGS, 64: WIDE_TILINGS}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried at each row count, each with two statistics
+# tiles (STATS_K): the K loop's width, and the kernel's rule (`stats_k`: the whole row where it fits).
+DECODE_TILINGS = [(16, n, k, w, 3) for n, k, w in itertools.product((32, 64), (128, 256), (4, 8))]
+WIDE_TILINGS = [(16, 64, 128, 4, 3), (16, 64, 128, 8, 3), (32, 64, 128, 8, 3), (64, 64, 128, 8, 3),
+                (64, 128, 64, 8, 3)]  # fmt: skip
+ROWS = {1: DECODE_TILINGS, 16: DECODE_TILINGS, 32: WIDE_TILINGS, 64: WIDE_TILINGS, 256: WIDE_TILINGS}
 QUICK_ROWS = {1: [(16, 16, 16, 4, 1), (16, 32, 32, 4, 1)], 20: [(16, 32, 32, 4, 1), (32, 16, 16, 4, 1)]}
+
+
+def tilings(case: Case, tried: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Each tiling with the K loop's statistics width and with the kernel's rule."""
+    from orca_kernels.triton_norm_linear import stats_k
+
+    return list(dict.fromkeys((*t, s) for t in tried for s in (t[2], stats_k(case.hidden, t[0], t[2]))))
 
 
 def operands(case: Case, rows: int, device: Any, dtype: Any) -> dict[str, Any]:
@@ -84,7 +94,7 @@ def chosen_tiling(case: Case, rows: int, device: Any, dtype: Any) -> tuple[int, 
     from orca_kernels.triton_norm_linear import _blocks
 
     gated = case.activation.endswith("_and_mul")
-    return _blocks(rows, case.out_rows // 2 if gated else case.out_rows, gated, device, dtype)
+    return _blocks(rows, case.hidden, case.out_rows // 2 if gated else case.out_rows, gated, device, dtype)
 
 
 def launch(case: Case, rows: int, blocks: tuple[int, ...], device: Any, dtype: Any) -> Any:
@@ -92,6 +102,29 @@ def launch(case: Case, rows: int, blocks: tuple[int, ...], device: Any, dtype: A
     from orca_kernels.triton_norm_linear import norm_linear_triton
 
     return functools.partial(norm_linear_triton, **operands(case, rows, device, dtype), blocks=blocks)
+
+
+def unfused(case: Case, rows: int, device: Any, dtype: Any) -> Any:
+    """A callable of the unfused path, as the models run it beyond gemm.NORM_LINEAR_MAX_TOKENS: the
+    kernel set's add + norm, the GEMM (GPT-2's MLP input with cuBLAS's bias + GELU epilogue), the
+    gated activation."""
+    from orca_backend.model import gemm
+    from orca_kernels.dispatch import get_ops
+
+    ops, o = get_ops(device, "triton"), operands(case, rows, device, dtype)
+
+    def run() -> Any:
+        x = o["x"] if o["x_bias"] is None else o["x"] + o["x_bias"]
+        if o["norm_b"] is not None:
+            h, _ = ops.add_layernorm(x, o["residual"], o["norm_w"], o["norm_b"], o["eps"])
+        else:
+            h, _ = ops.add_rmsnorm(x, o["residual"], o["norm_w"], o["eps"])
+        if case.activation == "gelu":
+            return gemm.linear_bias_gelu(h, o["weight"], o["bias"], ops.bias_gelu)
+        y = gemm.linear(h, o["weight"], o["bias"])
+        return ops.silu_and_mul(y) if case.activation == "silu_and_mul" else y
+
+    return run
 
 
 def compile_shard(points: list[tuple[Case, int, tuple[int, ...]]], device: str, dtype: str) -> list[str]:
@@ -126,8 +159,8 @@ def main() -> int:
         return 2
     gpu_check = gpu_smoke.load_gpu_check()
     cases, rows_tilings = (QUICK_CASES, QUICK_ROWS) if args.quick else (CASES, ROWS)
-    points = [(c, rows, t) for c in cases for rows, tilings in rows_tilings.items()
-              for t in dict.fromkeys([*tilings, chosen_tiling(c, rows, device, dtype)])]  # fmt: skip
+    points = [(c, rows, t) for c in cases for rows, tried in rows_tilings.items()
+              for t in dict.fromkeys([*tilings(c, tried), chosen_tiling(c, rows, device, dtype)])]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda" and args.jobs > 1:
@@ -150,19 +183,25 @@ def main() -> int:
             point["error"] = f"{type(exc).__name__}: {exc}"
         results.append(point)
         print(json.dumps(point), flush=True)
-    # The unfused path's GEMM alone (torch's F.linear: cuBLAS on a GPU), the norm and epilogue left out.
+    # The unfused path's GEMM alone (torch's F.linear: cuBLAS on a GPU), and the whole unfused path.
     torch_us: dict[str, float] = {}
+    unfused_us: dict[str, float] = {}
     for case, rows in itertools.product(cases, rows_tilings):
         o = operands(case, rows, device, dtype)
         linear = functools.partial(torch.nn.functional.linear, o["x"], o["weight"], o["bias"])
         torch_us[f"{case.name}/{rows}"] = gpu_check.graph_seconds(linear, device, reps=args.reps) * 1e6
+        unfused_us[f"{case.name}/{rows}"] = gpu_check.graph_seconds(unfused(case, rows, device, dtype), device,
+                                                                    reps=args.reps) * 1e6  # fmt: skip
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "dtype": args.dtype, "copy_gb_s": copy_gb_s, "points": results, "torch_linear_us": torch_us}  # fmt: skip
+               "dtype": args.dtype, "copy_gb_s": copy_gb_s, "points": results, "torch_linear_us": torch_us,
+               "unfused_us": unfused_us}  # fmt: skip
     (out / "norm_linear_configs.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# norm_linear tilings on {summary['device']} ({args.dtype})", "",
              f"Device copy: {copy_gb_s:.0f} GB/s (read + write). Times: CUDA-graph replays, L2 flushed before each call.",
-             "", "| case | rows | chosen | us | of copy | best | us | of copy | F.linear alone us |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "Tilings: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, STATS_K). Unfused: add + norm, GEMM, "
+             "activation, as the models run them beyond gemm.NORM_LINEAR_MAX_TOKENS.",
+             "", "| case | rows | chosen | us | of copy | best | us | of copy | F.linear alone us | unfused us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for case in cases:
         for rows in rows_tilings:
             mine = [r for r in results if r["name"] == case.name and r["rows"] == rows and "us" in r]
@@ -171,8 +210,9 @@ def main() -> int:
             chosen = next((r for r in mine if r["chosen"]), None)
             best = min(mine, key=lambda r: r["us"])
             c = f"{tuple(chosen['blocks'])} | {chosen['us']:.1f} | {chosen['of_copy']:.0%}" if chosen else "failed | | "
+            key = f"{case.name}/{rows}"
             lines.append(f"| {case.name} | {rows} | {c} | {tuple(best['blocks'])} | {best['us']:.1f} | {best['of_copy']:.0%} | "
-                         f"{torch_us[f'{case.name}/{rows}']:.1f} |")
+                         f"{torch_us[key]:.1f} | {unfused_us[key]:.1f} |")
     (out / "norm_linear_configs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

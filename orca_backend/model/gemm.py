@@ -29,12 +29,11 @@ from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
 from orca_kernels.cpu_int_gemm import CpuIntWeight, int_linear_cpu
 from orca_kernels.w8a8 import w8a8_linear
 
-# Up to this many tokens a step is launch- and weight-bandwidth-bound (arithmetic intensity at most
-# 2 * 256 flops per weight byte pair, below an H100's bf16 ridge), where a Triton GEMM streaming the
-# weight once can keep up with cuBLAS and the launches it saves are the step's cost; longer (prefill)
-# steps are compute-bound, where cuBLAS's tensor-core tiling wins and its bias/GELU epilogue applies
-# (more than one row). Not measured on a GPU yet (docs/architecture.md).
-NORM_LINEAR_MAX_TOKENS = 256
+# Up to this many tokens the fused norm + GEMM kernel beats the add + norm kernel followed by cuBLAS
+# (benchmarks/norm_linear_configs.py, "unfused us"): one launch fewer, and at one row no bias copy. On
+# an H200 at 64 rows it took 23.5 us where cuBLAS's GEMM alone took 6.3 (its 64-row tiles leave
+# most SMs idle: docs/bench/gpu/smoke-2026-11-29/run2/norm_linear_configs.md).
+NORM_LINEAR_MAX_TOKENS = 16
 
 
 def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:

@@ -29,6 +29,6 @@ def test_the_sweep_times_every_tiling_and_marks_the_chosen_one(tmp_path):
         for rows in {p["rows"] for p in points}:
             mine = [p for p in points if p["name"] == name and p["rows"] == rows]
             assert sum(p["chosen"] for p in mine) == 1 and len(mine) >= 2
-            assert summary["torch_linear_us"][f"{name}/{rows}"] > 0
+            assert summary["torch_linear_us"][f"{name}/{rows}"] > 0 and summary["unfused_us"][f"{name}/{rows}"] > 0
     table = (tmp_path / "norm_linear_configs.md").read_text()
     assert table.count("| tiny ") == len({(p["name"], p["rows"]) for p in points})
