@@ -1,6 +1,6 @@
 """The fused norm + GEMM kernel's tilings (kernels/orca_kernels/triton_norm_linear.py) swept at the
 shapes the models launch it with: device time of each (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-num_stages, STATS_K) at 1 to 256 rows, from CUDA-graph replays with L2 flushed before each call, as a
+num_stages) at 1 to 256 rows, from CUDA-graph replays with L2 flushed before each call, as a
 fraction of a device copy's bandwidth over the weight's bytes. What `_blocks` chooses is marked, so a
 run says how far the chosen tiling is from the best one here. Beside them, per row count, the unfused
 path the models take beyond `gemm.NORM_LINEAR_MAX_TOKENS`: the Triton add + norm kernel, then the
@@ -58,20 +58,13 @@ CASES = [
 ]
 QUICK_CASES = [Case("tiny qkv", 96, 32, "none", True, True, True), Case("tiny gate_up", 128, 32, "silu_and_mul", False, False, False)]  # fmt: skip
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried at each row count, each with two statistics
-# tiles (STATS_K): the K loop's width, and the kernel's rule (`stats_k`: the whole row where it fits).
-DECODE_TILINGS = [(16, n, k, w, 3) for n, k, w in itertools.product((32, 64), (128, 256), (4, 8))]
-WIDE_TILINGS = [(16, 64, 128, 4, 3), (16, 64, 128, 8, 3), (32, 64, 128, 8, 3), (64, 64, 128, 8, 3),
-                (64, 128, 64, 8, 3)]  # fmt: skip
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried at each row count.
+DECODE_TILINGS = [(16, n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
+DECODE_TILINGS += [(16, 16, 256, 2, 4), (16, 32, 256, 8, 4)]
+WIDE_TILINGS = [(64, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 128, 64, 8, 3), (16, 64, 128, 4, 4), (32, 32, 128, 4, 4),
+                (64, 64, 128, 8, 3), (16, 64, 128, 8, 3), (32, 64, 128, 8, 3)]  # fmt: skip
 ROWS = {1: DECODE_TILINGS, 16: DECODE_TILINGS, 32: WIDE_TILINGS, 64: WIDE_TILINGS, 256: WIDE_TILINGS}
 QUICK_ROWS = {1: [(16, 16, 16, 4, 1), (16, 32, 32, 4, 1)], 20: [(16, 32, 32, 4, 1), (32, 16, 16, 4, 1)]}
-
-
-def tilings(case: Case, tried: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """Each tiling with the K loop's statistics width and with the kernel's rule."""
-    from orca_kernels.triton_norm_linear import stats_k
-
-    return list(dict.fromkeys((*t, s) for t in tried for s in (t[2], stats_k(case.hidden, t[0], t[2]))))
 
 
 def operands(case: Case, rows: int, device: Any, dtype: Any) -> dict[str, Any]:
@@ -94,7 +87,7 @@ def chosen_tiling(case: Case, rows: int, device: Any, dtype: Any) -> tuple[int, 
     from orca_kernels.triton_norm_linear import _blocks
 
     gated = case.activation.endswith("_and_mul")
-    return _blocks(rows, case.hidden, case.out_rows // 2 if gated else case.out_rows, gated, device, dtype)
+    return _blocks(rows, case.out_rows // 2 if gated else case.out_rows, gated, device, dtype)
 
 
 def launch(case: Case, rows: int, blocks: tuple[int, ...], device: Any, dtype: Any) -> Any:
@@ -160,7 +153,7 @@ def main() -> int:
     gpu_check = gpu_smoke.load_gpu_check()
     cases, rows_tilings = (QUICK_CASES, QUICK_ROWS) if args.quick else (CASES, ROWS)
     points = [(c, rows, t) for c in cases for rows, tried in rows_tilings.items()
-              for t in dict.fromkeys([*tilings(c, tried), chosen_tiling(c, rows, device, dtype)])]  # fmt: skip
+              for t in dict.fromkeys([*tried, chosen_tiling(c, rows, device, dtype)])]  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda" and args.jobs > 1:
@@ -198,7 +191,7 @@ def main() -> int:
     (out / "norm_linear_configs.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# norm_linear tilings on {summary['device']} ({args.dtype})", "",
              f"Device copy: {copy_gb_s:.0f} GB/s (read + write). Times: CUDA-graph replays, L2 flushed before each call.",
-             "Tilings: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, STATS_K). Unfused: add + norm, GEMM, "
+             "Tilings: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Unfused: add + norm, GEMM, "
              "activation, as the models run them beyond gemm.NORM_LINEAR_MAX_TOKENS.",
              "", "| case | rows | chosen | us | of copy | best | us | of copy | F.linear alone us | unfused us |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -7,15 +7,12 @@ Why: a decode step is launch-bound (issue #41). A layer of separate kernels is a
 norms inside the GEMMs that read them, and the biases of the o/down projections carried into the next
 norm, a layer is five or six (docs/architecture.md, "Kernels per decoder layer").
 
-Program (row block m, column block n) computes its rows' statistics first (LayerNorm two-pass, the
-centred variance, as triton_layernorm.py), then runs the GEMM's K loop, normalising each x tile as it
-loads it. The statistics come before the first weight tile can be used, so their loads are the
-launch's serial latency: they read STATS_K-wide tiles (wider than the K loop's), and a row that fits one
-tile is loaded once, its centred variance taken from registers. Every column block recomputes its rows'
-statistics; at the token counts this runs for (the models use it up to `gemm.NORM_LINEAR_MAX_TOKENS`
-rows) x is a few hundred KB that stays in L2, while the weight, read once in all, is the traffic that
-counts. Only column block 0 stores the summed residual; the others recompute the same sum, rounded the
-same way.
+Program (row block m, column block n) reads its rows of x three times (twice for RMSNorm): the
+statistics, the centred variance (LayerNorm: two-pass, as triton_layernorm.py), then the GEMM's K loop,
+normalising each x tile as it loads it. Every column block recomputes its rows' statistics; at the
+token counts this runs for (the models use it up to `gemm.NORM_LINEAR_MAX_TOKENS` rows) x is a few
+hundred KB that stays in L2, while the weight, read once in all, is the traffic that counts. Only
+column block 0 stores the summed residual; the others recompute the same sum, rounded the same way.
 
 Rounding follows the references op by op: each add rounded to the residual's dtype, the normalised row
 rounded to the model dtype before the GEMM (as the norm's output tensor is), the GEMM accumulated in
@@ -92,8 +89,6 @@ def _norm_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STATS_K: tl.constexpr,  # the statistics' tile width (a power of two)
-    ONE_TILE: tl.constexpr,  # hidden <= STATS_K: each row's statistics from one load
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -106,44 +101,29 @@ def _norm_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     # The statistics (and, in column block 0, the stored sum).
-    offs_s = tl.arange(0, STATS_K)
-    if ONE_TILE:
-        s_mask = row_mask[:, None] & (offs_s < hidden)[None, :]
-        xs = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, offs_s, s_mask, hidden, stride_x, stride_res, sum_ty,
-                          HAS_X_BIAS, HAS_RESIDUAL)  # fmt: skip
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        cols = k0 + offs_k
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        s = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, cols, mask, hidden, stride_x, stride_res, sum_ty, HAS_X_BIAS,
+                         HAS_RESIDUAL)  # fmt: skip
         if STORE_SUM and col_block == 0:
-            tl.store(sum_ptr + rows[:, None] * stride_sum + offs_s[None, :], xs.to(sum_ty), mask=s_mask)
-        if LAYERNORM:
-            mean = tl.sum(xs, axis=1) / hidden  # masked columns are 0
-            diff = tl.where(s_mask, xs - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / hidden + eps)
-        else:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rstd = tl.rsqrt(tl.sum(xs * xs, axis=1) / hidden + eps)
+            tl.store(sum_ptr + rows[:, None] * stride_sum + cols[None, :], s.to(sum_ty), mask=mask)
+        total += tl.sum(s if LAYERNORM else s * s, axis=1)  # masked columns are 0
+    if LAYERNORM:
+        mean = total / hidden
+        var = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            cols = k0 + offs_k
+            mask = row_mask[:, None] & (cols < hidden)[None, :]
+            s = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, cols, mask, hidden, stride_x, stride_res, sum_ty, HAS_X_BIAS,
+                             HAS_RESIDUAL)  # fmt: skip
+            diff = tl.where(mask, s - mean[:, None], 0.0)
+            var += tl.sum(diff * diff, axis=1)
+        rstd = 1.0 / tl.sqrt(var / hidden + eps)
     else:
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, hidden, STATS_K):
-            s_cols = k0 + offs_s
-            s_mask = row_mask[:, None] & (s_cols < hidden)[None, :]
-            xs = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, s_cols, s_mask, hidden, stride_x, stride_res, sum_ty,
-                              HAS_X_BIAS, HAS_RESIDUAL)  # fmt: skip
-            if STORE_SUM and col_block == 0:
-                tl.store(sum_ptr + rows[:, None] * stride_sum + s_cols[None, :], xs.to(sum_ty), mask=s_mask)
-            total += tl.sum(xs if LAYERNORM else xs * xs, axis=1)  # masked columns are 0
-        if LAYERNORM:
-            mean = total / hidden
-            var = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, hidden, STATS_K):
-                s_cols = k0 + offs_s
-                s_mask = row_mask[:, None] & (s_cols < hidden)[None, :]
-                xs = _summed_tile(x_ptr, xb_ptr, res_ptr, rows, s_cols, s_mask, hidden, stride_x, stride_res,
-                                  sum_ty, HAS_X_BIAS, HAS_RESIDUAL)  # fmt: skip
-                diff = tl.where(s_mask, xs - mean[:, None], 0.0)
-                var += tl.sum(diff * diff, axis=1)
-            rstd = 1.0 / tl.sqrt(var / hidden + eps)
-        else:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rstd = tl.rsqrt(total / hidden + eps)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        rstd = tl.rsqrt(total / hidden + eps)
 
     # The GEMM, normalising each x tile as it is loaded. Gated: the gate rows n and the up rows
     # out_cols + n of the weight, two accumulators.
@@ -197,25 +177,16 @@ def _norm_linear_kernel(
 INTERPRETED: bool = not isinstance(_norm_linear_kernel, JITFunction)
 
 
-# A launch's tiling: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, STATS_K).
-Blocks = tuple[int, int, int, int, int, int]
+# A launch's tiling: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+Blocks = tuple[int, int, int, int, int]
 
 
 # Weights wider than this (LM heads) take 64-column blocks at decode sizes, 128 beyond (measured).
 WIDE_OUT_COLS = 16384
 
-# The statistics' x tile holds at most this many elements (BLOCK_M x STATS_K): 64 fp32 values a thread
-# at 4 warps, so it stays in registers.
-STATS_TILE = 8192
 
-
-def stats_k(hidden: int, block_m: int, block_k: int) -> int:
-    """The statistics' tile width: the whole row where STATS_TILE allows, never narrower than the K loop's."""
-    return min(triton.next_power_of_2(hidden), max(block_k, STATS_TILE // block_m))
-
-
-def _blocks(rows: int, hidden: int, out_cols: int, gated: bool, device: torch.device, dtype: torch.dtype) -> Blocks:
-    """The tiling for `rows` rows of a weight [out_cols (x 2 gated), hidden], from the sweep on an H200
+def _blocks(rows: int, out_cols: int, gated: bool, device: torch.device, dtype: torch.dtype) -> Blocks:
+    """The tiling for `rows` rows of a weight with `out_cols` output columns, from the sweep on an H200
     (benchmarks/norm_linear_configs.py;
     docs/bench/gpu/smoke-2026-11-29/run2/norm_linear_configs.md) at GPT-2-medium's and
     Qwen2.5-0.5B's shapes. At decode sizes (up to 16 rows: tl.dot's smallest tile) the launch streams the
@@ -224,16 +195,15 @@ def _blocks(rows: int, hidden: int, out_cols: int, gated: bool, device: torch.de
     LM head. Beyond 16 rows, 128-wide K steps with 8 warps (64-row tiles), 64-wide with 128-column
     blocks for the LM head. float32 keeps 32-wide K steps: its tiles are twice the bytes."""
     if device.type != "cuda":
-        tiling = 16, 32, 32, 4, 1  # the interpreter: small tiles, every mask path still exercised
-    elif dtype == torch.float32:
-        tiling = (16 if rows <= 16 else 64), 64, 32, 4, 2
-    elif rows <= 16:
-        tiling = (16, 64, 128, 8, 3) if out_cols > WIDE_OUT_COLS and not gated else (16, 32, 256, 8, 3)
-    elif rows <= 32:
-        tiling = 32, 64, 128, 4, 3
-    else:
-        tiling = (64, 128, 64, 8, 3) if out_cols > WIDE_OUT_COLS and not gated else (64, 64, 128, 8, 3)
-    return *tiling, stats_k(hidden, tiling[0], tiling[2])
+        return 16, 32, 32, 4, 1  # the interpreter: small tiles, every mask path still exercised
+    wide = out_cols > WIDE_OUT_COLS and not gated
+    if dtype == torch.float32:
+        return (16 if rows <= 16 else 64), 64, 32, 4, 2
+    if rows <= 16:
+        return 16, (64 if wide else 32), 256, 4, 3
+    if rows <= 32:
+        return 32, 64, 128, 4, 3
+    return (64, 128, 64, 8, 3) if wide else (64, 64, 128, 8, 3)
 
 
 def norm_linear_triton(
@@ -267,8 +237,8 @@ def norm_linear_triton(
     rows = x2.shape[0]
     if rows == 0:
         return out, summed
-    block_m, block_n, block_k, num_warps, num_stages, block_s = blocks or _blocks(
-        rows, hidden, out_cols, gated, x.device, weight.dtype)
+    block_m, block_n, block_k, num_warps, num_stages = blocks or _blocks(rows, out_cols, gated, x.device,
+                                                                         weight.dtype)  # fmt: skip
     summed2 = summed if summed.dim() == 2 else summed.view(-1, hidden)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(out_cols, block_n))
     _norm_linear_kernel[grid](
@@ -299,8 +269,6 @@ def norm_linear_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        STATS_K=block_s,
-        ONE_TILE=hidden <= block_s,
         INPUT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and weight.dtype == torch.bfloat16,
         num_warps=num_warps,
