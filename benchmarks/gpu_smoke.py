@@ -6,34 +6,35 @@ lands in --out as it goes, so a run cut short still leaves every stage that ende
     python benchmarks/gpu_smoke.py --stages env,graphs           # some of them
     python benchmarks/gpu_smoke.py --device cpu --quick --out DIR   # the plumbing on a CPU (CI)
 
-Stages, in the order they run, with their seconds on one H200 (2026-11-29, docs/bench/gpu/smoke-2026-11-29;
-each stage's time from the run where it passed: about 3.5 minutes in all, before decode_throughput joined). `make gpu-smoke` adds the package's
+Stages, in the order they run, with their seconds on one H200 (2026-11-30, docs/bench/gpu/smoke-2026-11-30
+run 1, every stage passed: 3.6 minutes in all; the norm + GEMM tests joined since). `make gpu-smoke` adds the package's
 install (~10-20 s) before them; the run's own budget (--budget-s, 380 s) cuts every timeout to what is
 left of it, so the whole stays under 7 minutes.
 
 | stage            | what                                                                | H200     | timeout |
 |------------------|---------------------------------------------------------------------|----------|---------|
 | env              | versions, the device, nvidia-smi's clocks and memory                | 8 s      | 60 s    |
-| kernel_tests     | the kernel tests never run compiled (split-K decode with the fused  | 88 s     | 170 s   |
-|                  | K/V write and rotary, windows, FP8, LoRA, MoE, int4/int8) and the   |          |         |
+| kernel_tests     | the kernel tests never run compiled (norm + GEMM, split-K decode    | 89 s     | 170 s   |
+|                  | with the fused K/V write and rotary, windows, FP8, LoRA, MoE,       |          |         |
+|                  | int4/int8) and the                                                  |          |         |
 |                  | engine's CUDA-graph, async, FP8, MoE, window and LoRA token tests   |          |         |
-| graphs           | both models graphed at max_num_seqs 256, the K/V pool sized from    | 65 s     | 120 s   |
+| graphs           | both models graphed at max_num_seqs 256, the K/V pool sized from    | 62 s     | 120 s   |
 |                  | gpu_memory_utilization 0.9: every bucket captured (a                |          |         |
 |                  | failure fails the stage), decode steps replay graphs, per-bucket    |          |         |
 |                  | replay time (CUDA events), graph pool memory, capture seconds, one  |          |         |
 |                  | profiler trace per model of a bucket-1 and a bucket-64 replay       |          |         |
-| decode_throughput| the first graph model decoding 256 requests of 900-token prompts   | not run  | 90 s    |
+| decode_throughput| the first graph model decoding 256 requests of 900-token prompts   | 10 s     | 90 s    |
 |                  | (graphs, async scheduling: the defaults), 64 steps timed: tok/s     |          |         |
-| decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 24 s     | 60 s    |
+| decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 22 s     | 60 s    |
 |                  | 14/2x64; batch 1, 64, 256; context 1k, 8k) against a copy of the    |          |         |
 |                  | same bytes, device time from CUDA-graph replays, and one eager call |          |         |
-| int4_gemm        | the int4 dequantizing GEMM and the W8A8 GEMMs against cuBLAS over   | 12 s     | 45 s    |
+| int4_gemm        | the int4 dequantizing GEMM and the W8A8 GEMMs against cuBLAS over   | 9 s      | 45 s    |
 |                  | the same weight dequantized, decode and prefill token counts        |          |         |
-| triton_compile   | each Triton kernel's first call minus its warm call, on an empty    | 17 s     | 60 s    |
+| triton_compile   | each Triton kernel's first call minus its warm call, on an empty    | 15 s     | 60 s    |
 |                  | Triton cache                                                        |          |         |
 | served           | serving_cost.py on the host CPUs: 256 and 1,024 streams, 1, 4 and 8 | not run  | 90 s    |
 |                  | instances over one core (only where tritonserver's wheels are here) |          |         |
-| total            |                                                                     | ~3.5 min | 380 s   |
+| total            |                                                                     | 3.6 min  | 380 s   |
 
 Files in --out (six: a lent machine sends back eight at most): smoke.json (every stage's status,
 seconds and result, rewritten as each stage reports), smoke.log (every stage's output as it prints),

@@ -398,7 +398,7 @@ class Decoder(StageModel):
         else:
             x, residual = stage_input.hidden.unbind(0)
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
-        if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS:
+        if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS["rmsnorm"]:
             return self._forward_fused(x, residual, stage_input, metas, kv_caches, logits_indices)
         layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, self.kv_groups, strict=True)
         aux_layers, aux = stage_input.aux_layers, []

@@ -7,7 +7,7 @@ weights on CUDA a Triton dequantizing GEMM each; integer weights on CPU the C ke
 kernels/orca_kernels/cpu_int_gemm.py; W8A8 weights kernels/orca_kernels/w8a8.py (activations
 quantized per token, int8 sums by torch._int_mm, FP8 by torch._scaled_mm on CUDA).
 
-On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS` tokens run each layer's pre-norm
+On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS[norm]` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
 and MLP-input GEMMs are Triton's there, and the o/down projections leave their bias to the next
 norm, so no linear of a decode step has a bias cuBLAS would add with a launch of its own at one row.
@@ -29,17 +29,20 @@ from orca_kernels.cpu_gemm import PackedWeight, linear_cpu, pack_weight
 from orca_kernels.cpu_int_gemm import CpuIntWeight, int_linear_cpu
 from orca_kernels.w8a8 import w8a8_linear
 
-# Up to this many tokens the fused norm + GEMM kernel beats the add + norm kernel followed by cuBLAS
-# (benchmarks/norm_linear_configs.py, "unfused us"): one launch fewer, and at one row no bias copy. On
-# an H200 at 64 rows it took 23.5 us where cuBLAS's GEMM alone took 6.3 (its 64-row tiles leave
-# most SMs idle: docs/bench/gpu/smoke-2026-11-29/run2/norm_linear_configs.md).
-NORM_LINEAR_MAX_TOKENS = 16
+# Up to how many tokens a step runs its pre-norms inside the GEMMs they feed (`ops.norm_linear`), by the
+# norm. Measured on an H200 (docs/bench/gpu/smoke-2026-11-30): the fused kernel takes about twice
+# cuBLAS's time for the GEMM alone, so it pays only where the launches it saves outweigh that.
+# RMSNorm (the Llama family): a batch-1 Qwen2.5-0.5B step replays in 1.032 ms fused, 1.085 ms not;
+# beyond 16 tokens the unfused path wins (GPT-2-medium at 256 running: 1.93 ms a step against 3.38).
+# LayerNorm (GPT-2: two passes over x and the carried bias in every K step) loses at every size: a
+# batch-1 GPT-2-medium step is 0.963 ms unfused, 1.116 ms fused.
+NORM_LINEAR_MAX_TOKENS = {"rmsnorm": 16, "layernorm": 0}
 
 
 def can_fuse_norms(ops: KernelOps, weights: list[object]) -> bool:
     """Whether a model may run its pre-norms inside their GEMMs (`ops.norm_linear`): the kernel set
     has the fused op and every weight it would multiply is a plain tensor (an FP8 or integer weight
-    takes its own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS tokens, without LoRA
+    takes its own dequantizing GEMM). A step then does for up to NORM_LINEAR_MAX_TOKENS[norm] tokens, without LoRA
     (whose adapters read the norm's output)."""
     return ops.norm_linear is not None and not any(isinstance(w, QUANTIZED) for w in weights)
 

@@ -144,7 +144,7 @@ class GPT2(StageModel):
             x, residual = stage_input.hidden.unbind(0)
         local_hidden = self.num_heads * cfg.head_dim
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
-        if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS:
+        if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS["layernorm"]:
             return self._forward_fused(x, residual, meta, kv_caches, logits_indices, stage_input.pool_indices)
         layers = zip(w.layers, kv_caches, self.kv_scales, strict=True)
         for i, (layer, (k_cache, v_cache), kv_scales) in enumerate(layers):
