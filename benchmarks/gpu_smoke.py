@@ -25,6 +25,10 @@ left of it, so the whole stays under 7 minutes.
 |                  | profiler trace per model of a bucket-1 and a bucket-64 replay       |          |         |
 | decode_throughput| the first graph model decoding 256 requests of 900-token prompts   | 10 s     | 90 s    |
 |                  | (graphs, async scheduling: the defaults), 64 steps timed: tok/s     |          |         |
+| host_time        | issue #41's host targets, 64 requests decoding: a mixed step's host | not run  | 60 s    |
+|                  | time (a 512-token prompt joining every step; synchronous steps, the |          |         |
+|                  | step's wall time minus its GPU busy time), and GPU idle under       |          |         |
+|                  | sampled traffic (temperature, top-p/k, penalties; async scheduling) |          |         |
 | decode_attention | the fused decode-attention launch at real shapes (MHA 16x64, GQA    | 22 s     | 60 s    |
 |                  | 14/2x64; batch 1, 64, 256; context 1k, 8k) against a copy of the    |          |         |
 |                  | same bytes, device time from CUDA-graph replays, and one eager call |          |         |
@@ -767,6 +771,134 @@ def render_decode_throughput(r: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def run_host_time(args: argparse.Namespace, report: Report) -> dict[str, Any]:
+    """Issue #41's two host-side targets on the first graph model, --host-running requests decoding:
+    - the host time of a mixed step, one --host-prompt-token prompt joining the running decodes every
+      step (each new request ends at its first token, so every timed step is the same mix):
+      synchronous steps (async scheduling off), host = the step's wall time - its GPU busy time;
+    - the GPU idle between steps under sampled traffic (temperature 0.8, top-p 0.95, top-k 50,
+      presence, frequency and repetition penalties), as users run it (async scheduling at its
+      default): 1 - GPU busy / step. GPU busy is the profiler's device time of the same steps (CUDA
+      only; off CUDA the steps' wall times alone)."""
+    import torch
+
+    from orca_backend import LLM
+
+    gpu_check = load_gpu_check()
+    device = torch.device(args.device)
+    model, running, prompt, steps = args.graph_models[0], args.host_running, args.host_prompt, args.host_steps
+    kv_tokens = (running + steps + 1) * (-(-(prompt + 2 * steps + 16) // 16) + 1) * 16  # a CPU's pool
+    result: dict[str, Any] = {"model": model, "dtype": args.dtype, "running": running, "prompt": prompt,
+                              "steps": steps}  # fmt: skip
+    for name, async_scheduling, measure in (("mixed", False, _mixed_steps), ("sampled", None, _sampled_steps)):
+        llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running + 1, kv_capacity_tokens=kv_tokens,
+                  gpu_memory_utilization=KV_POOL_UTILIZATION, max_num_batched_tokens=running + prompt,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        decodes = _HostTimeDecodes(llm.engine, running)
+        try:
+            result[name] = measure(decodes, gpu_check, device, prompt, steps)
+            result[name]["steps_by_path"] = dict(llm.engine.stats().steps_by_path)
+            print(f"{model} {name}: {json.dumps(result[name])}", flush=True)
+            report(result)
+        finally:
+            for stream in decodes.streams:
+                llm.engine.abort_request(stream.request_id)
+            gpu_check.drain(llm)
+            llm.shutdown()
+            del llm, decodes
+            gpu_check.release(None)
+    return result
+
+
+class _HostTimeDecodes:
+    """The host_time stage's running requests on one engine, and a count of every token it streams."""
+
+    def __init__(self, engine: Any, running: int) -> None:
+        import random
+
+        self.engine, self.running, self.tokens, self.streams = engine, running, 0, []
+        self.rng = random.Random(0)
+        self.vocab = engine.model_config.vocab_size
+
+    def count(self, out: Any) -> None:
+        self.tokens += len(out.new_token_ids)
+
+    def prompt(self, length: int) -> list[int]:
+        return [self.rng.randrange(1, self.vocab) for _ in range(length)]
+
+    def start(self, params: Any) -> None:
+        """`running` requests, stepped until every one decodes (async scheduling's pipeline full)."""
+        decoding: set[str] = set()
+
+        def on_output(out: Any) -> None:
+            decoding.add(out.request_id)
+            self.count(out)
+
+        self.streams = self.engine.add_requests([self.prompt(16) for _ in range(self.running)], params,
+                                                on_output=on_output)  # fmt: skip
+        while len(decoding) < self.running:
+            self.engine.step()
+        for _ in range(3):
+            self.engine.step()
+
+
+def _busy_ms(gpu_check: ModuleType, fn: Callable[[], object], calls: int, device: Any) -> float | None:
+    return (gpu_check.gpu_kernel_time(fn, calls, device) or {}).get("gpu_ms_per_call")
+
+
+def _mixed_steps(decodes: _HostTimeDecodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
+    from orca_backend import SamplingParams
+
+    decodes.start(SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True))
+    joining = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def mixed_step() -> None:
+        decodes.engine.add_requests([decodes.prompt(prompt)], joining, on_output=decodes.count)
+        decodes.engine.step()
+
+    before = decodes.tokens
+    times = [gpu_check.wall_seconds(mixed_step, device) for _ in range(steps)]
+    if decodes.tokens - before != steps * (decodes.running + 1):  # every step: each decode and the new prompt
+        raise RuntimeError(f"{decodes.tokens - before} tokens in {steps} mixed steps of {decodes.running} decodes "
+                           "and one prompt each: not every step was that mix")  # fmt: skip
+    step_ms = statistics.median(times) * 1e3
+    busy = _busy_ms(gpu_check, mixed_step, steps, device)
+    return {"step_ms_median": step_ms, "gpu_busy_ms": busy, "host_ms": None if busy is None else step_ms - busy}
+
+
+def _sampled_steps(decodes: _HostTimeDecodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
+    from orca_backend import SamplingParams
+
+    decodes.start(SamplingParams(max_tokens=4 * steps + 64, temperature=0.8, top_p=0.95, top_k=50,
+                                 presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                 ignore_eos=True, seed=7))  # fmt: skip
+    engine = decodes.engine
+    step_ms = gpu_check.wall_seconds(lambda: [engine.step() for _ in range(steps)], device) / steps * 1e3
+    busy = _busy_ms(gpu_check, engine.step, steps, device)
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "gpu_idle": None if busy is None else max(0.0, 1.0 - busy / step_ms),
+            "async_scheduling": bool(engine.core.config.async_scheduling)}  # fmt: skip
+
+
+def render_host_time(r: dict[str, Any]) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = ["## Host time (issue #41's mixed-step and idle targets)", "",
+             f"{r['model']} ({r['dtype']}), {r['running']} requests decoding. GPU busy: the profiler's device time "
+             "per step (CUDA only).", ""]  # fmt: skip
+    if m := r.get("mixed"):
+        lines.append(f"- **Mixed step** (a {r['prompt']}-token prompt joining every step, synchronous): "
+                     f"{ms(m['step_ms_median'])} ms a step, GPU busy {ms(m['gpu_busy_ms'])} ms, **host "
+                     f"{ms(m['host_ms'])} ms** (target <= 1 ms); steps by path {m['steps_by_path']}.")  # fmt: skip
+    if smp := r.get("sampled"):
+        idle = "-" if smp["gpu_idle"] is None else f"{smp['gpu_idle']:.0%}"
+        lines.append(f"- **Sampled traffic** (temperature 0.8, top-p, top-k, penalties; async scheduling "
+                     f"{'on' if smp['async_scheduling'] else 'off'}): {ms(smp['step_ms'])} ms a step, GPU busy "
+                     f"{ms(smp['gpu_busy_ms'])} ms, **GPU idle {idle}** (target <= 10%); steps by path "
+                     f"{smp['steps_by_path']}.")  # fmt: skip
+    return [*lines, ""]
+
+
 def run_decode_attention(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     """The decode step's attention launch as the models make it (GPT-2's write_kv_attention, the
     Llama family's rotary_write_kv_attention) over a paged pool of shuffled 16-token blocks, every
@@ -1080,6 +1212,8 @@ STAGES = [
     # 900-token prompts and 96 tokens at most: inside GPT-2's 1,024-token context.
     Stage("decode_throughput", "the first model decoding 256 requests at ~1k-token contexts: tok/s", 90,
           run_decode_throughput, render_decode_throughput),
+    Stage("host_time", "a mixed step's host time; GPU idle under sampled traffic (64 running)", 60, run_host_time,
+          render_host_time),
     Stage("decode_attention", "decode attention at real shapes vs copy bandwidth", 60, run_decode_attention,
           render_decode_attention),
     Stage("int4_gemm", "the int4 dequantizing GEMM vs the dense GEMM at decode and prefill shapes", 45, run_int4_gemm,
@@ -1100,6 +1234,7 @@ DEFAULTS: dict[str, Any] = {
     "served_streams": [256, 1024], "served_instances": [1, 4, 8],
     "int_gemm_shapes": [(4096, 4096), (14336, 4096)], "int_gemm_tokens": [1, 16, 256, 2048], "int_gemm_reps": 20,
     "throughput_running": 256, "throughput_context": 900, "throughput_steps": 64, "throughput_chunk": 8192,
+    "host_running": 64, "host_prompt": 512, "host_steps": 16,
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "dtype": "float32", "graph_models": ["gpt2-tiny", "llama-tiny"], "graph_max_seqs": 8, "replay_reps": 3,
@@ -1107,6 +1242,7 @@ QUICK: dict[str, Any] = {
     "served_streams": [16], "served_instances": [2],
     "int_gemm_shapes": [(48, 256)], "int_gemm_tokens": [1, 20], "int_gemm_reps": 2,
     "throughput_running": 4, "throughput_context": 40, "throughput_steps": 3, "throughput_chunk": 64,
+    "host_running": 3, "host_prompt": 20, "host_steps": 2,
 }  # fmt: skip
 
 
@@ -1140,6 +1276,9 @@ def parse_args(argv: list[str], stages: list[Stage]) -> argparse.Namespace:
     p.add_argument("--throughput-context", type=int, help="decode_throughput stage: each prompt's tokens")
     p.add_argument("--throughput-steps", type=int, help="decode_throughput stage: decode steps timed")
     p.add_argument("--throughput-chunk", type=int, help="decode_throughput stage: max_num_batched_tokens")
+    p.add_argument("--host-running", type=int, help="host_time stage: requests decoding together")
+    p.add_argument("--host-prompt", type=int, help="host_time stage: the joining prompt's tokens (mixed steps)")
+    p.add_argument("--host-steps", type=int, help="host_time stage: steps timed")
     p.add_argument("--int-gemm-tokens", type=int, nargs="+", help="int4_gemm stage: token counts")
     p.add_argument("--int-gemm-reps", type=int)
     p.set_defaults(int_gemm_shapes=None)  # [out, in] pairs: DEFAULTS' or QUICK's, no flag

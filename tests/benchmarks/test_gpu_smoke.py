@@ -22,8 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.py"
-STAGES = ("env", "kernel_tests", "graphs", "decode_throughput", "decode_attention", "int4_gemm", "triton_compile",
-          "served")
+STAGES = ("env", "kernel_tests", "graphs", "decode_throughput", "host_time", "decode_attention", "int4_gemm",
+          "triton_compile", "served")
 
 # Stand-in stages. `hang` reports its own pid and a child's, then never ends; `fail` reports a partial
 # result, then raises; `kill_runner` kills the runner (a device command cut off at its limit).
@@ -230,6 +230,18 @@ def test_decode_throughput_times_steps_where_every_request_decodes(quick_run):
     assert run["tokens"] == run["running"] * run["steps"]
     assert finite_positive(run["tok_s"]) and finite_positive(run["ms_per_step"])
     assert "Decode throughput" in quick_run[1] and "output tok/s" in quick_run[1]
+
+
+@QUICK_RUN
+def test_host_time_times_mixed_steps_and_sampled_steps(quick_run):
+    run = result(quick_run, "host_time")
+    assert (run["model"], run["running"], run["prompt"], run["steps"]) == ("gpt2-tiny", 3, 20, 2)
+    mixed, sampled = run["mixed"], run["sampled"]
+    assert finite_positive(mixed["step_ms_median"]) and finite_positive(sampled["step_ms"])
+    # Off CUDA there is no device profile: no busy time, no host or idle figure made up from it.
+    assert mixed["gpu_busy_ms"] is None and mixed["host_ms"] is None and sampled["gpu_idle"] is None
+    assert sampled["async_scheduling"] is False  # unset: off on a CPU
+    assert "Mixed step" in quick_run[1] and "Sampled traffic" in quick_run[1]
 
 
 @QUICK_RUN
