@@ -56,7 +56,8 @@ CASES = [
     Case("qwen2.5-0.5b gate_up", 2 * 4864, 896, "silu_and_mul", False, False, False),
     Case("qwen2.5-0.5b lm_head", 151936, 896, "none", False, False, False),
 ]
-QUICK_CASES = [Case("tiny qkv", 96, 32, "none", True, True, True), Case("tiny gate_up", 128, 32, "silu_and_mul", False, False, False)]  # fmt: skip
+QUICK_CASES = [Case("tiny qkv", 96, 32, "none", True, True, True), Case("tiny gate_up", 128, 32, "silu_and_mul", False, False, False),
+               Case("tiny lm_head", 257, 32, "none", True, False, True)]  # fmt: skip
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried at each row count.
 DECODE_TILINGS = [(16, n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
@@ -118,6 +119,21 @@ def unfused(case: Case, rows: int, device: Any, dtype: Any) -> Any:
         return ops.silu_and_mul(y) if case.activation == "silu_and_mul" else y
 
     return run
+
+
+def head_logits(case: Case, rows: int, device: Any, dtype: Any, pad_to: int) -> Any:
+    """A callable of an LM head's logits as the models take them (the GEMM, then float32), its weight
+    padded with zero rows to a multiple of `pad_to` and the logits cut back (1: as stored). cuBLAS
+    picks an unaligned kernel for an output of 50,257 columns (GPT-2's), three times slower at 16-64
+    rows than an aligned head three times the size: vLLM pads its vocabulary to 64."""
+    import torch
+
+    o = operands(case, rows, device, dtype)
+    weight, vocab = o["weight"], case.out_rows
+    padded = -(-vocab // pad_to) * pad_to
+    if padded != vocab:
+        weight = torch.cat([weight, weight.new_zeros(padded - vocab, case.hidden)])
+    return lambda: torch.nn.functional.linear(o["x"], weight)[:, :vocab].float()
 
 
 def compile_shard(points: list[tuple[Case, int, tuple[int, ...]]], device: str, dtype: str) -> list[str]:
@@ -185,9 +201,17 @@ def main() -> int:
         torch_us[f"{case.name}/{rows}"] = gpu_check.graph_seconds(linear, device, reps=args.reps) * 1e6
         unfused_us[f"{case.name}/{rows}"] = gpu_check.graph_seconds(unfused(case, rows, device, dtype), device,
                                                                     reps=args.reps) * 1e6  # fmt: skip
+    # LM heads whose vocabulary is not a multiple of 64: as stored, and padded (head_logits).
+    head_us: dict[str, list[float]] = {}
+    for case, rows in itertools.product(cases, rows_tilings):
+        if case.name.endswith("lm_head") and case.out_rows % 64:
+            stored, padded = (head_logits(case, rows, device, dtype, pad) for pad in (1, 64))
+            torch.testing.assert_close(padded(), stored(), rtol=1e-2, atol=1e-2)  # the same logits either way
+            head_us[f"{case.name}/{rows}"] = [gpu_check.graph_seconds(fn, device, reps=args.reps) * 1e6
+                                              for fn in (stored, padded)]  # fmt: skip
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "dtype": args.dtype, "copy_gb_s": copy_gb_s, "points": results, "torch_linear_us": torch_us,
-               "unfused_us": unfused_us}  # fmt: skip
+               "unfused_us": unfused_us, "lm_head_as_stored_and_padded_us": head_us}  # fmt: skip
     (out / "norm_linear_configs.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# norm_linear tilings on {summary['device']} ({args.dtype})", "",
              f"Device copy: {copy_gb_s:.0f} GB/s (read + write). Times: CUDA-graph replays, L2 flushed before each call.",
@@ -206,6 +230,11 @@ def main() -> int:
             key = f"{case.name}/{rows}"
             lines.append(f"| {case.name} | {rows} | {c} | {tuple(best['blocks'])} | {best['us']:.1f} | {best['of_copy']:.0%} | "
                          f"{torch_us[key]:.1f} | {unfused_us[key]:.1f} |")
+    if head_us:
+        lines += ["", "LM head logits (F.linear, then float32), the vocabulary as stored and padded to a multiple of 64:", "",
+                  "| case | rows | as stored us | padded us |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {key.split('/')[0]} | {key.split('/')[1]} | {plain:.1f} | {padded:.1f} |"
+                  for key, (plain, padded) in head_us.items()]  # fmt: skip
     (out / "norm_linear_configs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

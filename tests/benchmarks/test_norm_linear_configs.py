@@ -30,5 +30,9 @@ def test_the_sweep_times_every_tiling_and_marks_the_chosen_one(tmp_path):
             mine = [p for p in points if p["name"] == name and p["rows"] == rows]
             assert sum(p["chosen"] for p in mine) == 1 and len(mine) >= 2
             assert summary["torch_linear_us"][f"{name}/{rows}"] > 0 and summary["unfused_us"][f"{name}/{rows}"] > 0
+    # The odd-vocabulary LM head, as stored and padded to 64 rows.
+    heads = summary["lm_head_as_stored_and_padded_us"]
+    assert set(heads) == {f"tiny lm_head/{rows}" for rows in {p["rows"] for p in points}}
+    assert all(len(us) == 2 and min(us) > 0 for us in heads.values())
     table = (tmp_path / "norm_linear_configs.md").read_text()
-    assert table.count("| tiny ") == len({(p["name"], p["rows"]) for p in points})
+    assert table.count("| tiny ") == len({(p["name"], p["rows"]) for p in points}) + len(heads)
