@@ -10,7 +10,7 @@ quantized per token, int8 sums by torch._int_mm, FP8 by torch._scaled_mm on CUDA
 On the Triton kernel set, steps of up to `NORM_LINEAR_MAX_TOKENS[norm]` tokens run each layer's pre-norm
 inside the GEMM it feeds (`ops.norm_linear`, kernels/orca_kernels/triton_norm_linear.py): the q/k/v
 and MLP-input GEMMs are Triton's there, and the o/down projections leave their bias to the next
-norm, so no linear of a decode step has a bias cuBLAS would add with a launch of its own at one row.
+norm. The caps are measured, per norm (below).
 """
 
 from __future__ import annotations
