@@ -105,12 +105,14 @@ def median_seconds(fn: Callable[[], object], device: torch.device, reps: int, wa
     return statistics.median(times)
 
 
-def copy_seconds(device: torch.device, nbytes: int, reps: int = 20) -> float:
-    """Median seconds of a device copy of `nbytes` random bytes: over buffers far larger than L2 (50 MB
-    on an H100) it reads and writes every byte once, the memory's ceiling."""
+def copy_seconds(device: torch.device, nbytes: int, reps: int = 20,
+                 timer: Callable[..., float] = median_seconds) -> float:  # fmt: skip
+    """Seconds of a device copy of `nbytes` random bytes by `timer` (median_seconds, or graph_seconds
+    for a device time beside others taken so): over buffers far larger than L2 (50 MB on an H100) it
+    reads and writes every byte once, the memory's ceiling."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)  # not zeros (see METHOD.md)
     dst = torch.empty_like(src)
-    return median_seconds(functools.partial(dst.copy_, src), device, reps=reps)
+    return timer(functools.partial(dst.copy_, src), device, reps=reps)
 
 
 # What the L2 flush writes between graph-timed calls: larger than any lent GPU's L2 (50 MB on an H100,

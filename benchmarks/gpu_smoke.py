@@ -701,8 +701,6 @@ def run_decode_throughput(args: argparse.Namespace, report: Report) -> dict[str,
     prompts as a user's engine runs it (CUDA graphs, and on CUDA async scheduling, both defaults;
     prompts prefilled in chunks of --throughput-chunk tokens): output tok/s and ms a step over
     --throughput-steps steps in which every request decodes, timed from the host."""
-    import random
-
     import torch
 
     from orca_backend import LLM, SamplingParams
@@ -711,52 +709,33 @@ def run_decode_throughput(args: argparse.Namespace, report: Report) -> dict[str,
     device = torch.device(args.device)
     model, running, context = args.graph_models[0], args.throughput_running, args.throughput_context
     steps = args.throughput_steps
-    kv_tokens = running * (-(-(context + steps + 16) // 16) + 1) * 16  # a CPU's pool; a GPU's takes 0.9
     started = time.perf_counter()
-    llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running, kv_capacity_tokens=kv_tokens,
-              gpu_memory_utilization=KV_POOL_UTILIZATION, max_num_batched_tokens=args.throughput_chunk)  # fmt: skip
+    llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running,
+              kv_capacity_tokens=_pool_tokens(running, context + steps), gpu_memory_utilization=KV_POOL_UTILIZATION,
+              max_num_batched_tokens=args.throughput_chunk)  # fmt: skip
     result: dict[str, Any] = {"model": model, "dtype": args.dtype, "running": running, "context": context,
                               "steps": steps, "chunk": args.throughput_chunk, "build_s": time.perf_counter() - started,
                               "async_scheduling": bool(llm.engine.core.config.async_scheduling)}  # fmt: skip
-    streams = []
+    decodes = _Decodes(llm.engine, running)
     try:
-        engine = llm.engine
-        rng = random.Random(0)
-        vocab = engine.model_config.vocab_size
-        prompts = [[rng.randrange(1, vocab) for _ in range(context)] for _ in range(running)]
-        tokens, decoding = [0], set()
-
-        def on_output(out: Any) -> None:
-            if out.new_token_ids:
-                tokens[0] += len(out.new_token_ids)
-                decoding.add(out.request_id)
-
-        params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
-        streams = engine.add_requests(prompts, params, on_output=on_output)
         started = time.perf_counter()
-        while len(decoding) < running:  # the prompts, in chunks, until every request has a token
-            engine.step()
-        for _ in range(3):  # every request decoding, async scheduling's pipeline full
-            engine.step()
+        decodes.start(SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True), context)
         gpu_check.sync(device)
         result["prefill_s"] = time.perf_counter() - started
-        before, started = tokens[0], time.perf_counter()
+        before, started = decodes.tokens, time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            decodes.engine.step()
         gpu_check.sync(device)
         elapsed = time.perf_counter() - started
-        result |= {"tokens": tokens[0] - before, "tok_s": (tokens[0] - before) / elapsed,
-                   "ms_per_step": elapsed / steps * 1e3, "steps_by_path": dict(engine.stats().steps_by_path)}  # fmt: skip
+        result |= {"tokens": decodes.tokens - before, "tok_s": (decodes.tokens - before) / elapsed,
+                   "ms_per_step": elapsed / steps * 1e3, "steps_by_path": dict(decodes.engine.stats().steps_by_path)}  # fmt: skip
         print(f"{model}: {running} running at ~{context}-token contexts: {result['tok_s']:,.0f} tok/s, "
               f"{result['ms_per_step']:.2f} ms a step (async scheduling {result['async_scheduling']})", flush=True)  # fmt: skip
         report(result)
         return result
     finally:
-        for stream in streams:
-            llm.engine.abort_request(stream.request_id)
-        gpu_check.drain(llm)
-        llm.shutdown()
-        del llm
+        decodes.close(llm, gpu_check)
+        del llm, decodes
         gpu_check.release(None)
 
 
@@ -787,31 +766,34 @@ def run_host_time(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     gpu_check = load_gpu_check()
     device = torch.device(args.device)
     model, running, prompt, steps = args.graph_models[0], args.host_running, args.host_prompt, args.host_steps
-    kv_tokens = (running + steps + 1) * (-(-(prompt + 2 * steps + 16) // 16) + 1) * 16  # a CPU's pool
     result: dict[str, Any] = {"model": model, "dtype": args.dtype, "running": running, "prompt": prompt,
                               "steps": steps}  # fmt: skip
     for name, async_scheduling, measure in (("mixed", False, _mixed_steps), ("sampled", None, _sampled_steps)):
-        llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running + 1, kv_capacity_tokens=kv_tokens,
+        llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=running + 1,
+                  kv_capacity_tokens=_pool_tokens(running + steps + 1, prompt + 2 * steps),
                   gpu_memory_utilization=KV_POOL_UTILIZATION, max_num_batched_tokens=running + prompt,
                   async_scheduling=async_scheduling)  # fmt: skip
-        decodes = _HostTimeDecodes(llm.engine, running)
+        decodes = _Decodes(llm.engine, running)
         try:
             result[name] = measure(decodes, gpu_check, device, prompt, steps)
             result[name]["steps_by_path"] = dict(llm.engine.stats().steps_by_path)
             print(f"{model} {name}: {json.dumps(result[name])}", flush=True)
             report(result)
         finally:
-            for stream in decodes.streams:
-                llm.engine.abort_request(stream.request_id)
-            gpu_check.drain(llm)
-            llm.shutdown()
+            decodes.close(llm, gpu_check)
             del llm, decodes
             gpu_check.release(None)
     return result
 
 
-class _HostTimeDecodes:
-    """The host_time stage's running requests on one engine, and a count of every token it streams."""
+def _pool_tokens(requests: int, tokens_each: int) -> int:
+    """A CPU's K/V pool for `requests` of up to `tokens_each` tokens, in whole 16-token blocks and one
+    more each (a GPU's pool takes KV_POOL_UTILIZATION of its memory instead)."""
+    return requests * (-(-(tokens_each + 16) // 16) + 1) * 16
+
+
+class _Decodes:
+    """A stage's running requests on one engine, and a count of every token it streams."""
 
     def __init__(self, engine: Any, running: int) -> None:
         import random
@@ -826,27 +808,37 @@ class _HostTimeDecodes:
     def prompt(self, length: int) -> list[int]:
         return [self.rng.randrange(1, self.vocab) for _ in range(length)]
 
-    def start(self, params: Any) -> None:
-        """`running` requests, stepped until every one decodes (async scheduling's pipeline full)."""
+    def start(self, params: Any, prompt_tokens: int = 16) -> None:
+        """`running` requests of `prompt_tokens`-token prompts, stepped until every one has a token,
+        then three more steps: every request decoding, async scheduling's pipeline full."""
         decoding: set[str] = set()
 
         def on_output(out: Any) -> None:
-            decoding.add(out.request_id)
-            self.count(out)
+            if out.new_token_ids:
+                decoding.add(out.request_id)
+                self.count(out)
 
-        self.streams = self.engine.add_requests([self.prompt(16) for _ in range(self.running)], params,
+        self.streams = self.engine.add_requests([self.prompt(prompt_tokens) for _ in range(self.running)], params,
                                                 on_output=on_output)  # fmt: skip
         while len(decoding) < self.running:
             self.engine.step()
         for _ in range(3):
             self.engine.step()
 
+    def close(self, llm: Any, gpu_check: ModuleType) -> None:
+        """The requests aborted, the engine drained and shut down (the caller then drops its last
+        references and calls gpu_check.release, so that the next engine finds the memory free)."""
+        for stream in self.streams:
+            llm.engine.abort_request(stream.request_id)
+        gpu_check.drain(llm)
+        llm.shutdown()
+
 
 def _busy_ms(gpu_check: ModuleType, fn: Callable[[], object], calls: int, device: Any) -> float | None:
     return (gpu_check.gpu_kernel_time(fn, calls, device) or {}).get("gpu_ms_per_call")
 
 
-def _mixed_steps(decodes: _HostTimeDecodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
+def _mixed_steps(decodes: _Decodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
     from orca_backend import SamplingParams
 
     decodes.start(SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True))
@@ -866,7 +858,7 @@ def _mixed_steps(decodes: _HostTimeDecodes, gpu_check: ModuleType, device: Any, 
     return {"step_ms_median": step_ms, "gpu_busy_ms": busy, "host_ms": None if busy is None else step_ms - busy}
 
 
-def _sampled_steps(decodes: _HostTimeDecodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
+def _sampled_steps(decodes: _Decodes, gpu_check: ModuleType, device: Any, prompt: int, steps: int) -> dict:
     from orca_backend import SamplingParams
 
     decodes.start(SamplingParams(max_tokens=4 * steps + 64, temperature=0.8, top_p=0.95, top_k=50,
@@ -973,9 +965,7 @@ def attention_point(
     # (what an eager step pays, host launch included).
     seconds = gpu_check.graph_seconds(call, device, reps=args.attention_reps)
     eager_s = gpu_check.median_seconds(call, device, reps=args.attention_reps)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_s = gpu_check.graph_seconds(functools.partial(dst.copy_, src), device, reps=args.attention_reps)
+    copy_s = gpu_check.copy_seconds(device, nbytes, reps=args.attention_reps, timer=gpu_check.graph_seconds)
     gb_s, copy_gb_s = nbytes / seconds / 1e9, 2 * nbytes / copy_s / 1e9
     return {"batch": batch, "context": context, "bytes": nbytes, "us": seconds * 1e6, "eager_us": eager_s * 1e6,
             "gb_s": gb_s, "copy_us": copy_s * 1e6, "copy_gb_s": copy_gb_s, "fraction_of_copy": gb_s / copy_gb_s}  # fmt: skip
