@@ -9,13 +9,15 @@ Where proposals can be right: the benchmark first trains (seeded, a few minutes 
 GPT-2 (25M parameters: two layers 1,024 wide) on text whose continuations repeat earlier spans, as code, templates and quoted text
 do, so a model that learned to copy can be anticipated by looking its context up (n-gram) or by a
 smaller model trained alike (the draft), or by an EAGLE head trained on the target's own hidden states
-(one narrow Llama layer). The held-out prompts come from the same generator. Two rows
+(one narrow Llama layer). The held-out prompts come from the same generator. Three rows
 measure what speculation costs when it does not pay: a draft of random weights (every proposal
-wrong: the price of verifying them), and n-gram proposals on a target of random weights whose text
-repeats nothing (little is proposed: the price of looking).
+wrong: a few rounds a request, then the proposals pause), the same with `max_pause_steps` 0 (every
+decode proposes and verifies, as in vLLM), and n-gram proposals on a target of random weights whose
+text repeats nothing (little is proposed: the price of looking).
 
 Every configuration runs the same greedy requests `--repeats` times, interleaved (configurations
-in turn within each repeat), and the tokens of each must equal no speculation's (checked). The JSON
+in turn within each repeat, each repeat starting one configuration later), and the tokens of each
+must equal no speculation's (checked). The JSON
 holds every timing, the training losses, the machine and the commit.
 """
 
@@ -223,7 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         "draft_model": (target_dir, draft(draft_dir), copying),
         "eagle": (target_dir, {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": k}, copying),
         "self_draft": (target_dir, draft(target_dir), copying),
-        "random_draft": (target_dir, draft(random_draft), copying),  # every proposal wrong: what verifying costs
+        "random_draft": (target_dir, draft(random_draft), copying),  # every proposal wrong: what it costs
+        # The same with every decode proposing however often it was wrong (vLLM's way): what the
+        # pause after fruitless rounds saves.
+        "random_draft_no_pause": (target_dir, {**draft(random_draft), "max_pause_steps": 0}, copying),
         "none_untrained": (random_target, None, random_tokens),
         "ngram_untrained": (random_target, ngram, random_tokens),  # text that repeats nothing: little to propose
     }
@@ -243,8 +248,12 @@ def main(argv: list[str] | None = None) -> None:
                      for name, (_, _, prompts) in configs.items() if name.startswith("none")}  # fmt: skip
         timings: dict[str, list[float]] = {name: [] for name in configs}
         counts: dict[str, tuple[int, int, int]] = {}
-        for _ in range(args.repeats):
-            for name, (_, _, prompts) in configs.items():
+        names = list(configs)
+        for repeat in range(args.repeats):
+            # Each repeat starts one configuration later, so that none is always first (the first of
+            # a round measured slower than its place elsewhere) or always after the same one.
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                prompts = configs[name][2]
                 before = engines[name].engine.core.stats()
                 seconds, tokens = run(engines[name], prompts, batch, args.max_tokens)
                 after = engines[name].engine.core.stats()

@@ -102,6 +102,10 @@ class SpeculativeConfig:
     # No request proposes in a step while more than this many run (vLLM's name; where a batch fills
     # the device, verifying proposals costs more than it saves). None: always.
     disable_by_batch_size: int | None = None
+    # This engine's own (not vLLM's): a request whose proposals keep being rejected pauses them,
+    # longer after each further fruitless round, never for more than this many of its steps (the
+    # scheduler's SPEC_PAUSE_*). 0: every decode proposes, as vLLM's do.
+    max_pause_steps: int = 256
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -130,10 +134,10 @@ class SpeculativeConfig:
         config = cls(**values)
         lookups = ("prompt_lookup_min", "prompt_lookup_max") if method == "ngram" else ()
         optional = ("disable_by_batch_size",) if config.disable_by_batch_size is not None else ()
-        for name in ("num_speculative_tokens", *lookups, *optional):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        for name in ("num_speculative_tokens", *lookups, *optional, "max_pause_steps"):
+            value, least = getattr(config, name), 0 if name == "max_pause_steps" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"speculative_config: {name} must be an integer >= {least}, got {value!r}")
         if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {config.num_speculative_tokens}")  # fmt: skip

@@ -78,6 +78,10 @@ class Request:
     # (RequestMetrics).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Its verify steps in a row that accepted none of their proposals, and how many of its decodes
+    # go on without proposals (the scheduler's pause after fruitless rounds).
+    spec_fruitless: int = 0
+    spec_paused: int = 0
     # Structured output: its grammar's matcher lives in the scheduler's StructuredOutputManager, and the
     # steps it samples in carry its bitmask row (read for every request every iteration: one attribute).
     structured: bool = field(init=False, default=False)

@@ -25,7 +25,8 @@ Speculative decoding (`speculative_config`): as a step is built, each running de
 speculate (`Request.can_speculate`) gets proposed tokens (core/ngram_proposer.py), cut where its
 `max_tokens` or a stop token would end it, and runs them with its last token: 1 + k tokens from the
 token budget, and K/V slots taken as any others, but never by preempting another request (without
-free blocks it decodes plainly). When the step lands it keeps the accepted proposals and the token
+free blocks it decodes plainly), nor while its proposals keep being rejected (a pause that grows
+with each further fruitless round, `_pace_proposals`). When the step lands it keeps the accepted proposals and the token
 after them; the K/V of the rejected ones is garbage past its computed count, and the blocks that held
 only them go back to the pool (paged). A request's next step needs its tokens to propose from, so
 with speculation no request runs ahead (async scheduling).
@@ -75,6 +76,17 @@ from orca_backend.scheduler_output import (
 # class costs several times a global read.
 _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED
+
+# Speculative decoding's pause (`Scheduler._pace_proposals`): after this many fruitless rounds in a
+# row a request stops proposing for SPEC_PAUSE_FIRST of its steps, each further fruitless round
+# multiplying the pause by SPEC_PAUSE_GROWTH (up to speculative_config's max_pause_steps). Two rounds,
+# as a single miss is common where proposals pay (the end of a repeated span), and a round after a
+# pause proposes k as every round does (on CUDA a verify step is graphed only where every request
+# verifies k). A first pause of 64: most of a round's cost where nothing is accepted is the
+# proposer's (a draft model's k passes), and a request of 64 tokens then verifies two rounds, not 63.
+SPEC_PAUSE_AFTER = 2
+SPEC_PAUSE_FIRST = 64
+SPEC_PAUSE_GROWTH = 4
 
 
 @dataclass
@@ -235,6 +247,7 @@ class Scheduler:
             self.runner_proposes = speculative.num_speculative_tokens
         if speculative is not None and speculative.disable_by_batch_size is not None:
             self.speculate_below = speculative.disable_by_batch_size + 1
+        self.max_pause_steps = speculative.max_pause_steps if speculative is not None else 0
         self.num_spec_drafts = 0
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
@@ -429,9 +442,12 @@ class Scheduler:
                 if scheduled >= len(request.block_tables[0]) * block_size:  # (num_blocks, inlined: running, it holds some)
                     need_block.append(request)
                 if speculating and num_output and request.can_speculate:
-                    drafts = self._propose(request)
-                    if drafts:
-                        proposals[request.request_id] = drafts
+                    if request.spec_paused:
+                        request.spec_paused -= 1
+                    else:
+                        drafts = self._propose(request)
+                        if drafts:
+                            proposals[request.request_id] = drafts
             elif left > 1:
                 prefills.append(request)
         if not prefills and not proposals and len(decodes) <= min(self.max_num_seqs, budget) \
@@ -565,12 +581,11 @@ class Scheduler:
         the token the step samples anyway, and up to (with) the first stop token among them (while
         a min_tokens ban is on, the rows it covers reject a stop token). With a draft model or an
         EAGLE head, placeholders (PROPOSED_BY_RUNNER) the model runner fills in."""
-        num_output = len(request.output_ids)
+        limit = request.params.max_tokens - len(request.output_ids) - 1
         if self.runner_proposes:  # a grammar's masks need the proposals here: constrained requests go without
-            count = 0 if request.structured else min(self.runner_proposes, request.params.max_tokens - num_output - 1)
-            return [PROPOSED_BY_RUNNER] * count
+            return [] if request.structured else [PROPOSED_BY_RUNNER] * min(self.runner_proposes, limit)
         assert self.proposer is not None
-        drafts = self.proposer.propose(request, request.params.max_tokens - num_output - 1)
+        drafts = self.proposer.propose(request, limit)
         for i, token in enumerate(drafts):
             if token in request.stop_ids:
                 drafts = drafts[: i + 1]
@@ -578,6 +593,23 @@ class Scheduler:
         if request.structured and drafts:  # what its grammar refuses could never be accepted
             drafts = drafts[: self.structured.valid_prefix(request.request_id, drafts)]
         return drafts
+
+    def _pace_proposals(self, request: Request, accepted: int) -> None:
+        """After a request's verify step: from its SPEC_PAUSE_AFTER-th fruitless round in a row (none
+        of its proposals accepted) its decodes pause proposing, SPEC_PAUSE_FIRST of its steps and
+        SPEC_PAUSE_GROWTH times longer after each further one, at most `max_pause_steps`; a round
+        that accepts any resumes at once. Where proposals are never right (a draft that does not fit
+        the text, text that does not repeat) their cost is then two rounds in a request's first 64
+        steps and one in each pause after, instead of every step's; where they are, one miss (a
+        phrase's end) pauses nothing. Each request paces itself by its own steps, so a seeded
+        request's tokens do not depend on what else runs."""
+        if accepted:
+            request.spec_fruitless = 0
+            return
+        request.spec_fruitless += 1
+        beyond = request.spec_fruitless - SPEC_PAUSE_AFTER
+        if self.max_pause_steps and beyond >= 0:
+            request.spec_paused = min(SPEC_PAUSE_FIRST * SPEC_PAUSE_GROWTH ** min(beyond, 8), self.max_pause_steps)
 
     def _fit_proposals(self, request: Request, drafts: list[int], budget: int) -> list[int] | None:
         """The proposals the decode runs: those the token budget leaves room for after its last
@@ -732,6 +764,7 @@ class Scheduler:
             self.spec_accepted_per_pos[i] += 1
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += accepted
+        self._pace_proposals(request, accepted)
         request.num_computed += 1 + accepted
         self.kv.register_computed(request)
         ended = self._land_tokens(request, [*drafts[:accepted], token], token_logprobs)

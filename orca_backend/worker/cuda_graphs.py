@@ -17,6 +17,8 @@ captured at load, largest first, all in one memory pool:
 - Speculative decoding's verify steps in which every request verifies k proposals (`VerifyGraphs`):
   1 + k queries and as many logits rows per request, padded to a batch size as decode steps are (up
   to MAX_VERIFY_BATCH); a verify step with fewer proposals for some request runs eagerly.
+- A draft model's passes (worker/draft_proposer.py): its own `MixedGraphs` (a round's first pass)
+  and `DecodeGraphs` (the one-token passes after it) over the draft's forward, in the same pool.
 - Every other step (`MixedGraphs`): padded to a token count of 16, 32, 64, ... below the largest,
   and the largest: max_num_batched_tokens, or `DEFAULT_MAX_GRAPH_TOKENS` when that is unset
   (`mixed_capture_sizes`; 8 sizes at most from 16 to 2048, so capture time and the pool, sized by

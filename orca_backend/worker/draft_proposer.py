@@ -8,12 +8,22 @@ request's blocks.
 A request's first pass computes the draft's K/V for what the draft has not seen yet: after its
 prompt or a preemption, its whole context; else the tokens accepted since its last proposals (those
 of its proposals the target accepted keep the K/V the draft wrote for them) and its last token.
-Then k - 1 passes of one token each. Drafting is greedy: each proposal names one token, so the
-sampler verifies it as it does an n-gram proposal (q = 1 there), and sampling stays exact. (A
-first pass after a preemption is as long as the context.)
+Then k - 1 passes of one token each, each one's input the token the pass before chose, on the
+device: the proposals are read back once, after the last pass. Drafting is greedy: each proposal
+names one token, so the sampler verifies it as it does an n-gram proposal (q = 1 there), and
+sampling stays exact. (A first pass after a preemption is as long as the context.)
+
+On CUDA the passes replay CUDA graphs (worker/cuda_graphs.py), captured at load beside the
+target's in the same memory pool: first passes bucketed by token count as the target's mixed
+steps are (one or two tokens a request once it proposes every step, padded to 16), the one-token
+passes by batch size as decode steps are. A first pass above the largest bucket (a whole prompt)
+runs eagerly; `pass_paths` counts how each pass ran.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,8 +34,16 @@ from orca_backend.model.device import torch_dtype
 from orca_backend.model.loader import load_model
 from orca_backend.model.stage_input import StageInput
 from orca_backend.scheduler_output import SchedulerOutput
-from orca_backend.worker.input_batch import InputBatch, ragged_arange
+from orca_backend.worker.cuda_graphs import (
+    DecodeGraphs,
+    MixedGraphs,
+    StepGraphs,
+    capture_sizes,
+    mixed_capture_sizes,
+)
+from orca_backend.worker.input_batch import InputBatch, StepInputs, ragged_arange
 from orca_backend.worker.runner_proposer import RunnerProposer
+from orca_kernels import AttentionMetadata
 
 
 class DraftProposer(RunnerProposer):
@@ -52,6 +70,21 @@ class DraftProposer(RunnerProposer):
         # what they were (those the target accepted keep their K/V).
         self._valid: dict[int, tuple[int, int]] = {}  # row -> (epoch, valid)
         self._last: dict[int, tuple[int, list[int]]] = {}  # row -> (start, proposals)
+        # Its passes' static buffers (`static_graphs`), None where its passes run eagerly: a round's
+        # first pass, and the one-token passes after it.
+        self.first_graphs: MixedGraphs | None = None
+        self.next_graphs: DecodeGraphs | None = None
+        self.pass_paths: Counter[str] = Counter()
+
+    def static_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> list[StepGraphs]:
+        """A round's first pass, ragged (what the draft has not seen, through the last token: one or
+        two tokens a request once it proposes every step), bucketed by token count as the target's
+        mixed steps are; the one-token passes after it by batch size as decode steps are."""
+        self.first_graphs = MixedGraphs(self._model_forward, mixed_capture_sizes(max_num_batched_tokens), max_num_seqs,
+                                        max_blocks, self.block_size, self.device)  # fmt: skip
+        self.next_graphs = DecodeGraphs(self._model_forward, capture_sizes(max_num_seqs), max_blocks, self.block_size,
+                                        self.device)  # fmt: skip
+        return [self.first_graphs, self.next_graphs]
 
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
@@ -61,22 +94,25 @@ class DraftProposer(RunnerProposer):
         ends = batch.num_tokens[spec_rows].astype(np.int64)  # each one's tokens: its last one is at ends - 1
         starts = np.array([self._valid_from(row, end, batch) for row, end in
                            zip(spec_rows.tolist(), ends.tolist(), strict=True)], dtype=np.int64)  # fmt: skip
-        drafts = np.zeros((len(positions), int(counts.max())), dtype=np.int64)
-        # Pass 1: what the draft has not seen, through the last token; then one token a pass.
+        # Pass 1: what the draft has not seen, through the last token; then one token a pass, each
+        # pass's input the one before's output, on the device (one read-back for them all).
         lengths = ends - starts
         total = int(lengths.sum())
         token_positions = np.repeat(starts, lengths) + ragged_arange(lengths, total)
         token_rows = np.repeat(spec_rows, lengths)
-        drafts[:, 0] = self._forward(batch, spec_rows, token_rows, token_positions, lengths, ends,
-                                     batch.token_ids[token_rows, token_positions])  # fmt: skip
+        first = self.pass_inputs(batch, spec_rows, token_rows, token_positions, lengths, ends,
+                                 batch.token_ids[token_rows, token_positions])  # fmt: skip
+        drafts = torch.zeros((len(positions), int(counts.max())), dtype=torch.int64, device=self.device)
+        drafts[:, 0] = self._pass(self.first_graphs, first)
         for j in range(1, drafts.shape[1]):
             active = np.flatnonzero(counts > j)
             at = ends[active] + j - 1  # where proposal j - 1 goes in
-            ones = np.ones(len(active), dtype=np.int64)
-            drafts[active, j] = self._forward(batch, spec_rows[active], spec_rows[active], at, ones, at + 1,
-                                              drafts[active, j - 1])  # fmt: skip
+            inputs = self.pass_inputs(batch, spec_rows[active], spec_rows[active], at, np.ones_like(at), at + 1)
+            index = self.put(active)
+            drafts[:, j].index_copy_(0, index, self._pass(self.next_graphs, inputs, drafts[:, j - 1].index_select(0, index)))
+        host = drafts.cpu().numpy()
         for i, position in enumerate(positions):
-            row, proposal = int(spec_rows[i]), drafts[i, : counts[i]].tolist()
+            row, proposal = int(spec_rows[i]), host[i, : counts[i]].tolist()
             self.fill(step, batch, position, row, proposal)
             self._valid[row] = (int(batch.row_epoch[row]), int(ends[i]))
             self._last[row] = (int(ends[i]), proposal[:-1])  # the last one is never fed to the draft
@@ -96,11 +132,22 @@ class DraftProposer(RunnerProposer):
             kept += 1
         return min(max(valid, start + kept), end - 1)
 
-    def _forward(self, batch: InputBatch, rows: np.ndarray, token_rows: np.ndarray, token_positions: np.ndarray,
-                 lengths: np.ndarray, context_lens: np.ndarray, input_ids: np.ndarray) -> np.ndarray:  # fmt: skip
-        """One draft pass: each request's `lengths` tokens at `token_positions`, attending to its
-        first `context_lens` positions; its greedy next token after the last, on the host."""
-        meta = self.metadata(batch, rows, token_rows, token_positions, lengths, context_lens)
-        stage_input = StageInput(self.put(input_ids.astype(np.int64)), self.put(token_positions.astype(np.int64)))
-        logits = self.model.forward(stage_input, [meta], self.kv_caches, self.put(np.cumsum(lengths) - 1))
-        return logits.argmax(dim=-1).cpu().numpy()
+    def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft pass: each request's greedy next token after its last token of `inputs`, on the
+        device; `input_ids`: the pass's tokens on the device (else `inputs.input_ids`'). It runs on
+        the graphs' static buffers where they hold it (their graph replayed on CUDA), else eagerly;
+        `pass_paths` counts which (cuda_graphs.GRAPH_REPLAYED, "static_buffers", or why eagerly)."""
+        reason = "no_graphs" if graphs is None else graphs.eager_reason(inputs)
+        if graphs is not None and not reason:
+            self.pass_paths[graphs.path(inputs)] += 1
+            ahead = None if input_ids is None else (torch.arange(len(input_ids), device=self.device), input_ids)
+            return graphs.run(inputs, ahead).argmax(dim=-1)
+        self.pass_paths[reason] += 1
+        ids = self.put(inputs.input_ids) if input_ids is None else input_ids
+        logits = self.model.forward(StageInput(ids, self.put(inputs.positions)), [self.metadata(inputs)], self.kv_caches,
+                                    self.put(inputs.logits_indices))  # fmt: skip
+        return logits.argmax(dim=-1)
+
+    def _model_forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
+                       logits_indices: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return self.model.forward(stage_input, metas, self.kv_caches, logits_indices)

@@ -91,7 +91,7 @@ class EagleProposer(RunnerProposer):
         sampled = starts + kept >= batch.num_tokens[rows]  # the step reached the request's last token
         tokens = np.asarray(output.token_ids, dtype=np.int64)[ran]
         next_ids[ends[sampled]] = tokens[sampled]
-        meta = self.metadata(batch, rows, token_rows, positions, kept, starts + kept)
+        meta = self.metadata(self.pass_inputs(batch, rows, token_rows, positions, kept, starts + kept))
         source = self.put(np.repeat(flat_start, kept) + offsets)
         out, proposals = self.head.propose(self.put(next_ids), self.head.from_target(hidden.index_select(0, source)),
                                            self.put(positions), meta, self.kv_caches, self.put(ends))  # fmt: skip
@@ -125,7 +125,8 @@ class EagleProposer(RunnerProposer):
             if not still.all():
                 active, states = active[still], states.index_select(0, self.put(np.flatnonzero(still)))
             where = at[active] + j
-            meta = self.metadata(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where), where + 1)
+            meta = self.metadata(self.pass_inputs(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where),
+                                                  where + 1))  # fmt: skip
             states, tokens = self.head.propose(self.put(drafts[active, j - 1]), states, self.put(where), meta,
                                                self.kv_caches, self.put(np.arange(len(active))))  # fmt: skip
             drafts[active, j] = tokens.cpu().numpy()

@@ -147,7 +147,7 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [G, B, W], W the most blocks any context of the batch fills
     max_query_len: int
     max_context_len: int
-    sampling: SamplingBatch
+    sampling: SamplingBatch | None  # None: a proposer's pass (worker/runner_proposer.py), which samples nothing
     lora_slots: np.ndarray | None = None  # int32 [T]: each token's adapter slot (-1: none); None when no token has one
     prompt_logprobs: PromptLogprobRows | None = None  # None: no request of the step computes prompt logprobs
     pooling: PoolingRows | None = None  # None: no embedding request pools in this step

@@ -176,6 +176,10 @@ class ModelRunner:
             if self.num_speculative_tokens:
                 self.verify_graphs = self._capture(self.static_verify(verify_capture_sizes(config.max_num_seqs)),
                                                    self.mixed_graphs.pool)  # fmt: skip
+            if self.drafter is not None:  # the draft model's passes (an EAGLE head's run eagerly)
+                for graphs in self.drafter.static_graphs(config.max_num_seqs, config.max_num_batched_tokens,
+                                                         self.input_batch.block_table.shape[2]):  # fmt: skip
+                    self._capture(graphs, self.mixed_graphs.pool)
 
     def _allocate_pool(self, num_slots: int, model_config: AnyModelConfig,
                        config: EngineConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
@@ -433,6 +437,7 @@ class ModelRunner:
             assert spec_logits is not None
             rows = step.spec_bitmask_rows
             apply_bitmask(spec_logits, decode_bitmask(step.spec_bitmask, len(rows)), rows)
+        assert inputs.sampling is not None  # (a target's step always has its sampling)
         sampled = self.sampler.launch(logits, inputs.sampling, prompt_logits, inputs.prompt_logprobs, pooled,
                                       spec_logits, inputs.spec)  # fmt: skip
         self.input_batch.draws_used()

@@ -5,8 +5,10 @@ the blocks it took), which they fill in just before the target's forward verifie
 
 Their model's K/V lives in a pool of its own beside the target's, slot for slot: the same block
 tables and slot mapping, its own layers and heads, so the scheduler's blocks serve both models and
-nothing is allocated for the proposer alone. Its passes are not counted in the step's token budget,
-and on a GPU each pass reads its tokens back to the host.
+nothing is allocated for the proposer alone. Its passes are not counted in the step's token budget.
+A pass's inputs are laid out as a target step's (`pass_inputs`: input_batch.StepInputs), so the
+graphs' static buffers take them: the draft model's passes replay graphs of their own on CUDA, the
+EAGLE head's run eagerly (each reads its tokens back to the host).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 import torch
 
 from orca_backend.scheduler_output import PROPOSED_BY_RUNNER, SamplerOutput, SchedulerOutput
-from orca_backend.worker.input_batch import InputBatch
+from orca_backend.worker.cuda_graphs import StepGraphs
+from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_kernels import AttentionMetadata
 
 
@@ -45,6 +48,12 @@ class RunnerProposer:
         layers, heads, head_dim = self.kv_geometry
         self.kv_caches = allocate_kv_pool(layers, num_slots, heads, head_dim, self.dtype, self.device)
 
+    def static_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> list[StepGraphs]:
+        """The static buffers its passes run on where they fit (not captured yet: the runner captures
+        them on CUDA; on a CPU the passes run on them eagerly, as the tests do). None here: its passes
+        run eagerly."""
+        return []
+
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
         """Fills in the step's placeholder proposals (in `step.spec_tokens`, and past each request's
         tokens in its row, where the target's forward reads them). `rows`: the step's rows."""
@@ -69,20 +78,39 @@ class RunnerProposer:
         end = int(batch.num_tokens[row])
         batch.token_ids[row, end : end + len(proposal)] = proposal
 
-    def metadata(self, batch: InputBatch, rows: np.ndarray, token_rows: np.ndarray, token_positions: np.ndarray,
-                 lengths: np.ndarray, context_lens: np.ndarray) -> AttentionMetadata:  # fmt: skip
-        """The attention metadata of a pass: each of `rows`' `lengths` tokens at `token_positions`
-        (of `token_rows`), written to the slots the target's tables give them, each request
-        attending to its first `context_lens` positions."""
-        size = self.block_size
-        slots = batch.block_table[token_rows, 0, token_positions // size].astype(np.int64) * size + token_positions % size
+    def pass_inputs(self, batch: InputBatch, rows: np.ndarray, token_rows: np.ndarray, token_positions: np.ndarray,
+                    lengths: np.ndarray, context_lens: np.ndarray, input_ids: np.ndarray | None = None) -> StepInputs:  # fmt: skip
+        """A pass's inputs, as a target step's are laid out (so the graphs' static buffers take them):
+        each of `rows`' `lengths` tokens (`input_ids`; zeros where the device supplies them) at
+        `token_positions` (of `token_rows`), written to the slots the target's tables give them,
+        each request attending to its first `context_lens` positions, a logits row at its last
+        token. The target's first K/V group's tables: the proposer's pool has one."""
+        size, count = self.block_size, len(token_positions)
+        flat64 = np.zeros(3 * count, dtype=np.int64)
+        if input_ids is not None:
+            flat64[:count] = input_ids
+        flat64[count : 2 * count] = token_positions
+        flat64[2 * count :] = batch.block_table[token_rows, 0, token_positions // size].astype(np.int64) * size \
+            + token_positions % size  # fmt: skip
+        flat32 = np.zeros(3 * len(rows) + 1, dtype=np.int32)
+        query_start, context, logits_indices = np.split(flat32, [len(rows) + 1, 2 * len(rows) + 1])
+        np.cumsum(lengths, out=query_start[1:])
+        context[:] = context_lens
+        logits_indices[:] = query_start[1:] - 1
         width = -(-int(context_lens.max()) // size)
-        query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return StepInputs(
+            flat64[:count], flat64[count : 2 * count], flat64[2 * count :].reshape(1, count), flat64, query_start,
+            context, logits_indices, flat32, np.ascontiguousarray(batch.block_table[rows, 0, :width])[None],
+            max_query_len=int(lengths.max()), max_context_len=int(context_lens.max()), sampling=None,
+        )  # fmt: skip
+
+    def metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """The attention metadata of a pass run eagerly."""
         return AttentionMetadata(
-            query_start=self.put(query_start), context_lens=self.put(context_lens.astype(np.int32)),
-            block_tables=self.put(np.ascontiguousarray(batch.block_table[rows, 0, :width])),
-            slot_mapping=self.put(slots), block_size=size, max_query_len=int(lengths.max()),
-            max_context_len=int(context_lens.max()), num_requests=len(rows),
+            query_start=self.put(inputs.query_start), context_lens=self.put(inputs.context_lens),
+            block_tables=self.put(inputs.block_tables[0]), slot_mapping=self.put(inputs.slot_mapping[0]),
+            block_size=self.block_size, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
+            num_requests=inputs.num_requests,
         )  # fmt: skip
 
     def put(self, array: np.ndarray) -> torch.Tensor:

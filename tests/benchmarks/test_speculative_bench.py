@@ -35,7 +35,8 @@ def test_a_short_run_writes_every_configuration(tmp_path):
     report = json.loads(out.read_text())
     assert set(report) >= {"command", "commit", "machine", "k", "losses", "results"}
     assert len(report["losses"]["target"]) == len(report["losses"]["eagle"]) == 2  # steps 0 and the last
-    names = ["none", "ngram", "draft_model", "eagle", "self_draft", "random_draft", "none_untrained", "ngram_untrained"]
+    names = ["none", "ngram", "draft_model", "eagle", "self_draft", "random_draft", "random_draft_no_pause",
+             "none_untrained", "ngram_untrained"]
     assert set(report["results"]) == {f"{n}@batch{b}" for n in names for b in (1, 2)}
     for name, result in report["results"].items():
         assert len(result["tok_s"]) == len(result["speedup"]) == 1

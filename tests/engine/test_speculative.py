@@ -20,11 +20,14 @@ from orca_backend.core.ngram_proposer import NgramProposer
 
 K = OracleProposer.K
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+# Every decode proposes, however often its proposals were rejected (no pause): for the tests of what
+# rejection does, which would otherwise see only a request's first few rounds rejected.
+NO_PAUSE = {"max_pause_steps": 0}
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def speculating_llm(path, proposer=None, **options) -> LLM:
-    llm = LLM(str(path), speculative_config=NGRAM, **options)
+def speculating_llm(path, proposer=None, spec: dict | None = None, **options) -> LLM:
+    llm = LLM(str(path), speculative_config=json.dumps({**json.loads(NGRAM), **(spec or {})}), **options)
     if proposer is not None:
         llm.engine.core.scheduler.proposer = proposer
     return llm
@@ -41,7 +44,7 @@ def test_greedy_tokens_equal_the_engine_without_speculation(tiny_checkpoint, mod
     prompts = random_prompts(6, config.vocab_size, seed=3)
     expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
     proposer = OracleProposer(prompts, expected, config.vocab_size, wrong)
-    llm = speculating_llm(path, proposer, max_num_seqs=8, **KV_MODES[mode])
+    llm = speculating_llm(path, proposer, NO_PAUSE, max_num_seqs=8, **KV_MODES[mode])
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
     assert 0 < stats.spec_num_draft_tokens <= proposer.proposed  # a token budget cuts proposals
@@ -91,7 +94,7 @@ def test_rejected_proposals_give_their_blocks_back(tiny_checkpoint):
     prompts = random_prompts(2, config.vocab_size, seed=4)
     expected = references(path, prompts)
     proposer = OracleProposer(prompts, expected, config.vocab_size, "always")
-    llm = speculating_llm(path, proposer, kv_policy="paged", block_size=2)
+    llm = speculating_llm(path, proposer, NO_PAUSE, kv_policy="paged", block_size=2)
     engine, core = llm.engine, llm.engine.core
     scheduled: dict[str, list[int]] = {}
     schedule = core.scheduler.schedule
@@ -215,6 +218,7 @@ def test_ngram_proposer_index_grows_with_the_request_as_a_fresh_lookup_would():
      "prompt_lookup_min \\(4\\) must be at most"),
     ('[1]', "must be a JSON object"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "max_pause_steps": -1}', "max_pause_steps must be an integer >= 0"),
 ])  # fmt: skip
 def test_a_bad_speculative_config_is_refused_naming_the_field(text, message):
     with pytest.raises(ValueError, match=message):
@@ -370,8 +374,8 @@ def test_stop_strings_cut_inside_a_step_of_several_tokens(tiny_checkpoint):
     assert [o.output_ids for o in outputs] == [o.output_ids for o in expected]
 
 
-def draft_config(path, k: int = K) -> str:
-    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+def draft_config(path, k: int = K, **options) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k, **options})
 
 
 @pytest.mark.parametrize("mode", KV_MODES)
@@ -408,7 +412,7 @@ def test_draft_model_with_random_weights_still_exact(tiny_checkpoint, make_check
     draft, _ = make_checkpoint(config, seed=9)
     prompts = random_prompts(5, config.vocab_size, seed=15)
     expected = references(path, prompts, **KV_MODES[mode])
-    llm = LLM(str(path), speculative_config=draft_config(draft, 3), **KV_MODES[mode])
+    llm = LLM(str(path), speculative_config=draft_config(draft, 3, **NO_PAUSE), **KV_MODES[mode])
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
@@ -426,7 +430,7 @@ def test_draft_model_after_preemption_and_with_a_smaller_draft(tiny_checkpoint, 
     prompts = random_prompts(8, config.vocab_size, seed=21)
     options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 160, "max_num_seqs": 8}
     expected = references(path, prompts, **options)
-    llm = LLM(str(path), speculative_config=draft_config(draft), **options)
+    llm = LLM(str(path), speculative_config=draft_config(draft, **NO_PAUSE), **options)
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
     assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
@@ -484,9 +488,72 @@ def test_disable_by_batch_size_stops_proposals_while_more_requests_run(tiny_chec
     assert any(spec for running, spec in steps if running <= 2)
 
 
+def proposal_rounds(llm: LLM) -> dict[str, list[tuple[int, int]]]:
+    """Notes, per request, each step's (its output tokens before the step, its proposals) as the
+    scheduler schedules it."""
+    rounds: dict[str, list[tuple[int, int]]] = {}
+    scheduler = llm.engine.core.scheduler
+    schedule = scheduler.schedule
+
+    def schedule_and_note():
+        batch = schedule()
+        if batch is not None:
+            for i, request in enumerate(batch.requests):
+                if request.output_ids:
+                    rounds.setdefault(request.request_id, []).append((len(request.output_ids), len(batch.spec.get(i, ()))))
+        return batch
+
+    scheduler.schedule = schedule_and_note
+    return rounds
+
+
+@pytest.mark.parametrize("wrong", ["always", "never", "late"])
+def test_proposals_pause_while_they_keep_being_rejected(tiny_checkpoint, wrong):
+    """Two fruitless rounds in a row pause a request's proposals for 64 of its steps, a fruitless
+    round after that 256 more; proposals that are right never pause; a round after a pause that is
+    accepted resumes proposals at once. Tokens unchanged."""
+    from orca_backend.core.scheduler import SPEC_PAUSE_AFTER, SPEC_PAUSE_FIRST, SPEC_PAUSE_GROWTH
+
+    assert (SPEC_PAUSE_AFTER, SPEC_PAUSE_FIRST, SPEC_PAUSE_GROWTH) == (2, 64, 4)  # the rounds below
+    path, config = tiny_checkpoint
+    prompts = random_prompts(3, config.vocab_size, seed=25)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    expected = references(path, prompts, params)
+    proposer = OracleProposer(prompts, expected, config.vocab_size, "always" if wrong == "late" else wrong)
+    llm = speculating_llm(path, proposer)
+    rounds = proposal_rounds(llm)
+    if wrong == "late":  # right from the round after the first pause on
+        propose = proposer.propose
+        proposer.propose = lambda request, limit: (
+            setattr(proposer, "wrong", "never") if len(request.output_ids) >= 60 else None, propose(request, limit))[1]
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert len(rounds) == len(prompts)
+    for steps in rounds.values():
+        proposed = [(before, count) for before, count in steps if count]
+        if wrong == "never":  # every step proposes K (fewer where max_tokens comes)
+            assert all(count == min(K, 99 - before) for before, count in steps)
+        elif wrong == "always":  # rounds after its first and second tokens, then one 64 steps on
+            assert proposed == [(1, K), (2, K), (67, K)]
+            assert [before for before, _ in steps] == list(range(1, 100))  # a token a step
+        else:  # the round after the pause accepted: it proposes every step from there
+            assert proposed[:3] == [(1, K), (2, K), (67, K)]
+            assert all(count == min(K, 99 - before) for before, count in proposed[2:]) and len(proposed) > 4
+            assert proposed[3][0] == 67 + 1 + K  # the round's proposals and the token after them
+
+
+def test_max_pause_steps_zero_proposes_every_step(tiny_checkpoint):
+    path, config = tiny_checkpoint
+    prompts = random_prompts(2, config.vocab_size, seed=26)
+    expected = references(path, prompts)
+    llm = speculating_llm(path, OracleProposer(prompts, expected, config.vocab_size, "always"), NO_PAUSE)
+    rounds = proposal_rounds(llm)
+    assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert all(count == min(K, GREEDY.max_tokens - 1 - before) for steps in rounds.values() for before, count in steps), rounds
+
+
 # ---- EAGLE heads --------------------------------------------------------------------------------
-def eagle_config(head, k: int = K) -> str:
-    return json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": k})
+def eagle_config(head, k: int = K, **options) -> str:
+    return json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": k, **options})
 
 
 @pytest.fixture(scope="module")
@@ -507,7 +574,7 @@ def test_eagle_with_a_random_head_still_exact(tiny_checkpoint, random_head, mode
     path, config = tiny_checkpoint
     prompts = random_prompts(6, config.vocab_size, seed=31)
     expected = references(path, prompts, max_num_seqs=8, **KV_MODES[mode])
-    llm = LLM(str(path), max_num_seqs=8, speculative_config=eagle_config(random_head), **KV_MODES[mode])
+    llm = LLM(str(path), max_num_seqs=8, speculative_config=eagle_config(random_head, **NO_PAUSE), **KV_MODES[mode])
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
@@ -668,7 +735,8 @@ def test_each_first_proposal_is_the_reference_heads_on_transformers_hidden_state
         head = write_eagle3_head(tmp_path / "head", tensors, 320, [1, 2, 3])
     prompts = random_prompts(4, 320, seed=8)
     llm = LLM(str(tmp_path / "target"), kv_policy="paged", block_size=4,
-              speculative_config=json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3}))  # fmt: skip
+              speculative_config=json.dumps({"method": method, "model": str(head), "num_speculative_tokens": 3,
+                                             **NO_PAUSE}))  # fmt: skip
     seen = recorded_first_proposals(llm)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.output_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
@@ -699,7 +767,7 @@ def test_eagle3_with_a_random_head_still_exact_through_preemption_and_prefix_hit
     prompts = [shared + tail for tail in random_prompts(6, 320, seed=42)]
     options = {"kv_policy": "paged", "block_size": 4, "kv_capacity_tokens": 200, "max_num_seqs": 6,
                "enable_prefix_caching": True}  # fmt: skip
-    llm = LLM(str(tmp_path / "target"), speculative_config=eagle_config(head, 3).replace('"eagle"', '"eagle3"'),
+    llm = LLM(str(tmp_path / "target"), speculative_config=eagle_config(head, 3, **NO_PAUSE).replace('"eagle"', '"eagle3"'),
               **options)  # fmt: skip
     assert [o.output_ids for o in llm.generate(prompts, GREEDY)] == [hf_greedy(model, p, GREEDY.max_tokens)
                                                                       for p in prompts]  # fmt: skip

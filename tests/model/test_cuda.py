@@ -232,6 +232,26 @@ def test_async_scheduling_tokens_equal_sync(make_checkpoint) -> None:
     assert llm.engine.core.max_batches_in_flight == 2
 
 
+def test_draft_model_passes_replay_graphs_and_keep_the_tokens(make_checkpoint) -> None:
+    """Speculative decoding with a draft model (a smaller GPT-2 of random weights, every decode
+    proposing): the draft's passes replay their captured graphs, and the tokens equal the engine's
+    without speculation, float32."""
+    import json
+
+    path, config = make_checkpoint(GEOMETRIES[3], seed=3, tokenizer=False)
+    draft, _ = make_checkpoint(GPT2Config(vocab_size=config.vocab_size, n_positions=128, n_embd=64, n_layer=1, n_head=4,
+                                          initializer_range=0.3), seed=5, tokenizer=False)  # fmt: skip
+    prompts = prompts_for(config.vocab_size, seed=4)
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    expected = [o.output_ids for o in LLM(str(path), device="cuda", dtype="float32").generate(prompts, params)]
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "max_pause_steps": 0})
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, speculative_config=spec)
+    drafter = llm.engine.core.executor.runner.drafter
+    assert sorted(drafter.next_graphs.graphs) == [1, 2, 4, 8] and drafter.first_graphs.graphs
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
+
+
 def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) -> None:
     """An FP8 (block-scaled) Llama-family checkpoint: on CUDA its projections stay FP8 (the Triton
     dequantizing GEMM), and its float32 greedy tokens equal the CPU's, which dequantizes at load."""

@@ -23,6 +23,7 @@ import orca_kernels.cpu_llama_ops
 from orca_backend.model import gemm
 from orca_backend.worker.cuda_graphs import StepGraphs
 from orca_backend.worker.model_runner import ModelRunner
+from orca_backend.worker.runner_proposer import RunnerProposer
 
 
 class LaunchRecorder(TorchDispatchMode):
@@ -154,9 +155,10 @@ def record_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> bool:
     return True
 
 
-def named_buffers(runner: ModelRunner, graphs: StepGraphs) -> dict[str, torch.Tensor]:
+def named_buffers(runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> dict[str, torch.Tensor]:
     """The memory a step of `graphs` may read that lives longer than the step, by name: the static
-    buffers, the K/V pool, and every tensor the model holds (weights, rope tables, LoRA slots)."""
+    buffers, the K/V pool, and every tensor the model holds (weights, rope tables, LoRA slots). A
+    draft model's passes: the draft proposer's pool and model."""
     named = {name: getattr(graphs, name) for name in ("tokens", "requests", "block_tables", "lora_map", "every_token")}
     named = {name: tensor for name, tensor in named.items() if tensor is not None}
     for i, (k, v) in enumerate(runner.kv_caches):
@@ -314,7 +316,7 @@ class GuardedSteps:
     failures: list[HostReadError] = dataclasses.field(default_factory=list)
 
 
-def guard_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, graphs: StepGraphs) -> GuardedSteps:
+def guard_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> GuardedSteps:
     """Every `graphs.run` from here on runs under a fresh `CaptureGuard` (the registered device memory
     as it is then)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -327,7 +329,8 @@ def guard_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner, graphs: St
     run, seen = graphs.run, GuardedSteps()
 
     def guarded_run(inputs, ahead=None):
-        guard = CaptureGuard(named_buffers(runner, graphs).values(), graphs.staging_buffers())
+        # `ahead` is device memory by its contract (tokens the device filled in): on a CPU, registered.
+        guard = CaptureGuard([*named_buffers(runner, graphs).values(), *(ahead or ())], graphs.staging_buffers())
         current[0] = guard
         try:
             with capture_guard(monkeypatch, guard):
@@ -349,7 +352,7 @@ class StepRecorder:
     `recordings` maps a bucket to [(the step, its launches)], the step named by its live (tokens,
     requests), or "padding" for the all-padding step a capture records (`record_padding`)."""
 
-    def __init__(self, runner: ModelRunner, graphs: StepGraphs) -> None:
+    def __init__(self, runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> None:
         self.runner, self.graphs = runner, graphs
         self.recordings: dict[int, list[tuple[object, list[tuple]]]] = {}
         self.label: object = None

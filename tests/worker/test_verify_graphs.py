@@ -27,7 +27,7 @@ from orca_backend.worker.model_runner import ModelRunner
 
 K = OracleProposer.K
 MAX_NUM_SEQS = 8
-SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": K})
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": K, "max_pause_steps": 0})  # every step verifies
 MAX_TOKENS = [40, 29, 52, 33, 45, 26]
 
 
