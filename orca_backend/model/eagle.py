@@ -124,6 +124,20 @@ class EagleHead(Decoder):
         """The head at `positions` on tokens `input_ids` [T] and the hidden states [T, H] before them
         (`from_target`'s, or its own): its output [T, H] (what stands in for the target's hidden
         state at the next position), and its greedy token at the rows `last` [R], as the target's id."""
+        out, logits = self.forward(input_ids, hidden, positions, meta, kv_caches, last)
+        return out, self.draft_ids(logits)
+
+    def draft_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of the head's logits, as the target's id."""
+        return logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`propose`'s output, and the logits at the rows `last` [R, its vocabulary] (what a CUDA
+        graph of its passes returns: the tokens are taken outside it)."""
         w, ops, eps = self.weights, self.ops, self.config.rms_norm_eps
         embedded = F.embedding(input_ids, self.embed_table)
         hidden = hidden.to(embedded.dtype)
@@ -134,7 +148,7 @@ class EagleHead(Decoder):
         # The first layer has no input norm (EAGLE's design): it reads fc's output as it is.
         x, residual = self._layers(x, x, x, positions, meta, kv_caches)
         out = x + residual
-        return out, gemm.linear(out.index_select(0, last), self.lm_head_table).argmax(dim=-1)
+        return out, gemm.linear(out.index_select(0, last), self.lm_head_table)
 
 
 class Eagle3Head(EagleHead):
@@ -153,8 +167,14 @@ class Eagle3Head(EagleHead):
         aux = hidden[:, self.head_config.target_hidden_size :].to(self.weights.fc_w.dtype)
         return gemm.linear(aux, self.weights.fc_w)
 
+    def draft_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        draft = logits.argmax(dim=-1)
+        if self.weights.draft_to_target is not None:  # its draft vocabulary's ids onto the target's
+            draft = draft + self.weights.draft_to_target.index_select(0, draft)
+        return draft
+
     @torch.inference_mode()
-    def propose(
+    def forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -167,10 +187,7 @@ class Eagle3Head(EagleHead):
         residual = normed if self.head_config.norm_before_residual else hidden
         x, residual = self._layers(hidden, residual, torch.cat([embedded, normed], dim=-1), positions, meta, kv_caches)
         out, before_norm = ops.add_rmsnorm(x, residual, w.norm_w, eps)
-        draft = gemm.linear(out.index_select(0, last), self.lm_head_table).argmax(dim=-1)
-        if w.draft_to_target is not None:
-            draft = draft + w.draft_to_target.index_select(0, draft)
-        return before_norm, draft
+        return before_norm, gemm.linear(out.index_select(0, last), self.lm_head_table)
 
 
 def load_eagle_head(head_dir: str, method: str, target: StageModel, dtype: torch.dtype,

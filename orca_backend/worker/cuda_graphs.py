@@ -17,8 +17,9 @@ captured at load, largest first, all in one memory pool:
 - Speculative decoding's verify steps in which every request verifies k proposals (`VerifyGraphs`):
   1 + k queries and as many logits rows per request, padded to a batch size as decode steps are (up
   to MAX_VERIFY_BATCH); a verify step with fewer proposals for some request runs eagerly.
-- A draft model's passes (worker/draft_proposer.py): its own `MixedGraphs` (a round's first pass)
-  and `DecodeGraphs` (the one-token passes after it) over the draft's forward, in the same pool.
+- A proposer's passes (worker/draft_proposer.py, eagle_proposer.py): its own `MixedGraphs` (a
+  draft's first pass of a round, an EAGLE head's pass over what a step kept) and `DecodeGraphs`
+  (the one-token passes), over its own forward, in the same pool.
 - Every other step (`MixedGraphs`): padded to a token count of 16, 32, 64, ... below the largest,
   and the largest: max_num_batched_tokens, or `DEFAULT_MAX_GRAPH_TOKENS` when that is unset
   (`mixed_capture_sizes`; 8 sizes at most from 16 to 2048, so capture time and the pool, sized by
@@ -168,10 +169,13 @@ class StepGraphs:
     def __init__(
         self, forward: Forward, sizes: list[int], max_blocks: int, block_size: int, device: torch.device,
         lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
+        hidden_input: tuple[int, torch.dtype] | None = None,
     ) -> None:  # fmt: skip
         """`hidden_layers` (an EAGLE head's): not None, each step returns every token's final hidden
         state too, and the hidden states entering those layers (StageInput.aux_layers). `num_groups`:
-        the K/V groups, each with its slots and block tables (orca_backend/kv_groups.py)."""
+        the K/V groups, each with its slots and block tables (orca_backend/kv_groups.py).
+        `hidden_input` (an EAGLE head's passes): (width, dtype) of a hidden state per token that each
+        step reads beside its tokens (StageInput.hidden), copied in on the device by `run`."""
         self.forward = forward
         self.num_groups = num_groups
         self.sizes = sorted(set(sizes))
@@ -190,6 +194,8 @@ class StepGraphs:
         self.every_token = torch.arange(num_tokens, device=device) if hidden_layers is not None else None
         self.requests = torch.zeros((3, max(num_requests + 1, num_logits)), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((num_groups, num_requests, max_blocks), dtype=torch.int32, device=device)
+        self.hidden_in = None if hidden_input is None else \
+            torch.zeros((num_tokens, hidden_input[0]), dtype=hidden_input[1], device=device)  # fmt: skip
         # LoRA (`lora_slots` adapter slots): each token's slot, the tokens sorted by slot, each slot's
         # start and count among them (orca_kernels.lora.LoRAMetadata), in one int32 buffer.
         self.lora_slots = lora_slots
@@ -250,15 +256,20 @@ class StepGraphs:
         """How `run` runs a step that fits: its bucket's graph replayed, or the static buffers eagerly."""
         return GRAPH_REPLAYED if self.bucket(self.size_of(inputs)) in self.graphs else "static_buffers"
 
-    def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs, ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
+            hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The logits of a step that fits (no `eager_reason`), a row per logits index of the step: its
         graph replayed on CUDA, the same static-buffer forward run eagerly elsewhere. On CUDA the view
-        is valid until the next run. `ahead` (async scheduling): (token positions, ids) written over
-        the input tokens on the device."""
+        is valid until the next run. `ahead` (async scheduling, a proposer's passes): (token
+        positions, ids) written over the input tokens on the device. `hidden` (with `hidden_input`):
+        the live tokens' hidden states [T, width], copied in on the device."""
         rows = len(inputs.logits_indices)
         size = self.load(inputs)
         if ahead is not None:
             self.tokens[0].index_copy_(0, *ahead)
+        if hidden is not None:
+            assert self.hidden_in is not None, "these graphs read no hidden states"
+            self.hidden_in[: len(hidden)].copy_(hidden)
         graph = self.graphs.get(size)
         if graph is None:
             out = self.forward(*self.views(size))
@@ -383,7 +394,8 @@ class StepGraphs:
                                 mapping[2 * max_tokens : 2 * max_tokens + slots], mapping[2 * max_tokens + slots :],
                                 None, None)  # fmt: skip
         every_token = self.every_token[:num_tokens] if self.every_token is not None else None
-        stage_input = StageInput(input_ids, positions, None, lora, every_token, self.hidden_layers or ())
+        hidden = self.hidden_in[:num_tokens] if self.hidden_in is not None else None
+        stage_input = StageInput(input_ids, positions, hidden, lora, every_token, self.hidden_layers or ())
         return stage_input, metas, self.requests[2, : self.num_logits(size)]
 
     # ------------------------------------------------------------------ capture
@@ -465,9 +477,11 @@ class MixedGraphs(StepGraphs):
     def __init__(
         self, forward: Forward, sizes: list[int], max_num_seqs: int, max_blocks: int, block_size: int,
         device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
+        hidden_input: tuple[int, torch.dtype] | None = None,
     ) -> None:  # fmt: skip
         self.max_num_seqs = max_num_seqs
-        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers, num_groups)
+        super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers, num_groups,
+                         hidden_input)  # fmt: skip
 
     def size_of(self, inputs: StepInputs) -> int:
         return inputs.num_tokens

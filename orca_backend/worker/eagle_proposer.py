@@ -19,11 +19,17 @@ K/V beside the target's in the same blocks (written when another request compute
 request's copied block carries it (the runner copies both pools), and a resumed request's prefill
 writes it again. Drafting is greedy, so the sampler verifies each proposal as an n-gram one (q = 1)
 and sampling stays exact. With the head on, every step's forward returns the hidden states of
-every token (a CUDA graph's too, from a buffer of its bucket's size); the head's own passes run
-eagerly.
+every token (a CUDA graph's too, from a buffer of its bucket's size). On CUDA the head's own
+passes replay graphs of their own (`static_graphs`): each reads a hidden state per token from a
+static buffer beside its tokens (`StepGraphs`' hidden_input) and returns its logits and output; the
+tokens are taken outside the graph (an EAGLE-3 head's mapped onto the target's vocabulary there).
+A proposing pass reads its tokens back to the host before the next.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -32,10 +38,18 @@ from orca_backend.config import EngineConfig
 from orca_backend.families import AnyModelConfig
 from orca_backend.model.device import torch_dtype
 from orca_backend.model.eagle import EagleHead, load_eagle_head
-from orca_backend.model.stage_input import StageModel
+from orca_backend.model.stage_input import StageInput, StageModel
 from orca_backend.scheduler_output import SamplerOutput, SchedulerOutput
-from orca_backend.worker.input_batch import InputBatch, ragged_arange
+from orca_backend.worker.cuda_graphs import (
+    DecodeGraphs,
+    MixedGraphs,
+    StepGraphs,
+    capture_sizes,
+    mixed_capture_sizes,
+)
+from orca_backend.worker.input_batch import InputBatch, StepInputs, ragged_arange
 from orca_backend.worker.runner_proposer import RunnerProposer
+from orca_kernels import AttentionMetadata
 
 
 class EagleProposer(RunnerProposer):
@@ -62,6 +76,11 @@ class EagleProposer(RunnerProposer):
         # InputBatch.row_epoch; the position the head last ran at; its proposal for the token after
         # the next; its hidden state there).
         self._next: dict[int, tuple[int, int, int, torch.Tensor]] = {}
+        # Its passes' static buffers (`static_graphs`), None where they run eagerly: the pass over
+        # what a step kept, and the one-token passes that propose; how each pass ran.
+        self.observe_graphs: MixedGraphs | None = None
+        self.propose_graphs: DecodeGraphs | None = None
+        self.pass_paths: Counter[str] = Counter()
 
     @property
     def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -91,15 +110,48 @@ class EagleProposer(RunnerProposer):
         sampled = starts + kept >= batch.num_tokens[rows]  # the step reached the request's last token
         tokens = np.asarray(output.token_ids, dtype=np.int64)[ran]
         next_ids[ends[sampled]] = tokens[sampled]
-        meta = self.metadata(self.pass_inputs(batch, rows, token_rows, positions, kept, starts + kept))
+        inputs = self.pass_inputs(batch, rows, token_rows, positions, kept, starts + kept, next_ids)
         source = self.put(np.repeat(flat_start, kept) + offsets)
-        out, proposals = self.head.propose(self.put(next_ids), self.head.from_target(hidden.index_select(0, source)),
-                                           self.put(positions), meta, self.kv_caches, self.put(ends))  # fmt: skip
+        out, proposals = self._pass(self.observe_graphs, inputs, self.head.from_target(hidden.index_select(0, source)))
         proposals = proposals.cpu().numpy()
         last_hidden = out.index_select(0, self.put(ends))
         for i in np.flatnonzero(sampled).tolist():
             row = int(rows[i])
             self._next[row] = (int(batch.row_epoch[row]), int(positions[ends[i]]), int(proposals[i]), last_hidden[i])
+
+    def static_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> list[StepGraphs]:
+        """The head's pass over what a step kept, bucketed by token count as the target's mixed steps
+        (a token or a few a request, after decode and verify steps), and its one-token passes by
+        batch size as decode steps; each reads a hidden state per token beside its tokens (the
+        target's, mapped by `from_target`, or the head's own) and returns the head's output too."""
+        width = (self.head.config.hidden_size, self.dtype)
+        self.observe_graphs = MixedGraphs(self._head_forward, mixed_capture_sizes(max_num_batched_tokens), max_num_seqs,
+                                          max_blocks, self.block_size, self.device, hidden_layers=(),
+                                          hidden_input=width)  # fmt: skip
+        self.propose_graphs = DecodeGraphs(self._head_forward, capture_sizes(max_num_seqs), max_blocks, self.block_size,
+                                           self.device, hidden_layers=(), hidden_input=width)  # fmt: skip
+        return [self.observe_graphs, self.propose_graphs]
+
+    def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the head on `inputs`' tokens and `hidden` [T, H]: its output [T, H] and its
+        greedy token at each request's last token, on the device. On the graphs' static buffers
+        where they hold it (their graph replayed on CUDA), else eagerly; `pass_paths` counts which."""
+        reason = "no_graphs" if graphs is None else graphs.eager_reason(inputs)
+        self.pass_paths[reason or graphs.path(inputs)] += 1  # type: ignore[union-attr]
+        if graphs is not None and not reason:
+            logits, out = graphs.run(inputs, None, hidden)
+            return out[: inputs.num_tokens], self.head.draft_ids(logits)
+        out, logits = self.head.forward(self.put(inputs.input_ids), hidden, self.put(inputs.positions),
+                                        self.metadata(inputs), self.kv_caches, self.put(inputs.logits_indices))  # fmt: skip
+        return out, self.head.draft_ids(logits)
+
+    def _head_forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
+                      logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A graphed pass: (logits, the head's output), as a target step with hidden states returns them."""
+        assert stage_input.hidden is not None
+        out, logits = self.head.forward(stage_input.input_ids, stage_input.hidden, stage_input.positions, metas[0],
+                                        self.kv_caches, logits_indices)  # fmt: skip
+        return logits, out
 
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
@@ -125,10 +177,9 @@ class EagleProposer(RunnerProposer):
             if not still.all():
                 active, states = active[still], states.index_select(0, self.put(np.flatnonzero(still)))
             where = at[active] + j
-            meta = self.metadata(self.pass_inputs(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where),
-                                                  where + 1))  # fmt: skip
-            states, tokens = self.head.propose(self.put(drafts[active, j - 1]), states, self.put(where), meta,
-                                               self.kv_caches, self.put(np.arange(len(active))))  # fmt: skip
+            inputs = self.pass_inputs(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where), where + 1,
+                                      drafts[active, j - 1])  # fmt: skip
+            states, tokens = self._pass(self.propose_graphs, inputs, states)
             drafts[active, j] = tokens.cpu().numpy()
         for i, position in enumerate(positions):
             self.fill(step, batch, position, int(spec_rows[i]), drafts[i, : counts[i]].tolist())

@@ -176,7 +176,7 @@ class ModelRunner:
             if self.num_speculative_tokens:
                 self.verify_graphs = self._capture(self.static_verify(verify_capture_sizes(config.max_num_seqs)),
                                                    self.mixed_graphs.pool)  # fmt: skip
-            if self.drafter is not None:  # the draft model's passes (an EAGLE head's run eagerly)
+            if self.drafter is not None:  # the draft model's or the EAGLE head's passes
                 for graphs in self.drafter.static_graphs(config.max_num_seqs, config.max_num_batched_tokens,
                                                          self.input_batch.block_table.shape[2]):  # fmt: skip
                     self._capture(graphs, self.mixed_graphs.pool)

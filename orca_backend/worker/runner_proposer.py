@@ -7,8 +7,8 @@ Their model's K/V lives in a pool of its own beside the target's, slot for slot:
 tables and slot mapping, its own layers and heads, so the scheduler's blocks serve both models and
 nothing is allocated for the proposer alone. Its passes are not counted in the step's token budget.
 A pass's inputs are laid out as a target step's (`pass_inputs`: input_batch.StepInputs), so the
-graphs' static buffers take them: the draft model's passes replay graphs of their own on CUDA, the
-EAGLE head's run eagerly (each reads its tokens back to the host).
+graphs' static buffers take them: on CUDA a proposer's passes replay graphs of their own
+(`static_graphs`), captured with the target's.
 """
 
 from __future__ import annotations

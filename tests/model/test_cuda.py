@@ -252,6 +252,33 @@ def test_draft_model_passes_replay_graphs_and_keep_the_tokens(make_checkpoint) -
     assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
 
 
+def test_eagle_head_passes_replay_graphs_and_keep_the_tokens(tmp_path) -> None:
+    """Speculative decoding with an EAGLE head mirroring a one-layer Llama target: the head's passes
+    (over what each step kept, and the proposing ones) replay their captured graphs, most proposals
+    are accepted, and the tokens equal the engine's run eagerly, float32."""
+    import json
+
+    from eagle_heads import mirror_head
+
+    target = tmp_path / "target"
+    model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
+    head = mirror_head(model, tmp_path / "head")
+    model.save_pretrained(target)
+    prompts = prompts_for(320, seed=6)
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3, "max_pause_steps": 0})
+    eager = LLM(str(target), device="cuda", dtype="float32", speculative_config=spec, enforce_eager=True)
+    expected = [o.output_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(str(target), device="cuda", dtype="float32", max_num_seqs=8, speculative_config=spec)
+    drafter = llm.engine.core.executor.runner.drafter
+    assert sorted(drafter.propose_graphs.graphs) == [1, 2, 4, 8] and drafter.observe_graphs.graphs
+    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
+
+
 def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) -> None:
     """An FP8 (block-scaled) Llama-family checkpoint: on CUDA its projections stay FP8 (the Triton
     dequantizing GEMM), and its float32 greedy tokens equal the CPU's, which dequantizes at load."""

@@ -22,6 +22,7 @@ import orca_kernels.cpu_gpt2_ops
 import orca_kernels.cpu_llama_ops
 from orca_backend.model import gemm
 from orca_backend.worker.cuda_graphs import StepGraphs
+from orca_backend.worker.eagle_proposer import EagleProposer
 from orca_backend.worker.model_runner import ModelRunner
 from orca_backend.worker.runner_proposer import RunnerProposer
 
@@ -158,8 +159,9 @@ def record_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> bool:
 def named_buffers(runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> dict[str, torch.Tensor]:
     """The memory a step of `graphs` may read that lives longer than the step, by name: the static
     buffers, the K/V pool, and every tensor the model holds (weights, rope tables, LoRA slots). A
-    draft model's passes: the draft proposer's pool and model."""
-    named = {name: getattr(graphs, name) for name in ("tokens", "requests", "block_tables", "lora_map", "every_token")}
+    proposer's passes: its pool, and its draft model or EAGLE head (with the target's tables it reads)."""
+    named = {name: getattr(graphs, name) for name in ("tokens", "requests", "block_tables", "lora_map", "every_token",
+                                                      "hidden_in")}  # fmt: skip
     named = {name: tensor for name, tensor in named.items() if tensor is not None}
     for i, (k, v) in enumerate(runner.kv_caches):
         named[f"k_cache{i}"], named[f"v_cache{i}"] = k, v
@@ -183,7 +185,7 @@ def named_buffers(runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> d
             for key, item in vars(value).items():
                 walk(f"{prefix}.{key}", item, depth - 1)
 
-    walk("model", runner.model, 6)
+    walk("model", runner.head if isinstance(runner, EagleProposer) else runner.model, 6)
     return named
 
 
@@ -328,13 +330,14 @@ def guard_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner | RunnerPro
     current = InterpretedFunction.run.guarded
     run, seen = graphs.run, GuardedSteps()
 
-    def guarded_run(inputs, ahead=None):
-        # `ahead` is device memory by its contract (tokens the device filled in): on a CPU, registered.
-        guard = CaptureGuard([*named_buffers(runner, graphs).values(), *(ahead or ())], graphs.staging_buffers())
+    def guarded_run(inputs, ahead=None, hidden=None):
+        # `ahead` and `hidden` are device memory by their contract (the device made them): on a CPU, registered.
+        device_inputs = [*(ahead or ()), *([hidden] if hidden is not None else [])]
+        guard = CaptureGuard([*named_buffers(runner, graphs).values(), *device_inputs], graphs.staging_buffers())
         current[0] = guard
         try:
             with capture_guard(monkeypatch, guard):
-                logits = run(inputs, ahead)
+                logits = run(inputs, ahead, hidden)
         except HostReadError as e:
             seen.failures.append(e)
             raise
@@ -359,10 +362,10 @@ class StepRecorder:
         self.size = 0  # the bucket of the step being run
         self._forward, run = graphs.forward, graphs.run
 
-        def labelled_run(inputs, ahead=None):
+        def labelled_run(inputs, ahead=None, hidden=None):
             self.label = (inputs.num_tokens, inputs.num_requests)
             self.size = graphs.bucket(graphs.size_of(inputs))
-            return run(inputs, ahead)
+            return run(inputs, ahead, hidden)
 
         graphs.forward, graphs.run = self._recorded_forward, labelled_run
 

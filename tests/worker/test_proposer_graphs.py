@@ -1,11 +1,14 @@
-"""The CUDA-graph path of speculative decoding's draft model (worker/draft_proposer.py's
-`static_graphs`), checked on the CPU (CI has no GPU): a round's first pass runs on static buffers
-bucketed by token count and the one-token passes after it on buffers bucketed by batch size, each
-pass's tokens fed to the next on the device; the engine's tokens are unchanged with a draft that is
-always right (the target itself) and one that is almost never right, and no pass writes K/V for its
-padding; a first pass longer than the largest bucket runs eagerly and says so; and, on the Triton
-kernels a GPU captures, passes of one bucket and the all-padding pass a capture records make
-identical launches and pass the capture guard (tests/worker/graph_checks.py)."""
+"""The CUDA-graph path of speculative decoding's proposers in the model runner, checked on the CPU
+(CI has no GPU). The draft model (worker/draft_proposer.py's `static_graphs`): a round's first pass
+runs on static buffers bucketed by token count and the one-token passes after it on buffers
+bucketed by batch size, each pass's tokens fed to the next on the device; the engine's tokens are
+unchanged with a draft that is always right (the target itself) and one that is almost never right,
+and no pass writes K/V for its padding; a first pass longer than the largest bucket runs eagerly and
+says so. The EAGLE heads (worker/eagle_proposer.py): the pass over what a step kept and the
+one-token proposing passes run on static buffers that read a hidden state per token beside the
+tokens, with the target's tokens unchanged. On the Triton kernels a GPU captures, passes of one
+bucket and the all-padding pass a capture records make identical launches and pass the capture
+guard (tests/worker/graph_checks.py)."""
 
 from __future__ import annotations
 
@@ -57,16 +60,17 @@ def checked(drafter: DraftProposer, graphs: StepGraphs, seen: list[tuple[int, in
     (live requests, bucket)."""
     run = graphs.run
 
-    def checked_run(inputs, ahead=None):
+    def checked_run(inputs, ahead=None, hidden=None):
         before = [(k.clone(), v.clone()) for k, v in drafter.kv_caches]
-        logits = run(inputs, ahead)
+        out = run(inputs, ahead, hidden)
+        logits = out[0] if isinstance(out, tuple) else out  # (an EAGLE head's passes return its output too)
         untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
         untouched[torch.from_numpy(inputs.slot_mapping[0].copy())] = False
         for (k0, v0), (k1, v1) in zip(before, drafter.kv_caches, strict=True):
             assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
         assert logits.shape[0] == inputs.num_requests
         seen.append((inputs.num_requests, graphs.bucket(graphs.size_of(inputs))))
-        return logits
+        return out
 
     graphs.run = checked_run
 
@@ -131,3 +135,78 @@ def test_draft_passes_of_one_bucket_make_identical_launches_and_pass_the_capture
         recorder.record_padding()
         recorder.assert_identical_launches()
         assert any(len(passes) >= 3 for passes in recorder.recordings.values())  # passes and the padding in a bucket
+
+
+def static_eagle_engine(target, head, method: str, **options) -> tuple[LLM, object]:
+    """An engine with an EAGLE head whose target steps and head passes all run on the graphs'
+    static buffers, every decode proposing K tokens (no pause)."""
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": K, "max_pause_steps": 0}
+    llm = LLM(str(target), kv_policy="paged", block_size=4, max_num_seqs=MAX_NUM_SEQS,
+              speculative_config=json.dumps(spec), **options)  # fmt: skip
+    runner = llm.engine.core.executor.runner
+    runner.decode_graphs = runner.static_decode(capture_sizes(MAX_NUM_SEQS))
+    runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(0))
+    runner.verify_graphs = runner.static_verify(verify_capture_sizes(MAX_NUM_SEQS))
+    drafter = runner.drafter
+    assert drafter.static_graphs(MAX_NUM_SEQS, 0, runner.input_batch.block_table.shape[2]) == \
+        [drafter.observe_graphs, drafter.propose_graphs]  # fmt: skip
+    return llm, drafter
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_passes_on_static_buffers_keep_the_tokens_and_write_no_padding_kv(tmp_path, method):
+    """A head mirroring a one-layer target (most proposals accepted) and an EAGLE-3 head of random
+    weights: the target's tokens are transformers', and every head pass ran on the static buffers."""
+    from eagle_heads import mirror_head, random_eagle3, write_eagle3_head
+    from hf_tiny import hf_greedy, write_tiny
+
+    target = tmp_path / "target"
+    if method == "eagle":
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
+        head = mirror_head(model, tmp_path / "head")
+        model.save_pretrained(target)
+    else:
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=4)
+        head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    prompts = random_prompts(len(PARAMS), 320, seed=6)
+    llm, drafter = static_eagle_engine(target, head, method)
+    observed, proposed = [], []
+    checked(drafter, drafter.observe_graphs, observed)
+    checked(drafter, drafter.propose_graphs, proposed)
+    assert [o.output_ids for o in llm.generate(prompts, PARAMS)] == [hf_greedy(model, p, q.max_tokens)
+                                                                     for p, q in zip(prompts, PARAMS, strict=True)]  # fmt: skip
+    assert set(drafter.pass_paths) == {"static_buffers"}
+    assert drafter.pass_paths["static_buffers"] == len(observed) + len(proposed) and observed and proposed
+    assert any(live < bucket for live, bucket in proposed)
+    stats = llm.engine.core.stats()
+    if method == "eagle":
+        assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_eagle3_passes_of_one_bucket_make_identical_launches_and_pass_the_capture_guard(tmp_path, monkeypatch):
+    """The Triton path a GPU captures, with an EAGLE-3 head: its passes run under the capture guard
+    (the hidden states they read are device memory), and within each bucket every pass and the
+    all-padding pass make identical launches."""
+    from eagle_heads import random_eagle3, write_eagle3_head
+    from graph_checks import StepRecorder, guard_steps, record_triton_kernels
+    from hf_tiny import hf_greedy, write_tiny
+
+    use_import_mode(monkeypatch)
+    if not INTERPRETED:
+        pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
+    record_triton_kernels(monkeypatch)
+    model = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=4)
+    head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    llm, drafter = static_eagle_engine(tmp_path / "target", head, "eagle3", kernels="triton")
+    guarded = [guard_steps(monkeypatch, drafter, g) for g in (drafter.observe_graphs, drafter.propose_graphs)]
+    recorders = [StepRecorder(drafter, g) for g in (drafter.observe_graphs, drafter.propose_graphs)]
+    prompts = random_prompts(2, 320, seed=6)
+    params = PARAMS[:2]
+    assert [o.output_ids for o in llm.generate(prompts, params)] == [hf_greedy(model, p, q.max_tokens)
+                                                                     for p, q in zip(prompts, params, strict=True)]  # fmt: skip
+    assert all(g.passed and not g.failures for g in guarded)
+    for recorder in recorders:
+        recorder.record_padding()
+        recorder.assert_identical_launches()
+        assert any(len(passes) >= 3 for passes in recorder.recordings.values())
