@@ -183,3 +183,21 @@ def reference_eagle3(tensors: dict[str, torch.Tensor], embed: torch.Tensor, toke
                               m + "mlp.down_proj.weight")  # fmt: skip
         draft = (rms(stream, tensors["norm.weight"]) @ tensors["lm_head.weight"].t()).argmax(-1)
         return stream, (draft + tensors["d2t"][draft]).tolist()
+
+
+def target_and_head(root: Path, method: str) -> tuple[Any, Path, Path]:
+    """A tiny Llama target and a head over it, in `root`: for "eagle" a one-layer target and a head
+    mirroring it (most proposals accepted), for "eagle3" a four-layer target and an EAGLE-3 head of
+    random weights over layers 1-3 (a draft vocabulary of 160). Returns (transformers' model, the
+    target's directory, the head's)."""
+    from hf_tiny import write_tiny
+
+    target = root / "target"
+    if method == "eagle":
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
+        head = mirror_head(model, root / "head")
+        model.save_pretrained(target)  # with the norms mirror_head made identities
+    else:
+        model = write_tiny("Llama", target, seed=5, num_hidden_layers=4)
+        head = write_eagle3_head(root / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    return model, target, head

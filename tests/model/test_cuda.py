@@ -258,12 +258,9 @@ def test_eagle_head_passes_replay_graphs_and_keep_the_tokens(tmp_path) -> None:
     are accepted, and the tokens equal the engine's run eagerly, float32."""
     import json
 
-    from eagle_heads import mirror_head
+    from eagle_heads import target_and_head
 
-    target = tmp_path / "target"
-    model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
-    head = mirror_head(model, tmp_path / "head")
-    model.save_pretrained(target)
+    _, target, head = target_and_head(tmp_path, "eagle")
     prompts = prompts_for(320, seed=6)
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     spec = json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 3, "max_pause_steps": 0})

@@ -157,17 +157,10 @@ def static_eagle_engine(target, head, method: str, **options) -> tuple[LLM, obje
 def test_eagle_passes_on_static_buffers_keep_the_tokens_and_write_no_padding_kv(tmp_path, method):
     """A head mirroring a one-layer target (most proposals accepted) and an EAGLE-3 head of random
     weights: the target's tokens are transformers', and every head pass ran on the static buffers."""
-    from eagle_heads import mirror_head, random_eagle3, write_eagle3_head
-    from hf_tiny import hf_greedy, write_tiny
+    from eagle_heads import target_and_head
+    from hf_tiny import hf_greedy
 
-    target = tmp_path / "target"
-    if method == "eagle":
-        model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
-        head = mirror_head(model, tmp_path / "head")
-        model.save_pretrained(target)
-    else:
-        model = write_tiny("Llama", target, seed=5, num_hidden_layers=4)
-        head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    model, target, head = target_and_head(tmp_path, method)
     prompts = random_prompts(len(PARAMS), 320, seed=6)
     llm, drafter = static_eagle_engine(target, head, method)
     observed, proposed = [], []
@@ -188,17 +181,16 @@ def test_eagle3_passes_of_one_bucket_make_identical_launches_and_pass_the_captur
     """The Triton path a GPU captures, with an EAGLE-3 head: its passes run under the capture guard
     (the hidden states they read are device memory), and within each bucket every pass and the
     all-padding pass make identical launches."""
-    from eagle_heads import random_eagle3, write_eagle3_head
+    from eagle_heads import target_and_head
     from graph_checks import StepRecorder, guard_steps, record_triton_kernels
-    from hf_tiny import hf_greedy, write_tiny
+    from hf_tiny import hf_greedy
 
     use_import_mode(monkeypatch)
     if not INTERPRETED:
         pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
     record_triton_kernels(monkeypatch)
-    model = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=4)
-    head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
-    llm, drafter = static_eagle_engine(tmp_path / "target", head, "eagle3", kernels="triton")
+    model, target, head = target_and_head(tmp_path, "eagle3")
+    llm, drafter = static_eagle_engine(target, head, "eagle3", kernels="triton")
     guarded = [guard_steps(monkeypatch, drafter, g) for g in (drafter.observe_graphs, drafter.propose_graphs)]
     recorders = [StepRecorder(drafter, g) for g in (drafter.observe_graphs, drafter.propose_graphs)]
     prompts = random_prompts(2, 320, seed=6)

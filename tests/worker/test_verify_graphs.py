@@ -134,17 +134,10 @@ def test_eagle_steps_on_static_buffers_return_every_tokens_hidden_states(tmp_pat
     size: a head mirroring a one-layer target keeps most proposals accepted, an EAGLE-3 head of
     random weights keeps the tokens, and every step ran on the static buffers but the verify steps
     with fewer proposals than k."""
-    from eagle_heads import mirror_head, random_eagle3, write_eagle3_head
-    from hf_tiny import hf_greedy, write_tiny
+    from eagle_heads import target_and_head
+    from hf_tiny import hf_greedy
 
-    target = tmp_path / "target"
-    if method == "eagle":
-        model = write_tiny("Llama", target, seed=5, num_hidden_layers=1)
-        head = mirror_head(model, tmp_path / "head")
-        model.save_pretrained(target)
-    else:
-        model = write_tiny("Llama", target, seed=5, num_hidden_layers=4)
-        head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    model, target, head = target_and_head(tmp_path, method)
     prompts = random_prompts(4, 320, seed=6)
     spec = json.dumps({"method": method, "model": str(head), "num_speculative_tokens": K})
     llm = LLM(str(target), kv_policy="paged", block_size=4, max_num_seqs=MAX_NUM_SEQS, speculative_config=spec)
@@ -167,18 +160,17 @@ def test_eagle3_steps_pass_the_capture_guard_with_their_hidden_states(tmp_path, 
     """The Triton path a GPU captures, with an EAGLE-3 head: every graphed step (prompt, decode,
     verify) returns its hidden states without reading a value back to the host, and a verify bucket's
     steps make identical launches."""
-    from eagle_heads import random_eagle3, write_eagle3_head
+    from eagle_heads import target_and_head
     from graph_checks import StepRecorder, guard_steps, record_triton_kernels
-    from hf_tiny import hf_greedy, write_tiny
+    from hf_tiny import hf_greedy
 
     use_import_mode(monkeypatch)
     if not INTERPRETED:
         pytest.skip("the engines here run on the CPU, where Triton needs its interpreter")
     record_triton_kernels(monkeypatch)
-    model = write_tiny("Llama", tmp_path / "target", seed=5, num_hidden_layers=4)
-    head = write_eagle3_head(tmp_path / "head", random_eagle3(64, 320, draft_vocab=160, seed=9), 320, [1, 2, 3])
+    model, target, head = target_and_head(tmp_path, "eagle3")
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
-    llm = LLM(str(tmp_path / "target"), kernels="triton", max_num_seqs=4, speculative_config=spec)
+    llm = LLM(str(target), kernels="triton", max_num_seqs=4, speculative_config=spec)
     runner = llm.engine.core.executor.runner
     runner.decode_graphs = runner.static_decode(capture_sizes(4))
     runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(32))
