@@ -23,7 +23,9 @@ class StageInput:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    hidden: torch.Tensor | None = None  # [2, T, hidden]: the block output and the residual stream
+    # [2, T, hidden]: the block output and the residual stream (an EAGLE head's pass: [T, hidden], the
+    # hidden state each token reads, worker/eagle_proposer.py)
+    hidden: torch.Tensor | None = None
     lora: LoRAMetadata | None = None  # each token's adapter, when some token runs one (model/lora.py)
     # Embedding requests: the tokens whose final hidden state (after the final norm) the last stage
     # returns too, as (logits, hidden [len, hidden] float32).

@@ -83,8 +83,9 @@ PAD_SLOT = -1  # the K/V slot of a padding token: the write skips it
 DEFAULT_MAX_GRAPH_TOKENS = 2048  # the largest mixed bucket when max_num_batched_tokens is unset
 MIN_GRAPH_TOKENS = 16  # the smallest mixed bucket: below it a GEMM costs the same
 
-# (stage input, attention metadata, logits indices) -> logits [B, vocab]
-Forward = Callable[[StageInput, Sequence[AttentionMetadata], torch.Tensor], torch.Tensor]
+# (stage input, attention metadata, logits indices) -> logits [B, vocab], or (logits, hidden states)
+# where a step returns its tokens' hidden states too (hidden_layers)
+Forward = Callable[[StageInput, Sequence[AttentionMetadata], torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 # How a step's forward ran (`SamplerOutput.step_path`, counted in `orca_model_steps_total{path}` and
 # written in the iteration log): its graph replayed, or why it ran eagerly. The first group is the

@@ -17,12 +17,11 @@ On CUDA the passes replay CUDA graphs (worker/cuda_graphs.py), captured at load 
 target's in the same memory pool: first passes bucketed by token count as the target's mixed
 steps are (one or two tokens a request once it proposes every step, padded to 16), the one-token
 passes by batch size as decode steps are. A first pass above the largest bucket (a whole prompt)
-runs eagerly; `pass_paths` counts how each pass ran.
+runs eagerly; `pass_paths` counts how each pass ran (RunnerProposer.run_pass).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +40,7 @@ from orca_backend.worker.cuda_graphs import (
     capture_sizes,
     mixed_capture_sizes,
 )
-from orca_backend.worker.input_batch import InputBatch, StepInputs, ragged_arange
+from orca_backend.worker.input_batch import InputBatch, ragged_arange
 from orca_backend.worker.runner_proposer import RunnerProposer
 from orca_kernels import AttentionMetadata
 
@@ -74,7 +73,6 @@ class DraftProposer(RunnerProposer):
         # first pass, and the one-token passes after it.
         self.first_graphs: MixedGraphs | None = None
         self.next_graphs: DecodeGraphs | None = None
-        self.pass_paths: Counter[str] = Counter()
 
     def static_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> list[StepGraphs]:
         """A round's first pass, ragged (what the draft has not seen, through the last token: one or
@@ -103,13 +101,14 @@ class DraftProposer(RunnerProposer):
         first = self.pass_inputs(batch, spec_rows, token_rows, token_positions, lengths, ends,
                                  batch.token_ids[token_rows, token_positions])  # fmt: skip
         drafts = torch.zeros((len(positions), int(counts.max())), dtype=torch.int64, device=self.device)
-        drafts[:, 0] = self._pass(self.first_graphs, first)
+        drafts[:, 0] = self.run_pass(self.first_graphs, self._model_forward, first).argmax(dim=-1)
         for j in range(1, drafts.shape[1]):
             active = np.flatnonzero(counts > j)
             at = ends[active] + j - 1  # where proposal j - 1 goes in
             inputs = self.pass_inputs(batch, spec_rows[active], spec_rows[active], at, np.ones_like(at), at + 1)
             index = self.put(active)
-            drafts[:, j].index_copy_(0, index, self._pass(self.next_graphs, inputs, drafts[:, j - 1].index_select(0, index)))
+            logits = self.run_pass(self.next_graphs, self._model_forward, inputs, drafts[:, j - 1].index_select(0, index))
+            drafts[:, j].index_copy_(0, index, logits.argmax(dim=-1))
         host = drafts.cpu().numpy()
         for i, position in enumerate(positions):
             row, proposal = int(spec_rows[i]), host[i, : counts[i]].tolist()
@@ -131,22 +130,6 @@ class DraftProposer(RunnerProposer):
                 break
             kept += 1
         return min(max(valid, start + kept), end - 1)
-
-    def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft pass: each request's greedy next token after its last token of `inputs`, on the
-        device; `input_ids`: the pass's tokens on the device (else `inputs.input_ids`'). It runs on
-        the graphs' static buffers where they hold it (their graph replayed on CUDA), else eagerly;
-        `pass_paths` counts which (cuda_graphs.GRAPH_REPLAYED, "static_buffers", or why eagerly)."""
-        reason = "no_graphs" if graphs is None else graphs.eager_reason(inputs)
-        if graphs is not None and not reason:
-            self.pass_paths[graphs.path(inputs)] += 1
-            ahead = None if input_ids is None else (torch.arange(len(input_ids), device=self.device), input_ids)
-            return graphs.run(inputs, ahead).argmax(dim=-1)
-        self.pass_paths[reason] += 1
-        ids = self.put(inputs.input_ids) if input_ids is None else input_ids
-        logits = self.model.forward(StageInput(ids, self.put(inputs.positions)), [self.metadata(inputs)], self.kv_caches,
-                                    self.put(inputs.logits_indices))  # fmt: skip
-        return logits.argmax(dim=-1)
 
     def _model_forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
                        logits_indices: torch.Tensor) -> torch.Tensor:  # fmt: skip

@@ -28,7 +28,6 @@ A proposing pass reads its tokens back to the host before the next.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -77,10 +76,9 @@ class EagleProposer(RunnerProposer):
         # the next; its hidden state there).
         self._next: dict[int, tuple[int, int, int, torch.Tensor]] = {}
         # Its passes' static buffers (`static_graphs`), None where they run eagerly: the pass over
-        # what a step kept, and the one-token passes that propose; how each pass ran.
+        # what a step kept, and the one-token passes that propose.
         self.observe_graphs: MixedGraphs | None = None
         self.propose_graphs: DecodeGraphs | None = None
-        self.pass_paths: Counter[str] = Counter()
 
     @property
     def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -134,20 +132,13 @@ class EagleProposer(RunnerProposer):
 
     def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the head on `inputs`' tokens and `hidden` [T, H]: its output [T, H] and its
-        greedy token at each request's last token, on the device. On the graphs' static buffers
-        where they hold it (their graph replayed on CUDA), else eagerly; `pass_paths` counts which."""
-        reason = "no_graphs" if graphs is None else graphs.eager_reason(inputs)
-        self.pass_paths[reason or graphs.path(inputs)] += 1  # type: ignore[union-attr]
-        if graphs is not None and not reason:
-            logits, out = graphs.run(inputs, None, hidden)
-            return out[: inputs.num_tokens], self.head.draft_ids(logits)
-        out, logits = self.head.forward(self.put(inputs.input_ids), hidden, self.put(inputs.positions),
-                                        self.metadata(inputs), self.kv_caches, self.put(inputs.logits_indices))  # fmt: skip
-        return out, self.head.draft_ids(logits)
+        greedy token at each request's last token, on the device."""
+        logits, out = self.run_pass(graphs, self._head_forward, inputs, None, hidden)
+        return out[: inputs.num_tokens], self.head.draft_ids(logits)
 
     def _head_forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
                       logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A graphed pass: (logits, the head's output), as a target step with hidden states returns them."""
+        """A pass: (logits, the head's output), as a target step with hidden states returns them."""
         assert stage_input.hidden is not None
         out, logits = self.head.forward(stage_input.input_ids, stage_input.hidden, stage_input.positions, metas[0],
                                         self.kv_caches, logits_indices)  # fmt: skip

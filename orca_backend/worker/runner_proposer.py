@@ -13,11 +13,15 @@ graphs' static buffers take them: on CUDA a proposer's passes replay graphs of t
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import numpy as np
 import torch
 
+from orca_backend.model.stage_input import StageInput
 from orca_backend.scheduler_output import PROPOSED_BY_RUNNER, SamplerOutput, SchedulerOutput
-from orca_backend.worker.cuda_graphs import StepGraphs
+from orca_backend.worker.cuda_graphs import Forward, StepGraphs
 from orca_backend.worker.input_batch import InputBatch, StepInputs
 from orca_kernels import AttentionMetadata
 
@@ -35,6 +39,9 @@ class RunnerProposer:
         self.kv_geometry = (num_layers, num_kv_heads, head_dim)
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # How its passes ran: cuda_graphs.GRAPH_REPLAYED, "static_buffers", or why eagerly (an
+        # EAGER_REASONS key, "tokens_above_buckets" say; "no_graphs" where it has none).
+        self.pass_paths: Counter[str] = Counter()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -53,6 +60,23 @@ class RunnerProposer:
         them on CUDA; on a CPU the passes run on them eagerly, as the tests do). None here: its passes
         run eagerly."""
         return []
+
+    def run_pass(self, graphs: StepGraphs | None, forward: Forward, inputs: StepInputs,
+                 input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> Any:  # fmt: skip
+        """One pass of its model, `forward` (the one `graphs` were built on), on `inputs`: on the
+        graphs' static buffers where they hold it (their graph replayed on CUDA), else eagerly.
+        `input_ids`: the pass's tokens on the device (else `inputs.input_ids`); `hidden`: a hidden
+        state per token (an EAGLE head's). Returns what `forward` does; from a graph, a row per
+        request and (with hidden states out) the bucket's whole buffer."""
+        reason = "no_graphs" if graphs is None else graphs.eager_reason(inputs)
+        if graphs is not None and not reason:
+            self.pass_paths[graphs.path(inputs)] += 1
+            ahead = None if input_ids is None else (torch.arange(len(input_ids), device=self.device), input_ids)
+            return graphs.run(inputs, ahead, hidden)
+        self.pass_paths[reason] += 1
+        ids = self.put(inputs.input_ids) if input_ids is None else input_ids
+        return forward(StageInput(ids, self.put(inputs.positions), hidden), [self.metadata(inputs)],
+                       self.put(inputs.logits_indices))  # fmt: skip
 
     def propose(self, step: SchedulerOutput, batch: InputBatch, rows: np.ndarray) -> None:
         """Fills in the step's placeholder proposals (in `step.spec_tokens`, and past each request's
