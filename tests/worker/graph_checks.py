@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -187,6 +187,20 @@ def named_buffers(runner: ModelRunner | RunnerProposer, graphs: StepGraphs) -> d
 
     walk("model", runner.head if isinstance(runner, EagleProposer) else runner.model, 6)
     return named
+
+
+def run_checking_pool(run: Callable[..., Any], kv_caches: list[tuple[torch.Tensor, torch.Tensor]], inputs: Any,
+                      *args: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
+    """`run(inputs, *args)` (a static-buffer step or pass), asserting that the K/V pool `kv_caches`
+    changed only in the step's live tokens' slots: its padding wrote nothing. Returns what `run`
+    returned, and the pool as it was before."""
+    before = [(k.clone(), v.clone()) for k, v in kv_caches]
+    out = run(inputs, *args)
+    untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
+    untouched[torch.from_numpy(inputs.slot_mapping.reshape(-1).copy())] = False
+    for (k0, v0), (k1, v1) in zip(before, kv_caches, strict=True):
+        assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+    return out, before
 
 
 class HostReadError(AssertionError):

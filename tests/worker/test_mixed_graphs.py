@@ -12,7 +12,15 @@ import dataclasses
 import pytest
 import torch
 from engine_helpers import random_prompts
-from graph_checks import CaptureGuard, HostReadError, StepRecorder, capture_guard, guard_steps, named_buffers
+from graph_checks import (
+    CaptureGuard,
+    HostReadError,
+    StepRecorder,
+    capture_guard,
+    guard_steps,
+    named_buffers,
+    run_checking_pool,
+)
 from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
 from orca_backend import LLM, SamplingParams
@@ -91,13 +99,7 @@ def test_mixed_steps_on_static_buffers_give_the_eager_tokens_and_padding_writes_
 
     def checked_run(inputs, ahead=None):
         """The pool after the step differs from before only in the live tokens' slots."""
-        before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        logits = run(inputs, ahead)
-        live_slots = torch.from_numpy(inputs.slot_mapping.copy())
-        untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
-        untouched[live_slots] = False
-        for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
-            assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+        logits, _ = run_checking_pool(run, runner.kv_caches, inputs, ahead)
         assert logits.shape[0] == inputs.num_requests
         seen.append((inputs.num_tokens, inputs.num_requests, graphs.bucket(inputs.num_tokens)))
         return logits

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from engine_helpers import OracleProposer, random_prompts
+from graph_checks import run_checking_pool
 from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
 from orca_backend import LLM, SamplingParams
@@ -69,12 +69,7 @@ def test_verify_steps_on_static_buffers_give_the_tokens_and_padding_writes_no_kv
 
     def checked_run(inputs, ahead=None):
         """The pool after the step differs from before only in the live tokens' slots; a row per token."""
-        before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        logits = run(inputs, ahead)
-        untouched = torch.ones(before[0][0].shape[0], dtype=torch.bool)
-        untouched[torch.from_numpy(inputs.slot_mapping.copy())] = False
-        for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
-            assert torch.equal(k0[untouched], k1[untouched]) and torch.equal(v0[untouched], v1[untouched])
+        logits, _ = run_checking_pool(run, runner.kv_caches, inputs, ahead)
         assert logits.shape[0] == inputs.num_tokens == inputs.num_requests * (1 + K)
         seen.append((inputs.num_requests, graphs.bucket(inputs.num_requests)))
         return logits
