@@ -372,8 +372,9 @@ def render_env(r: dict[str, Any]) -> list[str]:
 
 # The tests that have never run compiled on a GPU (issue #41): the fused norm + GEMM, the split-K decode
 # kernels with the fused K/V write and rotary, the windowed kernels, FP8, multi-LoRA and the MoE grouped
-# GEMM, and the engine on CUDA for CUDA graphs (a draft model's and an EAGLE head's too), async scheduling and the families that use those kernels. The
-# `*_in_fresh_process` tests (-k) only rerun a file under the interpreter on a CPU.
+# GEMM, and the engine on CUDA for CUDA graphs (a draft model's and an EAGLE head's passes too), async
+# scheduling and the families that use those kernels. The `*_in_fresh_process` tests (-k) only rerun a
+# file under the interpreter on a CPU.
 SMOKE_TESTS = [
     "tests/kernels/test_norm_linear.py",
     "tests/kernels/test_triton_decode_attention.py",

@@ -26,9 +26,9 @@ speculate (`Request.can_speculate`) gets proposed tokens (core/ngram_proposer.py
 `max_tokens` or a stop token would end it, and runs them with its last token: 1 + k tokens from the
 token budget, and K/V slots taken as any others, but never by preempting another request (without
 free blocks it decodes plainly), nor while its proposals keep being rejected (a pause that grows
-with each further fruitless round, `_pace_proposals`). When the step lands it keeps the accepted proposals and the token
-after them; the K/V of the rejected ones is garbage past its computed count, and the blocks that held
-only them go back to the pool (paged). A request's next step needs its tokens to propose from, so
+with each further fruitless round, `_pace_proposals`). When the step lands it keeps the accepted
+proposals and the token after them; the K/V of the rejected ones is garbage past its computed
+count, and the blocks that held only them go back to the pool (paged). A request's next step needs its tokens to propose from, so
 with speculation no request runs ahead (async scheduling).
 
 A request with a timeout ends with finish_reason "timeout" once its deadline passes, queued or
@@ -608,7 +608,7 @@ class Scheduler:
             return
         request.spec_fruitless += 1
         beyond = request.spec_fruitless - SPEC_PAUSE_AFTER
-        if self.max_pause_steps and beyond >= 0:
+        if self.max_pause_steps and beyond >= 0:  # (the exponent bounded: any cap is reached long before)
             request.spec_paused = min(SPEC_PAUSE_FIRST * SPEC_PAUSE_GROWTH ** min(beyond, 8), self.max_pause_steps)
 
     def _fit_proposals(self, request: Request, drafts: list[int], budget: int) -> list[int] | None:
