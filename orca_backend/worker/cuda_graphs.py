@@ -57,6 +57,15 @@ whatever the step's adapters (model/lora.py), and the kernels' grids come from t
 count and the slot count (kernels/orca_kernels/triton_lora.py): a step with two adapters, one or
 none replays the same graph.
 
+Tensor parallelism (tensor_parallel_size > 1, one GPU per rank): every rank captures the same
+buckets in the same order at load, each graph holding that rank's NCCL collectives (the
+row-parallel all-reduces, the vocabulary's all-gather). NCCL (2.9 on) lets a collective be
+captured provided every rank of the communicator launches a graph of the same capture; every rank
+takes the same `SchedulerOutput` and picks its bucket, or the eager path, from it alone, so they
+do. torch's NCCL process group enqueues no watchdog work for a collective under capture, and its
+watchdog queries events in thread-local capture mode, so the default capture mode serves. Pipeline
+parallelism stays eager: a later stage's input arrives by a point-to-point receive outside any graph.
+
 On a CPU there is nothing to capture, but the same objects run the same static-buffer forward
 eagerly (`capture=False`): that is how CI checks, without a GPU, that steps of one bucket (and the
 all-padding step a capture records) make identical launches, read nothing back to the host and give
@@ -94,7 +103,8 @@ GRAPH_REPLAYED = "cuda_graph"
 EAGER_REASONS = {
     "enforce_eager": "enforce_eager is set",
     "no_cuda_device": "CUDA graphs need a CUDA device",
-    "parallel": "CUDA graphs are captured for tensor_parallel_size = pipeline_parallel_size = 1 only",
+    "pipeline_parallel": "CUDA graphs are captured for pipeline_parallel_size = 1 only (a later stage's input "
+                         "arrives by a point-to-point receive each step)",
     "torch_kernels": "kernels='torch': the torch reference kernels read values back to the host, which a "
                      "graph cannot capture",
     "tokens_above_buckets": "more tokens than the largest captured token count (max_num_batched_tokens, or "
@@ -109,14 +119,15 @@ EAGER_REASONS = {
 }
 
 
-def runner_eager_reason(enforce_eager: bool, device: torch.device, parallel: bool, kernels: str) -> str:
-    """Why no step of a runner can replay a graph (an EAGER_REASONS key), or "" when steps can."""
+def runner_eager_reason(enforce_eager: bool, device: torch.device, pipeline_parallel: bool, kernels: str) -> str:
+    """Why no step of a runner can replay a graph (an EAGER_REASONS key), or "" when steps can.
+    Tensor parallelism is no reason: each rank captures its graphs, collectives included."""
     if enforce_eager:
         return "enforce_eager"
     if device.type != "cuda":
         return "no_cuda_device"
-    if parallel:
-        return "parallel"
+    if pipeline_parallel:
+        return "pipeline_parallel"
     if kernels == "torch":
         return "torch_kernels"
     return ""

@@ -163,7 +163,7 @@ class ModelRunner:
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
-            config.enforce_eager, self.device, self.layout.tp_size > 1 or self.layout.pp_size > 1, self.model.ops.name,
+            config.enforce_eager, self.device, self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
         if self.eager_reason:

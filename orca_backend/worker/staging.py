@@ -11,7 +11,7 @@ The arena is rewritten from its start every step (`begin`), once the copies of t
 done: they were queued ahead of that step's forward, behind the step before it, which the host has
 read back by then (the executor collects step N-1 before it sends step N+1), so the wait costs
 nothing. On a CPU the device arena is a second host tensor: the copy is a memcpy of a few bytes, and
-the sampler reads device memory only, on every device (what tests/worker/graph_checks.py's guard checks).
+the sampler reads device memory only, on every device (what tests/graph_checks.py's guard checks).
 """
 
 from __future__ import annotations

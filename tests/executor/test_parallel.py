@@ -95,6 +95,48 @@ def test_speculative_decoding_equals_single_process(checkpoint, reference, tp, p
         engine.shutdown()
 
 
+@pytest.mark.parametrize("kernels", ["cpu", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+def test_tensor_parallel_steps_on_static_buffers_equal_single_process(checkpoint, reference, monkeypatch, kernels,
+                                                                      speculative):  # fmt: skip
+    """On a GPU each tensor-parallel rank replays CUDA graphs with its collectives inside
+    (worker/cuda_graphs.py). Here every rank runs every step on the graphs' static buffers: prompt
+    chunks joining decodes in mixed buckets of 16 and 24 tokens, decodes in batches of 1-3, and with
+    speculation verify steps. The tokens are the single process's, and no rank's padding wrote K/V;
+    with the Triton kernels (in the interpreter) every step on every rank passes the capture guard."""
+    from worker_hooks import StaticBufferWorker
+
+    from orca_backend.executor import multiproc
+
+    prompts, lengths, expected = reference
+    if kernels == "triton":  # the interpreter is slow: four requests
+        prompts, lengths, expected = prompts[:4], lengths[:4], expected[:4]
+    if speculative:  # three requests long enough for verify steps of k proposals each, once all are prefilled
+        prompts, lengths = prompts[:3], [20] * 3
+        expected = staggered_run(LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3)), prompts, lengths)
+    hook = StaticBufferWorker(world_size=2, guard=kernels == "triton")
+    monkeypatch.setattr(multiproc, "worker_main", hook)
+    spec = f'{{"method": "ngram", "num_speculative_tokens": {OracleProposer.K}}}' if speculative else ""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), max_num_seqs=3, tensor_parallel_size=2, kernels=kernels,
+                                    kv_policy="paged", block_size=4, max_num_batched_tokens=24,
+                                    speculative_config=spec))  # fmt: skip
+    if speculative:
+        engine.core.scheduler.proposer = OracleProposer(prompts, expected, GEOMETRY.vocab_size, "cycle")
+    try:
+        assert staggered_run(engine, prompts, lengths) == expected
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    # Every step ran on the static buffers; with speculation, those that verify fewer than k
+    # proposals for some request run eagerly (as on a GPU).
+    eager = {"speculative"} if speculative else set()
+    assert set(stats.steps_by_path) <= {"static_buffers", *eager}, stats.steps_by_path
+    runs = [hook.runs(rank) for rank in range(2)]
+    assert runs[0] == runs[1] and sum(runs[0].values()) == stats.steps_by_path["static_buffers"], (runs, stats)
+    assert runs[0]["decode"] > 0 and runs[0]["mixed"] > 0
+    assert (runs[0]["verify"] > 0) == speculative, (runs, stats.steps_by_path)
+
+
 def test_penalties_and_logprobs_equal_single_process(checkpoint):
     """The sampling rank of a worker pool holds the penalty state and returns logprobs and prompt
     logprobs as the in-process sampler does: the steps' deltas cross the pipes as msgpack, the

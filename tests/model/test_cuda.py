@@ -232,6 +232,27 @@ def test_async_scheduling_tokens_equal_sync(make_checkpoint) -> None:
     assert llm.engine.core.max_batches_in_flight == 2
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+def test_tensor_parallel_ranks_replay_graphs_with_their_collectives(make_checkpoint) -> None:
+    """tp = 2, a GPU per rank: each rank captures its buckets with the NCCL all-reduces and the
+    vocabulary's all-gather inside, every step (prompt steps included) replays a graph on both, and
+    the tokens are those of the same engine run eagerly, float32."""
+    path, config = make_checkpoint(GEOMETRIES[3], seed=3, tokenizer=False)
+    prompts = prompts_for(config.vocab_size, seed=4) * 3
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    outputs, paths = [], []
+    for enforce_eager in (False, True):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=16, tensor_parallel_size=2,
+                  max_num_batched_tokens=128, enforce_eager=enforce_eager)  # fmt: skip
+        try:
+            outputs.append([o.output_ids for o in llm.generate(prompts, params)])
+            paths.append(set(llm.engine.stats().steps_by_path))
+        finally:
+            llm.engine.shutdown()
+    assert outputs[0] == outputs[1]
+    assert paths == [{"cuda_graph"}, {"enforce_eager"}]
+
+
 def test_draft_model_passes_replay_graphs_and_keep_the_tokens(make_checkpoint) -> None:
     """Speculative decoding with a draft model (a smaller GPT-2 of random weights, every decode
     proposing): the draft's passes replay their captured graphs, and the tokens equal the engine's

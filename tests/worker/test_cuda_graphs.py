@@ -193,7 +193,7 @@ def test_the_runners_eager_reasons():
     assert runner_eager_reason(False, cuda, False, "triton") == ""
     assert runner_eager_reason(True, cuda, False, "triton") == "enforce_eager"
     assert runner_eager_reason(False, cpu, False, "cpu") == "no_cuda_device"
-    assert runner_eager_reason(False, cuda, True, "triton") == "parallel"
+    assert runner_eager_reason(False, cuda, True, "triton") == "pipeline_parallel"
     assert runner_eager_reason(False, cuda, False, "torch") == "torch_kernels"
     assert set(EAGER_REASONS) >= {"tokens_above_buckets", "batch_above_buckets", "static_buffers"}
     assert not {"mixed_step", "lora"} & set(EAGER_REASONS)  # steps with prompt tokens or adapters replay graphs too

@@ -3,7 +3,7 @@ the CPU (CI has no GPU): chunked prompts joining running decodes, run on the sta
 token-count buckets, give the eager path's tokens and write no K/V for padding; within a bucket,
 steps of different splits of prompt and decode tokens, and the all-padding step a capture records,
 make identical launches; and no step reads a value back to the host or copies host memory in other
-than its staging buffers (the capture guard, tests/worker/graph_checks.py)."""
+than its staging buffers (the capture guard, tests/graph_checks.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ says so. The EAGLE heads (worker/eagle_proposer.py): the pass over what a step k
 one-token proposing passes run on static buffers that read a hidden state per token beside the
 tokens, with the target's tokens unchanged. On the Triton kernels a GPU captures, passes of one
 bucket and the all-padding pass a capture records make identical launches and pass the capture
-guard (tests/worker/graph_checks.py)."""
+guard (tests/graph_checks.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Sampling on the GPU path waits for nothing (docs/architecture.md, "Sampling"): under the capture
-guard of tests/worker/graph_checks.py, the sampler's launch for sampled traffic (temperature, top-k,
+guard of tests/graph_checks.py, the sampler's launch for sampled traffic (temperature, top-k,
 top-p, seeds, penalties, logit_bias, min_tokens, logprobs, prompt logprobs) reads no value back and copies to the
 device only from the registered staging arena; the step's one read is `SampledTokens.result`, which
 async scheduling makes after the next step is launched; and the run-ahead index comes from the

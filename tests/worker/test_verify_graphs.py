@@ -5,7 +5,7 @@ static buffers padded to batch-size buckets, return a logits row per token in th
 without speculation, right and wrong proposals alike, writing no K/V for padding; a step in which
 some request verifies fewer runs eagerly and says so ("speculative"); and, on the Triton kernels a
 GPU captures, steps of one bucket and the all-padding step a capture records make identical
-launches and pass the capture guard (tests/worker/graph_checks.py)."""
+launches and pass the capture guard (tests/graph_checks.py)."""
 
 from __future__ import annotations
 
