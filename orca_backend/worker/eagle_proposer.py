@@ -23,7 +23,9 @@ every token (a CUDA graph's too, from a buffer of its bucket's size). On CUDA th
 passes replay graphs of their own (`static_graphs`): each reads a hidden state per token from a
 static buffer beside its tokens (`StepGraphs`' hidden_input) and returns its logits and output; the
 tokens are taken outside the graph (an EAGLE-3 head's mapped onto the target's vocabulary there).
-A proposing pass reads its tokens back to the host before the next.
+The tokens stay on the device from pass to pass: a proposing pass takes the one before's through
+the graphs' `ahead` path, and a step's proposals are read back once, after its last pass (the
+observing pass reads nothing back).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ class EagleProposer(RunnerProposer):
                          config.block_size, torch_dtype(config.dtype), device)  # fmt: skip
         # Per input-batch row, after the row's last observed step: (the row's epoch then,
         # InputBatch.row_epoch; the position the head last ran at; its proposal for the token after
-        # the next; its hidden state there).
-        self._next: dict[int, tuple[int, int, int, torch.Tensor]] = {}
+        # the next and its hidden state there, both on the device).
+        self._next: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         # Its passes' static buffers (`static_graphs`), None where they run eagerly: the pass over
         # what a step kept, and the one-token passes that propose.
         self.observe_graphs: MixedGraphs | None = None
@@ -111,11 +113,10 @@ class EagleProposer(RunnerProposer):
         inputs = self.pass_inputs(batch, rows, token_rows, positions, kept, starts + kept, next_ids)
         source = self.put(np.repeat(flat_start, kept) + offsets)
         out, proposals = self._pass(self.observe_graphs, inputs, self.head.from_target(hidden.index_select(0, source)))
-        proposals = proposals.cpu().numpy()
         last_hidden = out.index_select(0, self.put(ends))
         for i in np.flatnonzero(sampled).tolist():
             row = int(rows[i])
-            self._next[row] = (int(batch.row_epoch[row]), int(positions[ends[i]]), int(proposals[i]), last_hidden[i])
+            self._next[row] = (int(batch.row_epoch[row]), int(positions[ends[i]]), proposals[i], last_hidden[i])
 
     def static_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> list[StepGraphs]:
         """The head's pass over what a step kept, bucketed by token count as the target's mixed steps
@@ -130,10 +131,11 @@ class EagleProposer(RunnerProposer):
                                            self.device, hidden_layers=(), hidden_input=width)  # fmt: skip
         return [self.observe_graphs, self.propose_graphs]
 
-    def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the head on `inputs`' tokens and `hidden` [T, H]: its output [T, H] and its
-        greedy token at each request's last token, on the device."""
-        logits, out = self.run_pass(graphs, self._head_forward, inputs, None, hidden)
+    def _pass(self, graphs: StepGraphs | None, inputs: StepInputs, hidden: torch.Tensor,
+              input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One pass of the head on `inputs`' tokens (or `input_ids`, on the device) and `hidden` [T, H]:
+        its output [T, H] and its greedy token at each request's last token, on the device."""
+        logits, out = self.run_pass(graphs, self._head_forward, inputs, input_ids, hidden)
         return out[: inputs.num_tokens], self.head.draft_ids(logits)
 
     def _head_forward(self, stage_input: StageInput, metas: Sequence[AttentionMetadata],
@@ -149,8 +151,7 @@ class EagleProposer(RunnerProposer):
         positions, spec_rows, counts = self.placeholders(step, rows)
         if not positions:
             return
-        drafts = np.zeros((len(positions), int(counts.max())), dtype=np.int64)
-        hidden = []
+        first, hidden = [], []
         for i, row in enumerate(spec_rows.tolist()):
             # The last observed step ran the head at the position before the last token.
             epoch, at, proposal, state = self._next.get(row, (-1, -1, 0, None))
@@ -158,8 +159,10 @@ class EagleProposer(RunnerProposer):
                 raise RuntimeError(f"request {step.scheduled_ids[step.spec_rows[positions[i]]]}: the EAGLE head last "
                                    f"ran at position {at} of it, not {batch.num_tokens[row] - 2} (the model runner "
                                    "lost its state)")  # fmt: skip
-            drafts[i, 0] = proposal
+            first.append(proposal)
             hidden.append(state)
+        drafts = torch.zeros((len(positions), int(counts.max())), dtype=torch.int64, device=self.device)
+        drafts[:, 0] = torch.stack(first)
         states = torch.stack(hidden)  # of the requests still proposing, in order
         at = batch.num_tokens[spec_rows].astype(np.int64) - 2
         active = np.arange(len(positions))
@@ -168,9 +171,10 @@ class EagleProposer(RunnerProposer):
             if not still.all():
                 active, states = active[still], states.index_select(0, self.put(np.flatnonzero(still)))
             where = at[active] + j
-            inputs = self.pass_inputs(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where), where + 1,
-                                      drafts[active, j - 1])  # fmt: skip
-            states, tokens = self._pass(self.propose_graphs, inputs, states)
-            drafts[active, j] = tokens.cpu().numpy()
+            inputs = self.pass_inputs(batch, spec_rows[active], spec_rows[active], where, np.ones_like(where), where + 1)
+            index = self.put(active)
+            states, tokens = self._pass(self.propose_graphs, inputs, states, drafts[:, j - 1].index_select(0, index))
+            drafts[:, j].index_copy_(0, index, tokens)
+        host = drafts.cpu().numpy()
         for i, position in enumerate(positions):
-            self.fill(step, batch, position, int(spec_rows[i]), drafts[i, : counts[i]].tolist())
+            self.fill(step, batch, position, int(spec_rows[i]), host[i, : counts[i]].tolist())

@@ -6,9 +6,9 @@ unchanged with a draft that is always right (the target itself) and one that is 
 and no pass writes K/V for its padding; a first pass longer than the largest bucket runs eagerly and
 says so. The EAGLE heads (worker/eagle_proposer.py): the pass over what a step kept and the
 one-token proposing passes run on static buffers that read a hidden state per token beside the
-tokens, with the target's tokens unchanged. On the Triton kernels a GPU captures, passes of one
-bucket and the all-padding pass a capture records make identical launches and pass the capture
-guard (tests/graph_checks.py)."""
+tokens, each proposing pass's tokens fed on the device too, with the target's tokens unchanged.
+On the Triton kernels a GPU captures, passes of one bucket and the all-padding pass a capture
+records make identical launches and pass the capture guard (tests/graph_checks.py)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,14 @@ def static_engine(target, draft, max_num_batched_tokens: int = 0, **options) -> 
     return llm, drafter
 
 
-def checked(drafter: DraftProposer, graphs: StepGraphs, seen: list[tuple[int, int]]) -> None:
-    """Every pass on `graphs` changes the draft's pool in its live tokens' slots only, and notes its
-    (live requests, bucket)."""
+def checked(drafter: DraftProposer, graphs: StepGraphs, seen: list[tuple[int, int]], fed_on_device: bool) -> None:
+    """Every pass on `graphs` changes the draft's pool in its live tokens' slots only, takes its tokens
+    from the device (the pass before's, `ahead`) where `fed_on_device`, else from the host, and notes
+    its (live requests, bucket)."""
     run = graphs.run
 
     def checked_run(inputs, ahead=None, hidden=None):
+        assert (ahead is not None) == fed_on_device
         out, _ = run_checking_pool(run, drafter.kv_caches, inputs, ahead, hidden)
         logits = out[0] if isinstance(out, tuple) else out  # (an EAGLE head's passes return its output too)
         assert logits.shape[0] == inputs.num_requests
@@ -79,8 +81,8 @@ def test_draft_passes_on_static_buffers_keep_the_tokens_and_write_no_padding_kv(
     expected = [o.output_ids for o in LLM(str(path)).generate(prompts, PARAMS)]
     llm, drafter = static_engine(path, draft_path)
     first, following = [], []
-    checked(drafter, drafter.first_graphs, first)
-    checked(drafter, drafter.next_graphs, following)
+    checked(drafter, drafter.first_graphs, first, fed_on_device=False)
+    checked(drafter, drafter.next_graphs, following, fed_on_device=True)
     assert [o.output_ids for o in llm.generate(prompts, PARAMS)] == expected
     assert set(drafter.pass_paths) == {"static_buffers"}
     assert drafter.pass_paths["static_buffers"] == len(first) + len(following)
@@ -159,8 +161,8 @@ def test_eagle_passes_on_static_buffers_keep_the_tokens_and_write_no_padding_kv(
     prompts = random_prompts(len(PARAMS), 320, seed=6)
     llm, drafter = static_eagle_engine(target, head, method)
     observed, proposed = [], []
-    checked(drafter, drafter.observe_graphs, observed)
-    checked(drafter, drafter.propose_graphs, proposed)
+    checked(drafter, drafter.observe_graphs, observed, fed_on_device=False)
+    checked(drafter, drafter.propose_graphs, proposed, fed_on_device=True)
     assert [o.output_ids for o in llm.generate(prompts, PARAMS)] == [hf_greedy(model, p, q.max_tokens)
                                                                      for p, q in zip(prompts, PARAMS, strict=True)]  # fmt: skip
     assert set(drafter.pass_paths) == {"static_buffers"}
