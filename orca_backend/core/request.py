@@ -91,7 +91,7 @@ class Request:
     # knows EOS) as it takes the request in (core/stop.py).
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     # Async scheduling may run its next step before its token lands: not for a grammar (its next mask
-    # needs the token) nor penalties (the runner counts tokens as they are recorded).
+    # needs the token). Penalties count that token on the device (SamplingBatch.unrecorded).
     can_run_ahead: bool = field(init=False, default=True)
     # Speculative decoding proposes for it: the rows that verify its proposals are sampled as its own
     # last row is, with what depends on the tokens before each row made per row (the penalties count
@@ -107,8 +107,7 @@ class Request:
         if p.prompt_logprobs is not None:
             self.prompt_logprobs = []
         self.num_prompt_tokens = len(self.prompt_ids)
-        self.can_run_ahead = not self.structured and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 \
-            and p.repetition_penalty == 1.0  # fmt: skip
+        self.can_run_ahead = not self.structured
         self.can_speculate = self.pooling is None
 
     @property

@@ -73,6 +73,12 @@ class SamplingBatch:
     values: torch.Tensor  # the input batch's per-row tables (sampling_values, sampling_ids)
     ids: torch.Tensor
     processors: LogitsProcessors
+    # Async scheduling: the penalized requests run ahead of their last step, (index into `penalized`,
+    # index into the step's ahead_rows), host; their last token is sampled but not recorded yet.
+    penalized_ahead: np.ndarray = field(default_factory=lambda: _NO_PAIRS)
+    # [2, n] on the device, set by the model runner from those: (index into `penalized`, that token),
+    # which the penalties count beside the recorded tokens (LogitsProcessors.apply's `unrecorded`).
+    unrecorded: torch.Tensor | None = None
 
 
 @dataclass
@@ -632,10 +638,17 @@ class InputBatch:
                 if np.isnan(self._drawn[row]):
                     torch.rand(1, generator=columns.generators[position], out=self._draws[row : row + 1])
             draws = self.staging.put(self._drawn[random_rows])
+        penalized_ahead = _NO_PAIRS
+        if ahead_rows and len(penalized):
+            ahead_at = {position: k for k, position in enumerate(ahead_rows)}
+            pairs = [(i, ahead_at[p]) for i, p in enumerate(penalized.tolist()) if p in ahead_at]
+            if pairs:
+                penalized_ahead = np.array(pairs, dtype=np.int64).T
         return SamplingBatch(
             rows, sample, (split[0], split[1]), draws, (split[2], split[3]), (split[4], split[5]),
             bool(columns.repetitive[penalized].any()), (split[6], split[7]), split[8],
             logprobs.tolist(), columns.num_logprobs[logprobs].tolist(), self.sampling_values, self.sampling_ids, self.processors,
+            penalized_ahead,
         )  # fmt: skip
 
     def draws_used(self) -> None:
@@ -656,6 +669,7 @@ class InputBatch:
 
 
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
+_NO_PAIRS = np.zeros((2, 0), dtype=np.int64)
 
 
 def _occurrence(ids: list[str]) -> np.ndarray:

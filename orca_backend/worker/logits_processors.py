@@ -8,6 +8,9 @@ taken; for a penalized request, one row of a dense [slots, vocab] table of outpu
 one of a prompt-token mask. Counts are written when the row is taken (from every output token it
 has: a request resumed after a preemption gets them back exactly) and then from each step's delta,
 which carries only tokens the core has recorded, so nothing of a step that failed is ever counted.
+A token sampled but not recorded yet (a speculative proposal before a verifying row; the last token
+of a request that async scheduling runs ahead, still on the device) is counted for one step only,
+on a copy of the request's counts (`apply`'s `unrecorded`).
 Every update reaches the device through the step's staging arena (worker/staging.py): nothing here
 waits for the device, and a step's processing reads no value back. Dense rows make a step one
 gather for all the penalized rows, whatever the lengths of their histories; a request without
@@ -105,7 +108,7 @@ class LogitsProcessors:
         their rows) on the device, of requests that sample this step; `repetition`: whether any
         penalized one has a repetition penalty. `unrecorded` [2, n]: (index into `penalized`, token)
         of output tokens its counts do not hold yet, counted too (speculative decoding: the proposals
-        before a verifying row)."""
+        before a verifying row; async scheduling: the token a request runs ahead on)."""
         positions, rows = biased
         if len(positions):
             ids = self.ids.index_select(0, rows)[:, BIAS_IDS:]

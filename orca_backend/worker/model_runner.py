@@ -357,6 +357,9 @@ class ModelRunner:
         inputs = self.input_batch.prepare(step)
         self._step = (step.step_id, inputs)
         ahead = self._ahead_tokens(step) if step.ahead_rows else None
+        if ahead is not None and inputs.sampling is not None and inputs.sampling.penalized_ahead.shape[1]:
+            index = self.input_batch.staging.put(inputs.sampling.penalized_ahead)
+            inputs.sampling.unrecorded = torch.stack((index[0], ahead[1].index_select(0, index[1])))
         graphs: StepGraphs | None = (self.verify_graphs if inputs.spec is not None else
                                      self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs)  # fmt: skip
         self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)

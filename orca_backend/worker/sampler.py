@@ -127,7 +127,7 @@ class Sampler:
         if len(batch.logprobs):  # before any processing
             raw_logprobs = logits.index_select(0, batch.logprobs).log_softmax(dim=-1)
         if len(batch.biased[0]) or len(batch.penalized[0]):
-            batch.processors.apply(logits, batch.biased, batch.penalized, batch.repetition)
+            batch.processors.apply(logits, batch.biased, batch.penalized, batch.repetition, batch.unrecorded)
         if spec is not None and len(spec.penalized_own[0]):  # with the proposals before it counted
             no_rows = spec.penalized_own[0][:0]
             batch.processors.apply(logits, (no_rows, no_rows), spec.penalized_own, spec.repetition,

@@ -5,6 +5,7 @@ request's stop, of a failure or of an abort are dropped."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,7 +22,7 @@ MODELS = ["gpt2-tiny", "llama-tiny"]
 def _params(n: int, seed: int, vocab: int) -> list[SamplingParams]:
     """Greedy and seeded random sampling, lengths from 1 to 24, some stopping early on a stop token
     (found when its step lands, after the next step was run ahead), some asking for logprobs or
-    logit_bias, and one with penalties (never run ahead: the runner counts recorded tokens)."""
+    logit_bias, and one with penalties."""
     rng = random.Random(seed)
     params = []
     for i in range(n):
@@ -85,6 +86,36 @@ def test_async_on_the_cuda_graph_path(model):
     launched = _spy_launches(llm)
     assert _outputs(llm, prompts, params) == expected
     assert any(step.ahead_rows and len(step.scheduled_ids) == step.num_tokens for step in launched)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static_buffers"])
+def test_penalized_requests_run_ahead_and_keep_the_sync_tokens(graphs):
+    """Presence, frequency and repetition penalties, greedy and sampled, beside requests without: each
+    penalized request runs ahead of its last step, whose token its penalties count from the device
+    (the penalties change the tokens, so a token counted twice or missed is seen). Some stop early on
+    a stop token, so the steps run ahead of them are dropped, their counts with them."""
+    sync = LLM("llama-tiny", max_num_seqs=6)
+    vocab = sync.engine.model_config.vocab_size
+    prompts = random_prompts(8, vocab, seed=21)
+    penalties = [{"frequency_penalty": 1.5}, {"presence_penalty": 1.8}, {"repetition_penalty": 1.7},
+                 {"frequency_penalty": -1.0, "presence_penalty": 0.5}, {}]  # fmt: skip
+    params = [SamplingParams(max_tokens=12 + i, ignore_eos=True, temperature=0.8 if i % 3 == 0 else 0.0, seed=i,
+                             stop_token_ids=list(range(0, vocab, 3)) if i in (2, 6) else [], **penalties[i % 5])
+              for i in range(8)]  # fmt: skip
+    expected = _outputs(sync, prompts, params)
+    plain = _outputs(sync, prompts, [dataclasses.replace(p, frequency_penalty=0.0, presence_penalty=0.0,
+                                                         repetition_penalty=1.0) for p in params])  # fmt: skip
+    assert sum(a[0] != b[0] for a, b in zip(expected, plain, strict=True)) >= 4  # the penalties matter
+    llm = LLM("llama-tiny", max_num_seqs=6, async_scheduling=True)
+    if graphs:
+        runner = llm.engine.core.executor.runner
+        runner.decode_graphs = runner.static_decode(capture_sizes(6))
+    launched = _spy_launches(llm)
+    assert _outputs(llm, prompts, params) == expected
+    assert any(o[1] == "stop" for o in expected)
+    penalized = {f"req-{i}" for i, p in enumerate(params) if p.penalized}
+    ran_ahead = {step.scheduled_ids[r] for step in launched for r in step.ahead_rows}
+    assert len(ran_ahead & penalized) >= 5, ran_ahead
 
 
 def test_async_with_preemption_chunked_prefill_and_prefix_caching():

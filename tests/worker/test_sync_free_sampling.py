@@ -51,7 +51,10 @@ def guard_sampling(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> dict
     launch, result = runner.sampler.launch, SampledTokens.result
 
     def guarded_launch(logits, batch, *prompt):
-        guard = CaptureGuard([logits, *device_memory(runner)], [runner.input_batch.staging.host])
+        # The token a penalized request runs ahead on: made on the device before the launch (from the
+        # staging arena and the last step's sampled ids, `ModelRunner._run_stage`).
+        made = [batch.unrecorded] if batch.unrecorded is not None else []
+        guard = CaptureGuard([logits, *device_memory(runner), *made], [runner.input_batch.staging.host])
         with capture_guard(monkeypatch, guard):
             sampled = launch(logits, batch, *prompt)
         seen["batches"].append(batch)
@@ -95,6 +98,8 @@ def test_sampled_traffic_reads_back_once_per_step(monkeypatch, async_scheduling)
     for stage in ("random", "biased", "penalized", "banned"):
         assert sum(len(getattr(b, stage)[0]) > 0 for b in batches) > 3, stage
     assert sum(len(b.logprobs) > 0 for b in batches) > 3 and any(b.repetition for b in batches)
+    # Under async scheduling penalized requests run ahead, counting their last token from the device.
+    assert any(b.unrecorded is not None for b in batches) == async_scheduling
 
 
 def test_the_guard_fails_a_sampling_step_that_reads_back_or_copies_from_elsewhere(monkeypatch):
