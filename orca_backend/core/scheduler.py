@@ -81,8 +81,8 @@ _FINISHED = RequestStatus.FINISHED
 # row a request stops proposing for SPEC_PAUSE_FIRST of its steps, each further fruitless round
 # multiplying the pause by SPEC_PAUSE_GROWTH (up to speculative_config's max_pause_steps). Two rounds,
 # as a single miss is common where proposals pay (the end of a repeated span), and a round after a
-# pause proposes k as every round does (on CUDA a verify step is graphed only where every request
-# verifies k). A first pause of 64: most of a round's cost where nothing is accepted is the
+# pause proposes k as every round does (where proposals pay again, that round gains as much as any
+# other). A first pause of 64: most of a round's cost where nothing is accepted is the
 # proposer's (a draft model's k passes), and a request of 64 tokens then verifies two rounds, not 63.
 SPEC_PAUSE_AFTER = 2
 SPEC_PAUSE_FIRST = 64

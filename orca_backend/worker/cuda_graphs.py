@@ -14,9 +14,10 @@ captured at load, largest first, all in one memory pool:
 - Decode-only steps (`DecodeGraphs`): one query per request, padded to a batch size of 1, 2, 4, 8,
   ... below max_num_seqs, and max_num_seqs (`capture_sizes`). Their attention is the split-K decode
   kernel, whose grid comes from the batch size.
-- Speculative decoding's verify steps in which every request verifies k proposals (`VerifyGraphs`):
-  1 + k queries and as many logits rows per request, padded to a batch size as decode steps are (up
-  to MAX_VERIFY_BATCH); a verify step with fewer proposals for some request runs eagerly.
+- Speculative decoding's verify steps (`VerifyGraphs`): room for 1 + k queries and as many logits
+  rows per request, padded to a batch size as decode steps are (up to MAX_VERIFY_BATCH); requests
+  that verify fewer than k proposals, or none, run their own tokens there. A verify step beside a
+  prompt chunk of more than 1 + k tokens runs eagerly.
 - A proposer's passes (worker/draft_proposer.py, eagle_proposer.py): its own `MixedGraphs` (a
   draft's first pass of a round, an EAGLE head's pass over what a step kept) and `DecodeGraphs`
   (the one-token passes), over its own forward, in the same pool.
@@ -114,8 +115,9 @@ EAGER_REASONS = {
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
-    "speculative": "a step with proposed tokens to verify (speculative decoding) in which not every request "
-                   "verifies num_speculative_tokens of them (the verify graphs hold such steps only)",
+    "speculative": "a step with proposed tokens to verify (speculative decoding) beside a prompt chunk of more "
+                   "than 1 + num_speculative_tokens tokens (the verify graphs hold steps whose every request runs "
+                   "at most that many)",
 }
 
 
@@ -304,7 +306,7 @@ class StepGraphs:
         logits_indices[: len(inputs.logits_indices)] = inputs.logits_indices
         width = inputs.block_tables.shape[2]
         self._tables(requests, width)[:] = inputs.block_tables  # entries past a row's context are never read
-        self._pad(tokens, requests, size)
+        self._pad(tokens, requests, size, len(inputs.logits_indices))
         if self._host_lora is not None:
             self._load_lora(inputs.lora_slots, size)
         self._upload(requests, width)
@@ -314,15 +316,15 @@ class StepGraphs:
         """Makes a bucket all padding (what a capture records: nothing is written, nothing is read)."""
         self._wait_for_copies()
         self._host_requests[0, 0] = 0
-        self._pad(0, 0, size)
+        self._pad(0, 0, size, 0)
         if self._host_lora is not None:
             self._load_lora(None, size)
         self._upload(0, 0)
 
-    def _pad(self, tokens: int, requests: int, size: int) -> None:
+    def _pad(self, tokens: int, requests: int, size: int, logits: int) -> None:
         """Tokens [tokens, T) and requests [requests, R) of bucket `size` become padding: token 0 at
         position 0 with no K/V slot, owned by requests of context 0 that take max_query_len tokens each
-        until none is left (their last token is their logits index: any valid one)."""
+        until none is left; logits rows [logits, L) read valid rows (`_pad_logits`)."""
         num_tokens, num_requests, max_query_len = self.shape(size)
         self._host_tokens[:2, tokens:num_tokens] = 0
         self._host_tokens[2:, tokens:num_tokens] = PAD_SLOT
@@ -331,11 +333,12 @@ class StepGraphs:
         ends = np.minimum(tokens + self._ramp[:padding] * max_query_len, num_tokens)
         starts[requests + 1 : num_requests + 1] = ends
         context_lens[requests:num_requests] = 0
-        self._pad_logits(tokens, requests, size, ends)
+        self._pad_logits(logits, size, ends)
 
-    def _pad_logits(self, tokens: int, requests: int, size: int, ends: np.ndarray) -> None:
-        """The padding's logits rows: each padding request's last token (`ends` - 1)."""
-        self._host_requests[2, requests : self.shape(size)[1]] = np.maximum(ends - 1, 0)
+    def _pad_logits(self, logits: int, size: int, ends: np.ndarray) -> None:
+        """The padding's logits rows (a live step has one per request): each padding request's last
+        token (`ends` - 1)."""
+        self._host_requests[2, logits : self.shape(size)[1]] = np.maximum(ends - 1, 0)
 
     def _load_lora(self, token_slots: np.ndarray | None, size: int) -> None:
         """The step's token->slot mapping over the bucket's tokens (padding and tokens without an
@@ -516,10 +519,13 @@ class MixedGraphs(StepGraphs):
 
 
 class VerifyGraphs(StepGraphs):
-    """Speculative decoding's steps in which every request verifies k proposed tokens, bucketed by
-    batch size: a bucket of B requests holds B (1 + k) tokens, a query length of 1 + k, and a logits
-    row per token, in the order the sampler reads them (`SpecRows`): each request's own row (its
-    last token), then every request's rows verifying its proposals."""
+    """Speculative decoding's verify steps, bucketed by batch size: a bucket of B requests holds B (1 +
+    k) tokens, a query length of 1 + k, and a logits row per token, in the order the sampler reads them
+    (`SpecRows`): each request's own row (its last token), then every request's rows verifying its
+    proposals. Any step with proposals whose requests each run at most 1 + k tokens fits: one
+    verifying fewer than k (cut by max_tokens, or paused while its proposals were rejected: a plain
+    decode) runs its own tokens, from the query starts on the device, and B more padding requests of
+    up to 1 + k tokens each own what the live ones leave of the B (1 + k) tokens."""
 
     def __init__(
         self, forward: Forward, sizes: list[int], num_speculative_tokens: int, max_blocks: int, block_size: int,
@@ -532,7 +538,7 @@ class VerifyGraphs(StepGraphs):
         return inputs.num_requests
 
     def shape(self, size: int) -> tuple[int, int, int]:
-        return size * self.query_len, size, self.query_len
+        return size * self.query_len, 2 * size, self.query_len
 
     def num_logits(self, size: int) -> int:
         return size * self.query_len
@@ -544,14 +550,12 @@ class VerifyGraphs(StepGraphs):
         return f"verify steps of {self.sizes} requests ({self.query_len} tokens each)"
 
     def eager_reason(self, inputs: StepInputs) -> str:
-        spec, k = inputs.spec, self.query_len - 1
-        if spec is None or len(spec.positions) != inputs.num_requests or any(count != k for count in spec.counts) \
-                or inputs.num_tokens != inputs.num_requests * self.query_len:  # fmt: skip
+        if inputs.spec is None or inputs.max_query_len > self.query_len:
             return "speculative"
         if inputs.num_requests > self.max_size:
             return "batch_above_buckets"
         return ""
 
-    def _pad_logits(self, tokens: int, requests: int, size: int, ends: np.ndarray) -> None:
-        """A live step has a logits row per token: the padding's rows are the padding tokens'."""
-        self._host_requests[2, tokens : self.num_logits(size)] = np.arange(tokens, self.num_logits(size))
+    def _pad_logits(self, logits: int, size: int, ends: np.ndarray) -> None:
+        """The rows past the live step's read the tokens of the same index (all valid)."""
+        self._host_requests[2, logits : self.num_logits(size)] = np.arange(logits, self.num_logits(size))

@@ -1,18 +1,21 @@
 """The CUDA-graph path of speculative decoding's verify steps (worker/cuda_graphs.py's `VerifyGraphs`),
-checked on the CPU (CI has no GPU): steps in which every request verifies k proposals run on the
-static buffers padded to batch-size buckets, return a logits row per token in the sampler's order
-(each request's own row, then the rows verifying its proposals) and give the engine's tokens
-without speculation, right and wrong proposals alike, writing no K/V for padding; a step in which
-some request verifies fewer runs eagerly and says so ("speculative"); and, on the Triton kernels a
-GPU captures, steps of one bucket and the all-padding step a capture records make identical
-launches and pass the capture guard (tests/graph_checks.py)."""
+checked on the CPU (CI has no GPU): verify steps run on the static buffers padded to batch-size
+buckets, those in which some request verifies fewer than k proposals (cut by max_tokens, or paused
+after fruitless rounds) among them; they return a logits row per token in the sampler's order (each
+request's own row, then the rows verifying its proposals) and give the engine's tokens without
+speculation, right and wrong proposals alike, writing no K/V for padding; a step with a prompt
+chunk longer than 1 + k beside them runs eagerly and says so ("speculative"); and, on the Triton
+kernels a GPU captures, steps of one bucket and the all-padding step a capture records make
+identical launches and pass the capture guard (tests/graph_checks.py)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
-from engine_helpers import OracleProposer, random_prompts
+import torch
+from engine_helpers import OracleProposer, drain, random_prompts
 from graph_checks import run_checking_pool
 from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_process, use_import_mode
 
@@ -65,41 +68,72 @@ def test_verify_steps_on_static_buffers_give_the_tokens_and_padding_writes_no_kv
     llm, runner, _, prompts, params, expected = _static_llm(model, "cpu", wrong)
     graphs: VerifyGraphs = runner.verify_graphs
     run = graphs.run
-    seen: list[tuple[int, int]] = []  # (live requests, bucket) of every verify step on the buffers
+    seen: list[tuple[int, int, bool]] = []  # (live requests, bucket, whether all verify k) of every verify step
 
     def checked_run(inputs, ahead=None):
         """The pool after the step differs from before only in the live tokens' slots; a row per token."""
         logits, _ = run_checking_pool(run, runner.kv_caches, inputs, ahead)
-        assert logits.shape[0] == inputs.num_tokens == inputs.num_requests * (1 + K)
-        seen.append((inputs.num_requests, graphs.bucket(inputs.num_requests)))
+        assert logits.shape[0] == len(inputs.logits_indices) == inputs.num_tokens
+        uniform = inputs.num_tokens == inputs.num_requests * (1 + K)
+        seen.append((inputs.num_requests, graphs.bucket(inputs.num_requests), uniform))
         return logits
 
     graphs.run = checked_run
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
     stats, spec = llm.engine.stats(), llm.engine.core.stats()
-    # Steps near a request's max_tokens propose fewer than k tokens: those run eagerly, saying why.
-    assert set(stats.steps_by_path) == {"static_buffers", "speculative"}, stats.steps_by_path
-    assert len(seen) > 3 and any(live < bucket for live, bucket in seen)  # padded steps among them
+    # Every step ran on the static buffers: prompts (all prefilled in the first step, with no
+    # proposals) on the mixed ones, verify steps on the verify buckets, uniform or not.
+    assert set(stats.steps_by_path) == {"static_buffers"}, stats.steps_by_path
+    assert len(seen) > 3 and any(live < bucket for live, bucket, _ in seen)  # padded steps among them
+    # Near its max_tokens a request proposes fewer than k tokens, down to none (a plain decode).
+    assert any(not uniform for _, _, uniform in seen)
     if wrong == "never":
         assert spec.spec_num_accepted_tokens == spec.spec_num_draft_tokens
     else:
         assert 0 < spec.spec_num_accepted_tokens < spec.spec_num_draft_tokens
 
 
-def test_a_step_with_fewer_proposals_than_k_is_no_verify_bucket():
-    llm, runner, _, prompts, params, _ = _static_llm("gpt2-tiny", "cpu", "never")
+def test_only_a_prompt_chunk_longer_than_a_verify_query_makes_a_verify_step_eager():
+    """Three requests verify (every proposal right); a prompt of 2 + 2k tokens joins them, then one of
+    1 + k tokens. Only the step of the first runs eagerly ("speculative"): the second fits a verify
+    bucket as a request of 1 + k tokens, as do the steps verifying fewer than k proposals."""
+    llm, runner, proposer, prompts, params, expected = _static_llm("gpt2-tiny", "cpu", "never")
     graphs = runner.verify_graphs
-    reasons = []
+    reasons: list[tuple[str, int]] = []  # (eager reason, longest query) of every step with proposals
+    prompt_steps: list[str] = []  # the eager reason of each step with a prompt of 1 + k tokens beside them
     eager_reason = graphs.eager_reason
 
     def noted(inputs):
-        reasons.append((eager_reason(inputs), inputs.spec.counts))
+        reasons.append((eager_reason(inputs), inputs.max_query_len))
+        lengths = np.diff(inputs.query_start)
+        lengths[inputs.spec.positions] = 0  # the requests verifying proposals
+        if (lengths == 1 + K).any():
+            prompt_steps.append(reasons[-1][0])
         return reasons[-1][0]
 
     graphs.eager_reason = noted
-    llm.generate(prompts, params)
-    assert {reason for reason, counts in reasons if set(counts) == {K}} == {""}
-    assert {reason for reason, counts in reasons if set(counts) != {K}} == {"speculative"}
+    fresh = torch.randint(0, llm.engine.model_config.vocab_size, (3 + 3 * K,), generator=torch.Generator().manual_seed(5))
+    late = [fresh[: 2 + 2 * K].tolist(), fresh[2 + 2 * K :].tolist()]  # 2 + 2k and 1 + k tokens
+    late_expected = [o.output_ids for o in LLM("gpt2-tiny", max_num_seqs=MAX_NUM_SEQS).generate(late, params[3:5])]
+    proposer.references.update({tuple(p): e for p, e in zip(late, late_expected, strict=True)})
+    engine, tokens = llm.engine, {}
+
+    def add(prompt, sampling):
+        collect = lambda o: tokens.setdefault(o.request_id, []).extend(o.new_token_ids)  # noqa: E731
+        return engine.add_request(prompt, sampling, on_output=collect).request_id
+
+    first = [add(p, q) for p, q in zip(prompts[:3], params[:3], strict=True)]
+    for _ in range(3):  # the prompts, then verify steps
+        engine.step()
+    long_id = add(late[0], params[3])
+    engine.step()
+    short_id = add(late[1], params[4])
+    drain(engine)
+    assert [tokens[i] for i in first] == expected[:3] and [tokens[long_id], tokens[short_id]] == late_expected
+    assert {reason for reason, longest in reasons if longest > 1 + K} == {"speculative"}
+    assert {reason for reason, longest in reasons if longest <= 1 + K} == {""}
+    assert sum(longest > 1 + K for _, longest in reasons) == 1
+    assert prompt_steps == [""]
 
 
 @pytest.mark.slow
