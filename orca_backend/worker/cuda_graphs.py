@@ -17,7 +17,8 @@ captured at load, largest first, all in one memory pool:
 - Speculative decoding's verify steps (`VerifyGraphs`): room for 1 + k queries and as many logits
   rows per request, padded to a batch size as decode steps are (up to MAX_VERIFY_BATCH); requests
   that verify fewer than k proposals, or none, run their own tokens there. A verify step beside a
-  prompt chunk of more than 1 + k tokens runs eagerly.
+  prompt chunk of more than 1 + k tokens goes to the mixed graphs, whose buckets hold the verify
+  rows of up to MAX_VERIFY_BATCH requests beside one logits row per request.
 - A proposer's passes (worker/draft_proposer.py, eagle_proposer.py): its own `MixedGraphs` (a
   draft's first pass of a round, an EAGLE head's pass over what a step kept) and `DecodeGraphs`
   (the one-token passes), over its own forward, in the same pool.
@@ -115,9 +116,9 @@ EAGER_REASONS = {
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
     "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
-    "speculative": "a step with proposed tokens to verify (speculative decoding) beside a prompt chunk of more "
-                   "than 1 + num_speculative_tokens tokens (the verify graphs hold steps whose every request runs "
-                   "at most that many)",
+    "speculative": "a step with more proposed tokens to verify (speculative decoding) than its graphs hold: the "
+                   "verify graphs hold steps whose every request runs at most 1 + num_speculative_tokens tokens, "
+                   "the mixed graphs min(max_num_seqs, 64) * num_speculative_tokens verify rows",
 }
 
 
@@ -324,7 +325,7 @@ class StepGraphs:
     def _pad(self, tokens: int, requests: int, size: int, logits: int) -> None:
         """Tokens [tokens, T) and requests [requests, R) of bucket `size` become padding: token 0 at
         position 0 with no K/V slot, owned by requests of context 0 that take max_query_len tokens each
-        until none is left; logits rows [logits, L) read valid rows (`_pad_logits`)."""
+        until none is left; logits rows [logits, L) read token 0 (any valid one)."""
         num_tokens, num_requests, max_query_len = self.shape(size)
         self._host_tokens[:2, tokens:num_tokens] = 0
         self._host_tokens[2:, tokens:num_tokens] = PAD_SLOT
@@ -333,12 +334,7 @@ class StepGraphs:
         ends = np.minimum(tokens + self._ramp[:padding] * max_query_len, num_tokens)
         starts[requests + 1 : num_requests + 1] = ends
         context_lens[requests:num_requests] = 0
-        self._pad_logits(logits, size, ends)
-
-    def _pad_logits(self, logits: int, size: int, ends: np.ndarray) -> None:
-        """The padding's logits rows (a live step has one per request): each padding request's last
-        token (`ends` - 1)."""
-        self._host_requests[2, logits : self.shape(size)[1]] = np.maximum(ends - 1, 0)
+        logits_indices[logits : self.num_logits(size)] = 0
 
     def _load_lora(self, token_slots: np.ndarray | None, size: int) -> None:
         """The step's token->slot mapping over the bucket's tokens (padding and tokens without an
@@ -487,14 +483,18 @@ class DecodeGraphs(StepGraphs):
 class MixedGraphs(StepGraphs):
     """Steps with prompt tokens, bucketed by token count: a bucket of T tokens holds min(T,
     max_num_seqs) + 1 requests (the live ones, then the padding's) and a query length of T (the
-    ragged attention kernel)."""
+    ragged attention kernel). With `spec_rows` (speculative decoding) it holds that many more logits
+    rows, up to one per token, for the rows verifying proposals of a verify step that the verify
+    graphs cannot hold (a prompt chunk longer than 1 + k beside them, more requests than their
+    largest bucket)."""
 
     def __init__(
         self, forward: Forward, sizes: list[int], max_num_seqs: int, max_blocks: int, block_size: int,
         device: torch.device, lora_slots: int = 0, hidden_layers: tuple[int, ...] | None = None, num_groups: int = 1,
-        hidden_input: tuple[int, torch.dtype] | None = None,
+        hidden_input: tuple[int, torch.dtype] | None = None, spec_rows: int = 0,
     ) -> None:  # fmt: skip
         self.max_num_seqs = max_num_seqs
+        self.spec_rows = spec_rows
         super().__init__(forward, sizes, max_blocks, block_size, device, lora_slots, hidden_layers, num_groups,
                          hidden_input)  # fmt: skip
 
@@ -503,6 +503,10 @@ class MixedGraphs(StepGraphs):
 
     def shape(self, size: int) -> tuple[int, int, int]:
         return size, min(size, self.max_num_seqs) + 1, size
+
+    def num_logits(self, size: int) -> int:
+        requests = self.shape(size)[1]
+        return min(requests + self.spec_rows, max(size, requests))
 
     def describe(self, size: int) -> str:
         return f"mixed steps of {size} tokens"
@@ -515,6 +519,8 @@ class MixedGraphs(StepGraphs):
             return "tokens_above_buckets"
         if inputs.num_requests > self.max_num_seqs:
             return "batch_above_buckets"
+        if len(inputs.logits_indices) > self.num_logits(self.bucket(inputs.num_tokens)):
+            return "speculative"
         return ""
 
 
@@ -556,6 +562,3 @@ class VerifyGraphs(StepGraphs):
             return "batch_above_buckets"
         return ""
 
-    def _pad_logits(self, logits: int, size: int, ends: np.ndarray) -> None:
-        """The rows past the live step's read the tokens of the same index (all valid)."""
-        self._host_requests[2, logits : self.num_logits(size)] = np.arange(logits, self.num_logits(size))

@@ -33,6 +33,7 @@ from orca_backend.worker.bitmask import apply_bitmask, decode_bitmask
 from orca_backend.worker.cpu_allocator import tune_cpu_allocator
 from orca_backend.worker.cuda_graphs import (
     EAGER_REASONS,
+    MAX_VERIFY_BATCH,
     DecodeGraphs,
     GraphCaptureError,
     MixedGraphs,
@@ -110,6 +111,7 @@ class ModelRunner:
         self.drafter: RunnerProposer | None = None
         speculative = config.speculative()
         method = speculative.method if speculative is not None else ""
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         if method == "draft_model":
             self.drafter = DraftProposer(config, model_config, self.device)
         elif method in ("eagle", "eagle3"):
@@ -160,7 +162,6 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         # Why no step replays a graph here (an EAGER_REASONS key; "" when steps can).
         self.eager_reason = runner_eager_reason(
             config.enforce_eager, self.device, self.layout.pp_size > 1, self.model.ops.name,
@@ -225,7 +226,8 @@ class ModelRunner:
         size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
         max_blocks = -(-model_config.max_context // config.block_size)
         static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
-                             self._lora_slots(), self._hidden_layers(), self.kv_groups.num_groups)  # fmt: skip
+                             self._lora_slots(), self._hidden_layers(), self.kv_groups.num_groups,
+                             spec_rows=self._mixed_spec_rows())  # fmt: skip
         static.load_padding(size)
         stage_input, metas, logits_indices = static.views(size)
         if not self.layout.is_first_stage:
@@ -269,10 +271,15 @@ class ModelRunner:
                             self.kv_groups.num_groups)  # fmt: skip
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
-        """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`)."""
+        """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`),
+        with room for the rows verifying proposals of up to MAX_VERIFY_BATCH requests."""
         return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[2],
                            self.block_size, self.device, self._lora_slots(), self._hidden_layers(),
-                           self.kv_groups.num_groups)  # fmt: skip
+                           self.kv_groups.num_groups, spec_rows=self._mixed_spec_rows())  # fmt: skip
+
+    def _mixed_spec_rows(self) -> int:
+        """The verify rows a mixed bucket holds beyond its requests' own (speculative decoding)."""
+        return min(self.max_num_seqs, MAX_VERIFY_BATCH) * self.num_speculative_tokens
 
     def _hidden_layers(self) -> tuple[int, ...] | None:
         """What the graphs return beside the logits: for an EAGLE head, every token's hidden states
@@ -360,15 +367,11 @@ class ModelRunner:
         if ahead is not None and inputs.sampling is not None and inputs.sampling.penalized_ahead.shape[1]:
             index = self.input_batch.staging.put(inputs.sampling.penalized_ahead)
             inputs.sampling.unrecorded = torch.stack((index[0], ahead[1].index_select(0, index[1])))
-        graphs: StepGraphs | None = (self.verify_graphs if inputs.spec is not None else
-                                     self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs)  # fmt: skip
-        self._step_path = self.eager_reason if graphs is None else graphs.eager_reason(inputs)
+        graphs, self._step_path = self._graphs_for(inputs)
         if not self._step_path and inputs.prompt_logprobs is not None:
             self._step_path = "prompt_logprobs"
         if not self._step_path and inputs.pooling is not None:
             self._step_path = "pooling"
-        if not self._step_path and graphs is None:  # a runner with graphs that has none of this kind
-            self._step_path = "speculative"
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
             return graphs.run(inputs, ahead)
@@ -385,6 +388,18 @@ class ModelRunner:
             pool_indices = self._every_token_index(inputs.num_tokens)
         stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices, hidden_layers or ())
         return self.model.forward(stage_input, metas, self.kv_caches, logits_indices)
+
+    def _graphs_for(self, inputs: StepInputs) -> tuple[StepGraphs | None, str]:
+        """The graphs whose buckets a step goes to, and why it cannot run on them ("" when it can): a
+        verify step to the verify graphs where they hold it, else (a prompt chunk longer than 1 + k
+        beside its verify rows) to the mixed ones, which hold verify rows too; a decode-only step to
+        the decode graphs."""
+        if inputs.spec is not None and self.verify_graphs is not None:
+            reason = self.verify_graphs.eager_reason(inputs)
+            if not reason:
+                return self.verify_graphs, reason
+        graphs = self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs
+        return graphs, self.eager_reason if graphs is None else graphs.eager_reason(inputs)
 
     def _every_token_index(self, count: int) -> torch.Tensor:
         """0..count-1 on the device (a view of one grown by doubling)."""

@@ -4,9 +4,9 @@ buckets, those in which some request verifies fewer than k proposals (cut by max
 after fruitless rounds) among them; they return a logits row per token in the sampler's order (each
 request's own row, then the rows verifying its proposals) and give the engine's tokens without
 speculation, right and wrong proposals alike, writing no K/V for padding; a step with a prompt
-chunk longer than 1 + k beside them runs eagerly and says so ("speculative"); and, on the Triton
-kernels a GPU captures, steps of one bucket and the all-padding step a capture records make
-identical launches and pass the capture guard (tests/graph_checks.py)."""
+chunk longer than 1 + k beside them runs on the mixed buffers, which hold its verify rows; and, on
+the Triton kernels a GPU captures, steps of one bucket and the all-padding step a capture records
+make identical launches and pass the capture guard (tests/graph_checks.py)."""
 
 from __future__ import annotations
 
@@ -93,15 +93,16 @@ def test_verify_steps_on_static_buffers_give_the_tokens_and_padding_writes_no_kv
         assert 0 < spec.spec_num_accepted_tokens < spec.spec_num_draft_tokens
 
 
-def test_only_a_prompt_chunk_longer_than_a_verify_query_makes_a_verify_step_eager():
+def test_a_verify_step_beside_a_long_prompt_chunk_runs_on_the_mixed_buffers():
     """Three requests verify (every proposal right); a prompt of 2 + 2k tokens joins them, then one of
-    1 + k tokens. Only the step of the first runs eagerly ("speculative"): the second fits a verify
-    bucket as a request of 1 + k tokens, as do the steps verifying fewer than k proposals."""
+    1 + k tokens. The second fits a verify bucket as a request of 1 + k tokens, as do the steps
+    verifying fewer than k proposals; the first does not ("speculative" there) and runs on the mixed
+    buffers, which hold its verify rows. A mixed bucket without room for them says so."""
     llm, runner, proposer, prompts, params, expected = _static_llm("gpt2-tiny", "cpu", "never")
-    graphs = runner.verify_graphs
-    reasons: list[tuple[str, int]] = []  # (eager reason, longest query) of every step with proposals
-    prompt_steps: list[str] = []  # the eager reason of each step with a prompt of 1 + k tokens beside them
-    eager_reason = graphs.eager_reason
+    verify, mixed = runner.verify_graphs, runner.mixed_graphs
+    reasons: list[tuple[str, int]] = []  # (the verify graphs' eager reason, longest query) of every verify step
+    prompt_steps: list[str] = []  # that reason for each step with a prompt of 1 + k tokens beside verify rows
+    eager_reason = verify.eager_reason
 
     def noted(inputs):
         reasons.append((eager_reason(inputs), inputs.max_query_len))
@@ -111,7 +112,18 @@ def test_only_a_prompt_chunk_longer_than_a_verify_query_makes_a_verify_step_eage
             prompt_steps.append(reasons[-1][0])
         return reasons[-1][0]
 
-    graphs.eager_reason = noted
+    verify.eager_reason = noted
+    mixed_with_rows = []  # the verify steps the mixed buffers ran
+    run_mixed = mixed.run
+
+    def noted_mixed(inputs, ahead=None):
+        if inputs.spec is not None:
+            mixed_with_rows.append(inputs)
+        logits, _ = run_checking_pool(run_mixed, runner.kv_caches, inputs, ahead)
+        assert logits.shape[0] == len(inputs.logits_indices)
+        return logits
+
+    mixed.run = noted_mixed
     fresh = torch.randint(0, llm.engine.model_config.vocab_size, (3 + 3 * K,), generator=torch.Generator().manual_seed(5))
     late = [fresh[: 2 + 2 * K].tolist(), fresh[2 + 2 * K :].tolist()]  # 2 + 2k and 1 + k tokens
     late_expected = [o.output_ids for o in LLM("gpt2-tiny", max_num_seqs=MAX_NUM_SEQS).generate(late, params[3:5])]
@@ -130,10 +142,15 @@ def test_only_a_prompt_chunk_longer_than_a_verify_query_makes_a_verify_step_eage
     short_id = add(late[1], params[4])
     drain(engine)
     assert [tokens[i] for i in first] == expected[:3] and [tokens[long_id], tokens[short_id]] == late_expected
-    assert {reason for reason, longest in reasons if longest > 1 + K} == {"speculative"}
+    assert set(engine.stats().steps_by_path) == {"static_buffers"}
+    assert [reason for reason, longest in reasons if longest > 1 + K] == ["speculative"]
     assert {reason for reason, longest in reasons if longest <= 1 + K} == {""}
-    assert sum(longest > 1 + K for _, longest in reasons) == 1
     assert prompt_steps == [""]
+    [step] = mixed_with_rows  # the long prompt's step, with 3 requests' verify rows
+    assert len(step.logits_indices) == step.num_requests + 3 * K
+    without_room = runner.static_mixed(mixed.sizes)
+    without_room.spec_rows = 0
+    assert without_room.eager_reason(step) == "speculative" and mixed.eager_reason(step) == ""
 
 
 @pytest.mark.slow
@@ -161,8 +178,7 @@ def test_eagle_steps_on_static_buffers_return_every_tokens_hidden_states(tmp_pat
     """With an EAGLE head every step's graph returns, beside the logits, every token's hidden states
     (the final one, and for EAGLE-3 those entering the head's layers) from a buffer of the bucket's
     size: a head mirroring a one-layer target keeps most proposals accepted, an EAGLE-3 head of
-    random weights keeps the tokens, and every step ran on the static buffers but the verify steps
-    with fewer proposals than k."""
+    random weights keeps the tokens, and every step ran on the static buffers."""
     from eagle_heads import target_and_head
     from hf_tiny import hf_greedy
 
@@ -176,8 +192,7 @@ def test_eagle_steps_on_static_buffers_return_every_tokens_hidden_states(tmp_pat
     runner.verify_graphs = runner.static_verify(verify_capture_sizes(MAX_NUM_SEQS))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert [o.output_ids for o in llm.generate(prompts, params)] == [hf_greedy(model, p, 24) for p in prompts]
-    assert set(llm.engine.stats().steps_by_path) <= {"static_buffers", "speculative"}
-    assert llm.engine.stats().steps_by_path["static_buffers"] > 0
+    assert set(llm.engine.stats().steps_by_path) == {"static_buffers"}
     stats = llm.engine.core.stats()
     assert stats.spec_num_draft_tokens > 0
     if method == "eagle":
