@@ -22,7 +22,8 @@ captured at load, largest first, all in one memory pool:
 - A proposer's passes (worker/draft_proposer.py, eagle_proposer.py): its own `MixedGraphs` (a
   draft's first pass of a round, an EAGLE head's pass over what a step kept) and `DecodeGraphs`
   (the one-token passes), over its own forward, in the same pool.
-- Every other step (`MixedGraphs`): padded to a token count of 16, 32, 64, ... below the largest,
+- Every other step (`MixedGraphs`, which also return every token's final hidden states: embedding
+  requests pool some of them): padded to a token count of 16, 32, 64, ... below the largest,
   and the largest: max_num_batched_tokens, or `DEFAULT_MAX_GRAPH_TOKENS` when that is unset
   (`mixed_capture_sizes`; 8 sizes at most from 16 to 2048, so capture time and the pool, sized by
   the largest, are bounded). A bucket of T tokens holds min(T, max_num_seqs) + 1 requests (every
@@ -115,7 +116,6 @@ EAGER_REASONS = {
     "static_buffers": "on the graphs' static buffers, not captured (the CPU tests' path)",
     "prompt_logprobs": "a request computes prompt logprobs (a logits row per prompt token; the graphs hold one "
                        "per request)",
-    "pooling": "an embedding request pools its prompt's hidden states (the graphs return logits only)",
     "speculative": "a step with more proposed tokens to verify (speculative decoding) than its graphs hold: the "
                    "verify graphs hold steps whose every request runs at most 1 + num_speculative_tokens tokens, "
                    "the mixed graphs min(max_num_seqs, 64) * num_speculative_tokens verify rows",

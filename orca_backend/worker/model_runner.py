@@ -167,6 +167,7 @@ class ModelRunner:
             config.enforce_eager, self.device, self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
+        self._every_token_out = False  # whether the last step's forward returned every token's hidden states
         if self.eager_reason:
             logger.info("steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
         else:
@@ -226,7 +227,7 @@ class ModelRunner:
         size = mixed_capture_sizes(config.max_num_batched_tokens)[-1]
         max_blocks = -(-model_config.max_context // config.block_size)
         static = MixedGraphs(self._forward, [size], self.max_num_seqs, max_blocks, config.block_size, self.device,
-                             self._lora_slots(), self._hidden_layers(), self.kv_groups.num_groups,
+                             self._lora_slots(), self._mixed_hidden_layers(), self.kv_groups.num_groups,
                              spec_rows=self._mixed_spec_rows())  # fmt: skip
         static.load_padding(size)
         stage_input, metas, logits_indices = static.views(size)
@@ -272,10 +273,16 @@ class ModelRunner:
 
     def static_mixed(self, sizes: list[int]) -> MixedGraphs:
         """The static buffers of steps with prompt tokens padded to `sizes` tokens (as `static_decode`),
-        with room for the rows verifying proposals of up to MAX_VERIFY_BATCH requests."""
+        with room for the rows verifying proposals of up to MAX_VERIFY_BATCH requests, returning every
+        token's final hidden states too (what embedding requests pool)."""
         return MixedGraphs(self._forward, sizes, self.max_num_seqs, self.input_batch.block_table.shape[2],
-                           self.block_size, self.device, self._lora_slots(), self._hidden_layers(),
+                           self.block_size, self.device, self._lora_slots(), self._mixed_hidden_layers(),
                            self.kv_groups.num_groups, spec_rows=self._mixed_spec_rows())  # fmt: skip
+
+    def _mixed_hidden_layers(self) -> tuple[int, ...]:
+        """What the mixed graphs return beside the logits: every token's final hidden states, and an
+        EAGLE head's auxiliary ones."""
+        return self._hidden_layers() or ()
 
     def _mixed_spec_rows(self) -> int:
         """The verify rows a mixed bucket holds beyond its requests' own (speculative decoding)."""
@@ -370,10 +377,11 @@ class ModelRunner:
         graphs, self._step_path = self._graphs_for(inputs)
         if not self._step_path and inputs.prompt_logprobs is not None:
             self._step_path = "prompt_logprobs"
-        if not self._step_path and inputs.pooling is not None:
-            self._step_path = "pooling"
+        # Whether the forward returns every token's hidden states (the mixed graphs', an EAGLE head's step).
+        self._every_token_out = self._hidden_layers() is not None
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
+            self._every_token_out = graphs.hidden_layers is not None
             return graphs.run(inputs, ahead)
         input_ids, positions, metas, logits_indices = self._device_inputs(inputs)
         if ahead is not None:
@@ -393,7 +401,11 @@ class ModelRunner:
         """The graphs whose buckets a step goes to, and why it cannot run on them ("" when it can): a
         verify step to the verify graphs where they hold it, else (a prompt chunk longer than 1 + k
         beside its verify rows) to the mixed ones, which hold verify rows too; a decode-only step to
-        the decode graphs."""
+        the decode graphs; a step with embedding requests to the mixed ones, which return every token's
+        hidden states."""
+        if inputs.pooling is not None:
+            graphs = self.mixed_graphs
+            return graphs, self.eager_reason if graphs is None else graphs.eager_reason(inputs)
         if inputs.spec is not None and self.verify_graphs is not None:
             reason = self.verify_graphs.eager_reason(inputs)
             if not reason:
@@ -435,8 +447,9 @@ class ModelRunner:
         pooled, every_token = None, None
         if isinstance(logits, tuple):  # the last stage also returned final hidden states
             logits, hidden = logits
-            if self._hidden_layers() is not None:  # every token's: the pooled are some
-                every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
+            if self._every_token_out:  # every token's: the pooled are some
+                if self._hidden_layers() is not None:  # the EAGLE head's
+                    every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
                 hidden = (hidden.index_select(0, inputs.pooling.indices)[:, : self.hidden_size]
                           if inputs.pooling is not None else None)  # fmt: skip
             if hidden is not None:

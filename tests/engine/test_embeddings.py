@@ -126,6 +126,33 @@ def test_embeddings_batched_with_generation_whose_tokens_stay_exact(qwen3, tmp_p
         engine.shutdown()
 
 
+def test_embedding_steps_on_the_graphs_static_buffers_pool_the_same(qwen3, tmp_path):
+    """On CUDA a step with embedding requests replays a mixed graph, which returns every token's final
+    hidden states (worker/cuda_graphs.py). Here those static buffers run eagerly: mean-pooled over
+    chunks beside generation (a one-token prompt among them), the embeddings are transformers' and
+    the tokens the eager engine's, and every step ran on the buffers."""
+    from orca_backend.worker.cuda_graphs import capture_sizes, mixed_capture_sizes
+
+    path, model = qwen3
+    pooled = with_pooling(path, tmp_path / "mean", "mean_tokens", True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(str(pooled), max_num_seqs=8, max_num_batched_tokens=9) as eager:
+        expected = [o.output_ids for o in eager.generate(PROMPTS[:2], params)]
+    engine = LLMEngine(EngineConfig(model=str(pooled), max_num_seqs=8, max_num_batched_tokens=9))
+    try:
+        runner = engine.core.executor.runner
+        runner.decode_graphs = runner.static_decode(capture_sizes(8))
+        runner.mixed_graphs = runner.static_mixed(mixed_capture_sizes(9))
+        generated = engine.add_requests(PROMPTS[:2], params)
+        embedded = engine.add_requests(PROMPTS, SamplingParams(), pooling=PoolingParams())
+        drain(engine)
+        assert [[t for e in s for t in e.new_token_ids] for s in generated] == expected
+        check([list(s)[-1] for s in embedded], model, PROMPTS, mode="mean_tokens")
+        assert set(engine.stats().steps_by_path) == {"static_buffers"}
+    finally:
+        engine.shutdown()
+
+
 def test_a_preempted_embedding_request_pools_its_recompute_once(qwen3, tmp_path):
     """A pool too small for everything at once preempts: a mean-pooled request recomputed from its
     start must not count its first chunks twice."""

@@ -301,6 +301,21 @@ def test_eagle_head_passes_replay_graphs_and_keep_the_tokens(tmp_path) -> None:
     assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
 
 
+def test_embedding_steps_replay_mixed_graphs_and_pool_the_eager_vectors(tmp_path) -> None:
+    """Embedding requests (a one-token prompt among them): their steps replay the mixed graphs, whose
+    every-token hidden states give the vectors of the same engine run eagerly (float32, 1e-5)."""
+    write_tiny("Qwen3", tmp_path, seed=1)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [100, 200, 300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17], [42]]
+    vectors, paths = [], []
+    for enforce_eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=enforce_eager)
+        vectors.append(torch.tensor([o.embedding for o in llm.embed(prompts)]))
+        paths.append(set(llm.engine.stats().steps_by_path))
+        del llm
+    assert paths == [{"cuda_graph"}, {"enforce_eager"}]
+    assert (vectors[0] - vectors[1]).abs().max() < 1e-5
+
+
 def test_fp8_checkpoint_on_cuda_keeps_fp8_weights_and_the_cpus_tokens(tmp_path) -> None:
     """An FP8 (block-scaled) Llama-family checkpoint: on CUDA its projections stay FP8 (the Triton
     dequantizing GEMM), and its float32 greedy tokens equal the CPU's, which dequantizes at load."""

@@ -98,11 +98,12 @@ def test_mixed_steps_on_static_buffers_give_the_eager_tokens_and_padding_writes_
     seen: list[tuple[int, int, int]] = []  # (live tokens, live requests, bucket) of every mixed step
 
     def checked_run(inputs, ahead=None):
-        """The pool after the step differs from before only in the live tokens' slots."""
-        logits, _ = run_checking_pool(run, runner.kv_caches, inputs, ahead)
-        assert logits.shape[0] == inputs.num_requests
+        """The pool after the step differs from before only in the live tokens' slots; the step returns
+        a logits row per request and every token's hidden states (what embedding requests pool)."""
+        (logits, hidden), _ = run_checking_pool(run, runner.kv_caches, inputs, ahead)
+        assert logits.shape[0] == inputs.num_requests and hidden.shape[0] >= inputs.num_tokens
         seen.append((inputs.num_tokens, inputs.num_requests, graphs.bucket(inputs.num_tokens)))
-        return logits
+        return logits, hidden
 
     graphs.run = checked_run
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected

@@ -119,9 +119,9 @@ def test_a_verify_step_beside_a_long_prompt_chunk_runs_on_the_mixed_buffers():
     def noted_mixed(inputs, ahead=None):
         if inputs.spec is not None:
             mixed_with_rows.append(inputs)
-        logits, _ = run_checking_pool(run_mixed, runner.kv_caches, inputs, ahead)
+        (logits, hidden), _ = run_checking_pool(run_mixed, runner.kv_caches, inputs, ahead)
         assert logits.shape[0] == len(inputs.logits_indices)
-        return logits
+        return logits, hidden
 
     mixed.run = noted_mixed
     fresh = torch.randint(0, llm.engine.model_config.vocab_size, (3 + 3 * K,), generator=torch.Generator().manual_seed(5))
