@@ -372,8 +372,8 @@ def render_env(r: dict[str, Any]) -> list[str]:
 
 # The tests that have never run compiled on a GPU (issue #41): the fused norm + GEMM, the split-K decode
 # kernels with the fused K/V write and rotary, the windowed kernels, FP8, multi-LoRA and the MoE grouped
-# GEMM, and the engine on CUDA for CUDA graphs (a draft model's and an EAGLE head's passes too), async
-# scheduling and the families that use those kernels. The `*_in_fresh_process` tests (-k) only rerun a
+# GEMM, and the engine on CUDA for CUDA graphs (a draft model's and an EAGLE head's passes and
+# embedding steps too), async scheduling and the families that use those kernels. The `*_in_fresh_process` tests (-k) only rerun a
 # file under the interpreter on a CPU.
 SMOKE_TESTS = [
     "tests/kernels/test_norm_linear.py",
@@ -395,6 +395,7 @@ SMOKE_TESTS = [
     "tests/model/test_cuda.py::test_mixed_lora_adapters_on_cuda_equal_peft_merged",
     "tests/model/test_cuda.py::test_draft_model_passes_replay_graphs_and_keep_the_tokens",
     "tests/model/test_cuda.py::test_eagle_head_passes_replay_graphs_and_keep_the_tokens",
+    "tests/model/test_cuda.py::test_embedding_steps_replay_mixed_graphs_and_pool_the_eager_vectors",
 ]
 
 
