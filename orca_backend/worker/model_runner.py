@@ -167,7 +167,6 @@ class ModelRunner:
             config.enforce_eager, self.device, self.layout.pp_size > 1, self.model.ops.name,
         )  # fmt: skip
         self._step_path = ""  # how the last step's forward ran: cuda_graphs.GRAPH_REPLAYED or an EAGER_REASONS key
-        self._every_token_out = False  # whether the last step's forward returned every token's hidden states
         if self.eager_reason:
             logger.info("steps run eagerly: %s", EAGER_REASONS[self.eager_reason])
         else:
@@ -377,11 +376,8 @@ class ModelRunner:
         graphs, self._step_path = self._graphs_for(inputs)
         if not self._step_path and inputs.prompt_logprobs is not None:
             self._step_path = "prompt_logprobs"
-        # Whether the forward returns every token's hidden states (the mixed graphs', an EAGLE head's step).
-        self._every_token_out = self._hidden_layers() is not None
         if graphs is not None and not self._step_path:
             self._step_path = graphs.path(inputs)
-            self._every_token_out = graphs.hidden_layers is not None
             return graphs.run(inputs, ahead)
         input_ids, positions, metas, logits_indices = self._device_inputs(inputs)
         if ahead is not None:
@@ -390,9 +386,11 @@ class ModelRunner:
         if inputs.lora_slots is not None:
             assert self.lora is not None
             lora = lora_metadata(inputs.lora_slots, self.lora.stack.max_loras, self.device)
-        pool_indices = inputs.pooling.indices if inputs.pooling is not None else None
+        # A forward that returns hidden states returns every token's, as the mixed graphs do: the
+        # pooled tokens are some of them, and an EAGLE head reads them all.
         hidden_layers = self._hidden_layers()
-        if hidden_layers is not None:
+        pool_indices = None
+        if hidden_layers is not None or inputs.pooling is not None:
             pool_indices = self._every_token_index(inputs.num_tokens)
         stage_input = StageInput(input_ids, positions, hidden, lora, pool_indices, hidden_layers or ())
         return self.model.forward(stage_input, metas, self.kv_caches, logits_indices)
@@ -403,14 +401,10 @@ class ModelRunner:
         beside its verify rows) to the mixed ones, which hold verify rows too; a decode-only step to
         the decode graphs; a step with embedding requests to the mixed ones, which return every token's
         hidden states."""
-        if inputs.pooling is not None:
-            graphs = self.mixed_graphs
-            return graphs, self.eager_reason if graphs is None else graphs.eager_reason(inputs)
-        if inputs.spec is not None and self.verify_graphs is not None:
-            reason = self.verify_graphs.eager_reason(inputs)
-            if not reason:
-                return self.verify_graphs, reason
-        graphs = self.decode_graphs if is_decode_only(inputs) else self.mixed_graphs
+        if inputs.pooling is None and inputs.spec is not None and self.verify_graphs is not None \
+                and not self.verify_graphs.eager_reason(inputs):  # fmt: skip
+            return self.verify_graphs, ""
+        graphs = self.decode_graphs if inputs.pooling is None and is_decode_only(inputs) else self.mixed_graphs
         return graphs, self.eager_reason if graphs is None else graphs.eager_reason(inputs)
 
     def _every_token_index(self, count: int) -> torch.Tensor:
@@ -445,16 +439,12 @@ class ModelRunner:
             rows = step.bitmask_rows
             apply_bitmask(logits, decode_bitmask(step.bitmask, len(rows)), rows)
         pooled, every_token = None, None
-        if isinstance(logits, tuple):  # the last stage also returned final hidden states
+        if isinstance(logits, tuple):  # the last stage also returned every token's final hidden states
             logits, hidden = logits
-            if self._every_token_out:  # every token's: the pooled are some
-                if self._hidden_layers() is not None:  # the EAGLE head's
-                    every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
-                hidden = (hidden.index_select(0, inputs.pooling.indices)[:, : self.hidden_size]
-                          if inputs.pooling is not None else None)  # fmt: skip
-            if hidden is not None:
-                assert inputs.pooling is not None
-                pooled = (hidden, inputs.pooling)
+            if self._hidden_layers() is not None:  # the EAGLE head's
+                every_token = hidden  # with EAGLE-3's auxiliary hidden states after the final ones
+            if inputs.pooling is not None:  # the pooled tokens' final hidden states
+                pooled = (hidden.index_select(0, inputs.pooling.indices)[:, : self.hidden_size], inputs.pooling)
         # The rows after the requests' own: those verifying proposals, then those scoring prompt tokens.
         count, spec_logits, prompt_logits = inputs.num_requests, None, None
         if inputs.spec is not None:
