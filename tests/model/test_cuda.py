@@ -253,6 +253,13 @@ def test_tensor_parallel_ranks_replay_graphs_with_their_collectives(make_checkpo
     assert paths == [{"cuda_graph"}, {"enforce_eager"}]
 
 
+def assert_replayed(llm: LLM, drafter) -> None:  # noqa: ANN001 - a RunnerProposer
+    """The proposer's passes replayed their graphs (a whole prompt's first pass may run eagerly), and so
+    did every target step, verify steps with fewer than k proposals (max_tokens cuts) too."""
+    assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
+    assert set(llm.engine.stats().steps_by_path) == {"cuda_graph"}
+
+
 def test_draft_model_passes_replay_graphs_and_keep_the_tokens(make_checkpoint) -> None:
     """Speculative decoding with a draft model (a smaller GPT-2 of random weights, every decode
     proposing): the draft's passes and every target step replay their captured graphs, and the
@@ -270,9 +277,7 @@ def test_draft_model_passes_replay_graphs_and_keep_the_tokens(make_checkpoint) -
     drafter = llm.engine.core.executor.runner.drafter
     assert sorted(drafter.next_graphs.graphs) == [1, 2, 4, 8] and drafter.first_graphs.graphs
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
-    assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
-    # Every target step replayed a graph, verify steps with fewer than k proposals (max_tokens cuts) too.
-    assert set(llm.engine.stats().steps_by_path) == {"cuda_graph"}
+    assert_replayed(llm, drafter)
 
 
 def test_eagle_head_passes_replay_graphs_and_keep_the_tokens(tmp_path) -> None:
@@ -294,9 +299,7 @@ def test_eagle_head_passes_replay_graphs_and_keep_the_tokens(tmp_path) -> None:
     drafter = llm.engine.core.executor.runner.drafter
     assert sorted(drafter.propose_graphs.graphs) == [1, 2, 4, 8] and drafter.observe_graphs.graphs
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected
-    assert drafter.pass_paths["cuda_graph"] > 0 and set(drafter.pass_paths) <= {"cuda_graph", "tokens_above_buckets"}
-    # Every target step replayed a graph, verify steps with fewer than k proposals (max_tokens cuts) too.
-    assert set(llm.engine.stats().steps_by_path) == {"cuda_graph"}
+    assert_replayed(llm, drafter)
     stats = llm.engine.core.stats()
     assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
 
