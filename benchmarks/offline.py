@@ -31,6 +31,9 @@ Suites:
               widest instruction set and on AVX2, oneDNN on plain and on packed weights, MKL) over
               matrices of the model's linear layers' shapes in --dtype, at 1 to 2,048 tokens,
               interleaved: the measurements behind its choices (docs/cpu-gemm.md).
+  attention   the CPU attention kernels on the model's heads in --dtype: decodes of 1-64 requests
+              against the read bandwidth, prompts of 8 x 512 and 1 x 2,048 tokens through the C
+              prefill kernel and SDPA against the peak (docs/cpu-attention.md).
 """
 
 from __future__ import annotations
@@ -371,6 +374,76 @@ def suite_gemm(args, model: str) -> dict:
     return result
 
 
+def suite_attention(args, model: str) -> dict:
+    """The CPU attention kernels on the model's heads over paged K/V (blocks of 16, shuffled as an
+    engine's pool leaves them), in --dtype: decodes (one query over contexts of 150-300 keys) against
+    the read bandwidth, and 8 prompts of 512 tokens and one of 2,048 (causal) through the C prefill
+    kernel and through SDPA, against the multiply-add peak; best of --gemm-repeat, interleaved."""
+    from orca_kernels import cpu_attention
+    from orca_kernels.attention import AttentionMetadata
+
+    config = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).model_config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head  # Llama's name, or GPT-2's
+    kv_heads, head_dim = config.num_kv_heads, config.head_dim
+    dtype, gen = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
+    bandwidth, peak = measure_read_bandwidth(), measure_flops_peak(dtype)
+    result: dict = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "read_bandwidth_gb_s": bandwidth / 1e9,
+                    "flops_peak_gflop_s": peak, "decode": {}, "prefill": {}}  # fmt: skip
+    print(f"{heads} query heads, {kv_heads} K/V heads of {head_dim}; read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"multiply-add peak {peak:.0f} GFLOP/s ({args.dtype})")  # fmt: skip
+
+    def batch(lens: list[tuple[int, int]]) -> tuple:
+        """Paged K/V and queries for requests of (queries, context) in shuffled blocks of 16."""
+        counts = [-(-ctx // 16) for _, ctx in lens]
+        blocks = torch.randperm(sum(counts), generator=gen).to(torch.int32)
+        width, tables, used = max(counts), [], 0
+        for count in counts:
+            tables.append(torch.cat((blocks[used : used + count], blocks[:1].expand(width - count))))
+            used += count
+        starts = torch.tensor([0, *(n for n, _ in lens)]).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(starts, torch.tensor([c for _, c in lens], dtype=torch.int32), torch.stack(tables),
+                                 torch.zeros(int(starts[-1]), dtype=torch.int64), 16, max(n for n, _ in lens),
+                                 max(c for _, c in lens), len(lens))  # fmt: skip
+        k, v = (torch.randn(sum(counts) * 16, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+        return torch.randn(int(starts[-1]), heads, head_dim, generator=gen).to(dtype), k, v, meta
+
+    def best(fn) -> float:
+        fn()
+        return min(_timeit(fn) for _ in range(max(args.gemm_repeat, 5)))
+
+    for requests in (1, 16, 64):
+        q, k, v, meta = batch([(1, int(c)) for c in torch.randint(150, 301, (requests,), generator=gen)])
+        kv_bytes = 2 * int(meta.context_lens.sum()) * kv_heads * head_dim * dtype.itemsize
+        # calls rotate over copies of the pool, 256 MB in all, so that each reads its K/V from memory
+        pools = [(k, v)] + [(k.clone(), v.clone()) for _ in range((256 << 20) // (k.nbytes + v.nbytes))]
+        calls = iter(range(1 << 30))
+
+        def decode(q=q, meta=meta, pools=pools, calls=calls) -> None:
+            k, v = pools[next(calls) % len(pools)]
+            cpu_attention.attention_cpu(q, k, v, meta, head_dim**-0.5)
+
+        s = best(decode)
+        result["decode"][str(requests)] = {"ms": s * 1e3, "gb_s": kv_bytes / s / 1e9, "of_bandwidth": kv_bytes / s / bandwidth}
+        print(f"decode, {requests:2d} requests, {kv_bytes / 1e6:5.1f} MB of K/V: {s * 1e3:6.2f} ms, {kv_bytes / s / 1e9:5.1f} GB/s "
+              f"({kv_bytes / s / bandwidth:.0%} of the read bandwidth)")  # fmt: skip
+    in_c = cpu_attention.prefill_in_c
+    try:
+        for prompts, length in ((8, 512), (1, 2048)):
+            q, k, v, meta = batch([(length, length)] * prompts)
+            flops = prompts * heads * 2 * 2 * head_dim * length * (length + 1) / 2  # q.k and p.v, causal half
+            row = {}
+            for kind, c_kernel in (("c", True), ("sdpa", False)):
+                cpu_attention.prefill_in_c = lambda c_kernel=c_kernel: c_kernel
+                s = best(lambda q=q, k=k, v=v, meta=meta: cpu_attention.attention_cpu(q, k, v, meta, head_dim**-0.5))
+                row[kind] = {"ms": s * 1e3, "gflop_s": flops / s / 1e9, "of_peak": flops / s / 1e9 / peak}
+            result["prefill"][f"{prompts}x{length}"] = row
+            print(f"prefill, {prompts} x {length} tokens: " + "  ".join(
+                f"{kind} {r['ms']:6.1f} ms ({r['gflop_s']:4.0f} GFLOP/s, {r['of_peak']:.0%} of peak)" for kind, r in row.items()))  # fmt: skip
+    finally:
+        cpu_attention.prefill_in_c = in_c
+    return result
+
+
 def suite_overhead(args) -> dict:
     """Engine time per iteration that is not the model forward, on a tiny model (so the forward is
     small beside it). "64" and "256": that many requests decoding in lockstep (all the same length,
@@ -383,7 +456,7 @@ def suite_overhead(args) -> dict:
     entries), where the sampler's argmax over [256, 50257] logits shows. "1-graphs" and "64-graphs":
     batch 1 and the lockstep 64 on the CUDA-graph path's static buffers (worker/cuda_graphs.py, run
     eagerly on a CPU): what a graphed decode step costs the host besides the replay, beside "1" and
-    "64" run eagerly (skipped on a tree without that path, as overhead_ab.py's baselines may be).
+    "64" run eagerly (skipped on a tree without that path, as ab.py's baselines may be).
     Each scenario also reports the sampler's share of the overhead."""
     from orca_backend.messages import outputs_frame
     from orca_backend.model.checkpoint import write_random_checkpoint
@@ -542,6 +615,8 @@ def main() -> None:
             results[suite] = suite_lora(args, args.model, trace)
         elif suite == "gemm":
             results[suite] = suite_gemm(args, args.model)
+        elif suite == "attention":
+            results[suite] = suite_attention(args, args.model)
         elif suite == "quantized":
             results[suite] = suite_quantized(args, args.model)
         elif suite == "prefill":

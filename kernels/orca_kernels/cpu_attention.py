@@ -1,27 +1,29 @@
-"""Selective-batching attention on CPU: requests of few queries (decodes, speculative verifies,
-short prompt chunks) in one C call per layer, longer prefills by SDPA; and the K/V write, one C
-call per layer (after `quantize_kv` where the pool is FP8).
+"""Selective-batching attention on CPU: one C call per layer for requests of few queries
+(decodes, speculative verifies, short prompt chunks), one for longer prompts and chunks where the C
+kernels are built with AVX-512 (elsewhere those go to SDPA); and the K/V write, one C call per
+layer (after `quantize_kv` where the pool is FP8).
 
 The torch reference (`attention_torch`) loops over requests in Python; at 64 decoding requests
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
-is ~6 small ops. The C kernel (csrc/decode_attention.c) does every request of at most
-`SHORT_QUERIES` queries in one call, each query as a decode of its own context; longer prefills
-have enough queries per request for SDPA to be efficient, so they stay on the torch path. float32
-and bfloat16 (widened to float32 as it is read, its output rounded once), each over a pool of its
-own dtype or an FP8 one (read back through per-head tables of the 256 codes: `KVScales.tables`);
-other dtypes use the reference (a documented choice).
+is ~6 small ops. The C kernels (csrc/decode_attention.c) do every request in one call each: a
+request of at most `SHORT_QUERIES` queries query by query, each as a decode of its own context; a
+longer one in tiles of queries whose scores are outer products, twice SDPA's speed on AMD CPUs
+(docs/cpu-attention.md; `prefill_in_c` says where). float32 and bfloat16 (widened to float32 as it
+is read, its output rounded once), each over a pool of its own dtype or an FP8 one (read back
+through per-head tables of the 256 codes: `KVScales.tables`); other dtypes use the reference (a
+documented choice).
 
-Paged K/V: the C kernel walks each decode's block table itself, reading K/V in place block by
-block; a prefill's context is gathered through its table (`gather_context`) for SDPA.
+Paged K/V: the C kernels walk each request's block table themselves, reading K/V in place block by
+block; for SDPA a prefill's context is gathered through its table (`gather_context`).
 
 Grouped-query attention: the K/V pool may have fewer heads than q (Llama-style GQA, or multi-query
-with one KV head); query head h reads KV head h // (q_heads // kv_heads). The C kernel reads each
-KV head's row once for its whole group of query heads, so K/V is never repeated for decodes;
-prefills go to `prefill_attention`, which takes [kv_heads, ctx, head_dim] K/V as it is.
+with one KV head); query head h reads KV head h // (q_heads // kv_heads). The C kernels read each
+KV head's rows once for its whole group of query heads, so K/V is never repeated; SDPA's
+`prefill_attention` takes [kv_heads, ctx, head_dim] K/V as it is.
 
-Sliding window and soft-capping (per layer, as in attention.py): the C kernel walks a decode's
-table from its window's first key, so the table entries of blocks wholly before the window (freed,
--1) are never read; a prefill's context is gathered from its first query's window start on.
+Sliding window and soft-capping (per layer, as in attention.py): the C kernels walk a request's
+table from its first query's window start, so the table entries of blocks wholly before the window
+(freed, -1) are never read; for SDPA a prefill's context is gathered from there on.
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def load_decode_kernel() -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
              (torch.bfloat16, "fp8"): "fp8_bf16"}  # fmt: skip
     return {key: native.declare("decode_attention", f"orca_decode_attention_{name}", argtypes, None)
             for key, name in names.items()}  # fmt: skip
+
+
+@functools.cache
+def load_prefill_kernel() -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
+    """The prefill entry points, keyed as `load_decode_kernel`'s: the decode kernel's arguments
+    without scratch; they return 0, or -1 when a thread's work area could not be allocated."""
+    p, i64 = native.PTR, native.I64
+    argtypes = [p, i64, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                ctypes.c_float, p, p, ctypes.c_int, i64]  # fmt: skip
+    names = {(torch.float32, ""): "f32", (torch.float32, "fp8"): "fp8_f32", (torch.bfloat16, ""): "bf16",
+             (torch.bfloat16, "fp8"): "fp8_bf16"}  # fmt: skip
+    return {key: native.declare("decode_attention", f"orca_prefill_attention_{name}", argtypes, ctypes.c_int)
+            for key, name in names.items()}  # fmt: skip
+
+
+@functools.cache
+def prefill_in_c() -> bool:
+    """Whether requests of more than SHORT_QUERIES queries go to the C prefill kernel rather than to
+    SDPA: where the kernel is built with AVX-512 (16-float vectors). There it measured 1.2-2.3x
+    SDPA, whose CPU path runs MKL's AVX2 GEMMs on AMD; built for AVX2 it measured 0.5-1.3x
+    (docs/cpu-attention.md)."""
+    return native.declare("decode_attention", "orca_attention_lanes", [], ctypes.c_int)() == 16
 
 
 @functools.cache
@@ -155,9 +179,8 @@ def attention_cpu(
         )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
-    # per thread: the scores and one K/V row read back in float32; in bfloat16 also the query
-    # widened to float32, and the output
-    per_thread = heads * meta.max_context_len + head_dim
+    # per thread: the scores; in bfloat16 also the query widened to float32, and the output
+    per_thread = heads * meta.max_context_len
     if q.dtype == torch.bfloat16:
         per_thread += heads * 2 * head_dim
     scratch = torch.empty((threads, per_thread), dtype=torch.float32)
@@ -169,7 +192,17 @@ def attention_cpu(
         softcap, k_lut.data_ptr() if k_lut is not None else None, v_lut.data_ptr() if v_lut is not None else None,
         scratch.data_ptr(), threads, SHORT_QUERIES,
     )  # fmt: skip
-    if meta.max_query_len > SHORT_QUERIES:
+    if meta.max_query_len > SHORT_QUERIES and prefill_in_c():
+        failed = load_prefill_kernel()[(q.dtype, "fp8" if fp8 else "")](
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            meta.query_start.data_ptr(), meta.context_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
+            meta.block_size, meta.num_requests, heads, kv_heads, head_dim, meta.max_context_len, scale, window,
+            softcap, k_lut.data_ptr() if k_lut is not None else None, v_lut.data_ptr() if v_lut is not None else None,
+            threads, SHORT_QUERIES,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("attention_cpu: the prefill kernel could not allocate its per-thread work areas")
+    elif meta.max_query_len > SHORT_QUERIES:
         qs, ctxs = meta.host_lens()  # read once per metadata object, shared by every layer
         for i in range(meta.num_requests):
             q_lo, q_hi = qs[i], qs[i + 1]

@@ -13,7 +13,7 @@ import torch
 from attention_cases import BATCHES, BLOCK_SIZES, dense_attention, make_meta, pool_slots, with_padding_request
 from torch_threads import torch_threads
 
-from orca_kernels import cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
+from orca_kernels import cpu_attention, cpu_gpt2_ops, cpu_llama_ops, dispatch, get_ops, native
 from orca_kernels.attention import attention_torch, write_kv_torch
 from orca_kernels.cpu_attention import SHORT_QUERIES, attention_cpu, load_decode_kernel, write_kv_cpu
 
@@ -71,6 +71,23 @@ def test_many_decodes_any_thread_count(threads: int, block_size: int) -> None:
     with torch_threads(threads):
         out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(out, attention_torch(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("requests", [[(1, 300)], [(1, 40), (1, 1), (3, 90)]])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(12, 12), (8, 2), (3, 1)])
+def test_few_decodes_split_their_heads_over_the_threads(threads, requests, q_heads, kv_heads) -> None:
+    """Fewer query tokens than 4 a thread (a batch-1 decode): each token's K/V heads are tasks of
+    their own, on several threads at once, and every head's output is still its own (in bfloat16
+    too: equal to float32 rounded once)."""
+    meta = make_meta("cpu", requests, block_size=16, seed=threads)
+    q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, 64, seed=q_heads)
+    with torch_threads(threads):
+        out = attention_cpu(q, k_cache, v_cache, meta, 0.125)
+        low = attention_cpu(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
+        wide = attention_cpu(q.bfloat16().float(), k_cache.bfloat16().float(), v_cache.bfloat16().float(), meta, 0.125)
+    torch.testing.assert_close(out, _gqa_reference(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5)
+    assert torch.equal(low, wide.bfloat16())
 
 
 # (query heads, K/V heads): group sizes 1, 2, 4 and 8, and multi-query (one K/V head) at 8 and 3.
@@ -177,8 +194,42 @@ def test_bfloat16_equals_float32_on_the_same_values(batch, heads, kv_heads, wind
     short = meta.host_lens()[0]
     decode_rows = torch.cat([torch.arange(short[i], short[i + 1]) for i in range(meta.num_requests)
                              if short[i + 1] - short[i] <= SHORT_QUERIES])  # fmt: skip
-    # the C kernel's rows; longer prefills go to SDPA, which computes bfloat16 its own way
+    # the decode kernel's rows (the C prefill kernel's are checked below; SDPA computes bfloat16 its own way)
     assert torch.equal(out[decode_rows], wide[decode_rows].bfloat16())
+
+
+# Prompts and chunks of more than SHORT_QUERIES queries, for the prefill kernel's tiles (48 queries
+# with AVX-512, 16 with AVX2): a chunk of 40 over 35 earlier keys, starting mid-block; a 100-token
+# prompt (tiles ending mid-way); a 33-query chunk beside a decode.
+LONG_PROMPTS = [(40, 75), (1, 20), (100, 100), (33, 120)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(3, 3, 64), (8, 2, 80), (4, 1, 20)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (24, 0.0), (0, 30.0)])
+def test_the_prefill_kernel_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, dtype, block_size, q_heads, kv_heads, head_dim, window, softcap
+) -> None:  # fmt: skip
+    """The C prefill kernel (every request of more than SHORT_QUERIES queries; forced, as on an
+    AVX-512 machine) against the torch reference over K/V repeated per query head: each query sees
+    its own causal prefix (or window), GQA reads its K/V head, head_dim need not fill the vector
+    lanes; in bfloat16 it equals the float32 kernel on the same values, rounded once."""
+    monkeypatch.setattr(cpu_attention, "prefill_in_c", lambda: True)
+    meta = make_meta("cpu", LONG_PROMPTS, block_size=block_size, seed=block_size)
+    q, k_cache, v_cache = _gqa_inputs(meta, q_heads, kv_heads, head_dim, seed=head_dim)
+    scale = head_dim**-0.5
+    group = q_heads // kv_heads
+    k_rep, v_rep = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
+    if dtype == torch.float32:
+        out = attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+        expected = attention_torch(q, k_rep, v_rep, meta, scale, window, softcap)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+        out = attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+        wide = attention_cpu(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
+        assert torch.equal(out, wide.bfloat16())
 
 
 def test_rejects_index_tensors_of_the_wrong_type() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from attention_cases import BATCHES, make_meta, pool_slots
 
+from orca_kernels import cpu_attention
 from orca_kernels.attention import KVScales, attention_torch, dequantize_kv, quantize_kv, write_kv_torch
 from orca_kernels.cpu_attention import attention_cpu, write_kv_cpu
 
@@ -94,13 +95,17 @@ def test_an_fp8_pool_needs_its_scales() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attention", [attention_torch, attention_cpu], ids=["torch", "cpu"])
 @pytest.mark.parametrize(("batch", "window", "softcap"),
-                         [("mixed", 0, 0.0), ("chunked", 0, 0.0), ("speculative", 7, 0.0), ("mixed", 9, 30.0)])  # fmt: skip
+                         [("mixed", 0, 0.0), ("chunked", 0, 0.0), ("speculative", 7, 0.0), ("mixed", 9, 30.0),
+                          ("prefill_only", 0, 0.0), ("prefill_only", 9, 30.0)])  # fmt: skip
 def test_attention_over_fp8_equals_attention_over_its_values(
-    attention, dtype: torch.dtype, pool_dtype: torch.dtype, batch: str, window: int, softcap: float
+    monkeypatch: pytest.MonkeyPatch, attention, dtype: torch.dtype, pool_dtype: torch.dtype, batch: str, window: int,
+    softcap: float,
 ) -> None:  # fmt: skip
     """Prefills, decodes, chunks and verify steps, GQA, sliding windows and soft-capping: attention
     over the FP8 pool is bit for bit attention over a model-dtype pool of its read-back values (the
-    C kernel reads them through its per-head tables, the reference dequantizes)."""
+    C kernels read them through their per-head tables, the reference dequantizes). Long prompts go
+    to the C prefill kernel here on any CPU kind."""
+    monkeypatch.setattr(cpu_attention, "prefill_in_c", lambda: True)
     meta = make_meta("cpu", BATCHES[batch], block_size=5, seed=len(batch))
     scales = _scales()
     k_cache, v_cache = _pools(meta, 2, 32, pool_dtype, scales, seed=4)
