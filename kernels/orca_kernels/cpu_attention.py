@@ -7,7 +7,7 @@ The torch reference (`attention_torch`) loops over requests in Python; at 64 dec
 that loop costs ~10 ms per layer of GPT-2-small against a ~3 ms memory floor, because each request
 is ~6 small ops. The C kernels (csrc/decode_attention.c) do every request in one call each: a
 request of at most `SHORT_QUERIES` queries query by query, each as a decode of its own context; a
-longer one in tiles of queries whose scores are outer products, twice SDPA's speed on AMD CPUs
+longer one in tiles of queries whose scores are outer products, up to twice SDPA's speed on AMD CPUs
 (docs/cpu-attention.md; `prefill_in_c` says where). float32 and bfloat16 (widened to float32 as it
 is read, its output rounded once), each over a pool of its own dtype or an FP8 one (read back
 through per-head tables of the 256 codes: `KVScales.tables`); other dtypes use the reference (a
@@ -87,7 +87,7 @@ def load_prefill_kernel() -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
 @functools.cache
 def prefill_in_c() -> bool:
     """Whether requests of more than SHORT_QUERIES queries go to the C prefill kernel rather than to
-    SDPA: where the kernel is built with AVX-512 (16-float vectors). There it measured 1.2-2.3x
+    SDPA: where the kernel is built with AVX-512 (16-float vectors). There it measured 1.2-2.0x
     SDPA, whose CPU path runs MKL's AVX2 GEMMs on AMD; built for AVX2 it measured 0.5-1.3x
     (docs/cpu-attention.md)."""
     return native.declare("decode_attention", "orca_attention_lanes", [], ctypes.c_int)() == 16
