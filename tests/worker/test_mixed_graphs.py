@@ -145,14 +145,15 @@ def test_mixed_steps_of_one_bucket_make_identical_launches_and_pass_the_capture_
 
 
 def test_the_capture_guard_fails_host_reads_and_unregistered_host_copies(monkeypatch):
-    """The guard is no tautology: the CPU kernels' prefill loop (requests of more than SHORT_QUERIES
-    queries, here every one of more than one) reads the query lengths back to the host
-    (`AttentionMetadata.host_lens`), which a GPU's graph could not capture; a planted .item() and a
-    tensor built from host memory during a step fail it too; the decode steps of the same kernels
-    pass it."""
+    """The guard is no tautology: the CPU kernels' SDPA prefill loop (an AVX2 machine's, for requests
+    of more than SHORT_QUERIES queries, here every one of more than one) reads the query lengths back
+    to the host (`AttentionMetadata.host_lens`), which a GPU's graph could not capture; a planted
+    .item() and a tensor built from host memory during a step fail it too; the same mixed steps
+    through the C prefill kernel (AVX-512's), and the decode steps, pass it."""
     from orca_kernels import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "SHORT_QUERIES", 1)
+    monkeypatch.setattr(cpu_attention, "prefill_in_c", lambda: False)
     llm, runner = _static_llm("gpt2-tiny", "cpu")
     mixed = guard_steps(monkeypatch, runner, runner.mixed_graphs)
     prompts, params = _workload(llm.engine.model_config.vocab_size)
@@ -160,6 +161,11 @@ def test_the_capture_guard_fails_host_reads_and_unregistered_host_copies(monkeyp
         llm.generate(prompts[:2], params[:2])
     assert not mixed.passed
     assert mixed.failures and all("Tensor.tolist()" in str(e) for e in mixed.failures)
+    monkeypatch.setattr(cpu_attention, "prefill_in_c", lambda: True)
+    llm, runner = _static_llm("gpt2-tiny", "cpu")
+    mixed = guard_steps(monkeypatch, runner, runner.mixed_graphs)
+    llm.generate(prompts, params)
+    assert mixed.passed and not mixed.failures
     llm, runner = _static_llm("gpt2-tiny", "cpu")
     decode = guard_steps(monkeypatch, runner, runner.decode_graphs)
     llm.generate(prompts, params)

@@ -331,15 +331,15 @@ DEFINE_BF16_ENTRY(orca_decode_attention_bf16, uint16_t, attend_one_bf16)
 DEFINE_BF16_ENTRY(orca_decode_attention_fp8_bf16, uint8_t, attend_one_fp8)
 
 /* ---------------------------------------------------------------------------------------------
- * Prefills: requests of more than max_short queries, a tile of LANES queries at a time.
+ * Prefills: requests of more than max_short queries, a tile of TILE queries at a time.
  *
  * Query-by-query, a long prompt would stream its whole context once per query at two flops per
  * element read, and torch's SDPA runs MKL's AVX2 GEMMs on AMD CPUs (~60-70 GFLOP/s on a 512-token
  * prompt of GPT-2-small, against ~500 for the linear layers). Here each task is one query head over
- * a tile of LANES consecutive queries of one request, with the queries in the vector lanes: scores
+ * a tile of TILE consecutive queries of one request, with the queries in the vector lanes: scores
  * are outer products (a query-lanes column of the transposed tile times one key element,
  * broadcast), so every multiply-add does LANES useful products and the key is read once per tile;
- * the scores are kept key-major ([key][lane]), so the max, the exp and the sum of the softmax are
+ * the scores are kept key-major ([key][query]), so the max, the exp and the sum of the softmax are
  * lane-wise too; and the output is the same outer product over the value rows. K/V are read in
  * place from the paged pool (no gathered copy), through the row converters below for a bfloat16 or
  * FP8 pool.
