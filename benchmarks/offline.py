@@ -39,6 +39,7 @@ Suites:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -416,7 +417,7 @@ def suite_attention(args, model: str) -> dict:
         kv_bytes = 2 * int(meta.context_lens.sum()) * kv_heads * head_dim * dtype.itemsize
         # calls rotate over copies of the pool, 256 MB in all, so that each reads its K/V from memory
         pools = [(k, v)] + [(k.clone(), v.clone()) for _ in range((256 << 20) // (k.nbytes + v.nbytes))]
-        calls = iter(range(1 << 30))
+        calls = itertools.count()
 
         def decode(q=q, meta=meta, pools=pools, calls=calls) -> None:
             k, v = pools[next(calls) % len(pools)]

@@ -60,7 +60,7 @@
  * block (a block's rows are contiguous, but the next block can sit anywhere in the pool, where the
  * hardware prefetcher does not follow). Into L2, not L1 (locality 2: prefetcht1): a block of K or V
  * is as large as L1 (48 KB for GPT-2-small's 16 rows), and one thread streaming 64 decodes' K/V read
- * 18 GB/s so against 10.5 with the rows fetched into L1 (2 threads: 28 against 21). */
+ * 18 GB/s against 10.5 with the rows fetched into L1 (2 threads: 28 against 21). */
 static inline void prefetch(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
@@ -90,6 +90,11 @@ static inline lanes_t f32_lanes(const float *row, int64_t n, const float *lut) {
     float buf[LANES] = {0};
     memcpy(buf, row, (size_t)n * sizeof *row);
     return *(const lanes_u *)buf;
+}
+/* The other way: lanes [0, n) of x into row[0, n) (n <= LANES), nothing past them. */
+static inline void store_f32_lanes(float *row, lanes_t x, int64_t n) {
+    if (n == LANES) *(lanes_u *)row = x;
+    else memcpy(row, &x, (size_t)n * sizeof *row);
 }
 static inline lanes_t bf16_lanes(const uint16_t *row, int64_t n, const float *lut) {
     (void)lut;
@@ -228,8 +233,7 @@ static inline lanes_t sum_each(const lanes_t acc[LANES]) {
                         float *o = out + h * head_dim + c;                                                   \
                         lanes_t acc = f32_lanes(o, w, NULL);                                                 \
                         for (int64_t t = lo; t < len; t++) acc += p[t] * LOAD(vt + t * kv_row + c, w, lut);  \
-                        if (w == LANES) *(lanes_u *)o = acc;                                                 \
-                        else memcpy(o, &acc, (size_t)w * sizeof *o);                                         \
+                        store_f32_lanes(o, acc, w);                                                          \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
@@ -357,9 +361,7 @@ static inline const float *f32_row(const float *row, float *buf, int64_t n, cons
     static inline const float *NAME(const KV_T *row, float *buf, int64_t n, const float *lut) {              \
         for (int64_t c = 0; c < n; c += LANES) {                                                             \
             const int64_t w = n - c < LANES ? n - c : LANES;                                                 \
-            const lanes_t x = LOAD(row + c, w, lut);                                                         \
-            if (w == LANES) *(lanes_u *)(buf + c) = x;                                                       \
-            else memcpy(buf + c, &x, (size_t)w * sizeof *buf);                                               \
+            store_f32_lanes(buf + c, LOAD(row + c, w, lut), w);                                              \
         }                                                                                                    \
         return buf;                                                                                          \
     }
