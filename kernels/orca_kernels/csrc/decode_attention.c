@@ -243,6 +243,12 @@ DEFINE_ATTEND_ONE(attend_one, float, f32_lanes)
 DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, bf16_lanes)
 DEFINE_ATTEND_ONE(attend_one_fp8, uint8_t, fp8_lanes)
 
+/* The first key a query at `position` sees: 0, or with a sliding window the window's start (the
+ * C twin of first_visible_key in attention.py). */
+static inline int64_t first_visible(int64_t position, int64_t window) {
+    return window > 0 && position >= window ? position - window + 1 : 0;
+}
+
 /* The query token t of a step: its request r (bisecting query_start), and whether it is attended
  * here (its request has at most max_short queries); then its context and window start. */
 static inline int locate(const int32_t *query_start, const int32_t *context_lens, int64_t num_requests,
@@ -258,7 +264,7 @@ static inline int locate(const int32_t *query_start, const int32_t *context_lens
     const int64_t ctx = context_lens[r] - n + (t - query_start[r]) + 1; /* this query's own context */
     *r_out = r;
     *ctx_out = ctx;
-    *start_out = window > 0 && ctx > window ? ctx - window : 0; /* the window's first key */
+    *start_out = first_visible(ctx - 1, window);
     return 1;
 }
 
@@ -417,7 +423,7 @@ DEFINE_ROWS(fp8_rows, uint8_t, fp8_row)
                      const float *k_lut, const float *v_lut, Q_T *out, int64_t out_row_stride, float *work) { \
         float *qt = work, *o = qt + head_dim * TILE, *s = o + head_dim * TILE;                               \
         const int64_t last = pos0 + nq - 1; /* lanes past nq repeat the last query (never written) */        \
-        const int64_t first = window > 0 && pos0 >= window ? pos0 - window + 1 : 0; /* first visible key */  \
+        const int64_t first = first_visible(pos0, window); /* no query of the tile sees a key before it */   \
         const int64_t keys = last + 1 - first;                                                               \
         float *rows = s + keys * TILE;                                                                       \
         int64_t pos[TILE];                                                                                   \
