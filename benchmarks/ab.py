@@ -41,6 +41,8 @@ MEASURES: dict[str, Callable[[dict], dict[str, float]]] = {
     "prefill": lambda r: {"step_s": statistics.median(r["step_s"]),
                           "fraction_of_peak": statistics.median(r["fraction_of_peak"])},  # fmt: skip
     "roofline": lambda r: {"decode_step_ms": r["decode_step_ms"], "fraction_of_roofline": r["fraction_of_roofline"]},
+    "gemm": lambda r: {f"{tokens:>4} tokens {kind} ms": row[kind]["ms"] for tokens, row in r["tokens"].items()
+                       for kind in row if kind != "weight_bytes"},  # fmt: skip
 }
 
 

@@ -7,10 +7,13 @@ CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GE
   the C kernel `csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth; then
   oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
 - AVX-512 machines ("packed"): the layers' weights are reordered once, at load (`pack_weight`), into
-  oneDNN's blocked layout, and oneDNN multiplies them at every size: from 4 tokens 1.2-1.6x faster
-  than the C kernel, 7-12% slower at one token, and on prefills up to 2.2x faster than MKL (which
-  runs its AVX2 code on AMD CPUs). A weight left plain (a tied embedding that is also the LM head)
-  takes the C kernel up to 12 tokens, oneDNN beyond.
+  oneDNN's blocked layout. Up to 16 tokens the C kernel's panel tiles read that layout in place
+  (`packed_native_linear`: 1.04-1.76x oneDNN on the same buffer, which at a few tokens reads it
+  at 0.6-0.75x the bandwidth); beyond, oneDNN multiplies it, on prefills up to 2.2x faster than MKL
+  (which runs its AVX2 code on AMD CPUs). `pack_weight` checks the layout on every weight it packs:
+  one oneDNN lays out otherwise (another version, another kind of CPU) goes to oneDNN at every
+  size, with a warning. A weight left plain (a tied embedding that is also the LM head) takes the C
+  kernel up to 12 tokens, oneDNN beyond.
 docs/cpu-gemm.md has the measurements behind these choices.
 
 The C kernel is built on first use (native.py) and runs the widest instruction set this CPU has
@@ -51,6 +54,13 @@ NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
 # to 7% faster on prefills of a thousand tokens or more; on AVX-512 oneDNN is faster at every size
 # (on AMD CPUs MKL runs its AVX2 code: 2.2x slower than oneDNN on a Zen 5 EPYC), so MKL never runs.
 ONEDNN_MAX_TOKENS = {"avx2": 512, "avx512": None, "avx512_bf16": None}
+# A packed weight takes the C kernel's panel tiles up to this many tokens, oneDNN beyond. Measured
+# 1.04-1.76x oneDNN at 1-16 tokens and 1.01-1.18x at 24-64 on a Zen 5 EPYC whose multiply-add peak
+# was at half its usual that day; past 16 the step is compute-bound, and oneDNN keeps it
+# (docs/cpu-gemm.md).
+PACKED_NATIVE_MAX_TOKENS = 16
+# The panel width (output rows) of oneDNN's blocked layout that the panel tiles read (decode_gemm.c).
+PANEL = 64
 
 
 @functools.cache
@@ -116,12 +126,17 @@ def cpu_gemm_choice() -> str:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear layer's weight [out, in] reordered into oneDNN's blocked layout (an opaque tensor:
-    only oneDNN's linear reads it); `pack_weight` makes it, `linear_cpu` multiplies by it."""
+    """A linear layer's weight [out, in] reordered into oneDNN's blocked layout (an opaque tensor,
+    which oneDNN's linear reads, and where `padded_in` is set, the C kernel's panel tiles through
+    its buffer's address); `pack_weight` makes it, `linear_cpu` multiplies by it."""
 
     packed: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
+    # `in` padded as the panel layout pads it, when the buffer holds the weight in that layout
+    # (decode_gemm.c: [out / 64][padded_in][64], bfloat16 in pairs of k), else 0: oneDNN only
+    padded_in: int = 0
+    address: int = 0  # of the buffer, for the C kernel (read once: torch.ops.mkldnn.data_ptr is a dispatch)
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +151,32 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         return weight
     if cpu_gemm_choice() != "packed":
         return weight
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, None), weight.shape, weight.dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    padded_in = _panel_layout(packed, weight) if cpu_isa() != "avx2" else 0
+    address = torch.ops.mkldnn.data_ptr(packed) if padded_in else 0
+    return PackedWeight(packed, weight.shape, weight.dtype, padded_in, address)
+
+
+def _panel_layout(packed: torch.Tensor, weight: torch.Tensor) -> int:
+    """`in` padded, when oneDNN's buffer `packed` holds `weight` in the panel layout the C kernel
+    reads (zero padding included), else 0 (logged once): read back and compared in full."""
+    (n, k), pair = weight.shape, 2 if weight.dtype == torch.bfloat16 else 1
+    n_padded, nbytes = -(-n // PANEL) * PANEL, torch.ops.mkldnn._nbytes(packed)
+    k_padded, rest = divmod(nbytes, n_padded * weight.element_size())
+    if not rest and k_padded >= k and k_padded % pair == 0:
+        buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+        panels = torch.frombuffer(buffer, dtype=weight.dtype).view(n_padded // PANEL, k_padded // pair, PANEL, pair)
+        plain = panels.permute(0, 2, 1, 3).reshape(n_padded, k_padded)
+        if torch.equal(plain[:n, :k], weight) and not plain[n:].any() and not plain[:, k:].any():
+            return k_padded
+    _warn_other_layout(tuple(weight.shape), weight.dtype)
+    return 0
+
+
+@functools.cache
+def _warn_other_layout(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    logger.warning("CPU linear layers: oneDNN laid out a %s weight %s otherwise than in panels of %d rows "
+                   "(torch %s); it takes oneDNN at every size", dtype, shape, PANEL, torch.__version__)  # fmt: skip
 
 
 @functools.cache
@@ -147,6 +187,17 @@ def _native_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
     return {
         torch.float32: native.declare("decode_gemm", "orca_decode_linear_f32", argtypes, None),
         torch.bfloat16: native.declare("decode_gemm", "orca_decode_linear_bf16", argtypes, None),
+    }
+
+
+@functools.cache
+def _packed_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    p, i64, c_int = native.PTR, native.I64, ctypes.c_int
+    # x, x_stride, M, packed, N, K, padded K, bias, y, num_threads (bfloat16: + isa)
+    argtypes = [p, i64, i64, p, i64, i64, i64, p, p, c_int]
+    return {
+        torch.float32: native.declare("decode_gemm", "orca_packed_linear_f32", argtypes, None),
+        torch.bfloat16: native.declare("decode_gemm", "orca_packed_linear_bf16", [*argtypes, c_int], None),
     }
 
 
@@ -177,12 +228,34 @@ def native_linear(
     return y
 
 
+def packed_native_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+                         isa: str | None = None) -> torch.Tensor:  # fmt: skip
+    """F.linear through the C kernel's panel tiles, reading a packed weight whose `padded_in` is set;
+    x [M, K] with unit column stride, of the weight's dtype, as the bias; `isa` (default `cpu_isa()`)
+    an AVX-512 one this CPU runs."""
+    dtype, isa = x.dtype, isa or cpu_isa()
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.padded_in and dtype == weight.dtype
+    assert bias is None or (bias.is_contiguous() and bias.dtype == dtype)
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
+    if isa == "avx2" or isa not in supported_isas():
+        raise RuntimeError(f"the packed-weight tiles run AVX-512 instructions, not {isa} on this CPU")
+    y = torch.empty(m, n, dtype=dtype)
+    args = [x.data_ptr(), x.stride(0), m, weight.address, n, k, weight.padded_in,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()]  # fmt: skip
+    _packed_kernels()[dtype](*args, *([ISAS[isa]] if dtype == torch.bfloat16 else []))
+    return y
+
+
 def linear_cpu(
     x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x and a `pack_weight`ed weight, by the choice above on CPU
     float32 and bfloat16; F.linear itself for any other device or dtype."""
     if isinstance(weight, PackedWeight):
+        if weight.padded_in and x.shape[0] <= PACKED_NATIVE_MAX_TOKENS and x.dtype == weight.dtype:
+            return packed_native_linear(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)

@@ -152,16 +152,17 @@ def test_every_choice_and_size_equals_f_linear(choice, setting, rows):
 @pytest.mark.parametrize("isa", ISAS)
 def test_auto_packs_on_avx512_and_takes_the_c_kernel_for_plain_weights(choice, isa_env, isa, monkeypatch):
     """The path really taken, in float32 and bfloat16: on AVX2 the layers' weights stay plain and the
-    C kernel multiplies up to native_max_tokens() tokens, not beyond; on AVX-512 they are packed for
-    oneDNN, which multiplies them at every size, and a weight left plain (a tied LM head) still
-    takes the C kernel up to its threshold."""
+    C kernel multiplies up to native_max_tokens() tokens, not beyond; on AVX-512 they are packed,
+    the C kernel's panel tiles multiply them up to PACKED_NATIVE_MAX_TOKENS and oneDNN beyond, and
+    a weight left plain (a tied LM head) takes the C kernel up to its own threshold."""
     choice("auto")
     isa_env(isa)
     assert cpu_gemm.cpu_gemm_choice() == ("native" if isa == "avx2" else "packed")
-    calls = []
-    real = cpu_gemm.native_linear
+    calls, panel_calls = [], []
+    real, real_panels = cpu_gemm.native_linear, cpu_gemm.packed_native_linear
     monkeypatch.setattr(cpu_gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    most = cpu_gemm.native_max_tokens()
+    monkeypatch.setattr(cpu_gemm, "packed_native_linear", lambda *a: panel_calls.append(a[0].shape[0]) or real_panels(*a))
+    most, most_packed = cpu_gemm.native_max_tokens(), cpu_gemm.PACKED_NATIVE_MAX_TOKENS
     for dtype in (torch.float32, torch.bfloat16):
         plain = torch.randn(8, 8, dtype=dtype)
         with gemm.packing_for(CPU_OPS):
@@ -170,12 +171,87 @@ def test_auto_packs_on_avx512_and_takes_the_c_kernel_for_plain_weights(choice, i
         assert isinstance(layer, cpu_gemm.PackedWeight) == (isa != "avx2")
         for weight in (layer, plain):
             calls.clear()
-            for rows in (1, most, most + 1):
+            panel_calls.clear()
+            sizes = (1, most, most + 1, most_packed, most_packed + 1)
+            for rows in sizes:
                 x = torch.randn(rows, 8, dtype=dtype)
                 y = gemm.linear(x, weight)
                 assert y.dtype == dtype and y.shape == (rows, 8)
                 torch.testing.assert_close(y.double(), reference(x, plain, None), rtol=BF16_RTOL, atol=1e-5)
-            assert calls == ([] if weight is layer and isa != "avx2" else [1, most])
+            packed = weight is layer and isa != "avx2"
+            assert calls == ([] if packed else [rows for rows in sizes if rows <= most])
+            assert panel_calls == ([rows for rows in sizes if rows <= most_packed] if packed else [])
+
+
+AVX512_ISAS = [isa for isa in ISAS if isa != "avx2"]
+
+
+def panel_packed(choice, w: torch.Tensor) -> cpu_gemm.PackedWeight:
+    """w packed as a CPU model's load packs it, in the panel layout the C kernel reads (the tests
+    below need it: a oneDNN that lays out otherwise skips them, which the warning test covers)."""
+    choice("packed")
+    with gemm.packing_for(CPU_OPS):
+        packed = gemm.pack(w)
+    if not packed.padded_in:
+        pytest.skip(f"oneDNN lays out a {w.dtype} {tuple(w.shape)} weight otherwise on this machine")
+    return packed
+
+
+# Sizes past every panel and pair boundary: N not a multiple of 64 (the last panel's masked rows), K
+# odd (bfloat16's last pair half padding), tokens past a pass of 6 (the narrower last pass).
+@pytest.mark.parametrize("isa", AVX512_ISAS)
+@pytest.mark.parametrize(("n", "k"), [(96, 80), (13, 37), (257, 1031), (64, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16])
+def test_the_packed_weight_kernel_equals_f_linear(choice, isa, n, k, rows):
+    torch.manual_seed(rows * 1000 + n + k)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    packed = panel_packed(choice, w)
+    assert packed.padded_in >= k
+    torch.testing.assert_close(cpu_gemm.packed_native_linear(x, packed, b, isa), reference(x, w, b).float(),
+                               rtol=1e-5, atol=1e-5 * k**0.5)  # fmt: skip
+    w, x, b = w.bfloat16(), x.bfloat16(), b.bfloat16()
+    y = cpu_gemm.packed_native_linear(x, panel_packed(choice, w), b, isa)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x, w, b), rtol=BF16_RTOL, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("isa", AVX512_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_weight_kernel_is_batch_invariant(choice, isa, dtype):
+    """As the plain kernel: a token's output is bit-identical whatever else is in the batch (up to
+    PACKED_NATIVE_MAX_TOKENS), wherever it sits in it, however the panels go to the threads; and
+    x rows at a stride are read in place."""
+    torch.manual_seed(3)
+    w, b = torch.randn(203, 777, dtype=dtype), torch.randn(203, dtype=dtype)
+    buf = torch.randn(16, 800, dtype=dtype)
+    x = buf[:, :777]
+    packed = panel_packed(choice, w)
+    with torch_threads(2):
+        alone = torch.cat([cpu_gemm.packed_native_linear(x[i : i + 1], packed, b, isa) for i in range(16)])
+        for rows in (2, 5, 6, 7, 12, 16):
+            assert torch.equal(cpu_gemm.packed_native_linear(x[:rows], packed, b, isa), alone[:rows])
+        perm = torch.randperm(16)
+        assert torch.equal(cpu_gemm.packed_native_linear(x[perm].contiguous(), packed, b, isa), alone[perm])
+    with torch_threads(1):
+        assert torch.equal(cpu_gemm.packed_native_linear(x, packed, b, isa), alone)
+
+
+def test_a_layout_the_kernel_does_not_read_goes_to_onednn_with_a_warning(choice, monkeypatch, caplog):
+    """The layout check compares oneDNN's buffer with the weight in full: read as panels of another
+    width (what another oneDNN might lay out) it does not match, and the weight takes oneDNN at
+    every size, with a warning."""
+    if not AVX512_ISAS or not torch.backends.mkldnn.is_available():
+        pytest.skip("the packed choice's C path needs AVX-512 and oneDNN")
+    monkeypatch.setattr(cpu_gemm, "PANEL", 32)
+    cpu_gemm._warn_other_layout.cache_clear()
+    choice("packed")
+    w, x = torch.randn(96, 80), torch.randn(3, 80)
+    with caplog.at_level(logging.WARNING, logger="orca.kernels"), gemm.packing_for(CPU_OPS):
+        packed = gemm.pack(w)
+    assert isinstance(packed, cpu_gemm.PackedWeight) and packed.padded_in == 0
+    assert "otherwise than in panels of 32 rows" in caplog.text and "takes oneDNN at every size" in caplog.text
+    monkeypatch.setattr(cpu_gemm, "packed_native_linear", lambda *a: pytest.fail("the C kernel read another layout"))
+    torch.testing.assert_close(gemm.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
