@@ -37,7 +37,8 @@
  * (two 8-float FMAs per 16 weights) cannot, the tiles keep 4 rows (4 x 1, 4 x 2). Every tile but a
  * chunk's last also prefetches the next tile's rows into L2 as it goes (`pf`), which the 4-row
  * tiles need and the 1-row ones do not mind. From 4 tokens on the step turns compute-bound and the
- * tiles trade rows for tokens (AVX2 3 x 4, AVX-512 4 x 6: more FMAs per load). The rows of a tile
+ * tiles trade rows for tokens (AVX2 3 x 4, AVX-512 4 x 6: more FMAs per load); the AVX-512 ones
+ * still gain from the prefetch (1.2-1.7x at 8 tokens), the AVX2 ones lose (below) and do not. The rows of a tile
  * stay in L1/L2 while the next tokens reuse them, so memory sees each weight once. Rows are handed
  * to the threads in small dynamic chunks: on a shared host a descheduled thread then holds up one
  * chunk, not half of the matrix. docs/cpu-gemm.md has the measurements.
@@ -106,11 +107,13 @@ T_AVX2 static inline void widen16_bf16(const uint16_t *p, __m256 *lo, __m256 *hi
     *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-/* One step of an AVX2 tile at column k0, WIDTH elements of every row and token into acc. */
+/* One step of an AVX2 tile at column k0, WIDTH elements of every row and token into acc. Only the
+ * tiles of up to 2 tokens prefetch: a 3 x 4 tile's operands take all 16 registers, and the
+ * prefetches' addressing made 32-token steps 1.2x slower. */
 #define AVX2_F32_STEP(R, T, k0)                                                                            \
     {                                                                                                      \
         __m256 w[R];                                                                                       \
-        PREFETCH_ROWS(R, k0)                                                                               \
+        if (T <= 2) PREFETCH_ROWS(R, k0)                                                                   \
         for (int r = 0; r < R; r++) w[r] = _mm256_loadu_ps(W + (n + r) * K + k0);                          \
         for (int t = 0; t < T; t++) {                                                                      \
             __m256 xv = _mm256_loadu_ps(x + (m + t) * xs + k0);                                            \
@@ -120,7 +123,7 @@ T_AVX2 static inline void widen16_bf16(const uint16_t *p, __m256 *lo, __m256 *hi
 #define AVX2_BF16_STEP(R, T, k0)                                                                           \
     {                                                                                                      \
         __m256 wlo[R], whi[R];                                                                             \
-        PREFETCH_ROWS(R, k0)                                                                               \
+        if (T <= 2) PREFETCH_ROWS(R, k0)                                                                   \
         for (int r = 0; r < R; r++) widen16_bf16(W + (n + r) * K + k0, &wlo[r], &whi[r]);                  \
         for (int t = 0; t < T; t++) {                                                                      \
             __m256 xlo, xhi;                                                                               \
