@@ -8,7 +8,7 @@ CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GE
   oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
 - AVX-512 machines ("packed"): the layers' weights are reordered once, at load (`pack_weight`), into
   oneDNN's blocked layout. Up to 16 tokens the C kernel's panel tiles read that layout in place
-  (`packed_native_linear`: 1.04-1.76x oneDNN on the same buffer, which at a few tokens reads it
+  (`packed_native_linear`: 1.06-1.97x oneDNN on the same buffer, which at a few tokens reads it
   at 0.6-0.75x the bandwidth); beyond, oneDNN multiplies it, on prefills up to 2.2x faster than MKL
   (which runs its AVX2 code on AMD CPUs). `pack_weight` checks the layout on every weight it packs:
   one oneDNN lays out otherwise (another version, another kind of CPU) goes to oneDNN at every
@@ -55,8 +55,8 @@ NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
 # (on AMD CPUs MKL runs its AVX2 code: 2.2x slower than oneDNN on a Zen 5 EPYC), so MKL never runs.
 ONEDNN_MAX_TOKENS = {"avx2": 512, "avx512": None, "avx512_bf16": None}
 # A packed weight takes the C kernel's panel tiles up to this many tokens, oneDNN beyond. Measured
-# 1.04-1.76x oneDNN at 1-16 tokens and 1.01-1.18x at 24-64 on a Zen 5 EPYC whose multiply-add peak
-# was at half its usual that day; past 16 the step is compute-bound, and oneDNN keeps it
+# 1.06-1.97x oneDNN at 1-16 tokens and 0.98-1.08x at 32-64 on a Zen 5 EPYC whose multiply-add peak
+# was at half its usual that day; from 32 on the step is compute-bound, and oneDNN keeps it
 # (docs/cpu-gemm.md).
 PACKED_NATIVE_MAX_TOKENS = 16
 # The panel width (output rows) of oneDNN's blocked layout that the panel tiles read (decode_gemm.c).
