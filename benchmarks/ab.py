@@ -5,6 +5,7 @@ another day (this machine is shared: its speed moves by tens of percent between 
     python benchmarks/ab.py --baseline ff06023 --rounds 5 --json docs/bench/overhead-ab.json
     python benchmarks/ab.py --baseline 6c6a658 --suite throughput --model llama-150m --dtype bfloat16 --rounds 2
     python benchmarks/ab.py --baseline 6c6a658 --suite prefill --dtype bfloat16 --rounds 3
+    python benchmarks/ab.py --baseline f759017 --suite gemm --dtype float32 --rounds 2
 
 The baseline is `git archive`d into a temporary directory and its `orca_backend` and kernels are put
 first on the path of the runs made for it; both sides run this tree's suite code (offline.py), so
