@@ -101,7 +101,7 @@ def cpu_gemm_choice() -> str:
         raise RuntimeError(f"{GEMM_ENV}={choice}, but this torch build has no oneDNN (mkldnn)")
     if choice in ("auto", "native", "packed"):
         try:
-            _native_kernels()
+            _kernels("plain")
             cpu_isa()
         except (native.NativeBuildError, OSError) as exc:
             if choice != "auto":
@@ -180,24 +180,16 @@ def _warn_other_layout(shape: tuple[int, int], dtype: torch.dtype) -> None:
 
 
 @functools.cache
-def _native_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
+def _kernels(layout: str) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The C kernel's entry points by dtype, for plain weights ("plain": orca_decode_linear_*) or
+    oneDNN's packed ones ("packed": orca_packed_linear_*, which take K padded after K)."""
     p, i64, c_int = native.PTR, native.I64, ctypes.c_int
-    # x, x_stride, M, W, N, K, bias, y, num_threads, isa
-    argtypes = [p, i64, i64, p, i64, i64, p, p, c_int, c_int]
+    # x, x_stride, M, W, N, K, (padded K), bias, y, num_threads, isa
+    argtypes = [p, i64, i64, p, i64, i64, *([i64] if layout == "packed" else []), p, p, c_int, c_int]
+    prefix = {"plain": "orca_decode_linear", "packed": "orca_packed_linear"}[layout]
     return {
-        torch.float32: native.declare("decode_gemm", "orca_decode_linear_f32", argtypes, None),
-        torch.bfloat16: native.declare("decode_gemm", "orca_decode_linear_bf16", argtypes, None),
-    }
-
-
-@functools.cache
-def _packed_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
-    p, i64, c_int = native.PTR, native.I64, ctypes.c_int
-    # x, x_stride, M, packed, N, K, padded K, bias, y, num_threads (bfloat16: + isa)
-    argtypes = [p, i64, i64, p, i64, i64, i64, p, p, c_int]
-    return {
-        torch.float32: native.declare("decode_gemm", "orca_packed_linear_f32", argtypes, None),
-        torch.bfloat16: native.declare("decode_gemm", "orca_packed_linear_bf16", [*argtypes, c_int], None),
+        torch.float32: native.declare("decode_gemm", f"{prefix}_f32", argtypes, None),
+        torch.bfloat16: native.declare("decode_gemm", f"{prefix}_bf16", argtypes, None),
     }
 
 
@@ -217,7 +209,7 @@ def native_linear(
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
-    kernel = _native_kernels().get(dtype)
+    kernel = _kernels("plain").get(dtype)
     if kernel is None:
         raise ValueError(f"the C decode GEMM takes float32 or bfloat16, got {dtype}")
     if isa is not None and isa not in supported_isas():
@@ -242,9 +234,9 @@ def packed_native_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     if isa == "avx2" or isa not in supported_isas():
         raise RuntimeError(f"the packed-weight tiles run AVX-512 instructions, not {isa} on this CPU")
     y = torch.empty(m, n, dtype=dtype)
-    args = [x.data_ptr(), x.stride(0), m, weight.address, n, k, weight.padded_in,
-            bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()]  # fmt: skip
-    _packed_kernels()[dtype](*args, *([ISAS[isa]] if dtype == torch.bfloat16 else []))
+    _kernels("packed")[dtype](x.data_ptr(), x.stride(0), m, weight.address, n, k, weight.padded_in,
+                              bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
+                              ISAS[isa])  # fmt: skip
     return y
 
 

@@ -302,7 +302,7 @@ def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatc
         raise native.NativeBuildError("no C compiler found")
 
     monkeypatch.setattr(native, "load", no_compiler)
-    cpu_gemm._native_kernels.cache_clear()
+    cpu_gemm._kernels.cache_clear()
     try:
         choice("auto")
         with caplog.at_level(logging.WARNING, logger="orca.kernels"):
@@ -315,4 +315,4 @@ def test_without_a_compiler_auto_warns_and_native_is_an_error(choice, monkeypatc
         with pytest.raises(RuntimeError, match="ORCA_CPU_GEMM=native: no C compiler found"):
             cpu_gemm.cpu_gemm_choice()
     finally:
-        cpu_gemm._native_kernels.cache_clear()
+        cpu_gemm._kernels.cache_clear()

@@ -432,7 +432,8 @@ static const panel_bf16_tile panel_widen_tiles[] = {panel_widen_1, panel_widen_2
 /* y [M, N] = x [M, K] (rows at x_stride) times the packed weight P (K padded to Kp) + bias. `isa`
  * is ISA_AVX512 or ISA_AVX512_BF16 (float32 runs the same tiles on both). */
 void orca_packed_linear_f32(const float *x, int64_t xs, int64_t M, const float *P, int64_t N, int64_t K,
-                            int64_t Kp, const float *bias, float *y, int num_threads) {
+                            int64_t Kp, const float *bias, float *y, int num_threads, int isa) {
+    (void)isa;
     PANEL_DRIVER(panel_f32_tiles, Kp * PANEL, OUT_F32)
 }
 
