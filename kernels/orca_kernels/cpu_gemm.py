@@ -161,10 +161,14 @@ def _panel_layout(packed: torch.Tensor, weight: torch.Tensor) -> int:
     """`in` padded, when oneDNN's buffer `packed` holds `weight` in the panel layout the C kernel
     reads (zero padding included), else 0 (logged once): read back and compared in full."""
     (n, k), pair = weight.shape, 2 if weight.dtype == torch.bfloat16 else 1
-    n_padded, nbytes = -(-n // PANEL) * PANEL, torch.ops.mkldnn._nbytes(packed)
+    try:  # ops torch keeps for AOT Inductor: a torch without them keeps oneDNN alone (with the warning)
+        nbytes, address = torch.ops.mkldnn._nbytes(packed), torch.ops.mkldnn.data_ptr(packed)
+    except (AttributeError, RuntimeError):
+        nbytes = address = 0
+    n_padded = -(-n // PANEL) * PANEL
     k_padded, rest = divmod(nbytes, n_padded * weight.element_size())
-    if not rest and k_padded >= k and k_padded % pair == 0:
-        buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    if address and not rest and k_padded >= k and k_padded % pair == 0:
+        buffer = (ctypes.c_char * nbytes).from_address(address)
         panels = torch.frombuffer(buffer, dtype=weight.dtype).view(n_padded // PANEL, k_padded // pair, PANEL, pair)
         plain = panels.permute(0, 2, 1, 3).reshape(n_padded, k_padded)
         if torch.equal(plain[:n, :k], weight) and not plain[n:].any() and not plain[:, k:].any():

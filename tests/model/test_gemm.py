@@ -187,8 +187,9 @@ AVX512_ISAS = [isa for isa in ISAS if isa != "avx2"]
 
 
 def panel_packed(choice, w: torch.Tensor) -> cpu_gemm.PackedWeight:
-    """w packed as a CPU model's load packs it, in the panel layout the C kernel reads (the tests
-    below need it: a oneDNN that lays out otherwise skips them, which the warning test covers)."""
+    """w packed as a CPU model's load packs it (with the instruction set the test forced), in the
+    panel layout the C kernel reads (the tests below need it: a oneDNN that lays out otherwise
+    skips them, which the warning test covers)."""
     choice("packed")
     with gemm.packing_for(CPU_OPS):
         packed = gemm.pack(w)
@@ -202,7 +203,8 @@ def panel_packed(choice, w: torch.Tensor) -> cpu_gemm.PackedWeight:
 @pytest.mark.parametrize("isa", AVX512_ISAS)
 @pytest.mark.parametrize(("n", "k"), [(96, 80), (13, 37), (257, 1031), (64, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 6, 7, 16])
-def test_the_packed_weight_kernel_equals_f_linear(choice, isa, n, k, rows):
+def test_the_packed_weight_kernel_equals_f_linear(choice, isa_env, isa, n, k, rows):
+    isa_env(isa)
     torch.manual_seed(rows * 1000 + n + k)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     packed = panel_packed(choice, w)
@@ -217,10 +219,11 @@ def test_the_packed_weight_kernel_equals_f_linear(choice, isa, n, k, rows):
 
 @pytest.mark.parametrize("isa", AVX512_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_packed_weight_kernel_is_batch_invariant(choice, isa, dtype):
+def test_the_packed_weight_kernel_is_batch_invariant(choice, isa_env, isa, dtype):
     """As the plain kernel: a token's output is bit-identical whatever else is in the batch (up to
     PACKED_NATIVE_MAX_TOKENS), wherever it sits in it, however the panels go to the threads; and
     x rows at a stride are read in place."""
+    isa_env(isa)
     torch.manual_seed(3)
     w, b = torch.randn(203, 777, dtype=dtype), torch.randn(203, dtype=dtype)
     buf = torch.randn(16, 800, dtype=dtype)
@@ -236,12 +239,13 @@ def test_the_packed_weight_kernel_is_batch_invariant(choice, isa, dtype):
         assert torch.equal(cpu_gemm.packed_native_linear(x, packed, b, isa), alone)
 
 
-def test_a_layout_the_kernel_does_not_read_goes_to_onednn_with_a_warning(choice, monkeypatch, caplog):
+def test_a_layout_the_kernel_does_not_read_goes_to_onednn_with_a_warning(choice, isa_env, monkeypatch, caplog):
     """The layout check compares oneDNN's buffer with the weight in full: read as panels of another
     width (what another oneDNN might lay out) it does not match, and the weight takes oneDNN at
     every size, with a warning."""
     if not AVX512_ISAS or not torch.backends.mkldnn.is_available():
         pytest.skip("the packed choice's C path needs AVX-512 and oneDNN")
+    isa_env(AVX512_ISAS[-1])
     monkeypatch.setattr(cpu_gemm, "PANEL", 32)
     cpu_gemm._warn_other_layout.cache_clear()
     choice("packed")

@@ -38,10 +38,10 @@
  * chunk's last also prefetches the next tile's rows into L2 as it goes (`pf`), which the 4-row
  * tiles need and the 1-row ones do not mind. From 4 tokens on the step turns compute-bound and the
  * tiles trade rows for tokens (AVX2 3 x 4, AVX-512 4 x 6: more FMAs per load); the AVX-512 ones
- * still gain from the prefetch (1.2-1.7x at 8 tokens), the AVX2 ones lose (below) and do not. The rows of a tile
- * stay in L1/L2 while the next tokens reuse them, so memory sees each weight once. Rows are handed
- * to the threads in small dynamic chunks: on a shared host a descheduled thread then holds up one
- * chunk, not half of the matrix. docs/cpu-gemm.md has the measurements.
+ * still gain from the prefetch (1.4-1.6x at 8 tokens), the AVX2 ones lose (below) and do not. The
+ * rows of a tile stay in L1/L2 while the next tokens reuse them, so memory sees each weight once.
+ * Rows are handed to the threads in small dynamic chunks: on a shared host a descheduled thread
+ * then holds up one chunk, not half of the matrix. docs/cpu-gemm.md has the measurements.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -140,7 +140,8 @@ T_AVX2 static inline void widen16_bf16(const uint16_t *p, __m256 *lo, __m256 *hi
  * as float32) and OUT. */
 #define AVX2_TILE(NAME, TYPE, WIDTH, STEP, TO_F32, OUT, R, T)                                              \
     T_AVX2 static void NAME##_##R##_##T(const TYPE *x, int64_t xs, const TYPE *W, int64_t K,              \
-                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n, const TYPE *pf) {      \
+                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n,        \
+                                        const TYPE *pf) {                                                  \
         __m256 acc[R][T];                                                                                  \
         for (int r = 0; r < R; r++)                                                                        \
             for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();                                   \
@@ -221,7 +222,8 @@ T_AVX512 static inline void widen32_bf16(const uint16_t *p, __mmask32 mask, __m5
  * for the K tail, then per output the horizontal sum and OUT. */
 #define AVX512_TILE(NAME, TARGET, TYPE, WIDTH, MASK_T, STEP, OUT, R, T)                                    \
     TARGET static void NAME##_##R##_##T(const TYPE *x, int64_t xs, const TYPE *W, int64_t K,              \
-                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n, const TYPE *pf) {      \
+                                        const TYPE *bias, TYPE *y, int64_t N, int64_t m, int64_t n,        \
+                                        const TYPE *pf) {                                                  \
         __m512 acc[R][T];                                                                                  \
         for (int r = 0; r < R; r++)                                                                        \
             for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();                                   \
@@ -255,7 +257,7 @@ AVX512_TILES(DPBF16)
 #define CHUNK_ROWS 64
 #define TILE_SET(TYPE)                                                                                     \
     typedef void (*TYPE##_tile)(const TYPE *, int64_t, const TYPE *, int64_t, const TYPE *, TYPE *, int64_t, \
-                                int64_t, int64_t, const TYPE *);                                          \
+                                int64_t, int64_t, const TYPE *);                                           \
     typedef struct {                                                                                       \
         int64_t rows_mem, rows_cmp;                                                                        \
         int tokens_mem, tokens_cmp;                                                                        \
@@ -268,7 +270,7 @@ AVX512_TILES(DPBF16)
         const int T = mem ? set->tokens_mem : set->tokens_cmp;                                             \
         const TYPE##_tile *tiles = mem ? set->mem : set->cmp, *row_tiles = mem ? set->mem_row : set->cmp_row; \
         const int64_t n_blocks = (N + R - 1) / R;                                                          \
-        const int64_t chunk = CHUNK_ROWS / R, n_chunks = (n_blocks + chunk - 1) / chunk;                 \
+        const int64_t chunk = CHUNK_ROWS / R, n_chunks = (n_blocks + chunk - 1) / chunk;                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                          \
         for (int64_t c = 0; c < n_chunks; c++) {                                                           \
             const int64_t nb_end = (c + 1) * chunk < n_blocks ? (c + 1) * chunk : n_blocks;                \
@@ -280,7 +282,8 @@ AVX512_TILES(DPBF16)
                     if (n + R <= N)                                                                        \
                         tiles[t - 1](x, xs, W, K, bias, y, N, m, n, m ? NULL : pf);                        \
                     else                                                                                   \
-                        for (int64_t r = n; r < N; r++) row_tiles[t - 1](x, xs, W, K, bias, y, N, m, r, NULL); \
+                        for (int64_t r = n; r < N; r++)                                                    \
+                            row_tiles[t - 1](x, xs, W, K, bias, y, N, m, r, NULL);                         \
                     m += t;                                                                                \
                 }                                                                                          \
             }                                                                                              \
@@ -416,14 +419,15 @@ PANEL_TILES(PANEL_WIDEN)
                 const int t_count = M - m < PANEL_TOKENS ? (int)(M - m) : PANEL_TOKENS;                    \
                 TILES[t_count - 1](x + m * xs, xs, P + p * PANEL_ROWS, K, out);                            \
                 for (int t = 0; t < t_count; t++)                                                          \
-                    for (int64_t j = 0; j < width; j++) y[(m + t) * N + n0 + j] = OUT(out[t][j], bias, n0 + j); \
+                    for (int64_t j = 0; j < width; j++)                                                    \
+                        y[(m + t) * N + n0 + j] = OUT(out[t][j], bias, n0 + j);                            \
             }                                                                                              \
         }                                                                                                  \
     }
 typedef void (*panel_f32_tile)(const float *, int64_t, const float *, int64_t, float[][PANEL]);
 typedef void (*panel_bf16_tile)(const uint16_t *, int64_t, const uint16_t *, int64_t, float[][PANEL]);
-static const panel_f32_tile panel_f32_tiles[] = {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4, panel_f32_5,
-                                                 panel_f32_6};
+static const panel_f32_tile panel_f32_tiles[] = {panel_f32_1, panel_f32_2, panel_f32_3,
+                                                 panel_f32_4, panel_f32_5, panel_f32_6};
 static const panel_bf16_tile panel_dpbf16_tiles[] = {panel_dpbf16_1, panel_dpbf16_2, panel_dpbf16_3,
                                                      panel_dpbf16_4, panel_dpbf16_5, panel_dpbf16_6};
 static const panel_bf16_tile panel_widen_tiles[] = {panel_widen_1, panel_widen_2, panel_widen_3, panel_widen_4,
