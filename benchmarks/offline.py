@@ -342,18 +342,22 @@ def suite_gemm(args, model: str) -> dict:
     layer_matrices = [torch.randn(shape, dtype=dtype) for shape in layer_shapes]
     lm_head = weights.lm_head if hasattr(weights, "lm_head") else weights.wte  # Llama's, or GPT-2's tied one
     lm_head = torch.randn(lm_head.shape, dtype=dtype)
-    # Weights reordered once into oneDNN's blocked layout (the engine's choice on AVX-512), as the
-    # engine packs them: with the panel layout's check where the C kernel can read them.
-    packed = {id(w): cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape, w.dtype)
-              for w in [*layer_matrices, lm_head]}  # fmt: skip
-    if cpu_gemm.cpu_gemm_choice() == "packed":
-        packed = {id(w): cpu_gemm.pack_weight(w) for w in [*layer_matrices, lm_head]}
+    # Weights reordered once into oneDNN's blocked layout (the engine's choice on AVX-512): under
+    # that choice as the engine packs them, with the panel layout's check where the C kernel can
+    # read them.
+    def reorder(w: torch.Tensor) -> cpu_gemm.PackedWeight:
+        if cpu_gemm.cpu_gemm_choice() == "packed":
+            return cpu_gemm.pack_weight(w)
+        return cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape, w.dtype)
+
+    packed = {id(w): reorder(w) for w in [*layer_matrices, lm_head]}
     kinds = {
         f"native_{cpu_gemm.cpu_isa()}": cpu_gemm.native_linear,
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "onednn_packed": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)].packed, None, "none", [], ""),
     }
-    if all(getattr(p, "padded_in", 0) for p in packed.values()):  # (a baseline tree of ab.py may predate it)  # the C kernel's panel tiles on the same packed weights
+    # the C kernel's panel tiles on the same packed weights (getattr: a baseline tree of ab.py may predate them)
+    if all(getattr(p, "padded_in", 0) for p in packed.values()):
         kinds["native_packed"] = lambda x, w: cpu_gemm.packed_native_linear(x, packed[id(w)])
     if cpu_gemm.cpu_isa() != "avx2":  # what an AVX2 machine's C kernel does, on this one
         kinds["native_avx2"] = lambda x, w: cpu_gemm.native_linear(x, w, None, "avx2")

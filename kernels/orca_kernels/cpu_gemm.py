@@ -152,14 +152,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     if cpu_gemm_choice() != "packed":
         return weight
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    padded_in = _panel_layout(packed, weight) if cpu_isa() != "avx2" else 0
-    address = torch.ops.mkldnn.data_ptr(packed) if padded_in else 0
+    padded_in, address = _panel_layout(packed, weight) if cpu_isa() != "avx2" else (0, 0)
     return PackedWeight(packed, weight.shape, weight.dtype, padded_in, address)
 
 
-def _panel_layout(packed: torch.Tensor, weight: torch.Tensor) -> int:
-    """`in` padded, when oneDNN's buffer `packed` holds `weight` in the panel layout the C kernel
-    reads (zero padding included), else 0 (logged once): read back and compared in full."""
+def _panel_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(`in` padded, the buffer's address) when oneDNN's buffer `packed` holds `weight` in the panel
+    layout the C kernel reads (zero padding included), else (0, 0) (logged once): read back and
+    compared in full."""
     (n, k), pair = weight.shape, 2 if weight.dtype == torch.bfloat16 else 1
     try:  # ops torch keeps for AOT Inductor: a torch without them keeps oneDNN alone (with the warning)
         nbytes, address = torch.ops.mkldnn._nbytes(packed), torch.ops.mkldnn.data_ptr(packed)
@@ -172,9 +172,9 @@ def _panel_layout(packed: torch.Tensor, weight: torch.Tensor) -> int:
         panels = torch.frombuffer(buffer, dtype=weight.dtype).view(n_padded // PANEL, k_padded // pair, PANEL, pair)
         plain = panels.permute(0, 2, 1, 3).reshape(n_padded, k_padded)
         if torch.equal(plain[:n, :k], weight) and not plain[n:].any() and not plain[:, k:].any():
-            return k_padded
+            return k_padded, address
     _warn_other_layout(tuple(weight.shape), weight.dtype)
-    return 0
+    return 0, 0
 
 
 @functools.cache
@@ -210,9 +210,7 @@ def native_linear(
     dtype = x.dtype
     assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == dtype
     assert bias is None or (bias.is_contiguous() and bias.dtype == dtype)
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
+    (m, k), n = x.shape, _out_features(x, weight.shape)
     kernel = _kernels("plain").get(dtype)
     if kernel is None:
         raise ValueError(f"the C decode GEMM takes float32 or bfloat16, got {dtype}")
@@ -229,19 +227,27 @@ def packed_native_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     """F.linear through the C kernel's panel tiles, reading a packed weight whose `padded_in` is set;
     x [M, K] with unit column stride, of the weight's dtype, as the bias; `isa` (default `cpu_isa()`)
     an AVX-512 one this CPU runs."""
-    dtype, isa = x.dtype, isa or cpu_isa()
+    dtype = x.dtype
     assert x.dim() == 2 and x.stride(1) == 1 and weight.padded_in and dtype == weight.dtype
     assert bias is None or (bias.is_contiguous() and bias.dtype == dtype)
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"linear: x has {k} features, the weight expects {weight.shape[1]}")
-    if isa == "avx2" or isa not in supported_isas():
-        raise RuntimeError(f"the packed-weight tiles run AVX-512 instructions, not {isa} on this CPU")
+    (m, k), n = x.shape, _out_features(x, weight.shape)
+    if isa is not None and isa not in supported_isas():
+        raise RuntimeError(f"this CPU does not run {isa} instructions")
+    isa = isa or cpu_isa()
+    if isa == "avx2":
+        raise RuntimeError("the packed-weight tiles run AVX-512 instructions, not avx2")
     y = torch.empty(m, n, dtype=dtype)
     _kernels("packed")[dtype](x.data_ptr(), x.stride(0), m, weight.address, n, k, weight.padded_in,
                               bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads(),
                               ISAS[isa])  # fmt: skip
     return y
+
+
+def _out_features(x: torch.Tensor, weight_shape: torch.Size) -> int:
+    """N of a weight [N, K] that x [M, K] is multiplied by; a ValueError unless the Ks agree."""
+    if weight_shape[1] != x.shape[1]:
+        raise ValueError(f"linear: x has {x.shape[1]} features, the weight expects {weight_shape[1]}")
+    return weight_shape[0]
 
 
 def linear_cpu(
