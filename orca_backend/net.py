@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 
@@ -16,11 +17,15 @@ KEEPALIVE_PROBES = 3
 UNACKED_TIMEOUT_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago on `host` (the caller binds them soon
+    after). They are held together while they are picked: picked one at a time, the kernel may hand
+    the same port out twice (a tritonserver then refused to start, its HTTP and metrics ports one)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def listen(host: str) -> socket.socket:

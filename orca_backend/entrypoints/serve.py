@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orca_backend.lora import MULTI_LORA_FILE
-from orca_backend.net import free_port
+from orca_backend.net import free_ports
 
 ALL_MODELS = ("orca", "baseline")
 
@@ -256,9 +256,10 @@ class TritonServer:
         host = self.options.host
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.connect_host = connect_host
-        self.http_port = self.options.http_port or free_port(connect_host)
-        self.grpc_port = self.options.grpc_port or free_port(connect_host)
-        self.metrics_port = self.options.metrics_port or free_port(connect_host)
+        picked = iter(free_ports(3, connect_host))  # for the ports the options leave to us
+        self.http_port = self.options.http_port or next(picked)
+        self.grpc_port = self.options.grpc_port or next(picked)
+        self.metrics_port = self.options.metrics_port or next(picked)
         self._log_handle = None
 
     # Endpoints as clients want them.

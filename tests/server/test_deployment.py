@@ -28,7 +28,7 @@ from orca_backend.executor.multiproc import (
     worker_socket_env,
 )
 from orca_backend.families.gpt2 import GPT2Config
-from orca_backend.net import free_port
+from orca_backend.net import free_ports
 from orca_client.served_path import process_tree
 
 # Four heads and an even vocabulary so that tp=2 splits both.
@@ -182,7 +182,7 @@ def test_exit_on_model_failure_exits_with_its_code_and_leaves_nothing_running(ch
     from serving_utils import engine_processes  # imports tritonclient
     from tritonclient.utils import InferenceServerException
 
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_port, grpc_port, metrics_port = free_ports(3)
     key = "test-admin-key"
     log = tmp_path / "orca-serve.log"
     command = [
