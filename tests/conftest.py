@@ -79,3 +79,21 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(_share)
     torch.set_num_threads(_share)
 
+
+
+@pytest.fixture(autouse=True)
+def _fail_if_a_tritonserver_died(request):
+    """A test whose tritonserver (a fixture of its module) exited under it fails at teardown with the
+    exit status and the server's last log lines: otherwise every later test of the module reports only
+    "connection refused", and the log, printed when the module ends, may be cut from the report."""
+    yield
+    from orca_backend.entrypoints.serve import TritonServer
+
+    for name, value in request.node.funcargs.items():
+        process = getattr(value, "process", None) if isinstance(value, TritonServer) else None
+        if process is not None and process.poll() is not None:
+            code = process.returncode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            tail = "\n".join(line for line in value.log_tail(8000).splitlines() if not line.startswith(("|", "+")))
+            pytest.fail(f"the tritonserver of fixture {name!r} {how} during this test; its log ends:\n{tail}",
+                        pytrace=False)
