@@ -42,6 +42,9 @@ MEASURES: dict[str, Callable[[dict], dict[str, float]]] = {
     "prefill": lambda r: {"step_s": statistics.median(r["step_s"]),
                           "fraction_of_peak": statistics.median(r["fraction_of_peak"])},  # fmt: skip
     "roofline": lambda r: {"decode_step_ms": r["decode_step_ms"], "fraction_of_roofline": r["fraction_of_roofline"]},
+    "attention": lambda r: {**{f"decode {n:>2} requests ms": row["ms"] for n, row in r["decode"].items()},
+                            **{f"prefill {shape} {kind} ms": row[kind]["ms"] for shape, row in r["prefill"].items()
+                               for kind in row}},  # fmt: skip
     "gemm": lambda r: {f"{tokens:>4} tokens {kind} ms": row[kind]["ms"] for tokens, row in r["tokens"].items()
                        for kind in row if kind != "weight_bytes"},  # fmt: skip
 }

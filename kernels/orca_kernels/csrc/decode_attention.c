@@ -51,6 +51,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 #include <omp.h>
 
 #include "bf16.h"
@@ -106,7 +107,13 @@ static inline lanes_t bf16_lanes(const uint16_t *row, int64_t n, const float *lu
         memcpy(buf, row, (size_t)n * sizeof *row);
         h = *(const halves_u *)buf;
     }
+#ifdef __AVX512F__
+    /* One widening instruction: GCC lowered the generic conversion below to 256-bit halves (5
+     * instructions a row, the value pass's largest cost). */
+    return (lanes_t)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#else
     return (lanes_t)(__builtin_convertvector(h, words_t) << 16);
+#endif
 }
 static inline lanes_t fp8_lanes(const uint8_t *row, int64_t n, const float *lut) {
     float buf[LANES] = {0};
@@ -143,6 +150,78 @@ static inline lanes_t sum_each(const lanes_t acc[LANES]) {
 #endif
 }
 
+/* The largest of s[0, n) (n >= 1), LANES lanes at a time: the one-lane loop was a chain of
+ * dependent compares, one a key. The same value whatever the order (no score is NaN). */
+static inline float row_max(const float *s, int64_t n) {
+    float max = s[0];
+    int64_t t = 0;
+    if (n >= LANES) {
+        lanes_t m = *(const lanes_u *)s;
+        for (t = LANES; t + LANES <= n; t += LANES) {
+            const lanes_t x = *(const lanes_u *)(s + t);
+#ifdef __AVX512F__
+            m = (lanes_t)_mm512_max_ps((__m512)x, (__m512)m);
+#else
+            m = (lanes_t)_mm256_max_ps((__m256)x, (__m256)m);
+#endif
+        }
+        float lanes[LANES];
+        *(lanes_u *)lanes = m;
+        for (int j = 0; j < LANES; j++) max = lanes[j] > max ? lanes[j] : max;
+    }
+    for (; t < n; t++) max = s[t] > max ? s[t] : max;
+    return max;
+}
+
+/* The value pass over one block's keys [lo, len) for `nh` query heads of one K/V head: out[i] (head
+ * i's head_dim floats, heads head_dim apart) += sum over t of p[i][t] * v[t] (p's rows p_stride apart;
+ * v's rows kv_row elements apart), each output lane summing its products in token order onto what
+ * it held. One accumulator chain per output vector, as a plain loop has, waits on the multiply-add's
+ * latency at every key (it measured 0.065 us a key for a batch-1 decode of 12 heads of 64); here a
+ * key's row is read (and widened) once for the `nh` heads, and nh times VALUE_CHUNKS vectors are
+ * summed side by side. Each lane's order of additions is unchanged, so are its roundings. Always
+ * inlined with a constant nh, so that the accumulators stay in registers. */
+#ifdef __AVX512F__
+#define VALUE_HEADS 4 /* 16 accumulators + 4 value vectors of the 32 registers */
+#else
+#define VALUE_HEADS 2 /* 8 + 4 of 16 */
+#endif
+#define VALUE_CHUNKS 4
+#define DEFINE_WEIGH_VALUES(NAME, KV_T, LOAD)                                                                \
+    static inline __attribute__((always_inline)) void NAME##_chunks(                                         \
+        const int nh, const int nc, float *out, const float *p, int64_t p_stride, const KV_T *v,             \
+        int64_t kv_row, int64_t lo, int64_t len, int64_t head_dim, int64_t w, const float *lut) {             \
+        lanes_t acc[VALUE_HEADS][VALUE_CHUNKS];                                                              \
+        _Pragma("GCC unroll 4") for (int i = 0; i < nh; i++)                                                 \
+            _Pragma("GCC unroll 4") for (int c = 0; c < nc; c++)                                             \
+                acc[i][c] = f32_lanes(out + i * head_dim + c * LANES, w, NULL);                              \
+        for (int64_t t = lo; t < len; t++) {                                                                 \
+            lanes_t x[VALUE_CHUNKS];                                                                         \
+            _Pragma("GCC unroll 4") for (int c = 0; c < nc; c++) x[c] = LOAD(v + t * kv_row + c * LANES, w, lut); \
+            _Pragma("GCC unroll 4") for (int i = 0; i < nh; i++) {                                           \
+                const float pt = p[i * p_stride + t];                                                        \
+                _Pragma("GCC unroll 4") for (int c = 0; c < nc; c++) acc[i][c] += pt * x[c];                 \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 4") for (int i = 0; i < nh; i++)                                                 \
+            _Pragma("GCC unroll 4") for (int c = 0; c < nc; c++)                                             \
+                store_f32_lanes(out + i * head_dim + c * LANES, acc[i][c], w);                               \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) void NAME(const int nh, float *out, const float *p,         \
+                                                           int64_t p_stride, const KV_T *v, int64_t kv_row,  \
+                                                           int64_t lo, int64_t len, int64_t head_dim,        \
+                                                           const float *lut) {                               \
+        int64_t c = 0;                                                                                       \
+        for (; c + VALUE_CHUNKS * LANES <= head_dim; c += VALUE_CHUNKS * LANES)                              \
+            NAME##_chunks(nh, VALUE_CHUNKS, out + c, p, p_stride, v + c, kv_row, lo, len, head_dim, LANES, lut); \
+        for (; c < head_dim; c += LANES)                                                                     \
+            NAME##_chunks(nh, 1, out + c, p, p_stride, v + c, kv_row, lo, len, head_dim,                    \
+                          head_dim - c < LANES ? head_dim - c : LANES, lut);                                 \
+    }
+DEFINE_WEIGH_VALUES(weigh_values, float, f32_lanes)
+DEFINE_WEIGH_VALUES(weigh_values_bf16, uint16_t, bf16_lanes)
+DEFINE_WEIGH_VALUES(weigh_values_fp8, uint8_t, fp8_lanes)
+
 /* One query token (q_heads heads, float32) at position ctx - 1 over its visible keys [start, ctx) of
  * K/V (kv_heads heads each, elements of KV_T, read as float32 lanes through LOAD) held in the
  * blocks listed by `blocks`, into out (q_heads * head_dim floats); start is 0, or the sliding
@@ -158,7 +237,7 @@ static inline lanes_t sum_each(const lanes_t acc[LANES]) {
  * tile, nor on the block layout, so kv_heads == q_heads computes exactly what multi-head attention
  * over repeated K/V would; and since every dtype reads into the same float32 lanes, a bfloat16 or
  * FP8 pool's arithmetic is the float32 kernel's, operation for operation. */
-#define DEFINE_ATTEND_ONE(NAME, KV_T, LOAD)                                                                  \
+#define DEFINE_ATTEND_ONE(NAME, KV_T, LOAD, WEIGH)                                                           \
     static void NAME(const float *q, int64_t q_head_stride, const KV_T *k_cache, const KV_T *v_cache,         \
                      const int32_t *blocks, int64_t block_size, float *out, int64_t ctx, int64_t start,       \
                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, float softcap,         \
@@ -192,20 +271,25 @@ static inline lanes_t sum_each(const lanes_t acc[LANES]) {
                         for (int64_t c = 0; c < head_dim; c += LANES) {                                      \
                             const int64_t w = head_dim - c < LANES ? head_dim - c : LANES;                   \
                             const lanes_t qc = f32_lanes(q + h * q_head_stride + c, w, NULL);                \
-                            for (int64_t j = 0; j < n; j++) acc[j] += qc * LOAD(kt + j * kv_row + c, w, lut);  \
+                            /* constant bounds (keys past n add zeros), so acc stays in registers */        \
+                            _Pragma("GCC unroll 16") for (int64_t j = 0; j < LANES; j++)                     \
+                                acc[j] += qc * (j < n ? LOAD(kt + j * kv_row + c, w, lut) : (lanes_t){0});   \
                         }                                                                                    \
                         float s[LANES];                                                                      \
                         *(lanes_u *)s = scale * sum_each(acc);                                               \
                         float *row = scores + h * keys + t0 + tile - start;                                  \
-                        for (int64_t j = 0; j < n; j++)                                                      \
-                            row[j] = softcap > 0.0f ? softcap * tanhf(s[j] / softcap) : s[j];                \
+                        if (n == LANES && softcap == 0.0f) /* (a short copy loop became a slow rep movs) */  \
+                            *(lanes_u *)row = *(lanes_u *)s;                                                 \
+                        else                                                                                 \
+                            for (int64_t j = 0; j < n; j++)                                                  \
+                                row[j] = softcap > 0.0f ? softcap * tanhf(s[j] / softcap) : s[j];            \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
         for (int64_t h = g_lo * group; h < g_hi * group; h++) { /* softmax of each row, max-subtracted */   \
-            float *s = scores + h * keys, max = s[0], sum = 0.0f;                                            \
-            for (int64_t t = 1; t < keys; t++) max = s[t] > max ? s[t] : max;                                \
+            float *s = scores + h * keys, sum = 0.0f;                                                        \
+            const float max = row_max(s, keys);                                                              \
             /* a vectorised exp (SLEEF's, 1 ulp): libm's expf, one call a key, cost as much as the rest */   \
             _Pragma("omp simd reduction(+ : sum)")                                                           \
             for (int64_t t = 0; t < keys; t++) {                                                             \
@@ -226,22 +310,22 @@ static inline lanes_t sum_each(const lanes_t acc[LANES]) {
                 if (next)                                                                                    \
                     for (int64_t t = lo; t < len; t++)                                                       \
                         prefetch(next + t * kv_row + g * head_dim, head_dim * (int64_t)sizeof(KV_T));        \
-                for (int64_t h = g * group; h < (g + 1) * group; h++) {                                      \
-                    const float *p = scores + h * keys + t0 - start;                                         \
-                    for (int64_t c = 0; c < head_dim; c += LANES) {                                          \
-                        const int64_t w = head_dim - c < LANES ? head_dim - c : LANES;                       \
-                        float *o = out + h * head_dim + c;                                                   \
-                        lanes_t acc = f32_lanes(o, w, NULL);                                                 \
-                        for (int64_t t = lo; t < len; t++) acc += p[t] * LOAD(vt + t * kv_row + c, w, lut);  \
-                        store_f32_lanes(o, acc, w);                                                          \
-                    }                                                                                        \
-                }                                                                                            \
+                int64_t h = g * group;                                                                   \
+                for (; h + VALUE_HEADS <= (g + 1) * group; h += VALUE_HEADS)                                 \
+                    WEIGH(VALUE_HEADS, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row,  \
+                          lo, len, head_dim, lut);                                                           \
+                for (; h + 2 <= (g + 1) * group; h += 2) /* a group of 3 (say): 2, then 1 */                 \
+                    WEIGH(2, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row, lo, len,  \
+                          head_dim, lut);                                                                    \
+                for (; h < (g + 1) * group; h++)                                                             \
+                    WEIGH(1, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row, lo, len,  \
+                          head_dim, lut);                                                                    \
             }                                                                                                \
         }                                                                                                    \
     }
-DEFINE_ATTEND_ONE(attend_one, float, f32_lanes)
-DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, bf16_lanes)
-DEFINE_ATTEND_ONE(attend_one_fp8, uint8_t, fp8_lanes)
+DEFINE_ATTEND_ONE(attend_one, float, f32_lanes, weigh_values)
+DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, bf16_lanes, weigh_values_bf16)
+DEFINE_ATTEND_ONE(attend_one_fp8, uint8_t, fp8_lanes, weigh_values_fp8)
 
 /* The first key a query at `position` sees: 0, or with a sliding window the window's start (the
  * C twin of first_visible_key in attention.py). */
