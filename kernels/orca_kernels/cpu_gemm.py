@@ -54,11 +54,12 @@ NATIVE_MAX_TOKENS = {"avx2": 32, "avx512": 12, "avx512_bf16": 12}
 # to 7% faster on prefills of a thousand tokens or more; on AVX-512 oneDNN is faster at every size
 # (on AMD CPUs MKL runs its AVX2 code: 2.2x slower than oneDNN on a Zen 5 EPYC), so MKL never runs.
 ONEDNN_MAX_TOKENS = {"avx2": 512, "avx512": None, "avx512_bf16": None}
-# A packed weight takes the C kernel's panel tiles up to this many tokens, oneDNN beyond. Measured
-# 1.06-1.97x oneDNN at 1-16 tokens and 0.98-1.08x at 32-64 on a Zen 5 EPYC whose multiply-add peak
-# was at half its usual that day; from 32 on the step is compute-bound, and oneDNN keeps it
-# (docs/cpu-gemm.md).
-PACKED_NATIVE_MAX_TOKENS = 16
+# A packed weight takes the C kernel's panel tiles up to this many tokens, oneDNN beyond. On a Zen 5
+# EPYC (at half its usual multiply-add peak on both days measured) the panel tiles took 0.83-0.98x
+# oneDNN's time at 16-64 tokens over GPT-2-small's and llama-150m's matrices in float32 and bfloat16,
+# and were even with it from 128 (float32) or 256 (bfloat16) on (docs/cpu-gemm.md). Up to 64 covers
+# the decode steps of a batch of 64.
+PACKED_NATIVE_MAX_TOKENS = 64
 # The panel width (output rows) of oneDNN's blocked layout that the panel tiles read (decode_gemm.c).
 PANEL = 64
 

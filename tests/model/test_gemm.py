@@ -202,7 +202,7 @@ def panel_packed(choice, w: torch.Tensor) -> cpu_gemm.PackedWeight:
 # odd (bfloat16's last pair half padding), tokens past a pass of 6 (the narrower last pass).
 @pytest.mark.parametrize("isa", AVX512_ISAS)
 @pytest.mark.parametrize(("n", "k"), [(96, 80), (13, 37), (257, 1031), (64, 2)])
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16, 37, 64])
 def test_the_packed_weight_kernel_equals_f_linear(choice, isa_env, isa, n, k, rows):
     isa_env(isa)
     torch.manual_seed(rows * 1000 + n + k)
@@ -226,14 +226,15 @@ def test_the_packed_weight_kernel_is_batch_invariant(choice, isa_env, isa, dtype
     isa_env(isa)
     torch.manual_seed(3)
     w, b = torch.randn(203, 777, dtype=dtype), torch.randn(203, dtype=dtype)
-    buf = torch.randn(16, 800, dtype=dtype)
+    most = cpu_gemm.PACKED_NATIVE_MAX_TOKENS
+    buf = torch.randn(most, 800, dtype=dtype)
     x = buf[:, :777]
     packed = panel_packed(choice, w)
     with torch_threads(2):
-        alone = torch.cat([cpu_gemm.packed_native_linear(x[i : i + 1], packed, b, isa) for i in range(16)])
-        for rows in (2, 5, 6, 7, 12, 16):
+        alone = torch.cat([cpu_gemm.packed_native_linear(x[i : i + 1], packed, b, isa) for i in range(most)])
+        for rows in sorted({2, 5, 6, 7, 12, 16, 37, most}):
             assert torch.equal(cpu_gemm.packed_native_linear(x[:rows], packed, b, isa), alone[:rows])
-        perm = torch.randperm(16)
+        perm = torch.randperm(most)
         assert torch.equal(cpu_gemm.packed_native_linear(x[perm].contiguous(), packed, b, isa), alone[perm])
     with torch_threads(1):
         assert torch.equal(cpu_gemm.packed_native_linear(x, packed, b, isa), alone)
