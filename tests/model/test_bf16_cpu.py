@@ -28,15 +28,19 @@ LLAMA_CASES = {"llama-gqa2": ("Llama", {}), "qwen3-qknorm": ("Qwen3", {"head_dim
 
 @pytest.fixture
 def bf16_decodes(monkeypatch):
-    """Forces an instruction set and counts the bfloat16 matrices the C kernel multiplies."""
+    """Forces an instruction set and counts the bfloat16 matrices the C kernel multiplies, on plain
+    weights or (AVX-512) on oneDNN's packed ones."""
     calls = []
-    real = cpu_gemm.native_linear
 
-    def spy(x, *args):
-        calls.append(x.dtype)
-        return real(x, *args)
+    def spy(real):
+        def counted(x, *args):
+            calls.append(x.dtype)
+            return real(x, *args)
 
-    monkeypatch.setattr(cpu_gemm, "native_linear", spy)
+        return counted
+
+    for name in ("native_linear", "packed_native_linear"):
+        monkeypatch.setattr(cpu_gemm, name, spy(getattr(cpu_gemm, name)))
 
     def force(isa: str) -> list[torch.dtype]:
         force_isa(monkeypatch, isa)
