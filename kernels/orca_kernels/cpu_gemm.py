@@ -6,10 +6,10 @@ CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GE
 - AVX2 machines ("native"): plain weights; up to 32 tokens (a decode iteration of a small batch)
   the C kernel `csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth; then
   oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
-- AVX-512 machines ("packed"): the layers' weights are reordered once, at load (`pack_weight`), into
-  oneDNN's blocked layout. Up to 16 tokens the C kernel's panel tiles read that layout in place
-  (`packed_native_linear`: 1.06-1.97x oneDNN on the same buffer, which at a few tokens reads it
-  at 0.6-0.75x the bandwidth); beyond, oneDNN multiplies it, on prefills up to 2.2x faster than MKL
+- AVX-512 machines ("packed"): the layers' weights (and an untied LM head) are reordered once, at
+  load (`pack_weight`), into oneDNN's blocked layout. Up to 64 tokens the C kernel's panel tiles read
+  that layout in place (`packed_native_linear`: 1.02-1.97x oneDNN on the same buffer, which at a few
+  tokens reads it at 0.6-0.75x the bandwidth); beyond, oneDNN multiplies it, on prefills up to 2.2x faster than MKL
   (which runs its AVX2 code on AMD CPUs). `pack_weight` checks the layout on every weight it packs:
   one oneDNN lays out otherwise (another version, another kind of CPU) goes to oneDNN at every
   size, with a warning. A weight left plain (a tied embedding that is also the LM head) takes the C

@@ -173,14 +173,15 @@ static inline float row_max(const float *s, int64_t n) {
     return max;
 }
 
-/* The value pass over one block's keys [lo, len) for `nh` query heads of one K/V head: out[i] (head
- * i's head_dim floats, heads head_dim apart) += sum over t of p[i][t] * v[t] (p's rows p_stride apart;
- * v's rows kv_row elements apart), each output lane summing its products in token order onto what
- * it held. One accumulator chain per output vector, as a plain loop has, waits on the multiply-add's
- * latency at every key (it measured 0.065 us a key for a batch-1 decode of 12 heads of 64); here a
- * key's row is read (and widened) once for the `nh` heads, and nh times VALUE_CHUNKS vectors are
- * summed side by side. Each lane's order of additions is unchanged, so are its roundings. Always
- * inlined with a constant nh, so that the accumulators stay in registers. */
+/* The value pass over one block's keys [lo, len) for the `heads` query heads of one K/V head: out[i]
+ * (head i's head_dim floats, heads head_dim apart) += sum over t of p[i][t] * v[t] (p's rows p_stride
+ * apart; v's rows kv_row elements apart), each output lane summing its products in token order onto
+ * what it held. One accumulator chain per output vector, as a plain loop has, waits on the
+ * multiply-add's latency at every key (it measured 0.065 us a key for a batch-1 decode of 12 heads
+ * of 64); here a key's row is read (and widened) once for up to VALUE_HEADS heads, and their
+ * VALUE_CHUNKS vectors each are summed side by side. Each lane's order of additions is unchanged, so
+ * are its roundings. The heads go VALUE_HEADS, then 2, then 1 at a time (a group of 3: 2, then 1),
+ * each count a constant of an always-inlined call, so that the accumulators stay in registers. */
 #ifdef __AVX512F__
 #define VALUE_HEADS 4 /* 16 accumulators + 4 value vectors of the 32 registers */
 #else
@@ -207,16 +208,26 @@ static inline float row_max(const float *s, int64_t n) {
             _Pragma("GCC unroll 4") for (int c = 0; c < nc; c++)                                             \
                 store_f32_lanes(out + i * head_dim + c * LANES, acc[i][c], w);                               \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) void NAME(const int nh, float *out, const float *p,         \
-                                                           int64_t p_stride, const KV_T *v, int64_t kv_row,  \
-                                                           int64_t lo, int64_t len, int64_t head_dim,        \
-                                                           const float *lut) {                               \
+    static inline __attribute__((always_inline)) void NAME##_heads(                                          \
+        const int nh, float *out, const float *p, int64_t p_stride, const KV_T *v, int64_t kv_row, int64_t lo, \
+        int64_t len, int64_t head_dim, const float *lut) {                                                   \
         int64_t c = 0;                                                                                       \
         for (; c + VALUE_CHUNKS * LANES <= head_dim; c += VALUE_CHUNKS * LANES)                              \
             NAME##_chunks(nh, VALUE_CHUNKS, out + c, p, p_stride, v + c, kv_row, lo, len, head_dim, LANES, lut); \
         for (; c < head_dim; c += LANES)                                                                     \
             NAME##_chunks(nh, 1, out + c, p, p_stride, v + c, kv_row, lo, len, head_dim,                    \
                           head_dim - c < LANES ? head_dim - c : LANES, lut);                                 \
+    }                                                                                                        \
+    static inline void NAME(int64_t heads, float *out, const float *p, int64_t p_stride, const KV_T *v,      \
+                            int64_t kv_row, int64_t lo, int64_t len, int64_t head_dim, const float *lut) {   \
+        int64_t h = 0;                                                                                       \
+        for (; h + VALUE_HEADS <= heads; h += VALUE_HEADS)                                                   \
+            NAME##_heads(VALUE_HEADS, out + h * head_dim, p + h * p_stride, p_stride, v, kv_row, lo, len,    \
+                         head_dim, lut);                                                                     \
+        for (; h + 2 <= heads; h += 2)                                                                       \
+            NAME##_heads(2, out + h * head_dim, p + h * p_stride, p_stride, v, kv_row, lo, len, head_dim, lut); \
+        for (; h < heads; h++)                                                                               \
+            NAME##_heads(1, out + h * head_dim, p + h * p_stride, p_stride, v, kv_row, lo, len, head_dim, lut); \
     }
 DEFINE_WEIGH_VALUES(weigh_values, float, f32_lanes)
 DEFINE_WEIGH_VALUES(weigh_values_bf16, uint16_t, bf16_lanes)
@@ -310,16 +321,8 @@ DEFINE_WEIGH_VALUES(weigh_values_fp8, uint8_t, fp8_lanes)
                 if (next)                                                                                    \
                     for (int64_t t = lo; t < len; t++)                                                       \
                         prefetch(next + t * kv_row + g * head_dim, head_dim * (int64_t)sizeof(KV_T));        \
-                int64_t h = g * group;                                                                   \
-                for (; h + VALUE_HEADS <= (g + 1) * group; h += VALUE_HEADS)                                 \
-                    WEIGH(VALUE_HEADS, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row,  \
-                          lo, len, head_dim, lut);                                                           \
-                for (; h + 2 <= (g + 1) * group; h += 2) /* a group of 3 (say): 2, then 1 */                 \
-                    WEIGH(2, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row, lo, len,  \
-                          head_dim, lut);                                                                    \
-                for (; h < (g + 1) * group; h++)                                                             \
-                    WEIGH(1, out + h * head_dim, scores + h * keys + t0 - start, keys, vt, kv_row, lo, len,  \
-                          head_dim, lut);                                                                    \
+                WEIGH(group, out + g * group * head_dim, scores + g * group * keys + t0 - start, keys, vt,   \
+                      kv_row, lo, len, head_dim, lut);                                                       \
             }                                                                                                \
         }                                                                                                    \
     }
