@@ -244,6 +244,32 @@ def packed_native_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tens
     return y
 
 
+@dataclass(frozen=True)
+class CLinear:
+    """How `linear_cpu` multiplies by a weight with the C kernel, for the steps of up to `max_tokens`
+    tokens: through oneDNN's packed buffer (`padded_in` set) or the plain weight at `address`. What a
+    caller that runs the kernel from C itself needs (cpu_decoder_step.py)."""
+
+    address: int
+    out_features: int
+    in_features: int
+    padded_in: int  # 0: the plain weight's rows
+    max_tokens: int
+
+
+def c_linear(weight: object) -> CLinear | None:
+    """The C kernel `linear_cpu` runs for this weight at few tokens, or None where it runs none
+    (oneDNN alone, another device or dtype, `ORCA_CPU_GEMM` chose otherwise, or a quantized weight,
+    which `linear_cpu` does not take)."""
+    if isinstance(weight, PackedWeight):
+        return CLinear(weight.address, *weight.shape, weight.padded_in, PACKED_NATIVE_MAX_TOKENS) if weight.padded_in else None
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        return None
+    if cpu_gemm_choice() not in ("native", "packed"):
+        return None
+    return CLinear(weight.data_ptr(), *weight.shape, 0, native_max_tokens())
+
+
 def _out_features(x: torch.Tensor, weight_shape: torch.Size) -> int:
     """N of a weight [N, K] that x [M, K] is multiplied by; a ValueError unless the Ks agree."""
     if weight_shape[1] != x.shape[1]:

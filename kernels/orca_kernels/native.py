@@ -30,6 +30,8 @@ logger = logging.getLogger("orca.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+# Libraries built from more than their own csrc/<name>.c: the kernels they call, compiled in beside it.
+LINKED = {"decoder_step": ("llama_ops", "decode_gemm", "decode_attention")}
 
 
 class NativeBuildError(RuntimeError):
@@ -62,12 +64,14 @@ def _compiler() -> str:
 
 @functools.cache
 def load(name: str) -> ctypes.CDLL:
-    """The shared library built from csrc/<name>.c, compiling it on first use on this machine."""
-    source = CSRC / f"{name}.c"
+    """The shared library built from csrc/<name>.c (and the files LINKED names), compiling it on
+    first use on this machine."""
+    sources = [CSRC / f"{part}.c" for part in (name, *LINKED.get(name, ()))]
     compiler = _compiler()
     headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what a kernel #includes from csrc
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
+        b"\0".join([*(s.read_bytes() for s in sources), *headers, compiler.encode(), " ".join(CFLAGS).encode(),
+                    _cpu_flags().encode()])  # fmt: skip
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     stamp = _build_stamp(key)
@@ -79,10 +83,10 @@ def load(name: str) -> ctypes.CDLL:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
         stamp_c, tmp = Path(tmp_dir) / "build_key.c", Path(tmp_dir) / target.name
         stamp_c.write_text(f'__attribute__((used)) const char orca_build_key[] = "{stamp.decode()}";\n')
-        result = subprocess.run([compiler, *CFLAGS, str(source), str(stamp_c), "-o", str(tmp), "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, *map(str, sources), str(stamp_c), "-o", str(tmp), "-lm"],
                                 capture_output=True, text=True, check=False)  # fmt: skip
         if result.returncode != 0:
-            raise NativeBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr.strip()}")
+            raise NativeBuildError(f"building {sources[0].name} with {compiler} failed:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     return ctypes.CDLL(str(target))
 

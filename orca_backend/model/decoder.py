@@ -26,6 +26,8 @@ the embedding and LM head; pipeline parallelism gives each stage its layers.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,10 @@ from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parall
 from orca_backend.model.rope import cos_sin_table, inverse_frequencies, rope_table
 from orca_backend.model.stage_input import StageInput, StageModel, stage_output
 from orca_kernels import AttentionMetadata, KernelOps
+from orca_kernels.cpu_decoder_step import DecoderStep, StepLayer, unsupported
+from orca_kernels.cpu_gemm import c_linear
+
+logger = logging.getLogger("orca.model")
 
 
 @dataclass(frozen=True)
@@ -373,6 +379,41 @@ class Decoder(StageModel):
             out = out + torch.sigmoid(gemm.linear(h, layer.shared_gate_w)) * shared
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
+    @functools.cached_property
+    def cpu_step(self) -> DecoderStep | None:
+        """The C decode step (kernels/orca_kernels/cpu_decoder_step.py) for this stage's layers, built
+        at the first step, or None where the per-op path runs every step (logged once, with why): the
+        CPU kernel set, one process, dense SwiGLU layers without q/k or sandwich norms, K/V pools of
+        the model's dtype, linear layers the C GEMM multiplies; and the steps of up to its
+        `max_tokens` tokens without prompts (`DecoderStep.runs`), LoRA or EAGLE-3 taps."""
+        cfg, w, hooks = self.config, self.weights, self.hooks
+        dtype = w.layers[0].input_norm_w.dtype
+        specs = [[c_linear(x) for x in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)] if layer.gate_up_w is not None
+                 else [None] for layer in w.layers]  # fmt: skip
+        reason = (
+            "not the CPU kernel set" if self.ops.name != "cpu"
+            else "tensor or pipeline parallel" if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage)
+            else "q/k norms, sandwich norms or an activation other than SwiGLU" if cfg.qk_norm or hooks.post_attn_norm or hooks.activation != "silu_and_mul"
+            else "mixture-of-experts layers" if any(layer.router_w is not None for layer in w.layers)
+            else "FP8 K/V pools" if any(s is not None for s in self.kv_scales)
+            else "linear layers the C GEMM does not multiply" if any(s is None for layer in specs for s in layer)
+            else unsupported(dtype)
+        )  # fmt: skip
+        if reason:
+            logger.info("decode steps on CPU run op by op (%s)", reason)
+            return None
+        layers = [
+            StepLayer(layer.input_norm_w, layer.pre_mlp_norm_w, qkv, layer.qkv_b, o, layer.o_b, gate_up, down, cos_sin,
+                      window, group)
+            for layer, (qkv, o, gate_up, down), (window, cos_sin), group in zip(w.layers, specs, self.layer_attention,
+                                                                                self.kv_groups, strict=True)
+        ]  # fmt: skip
+        step = DecoderStep(layers, dtype=dtype, hidden=cfg.hidden_size, q_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                           scale=hooks.attn_scale, softcap=hooks.attn_softcap)  # fmt: skip
+        logger.info("decode steps of up to %d tokens on CPU run as one C call (csrc/decoder_step.c)", step.max_tokens)
+        return step
+
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's vector ([T, heads, d]): Qwen3's and Gemma 3's q/k norm."""
         t, heads, d = x.shape
@@ -404,6 +445,10 @@ class Decoder(StageModel):
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and t <= gemm.NORM_LINEAR_MAX_TOKENS["rmsnorm"]:
             return self._forward_fused(x, residual, stage_input, metas, kv_caches, logits_indices)
+        cpu_step = self.cpu_step
+        if cpu_step is not None and lora is None and not stage_input.aux_layers and cpu_step.runs(t, metas):
+            x, residual = cpu_step(x, positions, metas, kv_caches)
+            return self._logits(x, residual, stage_input, logits_indices, [])
         layers = zip(w.layers, self.layer_attention, kv_caches, self.kv_scales, self.kv_groups, strict=True)
         aux_layers, aux = stage_input.aux_layers, []
         for i, (layer, (window, cos_sin), (k_cache, v_cache), kv_scales, group) in enumerate(layers):
@@ -436,11 +481,18 @@ class Decoder(StageModel):
                 x, _ = add_rmsnorm(x, None, layer.post_mlp_norm_w, eps)
         if not self.layout.is_last_stage:
             return stage_output(x, residual)
+        return self._logits(x, residual, stage_input, logits_indices, aux)
+
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor, stage_input: StageInput, logits_indices: torch.Tensor,
+                aux: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The last stage's [B, vocab] float32 logits from the last layer's output x and the residual
+        stream (with the pooled final hidden states where `stage_input.pool_indices` asks for them)."""
+        cfg, w, hooks = self.config, self.weights, self.hooks
         pooled = self._final_hidden(x, None, residual, stage_input.pool_indices, aux)
         # Only the last token of each request needs the final norm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
-        h, _ = add_rmsnorm(x, residual, w.norm_w, eps)
-        logits = tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
+        h, _ = self.ops.add_rmsnorm(x, residual, w.norm_w, cfg.rms_norm_eps)
+        logits = self.tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
         if hooks.final_softcap:
             logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
         return logits if pooled is None else (logits, pooled)
