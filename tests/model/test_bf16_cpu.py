@@ -76,5 +76,7 @@ def test_llama_family_bf16_tokens_are_near_top_under_fp32_reference(tmp_path, bf
     family, overrides = LLAMA_CASES[case_id]
     hf = write_tiny(family, tmp_path, seed=1, **overrides)
     prompts, outputs = generate_bf16(tmp_path, hf.config.vocab_size)
+    # the C GEMM multiplied in bfloat16 (the LM head of every step, the layers of the steps the C
+    # decode step does not run; its own calls are the same kernel, tests/model/test_cpu_decoder_step.py)
     assert calls and set(calls) == {torch.bfloat16}
     assert_near_top(hf, prompts, outputs)
