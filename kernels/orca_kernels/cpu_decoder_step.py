@@ -1,5 +1,5 @@
-"""The layers of a Llama-style decoder stage as one C call per decode step on CPU
-(csrc/decoder_step.c), float32 and bfloat16.
+"""The layers of a model as one C call per decode step on CPU (csrc/decoder_step.c): the Llama-style
+decoder's in float32 and bfloat16 (`DecoderStep`), GPT-2's in float32 (`Gpt2Step`).
 
 At a few tokens the per-op path (the model calling each kernel's Python wrapper: add_rmsnorm_cpu,
 linear_cpu, rotary_cpu, write_kv_cpu, attention_cpu, silu_and_mul_cpu) spends ~150 us of Python a
@@ -8,10 +8,11 @@ runs the same C kernels in the same order, with the same arguments, from one loo
 (and the K/V written) are the per-op path's bit for bit, which the tests hold it to.
 
 It covers the layers the per-op path runs with the CPU kernel set's C kernels and nothing else:
-dense SwiGLU MLPs, no q/k norm or sandwich norms, K/V pools of the model's dtype, and linear layers
-the C GEMM multiplies at the step's size; a step of more than `max_tokens` tokens or with a request
-of more than SHORT_QUERIES queries (a prompt) takes the per-op path. The model decides where it
-applies (orca_backend/model/decoder.py); this module checks what the C code would otherwise trust.
+for the Llama style dense SwiGLU MLPs, no q/k norm or sandwich norms; K/V pools of the model's
+dtype, and linear layers the C GEMM multiplies at the step's size; a step of more than `max_tokens`
+tokens or with a request of more than SHORT_QUERIES queries (a prompt) takes the per-op path. The
+models decide where it applies (orca_backend/model/decoder.py, gpt2.py); this module checks what
+the C code would otherwise trust.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_kernels import cpu_gemm, cpu_llama_ops, native
+from orca_kernels import cpu_gemm, cpu_gpt2_ops, cpu_llama_ops, native
 from orca_kernels.attention import AttentionMetadata
 from orca_kernels.cpu_attention import SHORT_QUERIES
 from orca_kernels.cpu_gemm import CLinear
@@ -59,6 +60,19 @@ class _Batch(ctypes.Structure):
                 ("max_context", ctypes.c_int64)]  # fmt: skip
 
 
+class _Gpt2Layer(ctypes.Structure):
+    _fields_ = [("ln1_w", ctypes.c_void_p), ("ln1_b", ctypes.c_void_p), ("ln2_w", ctypes.c_void_p),
+                ("ln2_b", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("fc", _Linear), ("proj", _Linear),
+                ("fc_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]  # fmt: skip
+
+
+class _Gpt2Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "head_dim", "inner")]
+    _fields_ += [(name, ctypes.c_double) for name in ("eps", "scale")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("norm_lanes", "isa", "max_short")]
+    _fields_ += [("layers", ctypes.POINTER(_Gpt2Layer))]
+
+
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -73,6 +87,12 @@ def _kernels() -> dict[str, ctypes._CFuncPtr]:
         # model, batches, tokens, positions, x_in, x, residual, work, scratch, num_threads
         kernels[suffix] = native.declare(LIBRARY, f"orca_decoder_step_{suffix}",
                                          [model, ctypes.POINTER(_Batch), i64, p, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
+    gpt2 = ctypes.POINTER(_Gpt2Model)
+    kernels["gpt2_work"] = native.declare(LIBRARY, "orca_gpt2_step_work", [gpt2, i64], i64)
+    kernels["gpt2_scratch"] = native.declare(LIBRARY, "orca_gpt2_step_scratch", [gpt2, i64, ctypes.c_int], i64)
+    # model, batch, tokens, x_in, x, residual, work, scratch, num_threads
+    kernels["gpt2"] = native.declare(LIBRARY, "orca_gpt2_step_f32", [gpt2, ctypes.POINTER(_Batch), i64, p, p, p, p, p,
+                                                                     ctypes.c_int], i64)  # fmt: skip
     return kernels
 
 
@@ -115,8 +135,74 @@ def _linear(spec: CLinear, bias: torch.Tensor | None) -> _Linear:
                    bias.data_ptr() if bias is not None else None)  # fmt: skip
 
 
-class DecoderStep:
-    """A stage's layers for the decode steps of up to `max_tokens` tokens, one C call each."""
+class _Step:
+    """What both steps share: which steps they run, the K/V pools they write and the batch layouts."""
+
+    dtype: torch.dtype
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    max_tokens: int
+    _layers: ctypes.Array
+
+    def runs(self, tokens: int, metas: Sequence[AttentionMetadata]) -> bool:
+        """Whether a step of this many tokens and these batch layouts is one the C step runs."""
+        return tokens <= self.max_tokens and all(m.max_query_len <= SHORT_QUERIES for m in metas)
+
+    def _bind_pools(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Points the layers at their K/V pools (checked once per set of pools)."""
+        pools = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if pools == getattr(self, "_pools", None):
+            return
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"{type(self).__name__}: {len(kv_caches)} K/V pools for {len(self._layers)} layers")
+        for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
+            if k.dtype != self.dtype or v.dtype != self.dtype or k.shape != v.shape or k.shape[1:] != (self.kv_heads, self.head_dim) \
+                    or not (k.is_contiguous() and v.is_contiguous()):  # fmt: skip
+                raise ValueError(f"{type(self).__name__} needs contiguous {self.dtype} K/V pools [slots, {self.kv_heads}, "
+                                 f"{self.head_dim}], got {tuple(k.shape)} {k.dtype}")  # fmt: skip
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+        self._pools = pools
+
+    def _prepare(self, x: torch.Tensor, metas: Sequence[AttentionMetadata],
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:  # fmt: skip
+        """Checks a step's input and layouts, binds the pools; the layouts as the C step reads them."""
+        tokens = x.shape[0]
+        if x.dtype != self.dtype or x.shape != (tokens, self.hidden) or not x.is_contiguous():
+            raise ValueError(f"{type(self).__name__} takes contiguous x [tokens, {self.hidden}] of {self.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
+        if not self.runs(tokens, metas):
+            raise ValueError(f"{type(self).__name__}: a step it does not run (see `runs`)")
+        self._bind_pools(kv_caches)
+        batches = (_Batch * len(metas))()
+        for batch, meta in zip(batches, metas, strict=True):
+            tables = meta.block_tables
+            if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (meta.query_start, meta.context_lens, tables)) \
+                    or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous() \
+                    or meta.slot_mapping.numel() != tokens or tables.dim() != 2 or meta.block_size < 1 \
+                    or tables.shape[0] < meta.num_requests or tables.shape[1] * meta.block_size < meta.max_context_len:  # fmt: skip
+                raise ValueError(f"{type(self).__name__} needs contiguous int32 query_start, context_lens and block "
+                                 "tables [requests, >= ceil(max_context_len / block_size)] and an int64 slot per token")  # fmt: skip
+            batch.query_start, batch.context_lens = meta.query_start.data_ptr(), meta.context_lens.data_ptr()
+            batch.block_tables, batch.slot_mapping = tables.data_ptr(), meta.slot_mapping.data_ptr()
+            batch.block_table_stride, batch.block_size = tables.stride(0), meta.block_size
+            batch.num_requests, batch.max_context = meta.num_requests, meta.max_context_len
+        return batches
+
+
+def _check_shapes(n: int, shapes: dict[str, tuple[CLinear, tuple[int, int]]]) -> None:
+    for name, (spec, wanted) in shapes.items():
+        if (spec.out_features, spec.in_features) != wanted:
+            raise ValueError(f"layer {n}'s {name} weight is {(spec.out_features, spec.in_features)}, not {wanted}")
+
+
+def _check_vectors(n: int, dtype: torch.dtype, *vectors: torch.Tensor | None) -> None:
+    if any(t is not None and (t.dtype != dtype or not t.is_contiguous() or not t.is_cpu) for t in vectors):
+        raise ValueError(f"layer {n}'s norm weights and biases must be contiguous {dtype} CPU tensors")
+
+
+class DecoderStep(_Step):
+    """A Llama-style stage's layers for the decode steps of up to `max_tokens` tokens, one C call each."""
 
     def __init__(
         self, layers: Sequence[StepLayer], *, dtype: torch.dtype, hidden: int, q_heads: int, kv_heads: int,
@@ -126,18 +212,11 @@ class DecoderStep:
         if reason:
             raise ValueError(f"DecoderStep: {reason}")
         qkv_out, i = (q_heads + 2 * kv_heads) * head_dim, intermediate
-        for n, layer in enumerate(layers):
-            shapes = {"qkv": ((layer.qkv.out_features, layer.qkv.in_features), (qkv_out, hidden)),
-                      "o": ((layer.o.out_features, layer.o.in_features), (hidden, q_heads * head_dim)),
-                      "gate_up": ((layer.gate_up.out_features, layer.gate_up.in_features), (2 * i, hidden)),
-                      "down": ((layer.down.out_features, layer.down.in_features), (hidden, i))}  # fmt: skip
-            for name, (got, wanted) in shapes.items():
-                if got != wanted:
-                    raise ValueError(f"DecoderStep: layer {n}'s {name} weight is {got}, not {wanted}")
-            vectors = [layer.input_norm, layer.mlp_norm, layer.qkv_bias, layer.o_bias]
-            if any(t is not None and (t.dtype != dtype or not t.is_contiguous() or not t.is_cpu) for t in vectors):
-                raise ValueError(f"DecoderStep: layer {n}'s norm weights and biases must be contiguous {dtype} CPU tensors")
-            if layer.cos_sin.dtype != torch.float32 or layer.cos_sin.stride(1) != 1 or layer.cos_sin.shape[1] != head_dim:
+        for n, x in enumerate(layers):
+            _check_shapes(n, {"qkv": (x.qkv, (qkv_out, hidden)), "o": (x.o, (hidden, q_heads * head_dim)),
+                              "gate_up": (x.gate_up, (2 * i, hidden)), "down": (x.down, (hidden, i))})  # fmt: skip
+            _check_vectors(n, dtype, x.input_norm, x.mlp_norm, x.qkv_bias, x.o_bias)
+            if x.cos_sin.dtype != torch.float32 or x.cos_sin.stride(1) != 1 or x.cos_sin.shape[1] != head_dim:
                 raise ValueError(f"DecoderStep: layer {n}'s rope table must be float32 [positions, {head_dim}] rows")
         self.dtype, self.hidden, self.kv_heads, self.head_dim = dtype, hidden, kv_heads, head_dim
         self.layers = list(layers)  # keeps every tensor the C structures point into alive
@@ -149,31 +228,11 @@ class DecoderStep:
                    x.cos_sin.stride(0), x.cos_sin.shape[0], x.window, x.group)
             for x in layers
         ))  # fmt: skip
-        isa = cpu_gemm.cpu_isa()
-        norm_lanes = (cpu_llama_ops.add_rmsnorm_bf16_order() if dtype == torch.bfloat16 else cpu_llama_ops.add_rmsnorm_order()).lanes
-        silu_lanes = (cpu_llama_ops.silu_and_mul_bf16_order() if dtype == torch.bfloat16 else cpu_llama_ops.silu_and_mul_order()).lanes
+        bf16 = dtype == torch.bfloat16
+        norm_lanes = (cpu_llama_ops.add_rmsnorm_bf16_order() if bf16 else cpu_llama_ops.add_rmsnorm_order()).lanes
+        silu_lanes = (cpu_llama_ops.silu_and_mul_bf16_order() if bf16 else cpu_llama_ops.silu_and_mul_order()).lanes
         self._model = _Model(len(layers), hidden, q_heads, kv_heads, head_dim, intermediate, eps, scale, softcap,
-                             norm_lanes, silu_lanes, cpu_gemm.ISAS[isa], SHORT_QUERIES, self._layers)  # fmt: skip
-        self._pools: tuple[int, ...] = ()
-
-    def runs(self, tokens: int, metas: Sequence[AttentionMetadata]) -> bool:
-        """Whether a step of this many tokens and these batch layouts is one the C step runs."""
-        return tokens <= self.max_tokens and all(m.max_query_len <= SHORT_QUERIES for m in metas)
-
-    def _bind_pools(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Points the layers at their K/V pools (checked once per set of pools)."""
-        pools = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        if pools == self._pools:
-            return
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"DecoderStep: {len(kv_caches)} K/V pools for {len(self.layers)} layers")
-        for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
-            if k.dtype != self.dtype or v.dtype != self.dtype or k.shape != v.shape or k.shape[1:] != (self.kv_heads, self.head_dim) \
-                    or not (k.is_contiguous() and v.is_contiguous()):  # fmt: skip
-                raise ValueError(f"DecoderStep needs contiguous {self.dtype} K/V pools [slots, {self.kv_heads}, "
-                                 f"{self.head_dim}], got {tuple(k.shape)} {k.dtype}")  # fmt: skip
-            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
-        self._pools = pools
+                             norm_lanes, silu_lanes, cpu_gemm.ISAS[cpu_gemm.cpu_isa()], SHORT_QUERIES, self._layers)  # fmt: skip
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata],
@@ -182,28 +241,12 @@ class DecoderStep:
         """(x, residual) after the layers, as the per-op loop leaves them, for the embedding's output
         x [tokens, hidden] (not modified), each token's position and each K/V group's metadata
         (`runs` must hold); this step's K/V is written to the pools."""
-        tokens = x.shape[0]
-        if x.dtype != self.dtype or x.shape != (tokens, self.hidden):
-            raise ValueError(f"DecoderStep takes x [tokens, {self.hidden}] of {self.dtype}, got {tuple(x.shape)} {x.dtype}")
-        if len(metas) < self.num_groups or not self.runs(tokens, metas):
-            raise ValueError("DecoderStep: a step it does not run (see `runs`) or too few K/V groups' metadata")
-        self._bind_pools(kv_caches)
+        if len(metas) < self.num_groups:
+            raise ValueError(f"DecoderStep: {len(metas)} K/V groups' metadata for {self.num_groups} groups")
         x = x.contiguous()
+        batches = self._prepare(x, metas, kv_caches)
         positions = positions.to(torch.int64).contiguous()
-        batches = (_Batch * len(metas))()
-        for batch, meta in zip(batches, metas, strict=True):
-            tables = meta.block_tables
-            if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (meta.query_start, meta.context_lens, tables)) \
-                    or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous() \
-                    or meta.slot_mapping.numel() != tokens or tables.dim() != 2 or meta.block_size < 1 \
-                    or tables.shape[0] < meta.num_requests or tables.shape[1] * meta.block_size < meta.max_context_len:  # fmt: skip
-                raise ValueError("DecoderStep needs contiguous int32 query_start, context_lens and block tables "
-                                 "[requests, >= ceil(max_context_len / block_size)] and an int64 slot per token")  # fmt: skip
-            batch.query_start, batch.context_lens = meta.query_start.data_ptr(), meta.context_lens.data_ptr()
-            batch.block_tables, batch.slot_mapping = tables.data_ptr(), meta.slot_mapping.data_ptr()
-            batch.block_table_stride, batch.block_size = tables.stride(0), meta.block_size
-            batch.num_requests, batch.max_context = meta.num_requests, meta.max_context_len
-        kernels, threads = _kernels(), torch.get_num_threads()
+        kernels, threads, tokens = _kernels(), torch.get_num_threads(), x.shape[0]
         max_context = max(m.max_context_len for m in metas)
         work = torch.empty(kernels["work"](self._model, tokens), dtype=self.dtype)
         scratch = torch.empty(kernels["scratch"](self._model, max_context, self.dtype == torch.bfloat16, threads),
@@ -215,4 +258,63 @@ class DecoderStep:
         if bad >= 0:
             raise IndexError(f"rotary position {int(positions[bad])} of token {bad} is outside the cos/sin "
                              f"table of {self.layers[0].cos_sin.shape[0]} positions")  # fmt: skip
+        return out, residual
+
+
+@dataclass(frozen=True)
+class Gpt2Layer:
+    """One GPT-2 layer's weights as the C step reads them (float32, contiguous)."""
+
+    ln1_w: torch.Tensor
+    ln1_b: torch.Tensor
+    qkv: CLinear
+    qkv_bias: torch.Tensor
+    o: CLinear
+    o_bias: torch.Tensor
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor
+    fc: CLinear
+    fc_bias: torch.Tensor  # added by the GeLU kernel, as on the per-op path
+    proj: CLinear
+    proj_bias: torch.Tensor
+
+
+class Gpt2Step(_Step):
+    """GPT-2's layers (float32) for the decode steps of up to `max_tokens` tokens, one C call each."""
+
+    def __init__(self, layers: Sequence[Gpt2Layer], *, hidden: int, heads: int, head_dim: int, inner: int,
+                 eps: float, scale: float) -> None:  # fmt: skip
+        reason = unsupported(torch.float32)
+        if reason:
+            raise ValueError(f"Gpt2Step: {reason}")
+        for n, x in enumerate(layers):
+            _check_shapes(n, {"qkv": (x.qkv, (3 * heads * head_dim, hidden)), "o": (x.o, (hidden, heads * head_dim)),
+                              "fc": (x.fc, (inner, hidden)), "proj": (x.proj, (hidden, inner))})  # fmt: skip
+            _check_vectors(n, torch.float32, x.ln1_w, x.ln1_b, x.ln2_w, x.ln2_b, x.qkv_bias, x.o_bias, x.fc_bias,
+                           x.proj_bias)  # fmt: skip
+        self.dtype, self.hidden, self.kv_heads, self.head_dim = torch.float32, hidden, heads, head_dim
+        self.layers = list(layers)
+        self.max_tokens = min(s.max_tokens for x in layers for s in (x.qkv, x.o, x.fc, x.proj))
+        self._layers = (_Gpt2Layer * len(layers))(*(
+            _Gpt2Layer(x.ln1_w.data_ptr(), x.ln1_b.data_ptr(), x.ln2_w.data_ptr(), x.ln2_b.data_ptr(),
+                       _linear(x.qkv, x.qkv_bias), _linear(x.o, x.o_bias), _linear(x.fc, None),
+                       _linear(x.proj, x.proj_bias), x.fc_bias.data_ptr(), None, None)
+            for x in layers
+        ))  # fmt: skip
+        self._model = _Gpt2Model(len(layers), hidden, heads, head_dim, inner, eps, scale,
+                                 cpu_gpt2_ops.add_layernorm_order().lanes, cpu_gemm.ISAS[cpu_gemm.cpu_isa()],
+                                 SHORT_QUERIES, self._layers)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(x, residual) after the layers, as the per-op loop leaves them, for the embeddings' sum x
+        [tokens, hidden] (not modified) and the step's metadata; this step's K/V is written."""
+        x = x.contiguous()
+        batches = self._prepare(x, [meta], kv_caches)
+        kernels, threads, tokens = _kernels(), torch.get_num_threads(), x.shape[0]
+        work = torch.empty(kernels["gpt2_work"](self._model, tokens))
+        scratch = torch.empty(kernels["gpt2_scratch"](self._model, meta.max_context_len, threads))
+        out, residual = torch.empty_like(x), torch.empty_like(x)
+        kernels["gpt2"](self._model, batches, tokens, x.data_ptr(), out.data_ptr(), residual.data_ptr(),
+                        work.data_ptr(), scratch.data_ptr(), threads)  # fmt: skip
         return out, residual

@@ -31,7 +31,7 @@ logger = logging.getLogger("orca.kernels")
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 # Libraries built from more than their own csrc/<name>.c: the kernels they call, compiled in beside it.
-LINKED = {"decoder_step": ("llama_ops", "decode_gemm", "decode_attention")}
+LINKED = {"decoder_step": ("llama_ops", "gpt2_ops", "decode_gemm", "decode_attention")}
 
 
 class NativeBuildError(RuntimeError):

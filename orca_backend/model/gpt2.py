@@ -14,6 +14,8 @@ layers; the hidden state and residual travel between stages.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +32,10 @@ from orca_backend.model.parallel_layers import row_parallel_linear, vocab_parall
 from orca_backend.model.registry import ModelCode
 from orca_backend.model.stage_input import StageInput, StageModel, stage_output
 from orca_kernels import AttentionMetadata, KernelOps
+from orca_kernels.cpu_decoder_step import Gpt2Layer, Gpt2Step, unsupported
+from orca_kernels.cpu_gemm import c_linear
+
+logger = logging.getLogger("orca.model")
 
 
 @dataclass
@@ -120,6 +126,34 @@ class GPT2(StageModel):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.can_fuse_norms = gemm.can_fuse_norms(ops, [layer.qkv_w for layer in weights.layers])
 
+    @functools.cached_property
+    def cpu_step(self) -> Gpt2Step | None:
+        """The C decode step (kernels/orca_kernels/cpu_decoder_step.py) for this stage's layers, built
+        at the first step, or None where the per-op path runs every step (logged once, with why): the
+        CPU kernel set in float32, one process, K/V pools of float32 and linear layers the C GEMM
+        multiplies; and the steps of up to its `max_tokens` tokens without prompts
+        (`Gpt2Step.runs`) or LoRA."""
+        cfg, w = self.config, self.weights
+        dtype = w.layers[0].ln1_w.dtype
+        specs = [[c_linear(x) for x in (layer.qkv_w, layer.attn_out_w, layer.fc_w, layer.proj_w)] for layer in w.layers]
+        reason = (
+            "not the CPU kernel set" if self.ops.name != "cpu"
+            else "the C LayerNorm is float32 only" if dtype != torch.float32
+            else "tensor or pipeline parallel" if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage)
+            else "FP8 K/V pools" if any(s is not None for s in self.kv_scales)
+            else "linear layers the C GEMM does not multiply" if any(s is None for layer in specs for s in layer)
+            else unsupported(dtype)
+        )  # fmt: skip
+        if reason:
+            logger.info("decode steps on CPU run op by op (%s)", reason)
+            return None
+        layers = [Gpt2Layer(x.ln1_w, x.ln1_b, qkv, x.qkv_b, o, x.attn_out_b, x.ln2_w, x.ln2_b, fc, x.fc_b, proj, x.proj_b)
+                  for x, (qkv, o, fc, proj) in zip(w.layers, specs, strict=True)]  # fmt: skip
+        step = Gpt2Step(layers, hidden=cfg.n_embd, heads=self.num_heads, head_dim=cfg.head_dim, inner=cfg.n_inner,
+                        eps=cfg.layer_norm_epsilon, scale=self.scale)  # fmt: skip
+        logger.info("decode steps of up to %d tokens on CPU run as one C call (csrc/decoder_step.c)", step.max_tokens)
+        return step
+
     def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.weights.wte is not None, "a single-process model"
         return self.weights.wte, self.weights.wte  # the LM head is tied; positions are not the token's
@@ -146,6 +180,10 @@ class GPT2(StageModel):
         lora = self.lora.step(ops, stage_input.lora) if self.lora is not None else None
         if self.can_fuse_norms and lora is None and num_tokens <= gemm.NORM_LINEAR_MAX_TOKENS["layernorm"]:
             return self._forward_fused(x, residual, meta, kv_caches, logits_indices, stage_input.pool_indices)
+        cpu_step = self.cpu_step
+        if cpu_step is not None and lora is None and cpu_step.runs(num_tokens, metas):
+            x, residual = cpu_step(x, meta, kv_caches)
+            return self._logits(x, residual, stage_input, logits_indices)
         layers = zip(w.layers, kv_caches, self.kv_scales, strict=True)
         for i, (layer, (k_cache, v_cache), kv_scales) in enumerate(layers):
             h, residual = ops.add_layernorm(x, residual, layer.ln1_w, layer.ln1_b, cfg.layer_norm_epsilon)
@@ -166,10 +204,17 @@ class GPT2(StageModel):
             x = row_parallel_linear(h, layer.proj_w, layer.proj_b, self.tp, lora and lora.adder(i, "down"))
         if not self.layout.is_last_stage:
             return stage_output(x, residual)
+        return self._logits(x, residual, stage_input, logits_indices)
+
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor, stage_input: StageInput,
+                logits_indices: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The last stage's [B, vocab] float32 logits from the last layer's output x and the residual
+        stream (with the pooled final hidden states where `stage_input.pool_indices` asks for them)."""
+        cfg, w = self.config, self.weights
         pooled = self._final_hidden(x, None, residual, stage_input.pool_indices)
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
-        h, _ = ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
+        h, _ = self.ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
         logits = self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
         return logits if pooled is None else (logits, pooled)
 

@@ -1,9 +1,10 @@
-"""The C decode step (kernels/orca_kernels/cpu_decoder_step.py: a Llama-style stage's layers in one C
-call) against the per-op path it replaces, on checkpoints transformers writes: the same tokens and
-the same logprobs, bit for bit, in float32 and bfloat16, on each instruction set of the C GEMM, in
+"""The C decode step (kernels/orca_kernels/cpu_decoder_step.py: a model's layers in one C call)
+against the per-op path it replaces, on checkpoints transformers writes: the same tokens and the
+same logprobs, bit for bit, for the Llama style in float32 and bfloat16 and GPT-2 in float32, on
+each instruction set of the C GEMM, in
 a batch where requests join (prompts of up to 32 tokens run in the C step too) and leave, with
 steps it does not run (a longer prompt) between the ones it does. Where a model has what the C
-step does not cover (Qwen3's q/k norm), every step runs op by op."""
+step does not cover (Qwen3's q/k norm, GPT-2 in bfloat16), every step runs op by op."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from cpu_isas import SUPPORTED_ISAS, force_isa, forget_choices
 from hf_tiny import write_tiny
 
 from orca_backend import LLM, SamplingParams
+from orca_backend.families.gpt2 import GPT2Config
 from orca_backend.model.decoder import Decoder
+from orca_backend.model.gpt2 import GPT2
 from orca_kernels import AttentionMetadata
-from orca_kernels.cpu_decoder_step import DecoderStep
+from orca_kernels.cpu_decoder_step import DecoderStep, Gpt2Step
 
 pytest.importorskip("transformers")
 
@@ -33,16 +36,19 @@ PROMPT_LENGTHS = (1, 5, 12, 31, 40, 3)  # 40: a prompt the C step leaves to the 
 def run(path, dtype: str, use_c_step: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
     """(each request's (tokens, logprobs), the C step's calls) of one engine over the prompts."""
     calls = []
-    real = DecoderStep.__call__
 
-    def counted(self, *args):
-        calls.append(args[0].shape[0])
-        return real(self, *args)
+    def counted(real):
+        def call(self, *args):
+            calls.append(args[0].shape[0])
+            return real(self, *args)
+
+        return call
 
     with monkeypatch.context() as m:
-        m.setattr(DecoderStep, "__call__", counted)
-        if not use_c_step:
-            m.setattr(Decoder, "cpu_step", None)
+        for step, model in ((DecoderStep, Decoder), (Gpt2Step, GPT2)):
+            m.setattr(step, "__call__", counted(step.__call__))
+            if not use_c_step:
+                m.setattr(model, "cpu_step", None)
         llm = LLM(str(path), device="cpu", dtype=dtype, max_num_seqs=3, block_size=4)
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -83,9 +89,25 @@ def test_c_step_equals_the_per_op_path_on_narrower_instruction_sets(tmp_path, mo
     assert c_step == per_op
 
 
-def test_a_model_the_c_step_does_not_cover_runs_op_by_op(tmp_path, monkeypatch):
+# GPT-2 with 12 heads of 8 (vocab 320, as the prompts draw)
+GPT2_GEOMETRY = GPT2Config(vocab_size=320, n_positions=128, n_embd=96, n_layer=2, n_head=12, initializer_range=0.3)
+
+
+@pytest.mark.parametrize("isa", SUPPORTED_ISAS, indirect=True)
+def test_gpt2_c_step_equals_the_per_op_path_bit_for_bit(make_checkpoint, monkeypatch, isa):
+    path, _ = make_checkpoint(GPT2_GEOMETRY, seed=4, tokenizer=False)
+    c_step, c_calls = run(path, "float32", True, monkeypatch)
+    per_op, per_op_calls = run(path, "float32", False, monkeypatch)
+    assert c_calls > 0 and per_op_calls == 0
+    assert c_step == per_op
+
+
+def test_a_model_the_c_step_does_not_cover_runs_op_by_op(tmp_path, make_checkpoint, monkeypatch):
     write_tiny("Qwen3", tmp_path, seed=7)  # q/k norm
     _, calls = run(tmp_path, "float32", True, monkeypatch)
+    assert calls == 0
+    path, _ = make_checkpoint(GPT2_GEOMETRY, seed=4, tokenizer=False)  # GPT-2's LayerNorm in bfloat16 is torch's
+    _, calls = run(path, "bfloat16", True, monkeypatch)
     assert calls == 0
 
 
