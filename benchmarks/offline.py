@@ -338,7 +338,7 @@ def suite_gemm(args, model: str) -> dict:
     weights = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).core.executor.runner.model.weights
     # Plain matrices of the model's shapes (the engine may hold its own packed for oneDNN), in --dtype.
     dtype = getattr(torch, args.dtype)
-    layer_shapes = [t.shape for layer in weights.layers for t in vars(layer).values() if len(t.shape) == 2]
+    layer_shapes = [t.shape for layer in weights.layers for t in vars(layer).values() if t is not None and len(t.shape) == 2]
     layer_matrices = [torch.randn(shape, dtype=dtype) for shape in layer_shapes]
     lm_head = weights.lm_head if hasattr(weights, "lm_head") else weights.wte  # Llama's, or GPT-2's tied one
     lm_head = torch.randn(lm_head.shape, dtype=dtype)

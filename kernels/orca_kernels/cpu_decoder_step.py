@@ -1,5 +1,5 @@
-"""The layers of a model as one C call per decode step on CPU (csrc/decoder_step.c): the Llama-style
-decoder's in float32 and bfloat16 (`DecoderStep`), GPT-2's in float32 (`Gpt2Step`).
+"""The layers of a model as one C call per decode step on CPU (csrc/decoder_step.c), float32 and
+bfloat16: the Llama-style decoder's (`DecoderStep`) and GPT-2's (`Gpt2Step`).
 
 At a few tokens the per-op path (the model calling each kernel's Python wrapper: add_rmsnorm_cpu,
 linear_cpu, rotary_cpu, write_kv_cpu, attention_cpu, silu_and_mul_cpu) spends ~150 us of Python a
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orca_kernels import cpu_gemm, cpu_gpt2_ops, cpu_llama_ops, native
+from orca_kernels import cpu_attention, cpu_gemm, cpu_gpt2_ops, cpu_llama_ops, native
 from orca_kernels.attention import AttentionMetadata
-from orca_kernels.cpu_attention import SHORT_QUERIES
 from orca_kernels.cpu_gemm import CLinear
 
 LIBRARY = "decoder_step"
@@ -89,22 +88,29 @@ def _kernels() -> dict[str, ctypes._CFuncPtr]:
                                          [model, ctypes.POINTER(_Batch), i64, p, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
     gpt2 = ctypes.POINTER(_Gpt2Model)
     kernels["gpt2_work"] = native.declare(LIBRARY, "orca_gpt2_step_work", [gpt2, i64], i64)
-    kernels["gpt2_scratch"] = native.declare(LIBRARY, "orca_gpt2_step_scratch", [gpt2, i64, ctypes.c_int], i64)
-    # model, batch, tokens, x_in, x, residual, work, scratch, num_threads
-    kernels["gpt2"] = native.declare(LIBRARY, "orca_gpt2_step_f32", [gpt2, ctypes.POINTER(_Batch), i64, p, p, p, p, p,
-                                                                     ctypes.c_int], i64)  # fmt: skip
+    kernels["gpt2_scratch"] = native.declare(LIBRARY, "orca_gpt2_step_scratch", [gpt2, i64, i64, ctypes.c_int], i64)
+    for suffix in SUFFIX.values():
+        # model, batch, tokens, x_in, x, residual, work, scratch, num_threads
+        kernels[f"gpt2_{suffix}"] = native.declare(LIBRARY, f"orca_gpt2_step_{suffix}",
+                                                   [gpt2, ctypes.POINTER(_Batch), i64, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
     return kernels
 
 
-def unsupported(dtype: torch.dtype) -> str | None:
-    """Why the C step cannot run a model of this dtype here (None: it can): the per-op path would
-    not run the C kernels for it either, or they cannot be built."""
+# The bfloat16 kernels whose probes must hold for each family's per-op path to run them (it keeps
+# torch's op where one does not).
+_BF16_ORDERS = {
+    "llama": (cpu_llama_ops.add_rmsnorm_bf16_order, cpu_llama_ops.silu_and_mul_bf16_order),
+    "gpt2": (cpu_gpt2_ops.add_layernorm_bf16_order,),
+}
+
+
+def unsupported(dtype: torch.dtype, family: str = "llama") -> str | None:
+    """Why the C step cannot run a model of this family ("llama" or "gpt2") and dtype here (None: it
+    can): the per-op path would not run the C kernels for it either, or they cannot be built."""
     if dtype not in SUFFIX:
         return f"the C kernels take float32 or bfloat16, not {dtype}"
-    # the per-op path keeps torch's op where a bfloat16 kernel's order is not torch's
-    bf16_orders = (cpu_llama_ops.add_rmsnorm_bf16_order, cpu_llama_ops.silu_and_mul_bf16_order)
-    if dtype == torch.bfloat16 and not all(order().matches for order in bf16_orders):
-        return "the bfloat16 RMSNorm or SiLU kernel does not reproduce torch's rounding on this machine"
+    if dtype == torch.bfloat16 and not all(order().matches for order in _BF16_ORDERS[family]):
+        return "a bfloat16 norm or activation kernel does not reproduce torch's rounding on this machine"
     try:
         _kernels()
     except (native.NativeBuildError, OSError) as e:
@@ -144,10 +150,13 @@ class _Step:
     head_dim: int
     max_tokens: int
     _layers: ctypes.Array
+    _model: _Model | _Gpt2Model
 
     def runs(self, tokens: int, metas: Sequence[AttentionMetadata]) -> bool:
-        """Whether a step of this many tokens and these batch layouts is one the C step runs."""
-        return tokens <= self.max_tokens and all(m.max_query_len <= SHORT_QUERIES for m in metas)
+        """Whether a step of this many tokens and these batch layouts is one the C step runs: every
+        request is one the decode attention kernel attends (cpu_attention.SHORT_QUERIES, read as
+        attention_cpu reads it)."""
+        return tokens <= self.max_tokens and all(m.max_query_len <= cpu_attention.SHORT_QUERIES for m in metas)
 
     def _bind_pools(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Points the layers at their K/V pools (checked once per set of pools)."""
@@ -174,6 +183,7 @@ class _Step:
         if not self.runs(tokens, metas):
             raise ValueError(f"{type(self).__name__}: a step it does not run (see `runs`)")
         self._bind_pools(kv_caches)
+        self._model.max_short = cpu_attention.SHORT_QUERIES
         batches = (_Batch * len(metas))()
         for batch, meta in zip(batches, metas, strict=True):
             tables = meta.block_tables
@@ -232,7 +242,7 @@ class DecoderStep(_Step):
         norm_lanes = (cpu_llama_ops.add_rmsnorm_bf16_order() if bf16 else cpu_llama_ops.add_rmsnorm_order()).lanes
         silu_lanes = (cpu_llama_ops.silu_and_mul_bf16_order() if bf16 else cpu_llama_ops.silu_and_mul_order()).lanes
         self._model = _Model(len(layers), hidden, q_heads, kv_heads, head_dim, intermediate, eps, scale, softcap,
-                             norm_lanes, silu_lanes, cpu_gemm.ISAS[cpu_gemm.cpu_isa()], SHORT_QUERIES, self._layers)  # fmt: skip
+                             norm_lanes, silu_lanes, cpu_gemm.ISAS[cpu_gemm.cpu_isa()], cpu_attention.SHORT_QUERIES, self._layers)  # fmt: skip
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata],
@@ -263,7 +273,7 @@ class DecoderStep(_Step):
 
 @dataclass(frozen=True)
 class Gpt2Layer:
-    """One GPT-2 layer's weights as the C step reads them (float32, contiguous)."""
+    """One GPT-2 layer's weights as the C step reads them (the model's dtype, contiguous)."""
 
     ln1_w: torch.Tensor
     ln1_b: torch.Tensor
@@ -280,19 +290,18 @@ class Gpt2Layer:
 
 
 class Gpt2Step(_Step):
-    """GPT-2's layers (float32) for the decode steps of up to `max_tokens` tokens, one C call each."""
+    """GPT-2's layers for the decode steps of up to `max_tokens` tokens, one C call each."""
 
-    def __init__(self, layers: Sequence[Gpt2Layer], *, hidden: int, heads: int, head_dim: int, inner: int,
-                 eps: float, scale: float) -> None:  # fmt: skip
-        reason = unsupported(torch.float32)
+    def __init__(self, layers: Sequence[Gpt2Layer], *, dtype: torch.dtype, hidden: int, heads: int, head_dim: int,
+                 inner: int, eps: float, scale: float) -> None:  # fmt: skip
+        reason = unsupported(dtype, "gpt2")
         if reason:
             raise ValueError(f"Gpt2Step: {reason}")
         for n, x in enumerate(layers):
             _check_shapes(n, {"qkv": (x.qkv, (3 * heads * head_dim, hidden)), "o": (x.o, (hidden, heads * head_dim)),
                               "fc": (x.fc, (inner, hidden)), "proj": (x.proj, (hidden, inner))})  # fmt: skip
-            _check_vectors(n, torch.float32, x.ln1_w, x.ln1_b, x.ln2_w, x.ln2_b, x.qkv_bias, x.o_bias, x.fc_bias,
-                           x.proj_bias)  # fmt: skip
-        self.dtype, self.hidden, self.kv_heads, self.head_dim = torch.float32, hidden, heads, head_dim
+            _check_vectors(n, dtype, x.ln1_w, x.ln1_b, x.ln2_w, x.ln2_b, x.qkv_bias, x.o_bias, x.fc_bias, x.proj_bias)
+        self.dtype, self.hidden, self.kv_heads, self.head_dim = dtype, hidden, heads, head_dim
         self.layers = list(layers)
         self.max_tokens = min(s.max_tokens for x in layers for s in (x.qkv, x.o, x.fc, x.proj))
         self._layers = (_Gpt2Layer * len(layers))(*(
@@ -301,9 +310,9 @@ class Gpt2Step(_Step):
                        _linear(x.proj, x.proj_bias), x.fc_bias.data_ptr(), None, None)
             for x in layers
         ))  # fmt: skip
-        self._model = _Gpt2Model(len(layers), hidden, heads, head_dim, inner, eps, scale,
-                                 cpu_gpt2_ops.add_layernorm_order().lanes, cpu_gemm.ISAS[cpu_gemm.cpu_isa()],
-                                 SHORT_QUERIES, self._layers)  # fmt: skip
+        norm = cpu_gpt2_ops.add_layernorm_bf16_order() if dtype == torch.bfloat16 else cpu_gpt2_ops.add_layernorm_order()
+        self._model = _Gpt2Model(len(layers), hidden, heads, head_dim, inner, eps, scale, norm.lanes,
+                                 cpu_gemm.ISAS[cpu_gemm.cpu_isa()], cpu_attention.SHORT_QUERIES, self._layers)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -311,10 +320,10 @@ class Gpt2Step(_Step):
         [tokens, hidden] (not modified) and the step's metadata; this step's K/V is written."""
         x = x.contiguous()
         batches = self._prepare(x, [meta], kv_caches)
-        kernels, threads, tokens = _kernels(), torch.get_num_threads(), x.shape[0]
-        work = torch.empty(kernels["gpt2_work"](self._model, tokens))
-        scratch = torch.empty(kernels["gpt2_scratch"](self._model, meta.max_context_len, threads))
+        kernels, threads, tokens, bf16 = _kernels(), torch.get_num_threads(), x.shape[0], self.dtype == torch.bfloat16
+        work = torch.empty(kernels["gpt2_work"](self._model, tokens), dtype=self.dtype)
+        scratch = torch.empty(kernels["gpt2_scratch"](self._model, meta.max_context_len, bf16, threads))
         out, residual = torch.empty_like(x), torch.empty_like(x)
-        kernels["gpt2"](self._model, batches, tokens, x.data_ptr(), out.data_ptr(), residual.data_ptr(),
-                        work.data_ptr(), scratch.data_ptr(), threads)  # fmt: skip
+        kernels[f"gpt2_{SUFFIX[self.dtype]}"](self._model, batches, tokens, x.data_ptr(), out.data_ptr(),
+                                              residual.data_ptr(), work.data_ptr(), scratch.data_ptr(), threads)  # fmt: skip
         return out, residual

@@ -89,9 +89,10 @@ def _bfloat16_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.bfloat16 and t.is_cpu) for t in tensors)
 
 
-# The C element-wise kernels: float32 for both families, bfloat16 for the Llama family's (rounded
-# where torch's bfloat16 ops round; a bfloat16 kernel whose probe finds torch's rounding at no width
-# on this machine gives way to the reference). float16 keeps the references. These choose per
+# The C element-wise kernels: float32 and bfloat16 for both families (rounded where torch's bfloat16
+# ops round; GPT-2's bfloat16 LayerNorm within one bfloat16 ulp of torch's; a bfloat16 kernel whose
+# probe finds torch's rounding at no width on this machine gives way to the reference). float16
+# keeps the references. These choose per
 # call, on the tensors' dtypes, with the references' signatures.
 def add_rmsnorm_cpu_or_torch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -119,7 +120,8 @@ def silu_and_mul_cpu_or_torch(x: torch.Tensor) -> torch.Tensor:
 def add_layernorm_cpu_or_torch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _float32_cpu(x, residual, weight, bias):
+    if _float32_cpu(x, residual, weight, bias) or (
+            _bfloat16_cpu(x, residual, weight, bias) and cpu_gpt2_ops.add_layernorm_bf16_order().matches):  # fmt: skip
         return cpu_gpt2_ops.add_layernorm_cpu(x, residual, weight, bias, eps)
     return add_layernorm_torch(x, residual, weight, bias, eps)
 

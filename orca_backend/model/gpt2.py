@@ -130,7 +130,7 @@ class GPT2(StageModel):
     def cpu_step(self) -> Gpt2Step | None:
         """The C decode step (kernels/orca_kernels/cpu_decoder_step.py) for this stage's layers, built
         at the first step, or None where the per-op path runs every step (logged once, with why): the
-        CPU kernel set in float32, one process, K/V pools of float32 and linear layers the C GEMM
+        CPU kernel set, one process, K/V pools of the model's dtype and linear layers the C GEMM
         multiplies; and the steps of up to its `max_tokens` tokens without prompts
         (`Gpt2Step.runs`) or LoRA."""
         cfg, w = self.config, self.weights
@@ -138,18 +138,17 @@ class GPT2(StageModel):
         specs = [[c_linear(x) for x in (layer.qkv_w, layer.attn_out_w, layer.fc_w, layer.proj_w)] for layer in w.layers]
         reason = (
             "not the CPU kernel set" if self.ops.name != "cpu"
-            else "the C LayerNorm is float32 only" if dtype != torch.float32
             else "tensor or pipeline parallel" if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage)
             else "FP8 K/V pools" if any(s is not None for s in self.kv_scales)
             else "linear layers the C GEMM does not multiply" if any(s is None for layer in specs for s in layer)
-            else unsupported(dtype)
+            else unsupported(dtype, "gpt2")
         )  # fmt: skip
         if reason:
             logger.info("decode steps on CPU run op by op (%s)", reason)
             return None
         layers = [Gpt2Layer(x.ln1_w, x.ln1_b, qkv, x.qkv_b, o, x.attn_out_b, x.ln2_w, x.ln2_b, fc, x.fc_b, proj, x.proj_b)
                   for x, (qkv, o, fc, proj) in zip(w.layers, specs, strict=True)]  # fmt: skip
-        step = Gpt2Step(layers, hidden=cfg.n_embd, heads=self.num_heads, head_dim=cfg.head_dim, inner=cfg.n_inner,
+        step = Gpt2Step(layers, dtype=dtype, hidden=cfg.n_embd, heads=self.num_heads, head_dim=cfg.head_dim, inner=cfg.n_inner,
                         eps=cfg.layer_norm_epsilon, scale=self.scale)  # fmt: skip
         logger.info("decode steps of up to %d tokens on CPU run as one C call (csrc/decoder_step.c)", step.max_tokens)
         return step

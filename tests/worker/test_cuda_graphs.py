@@ -18,6 +18,7 @@ from triton_testing import INTERPRETED, NEEDS_FRESH_PROCESS, run_in_fresh_proces
 
 from orca_backend import LLM, SamplingParams
 from orca_backend.model.decoder import Decoder
+from orca_backend.model.gpt2 import GPT2
 from orca_backend.worker.cuda_graphs import (
     EAGER_REASONS,
     PAD_SLOT,
@@ -156,6 +157,7 @@ def test_two_batches_of_one_bucket_make_identical_launches(model, kernels, model
     # The CPU set stands in for a GPU's launches op by op: its one-call C decode step
     # (cpu_decoder_step.py) runs on CPU only, where no step is captured.
     monkeypatch.setattr(Decoder, "cpu_step", None)
+    monkeypatch.setattr(GPT2, "cpu_step", None)
     c_kernels = record_c_kernels(monkeypatch)
     triton_kernels = record_triton_kernels(monkeypatch) if kernels == "triton" else False
     llm, runner = _static_llm(model, kernels)

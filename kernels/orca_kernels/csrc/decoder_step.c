@@ -1,7 +1,8 @@
 /* A decode step of a model's layers on CPU in one call: the shared decoder's (Llama-style,
  * orca_backend/model/decoder.py; per layer the residual add + RMSNorm, the q/k/v GEMM, rotary, the
  * K/V write, attention, the o GEMM, the residual add + RMSNorm, the gate/up GEMM, SiLU-and-multiply
- * and the down GEMM) and GPT-2's in float32 (model/gpt2.py; LayerNorms, no rotary, bias + GeLU).
+ * and the down GEMM) and GPT-2's (model/gpt2.py; LayerNorms, no rotary, bias + GeLU), float32 and
+ * bfloat16.
  * The Python side is cpu_decoder_step.py.
  *
  * Why: at a few tokens each of these ops is a ctypes call wrapped in a few microseconds of Python
@@ -37,8 +38,13 @@ void orca_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, 
 void orca_add_layernorm_f32(const float *x, int64_t x_stride, const float *residual, int64_t res_stride,
                             const float *weight, const float *bias, float *out, float *summed, int64_t rows,
                             int64_t hidden, float eps, int64_t lanes, int num_threads);
+void orca_add_layernorm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
+                             const uint16_t *weight, const uint16_t *bias, uint16_t *out, uint16_t *summed,
+                             int64_t rows, int64_t hidden, float eps, int64_t lanes, int num_threads, float *scratch);
 void orca_bias_gelu_f32(const float *x, int64_t x_stride, const float *bias, float *out, int64_t rows, int64_t inner,
                         int num_threads);
+void orca_bias_gelu_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *bias, uint16_t *out, int64_t rows,
+                         int64_t inner, int num_threads);
 void orca_write_kv(const char *k, int64_t k_row_stride, const char *v, int64_t v_row_stride, char *k_cache,
                    char *v_cache, const int64_t *slots, int64_t tokens, int64_t row_bytes);
 #define ATTENTION_ARGS(T)                                                                                    \
@@ -174,12 +180,12 @@ int64_t orca_decoder_step_scratch(const step_model *m, int64_t max_context, int6
 DEFINE_DECODER_STEP(orca_decoder_step_f32, float, f32)
 DEFINE_DECODER_STEP(orca_decoder_step_bf16, uint16_t, bf16)
 
-/* GPT-2 (float32): a layer's LayerNorms (weight, bias), its linear layers (fc without its bias,
- * which the GeLU adds, as linear_bias_gelu does on CPU) and K/V pools; one K/V group. */
+/* GPT-2: a layer's LayerNorms (weight, bias), its linear layers (fc without its bias, which the
+ * GeLU adds, as linear_bias_gelu does on CPU) and K/V pools; one K/V group. */
 typedef struct {
-    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b;
     step_linear qkv, o, fc, proj;
-    const float *fc_bias;
+    const void *fc_bias;
     void *k_cache, *v_cache;
 } gpt2_layer;
 
@@ -190,47 +196,57 @@ typedef struct {
     const gpt2_layer *layers;
 } gpt2_model;
 
-/* The norm's output, q/k/v, attention's output, fc and the GeLU's output. */
+/* Elements of the model's dtype a step works in: the norm's output, q/k/v, attention's output, fc
+ * and the GeLU's output. */
 int64_t orca_gpt2_step_work(const gpt2_model *m, int64_t tokens) {
     return tokens * (5 * m->hidden + 2 * m->inner);
 }
 
-int64_t orca_gpt2_step_scratch(const gpt2_model *m, int64_t max_context, int num_threads) {
-    return (int64_t)num_threads * m->heads * max_context;
+/* float32 scratch: the bfloat16 norm's widened row per thread, then attention's per thread. */
+int64_t orca_gpt2_step_scratch(const gpt2_model *m, int64_t max_context, int64_t bf16, int num_threads) {
+    const int64_t attention = m->heads * (max_context + (bf16 ? 2 * m->head_dim : 0));
+    return (int64_t)num_threads * ((bf16 ? m->hidden : 0) + attention);
 }
 
-/* As orca_decoder_step_f32, for GPT-2: x_in is the token and position embeddings' sum. */
-int64_t orca_gpt2_step_f32(const gpt2_model *m, const step_batch *b, int64_t tokens, const float *x_in, float *x,
-                           float *residual, float *work, float *scratch, int num_threads) {
-    const int64_t H = m->hidden, d = m->head_dim, heads = m->heads, I = m->inner;
-    const float eps = (float)m->eps;
-    const int isa = (int)m->isa;
-    float *h = work, *qkv = h + tokens * H, *attn = qkv + tokens * 3 * H, *fc = attn + tokens * H;
-    float *gelu = fc + tokens * I;
-    memcpy(residual, x_in, (size_t)(tokens * H) * sizeof(float));
-    for (int64_t i = 0; i < m->num_layers; i++) {
-        const gpt2_layer *L = m->layers + i;
-        if (i == 0)
-            orca_add_layernorm_f32(x_in, H, NULL, 0, L->ln1_w, L->ln1_b, h, NULL, tokens, H, eps, m->norm_lanes,
-                                   num_threads);
-        else
-            orca_add_layernorm_f32(x, H, residual, H, L->ln1_w, L->ln1_b, h, residual, tokens, H, eps,
-                                   m->norm_lanes, num_threads);
-        linear_f32(&L->qkv, h, tokens, qkv, num_threads, isa);
-        /* q, k and v: [tokens, 3, heads, head_dim] */
-        orca_write_kv((const char *)(qkv + H), 3 * H * (int64_t)sizeof(float), (const char *)(qkv + 2 * H),
-                      3 * H * (int64_t)sizeof(float), L->k_cache, L->v_cache, b->slot_mapping, tokens,
-                      H * (int64_t)sizeof(float));
-        orca_decode_attention_f32(qkv, 3 * H, d, L->k_cache, L->v_cache, attn, b->query_start, b->context_lens,
-                                  b->block_tables, b->block_table_stride, b->block_size, b->num_requests, heads,
-                                  heads, d, b->max_context, (float)m->scale, 0, 0.0f, NULL, NULL, scratch,
-                                  num_threads, m->max_short);
-        linear_f32(&L->o, attn, tokens, x, num_threads, isa);
-        orca_add_layernorm_f32(x, H, residual, H, L->ln2_w, L->ln2_b, h, residual, tokens, H, eps, m->norm_lanes,
-                               num_threads);
-        linear_f32(&L->fc, h, tokens, fc, num_threads, isa);
-        orca_bias_gelu_f32(fc, I, L->fc_bias, gelu, tokens, I, num_threads);
-        linear_f32(&L->proj, gelu, tokens, x, num_threads, isa);
+#define LAYERNORM_f32(x, residual, w, b, out, summed)                                                        \
+    orca_add_layernorm_f32(x, H, residual, H, w, b, out, summed, tokens, H, eps, m->norm_lanes, num_threads)
+#define LAYERNORM_bf16(x, residual, w, b, out, summed)                                                       \
+    orca_add_layernorm_bf16(x, H, residual, H, w, b, out, summed, tokens, H, eps, m->norm_lanes, num_threads, scratch)
+
+/* As orca_decoder_step_*, for GPT-2: x_in is the token and position embeddings' sum. */
+#define DEFINE_GPT2_STEP(NAME, T, SUFFIX)                                                                    \
+    int64_t NAME(const gpt2_model *m, const step_batch *b, int64_t tokens, const T *x_in, T *x, T *residual, \
+                 T *work, float *scratch, int num_threads) {                                                 \
+        const int64_t H = m->hidden, d = m->head_dim, heads = m->heads, I = m->inner;                        \
+        const float eps = (float)m->eps;                                                                     \
+        const int isa = (int)m->isa;                                                                         \
+        T *h = work, *qkv = h + tokens * H, *attn = qkv + tokens * 3 * H, *fc = attn + tokens * H;            \
+        T *gelu = fc + tokens * I;                                                                           \
+        float *attn_scratch = scratch + (sizeof(T) == 2 ? (int64_t)num_threads * H : 0);                    \
+        memcpy(residual, x_in, (size_t)(tokens * H) * sizeof(T));                                            \
+        for (int64_t i = 0; i < m->num_layers; i++) {                                                        \
+            const gpt2_layer *L = m->layers + i;                                                             \
+            if (i == 0)                                                                                      \
+                LAYERNORM_##SUFFIX(x_in, NULL, L->ln1_w, L->ln1_b, h, NULL);                                 \
+            else                                                                                             \
+                LAYERNORM_##SUFFIX(x, residual, L->ln1_w, L->ln1_b, h, residual);                            \
+            linear_##SUFFIX(&L->qkv, h, tokens, qkv, num_threads, isa);                                      \
+            /* q, k and v: [tokens, 3, heads, head_dim] */                                                   \
+            orca_write_kv((const char *)(qkv + H), 3 * H * (int64_t)sizeof(T), (const char *)(qkv + 2 * H),   \
+                          3 * H * (int64_t)sizeof(T), L->k_cache, L->v_cache, b->slot_mapping, tokens,       \
+                          H * (int64_t)sizeof(T));                                                           \
+            orca_decode_attention_##SUFFIX(qkv, 3 * H, d, L->k_cache, L->v_cache, attn, b->query_start,      \
+                                           b->context_lens, b->block_tables, b->block_table_stride,          \
+                                           b->block_size, b->num_requests, heads, heads, d, b->max_context,  \
+                                           (float)m->scale, 0, 0.0f, NULL, NULL, attn_scratch, num_threads,  \
+                                           m->max_short);                                                    \
+            linear_##SUFFIX(&L->o, attn, tokens, x, num_threads, isa);                                       \
+            LAYERNORM_##SUFFIX(x, residual, L->ln2_w, L->ln2_b, h, residual);                                \
+            linear_##SUFFIX(&L->fc, h, tokens, fc, num_threads, isa);                                        \
+            orca_bias_gelu_##SUFFIX(fc, I, L->fc_bias, gelu, tokens, I, num_threads);                        \
+            linear_##SUFFIX(&L->proj, gelu, tokens, x, num_threads, isa);                                    \
+        }                                                                                                    \
+        return -1;                                                                                           \
     }
-    return -1;
-}
+DEFINE_GPT2_STEP(orca_gpt2_step_f32, float, f32)
+DEFINE_GPT2_STEP(orca_gpt2_step_bf16, uint16_t, bf16)

@@ -1,5 +1,5 @@
-/* GPT-2's element-wise ops on CPU: residual-add + LayerNorm (float32) and bias + GeLU (tanh
- * approximation; float32 and bfloat16). Semantics equal the torch references in layernorm.py and gelu.py (see there);
+/* GPT-2's element-wise ops on CPU: residual-add + LayerNorm and bias + GeLU (tanh approximation),
+ * float32 and bfloat16. Semantics equal the torch references in layernorm.py and gelu.py (see there);
  * the Python side is cpu_gpt2_ops.py.
  *
  * Why C: at a handful of tokens each reference is 2-3 small aten ops (add, layer_norm; add, gelu)
@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
 #include "bf16.h"         /* after elementwise.h: its pragma must cover these helpers for them to inline and vectorise */
@@ -118,6 +119,40 @@ void orca_add_layernorm_f32(const float *x, int64_t x_stride, const float *resid
         float *o = out + r * hidden;
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++) o[i] = fmaf((s[i] - mean) * rstd, weight[i], bias[i]);
+    }
+}
+
+/* LayerNorm of bfloat16 rows: summed[r] = bf16(x + residual) (or x itself: `summed` is then unused),
+ * widened to float32 (into scratch: one row of hidden floats per thread), its moments as the float32
+ * kernel's, and out[r] = bf16(fma(fma(s, rstd, -mean * rstd), weight, bias)) with weight and bias
+ * widened: the order torch's bfloat16 kernel computes its output in (LayerNormSecondPass), measured
+ * bit for bit against it given the same moments. torch adds a bfloat16 row's moments in vectors of
+ * 32 split into two float vectors, merged in another order than the float32 kernel's, so rstd may
+ * differ in its last float32 bit, and an output by one bfloat16 ulp where that lands on a rounding
+ * boundary (about one element in 10^4; cpu_gpt2_ops.add_layernorm_bf16_order measures it). */
+void orca_add_layernorm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, int64_t res_stride,
+                             const uint16_t *weight, const uint16_t *bias, uint16_t *out, uint16_t *summed,
+                             int64_t rows, int64_t hidden, float eps, int64_t lanes, int num_threads, float *scratch) {
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scratch + (int64_t)omp_get_thread_num() * hidden;
+        const uint16_t *xr = x + r * x_stride;
+        if (residual) {
+            const uint16_t *res = residual + r * res_stride;
+            uint16_t *sum = summed + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) {
+                sum[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res[i]));
+                s[i] = bf16_to_f32(sum[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < hidden; i++) s[i] = bf16_to_f32(xr[i]);
+        }
+        float mean, var;
+        row_moments(s, hidden, lanes, &mean, &var);
+        const float rstd = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps), shift = -mean * rstd;
+        uint16_t *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++)
+            o[i] = f32_to_bf16(fmaf(fmaf(s[i], rstd, shift), bf16_to_f32(weight[i]), bf16_to_f32(bias[i])));
     }
 }
 
