@@ -35,4 +35,23 @@ static inline const float *add_residual_row(const float *s, const float *residua
     return sum;
 }
 
+#include "bf16.h" /* after the pragma above: it must cover these helpers for them to inline and vectorise */
+
+/* The bfloat16 norms' residual add for row r, widened: with a residual, writes bf16(x + residual)
+ * (torch's bfloat16 add) into summed's row r and its float32 values into s; without one, x's row
+ * widened into s. */
+static inline void add_residual_row_bf16(const uint16_t *x, const uint16_t *residual, int64_t res_stride,
+                                         uint16_t *summed, int64_t r, int64_t hidden, float *s) {
+    if (!residual) {
+        for (int64_t i = 0; i < hidden; i++) s[i] = bf16_to_f32(x[i]);
+        return;
+    }
+    const uint16_t *res = residual + r * res_stride;
+    uint16_t *sum = summed + r * hidden;
+    for (int64_t i = 0; i < hidden; i++) {
+        sum[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(res[i]));
+        s[i] = bf16_to_f32(sum[i]);
+    }
+}
+
 #endif

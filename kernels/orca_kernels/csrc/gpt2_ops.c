@@ -24,8 +24,7 @@
 #include <string.h>
 #include <omp.h>
 
-#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, add_residual_row */
-#include "bf16.h"         /* after elementwise.h: its pragma must cover these helpers for them to inline and vectorise */
+#include "elementwise.h" /* contraction off, no-trapping-math, PARALLEL_MIN_ELEMENTS, the norms' residual adds, bf16.h */
 
 #define MAX_LANES 16
 #define CHUNK 16     /* kChunkSize in torch's moments_utils.h: vectors per Welford chunk */
@@ -136,17 +135,7 @@ void orca_add_layernorm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t
 #pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *s = scratch + (int64_t)omp_get_thread_num() * hidden;
-        const uint16_t *xr = x + r * x_stride;
-        if (residual) {
-            const uint16_t *res = residual + r * res_stride;
-            uint16_t *sum = summed + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) {
-                sum[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(res[i]));
-                s[i] = bf16_to_f32(sum[i]);
-            }
-        } else {
-            for (int64_t i = 0; i < hidden; i++) s[i] = bf16_to_f32(xr[i]);
-        }
+        add_residual_row_bf16(x + r * x_stride, residual, res_stride, summed, r, hidden, s);
         float mean, var;
         row_moments(s, hidden, lanes, &mean, &var);
         const float rstd = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps), shift = -mean * rstd;
