@@ -100,6 +100,33 @@ def load_write_kv_kernel() -> ctypes._CFuncPtr:
     return native.declare("decode_attention", "orca_write_kv", [p, i64, p, i64, p, p, p, i64, i64], None)
 
 
+def check_slots(caller: str, slot_mapping: torch.Tensor, tokens: int) -> None:
+    """What the C K/V write trusts of a step's slots: a contiguous int64 slot per token."""
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.numel() != tokens:
+        raise ValueError(f"{caller} needs a contiguous int64 slot per token, got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)} for {tokens} tokens")  # fmt: skip
+
+
+def check_layout(caller: str, meta: AttentionMetadata) -> None:
+    """What the C attention kernels trust of a step's layout: contiguous int32 index tensors, and
+    block tables whose every row holds the blocks of the longest context."""
+    tables = meta.block_tables
+    for index in (meta.query_start, meta.context_lens, tables):
+        if index.dtype != torch.int32 or not index.is_contiguous():
+            raise ValueError(f"{caller} needs contiguous int32 query_start, context_lens and block_tables")
+    if (
+        meta.block_size < 1
+        or tables.dim() != 2
+        or tables.shape[0] < meta.num_requests
+        or tables.shape[1] * meta.block_size < meta.max_context_len
+    ):
+        raise ValueError(
+            f"{caller} needs block_size >= 1 and block_tables [requests, >= ceil(max_context_len / "
+            f"block_size)], got block_size {meta.block_size}, block_tables {tuple(tables.shape)} for "
+            f"{meta.num_requests} requests of up to {meta.max_context_len} tokens"
+        )
+
+
 def write_kv_cpu(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scales: KVScales | None = None,
@@ -120,9 +147,7 @@ def write_kv_cpu(
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.numel() != tokens:
-        raise ValueError(f"write_kv_cpu needs a contiguous int64 slot per token, got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)} for {tokens} tokens")  # fmt: skip
+    check_slots("write_kv_cpu", slot_mapping, tokens)
     size = k.element_size()
     load_write_kv_kernel()(
         k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
@@ -159,24 +184,8 @@ def attention_cpu(
         return attention_torch(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attention_cpu needs [tokens, heads, head_dim] rows with contiguous heads and contiguous caches")
+    check_layout("attention_cpu", meta)
     tables = meta.block_tables
-    for index in (meta.query_start, meta.context_lens, tables):
-        if index.dtype != torch.int32 or not index.is_contiguous():
-            raise ValueError(
-                "attention_cpu needs contiguous int32 query_start, context_lens and block_tables"
-            )
-    # The kernel trusts every row to hold the blocks of its longest context: check the shape here.
-    if (
-        meta.block_size < 1
-        or tables.dim() != 2
-        or tables.shape[0] < meta.num_requests
-        or tables.shape[1] * meta.block_size < meta.max_context_len
-    ):
-        raise ValueError(
-            f"attention_cpu needs block_size >= 1 and block_tables [requests, >= ceil(max_context_len / "
-            f"block_size)], got block_size {meta.block_size}, block_tables {tuple(tables.shape)} for "
-            f"{meta.num_requests} requests of up to {meta.max_context_len} tokens"
-        )
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     threads = torch.get_num_threads()
     # per thread: the scores; in bfloat16 also the query widened to float32, and the output

@@ -82,17 +82,16 @@ def _kernels() -> dict[str, ctypes._CFuncPtr]:
         "work": native.declare(LIBRARY, "orca_decoder_step_work", [model, i64], i64),
         "scratch": native.declare(LIBRARY, "orca_decoder_step_scratch", [model, i64, i64, ctypes.c_int], i64),
     }
-    for suffix in SUFFIX.values():
-        # model, batches, tokens, positions, x_in, x, residual, work, scratch, num_threads
-        kernels[suffix] = native.declare(LIBRARY, f"orca_decoder_step_{suffix}",
-                                         [model, ctypes.POINTER(_Batch), i64, p, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
-    gpt2 = ctypes.POINTER(_Gpt2Model)
+    gpt2, batches = ctypes.POINTER(_Gpt2Model), ctypes.POINTER(_Batch)
     kernels["gpt2_work"] = native.declare(LIBRARY, "orca_gpt2_step_work", [gpt2, i64], i64)
     kernels["gpt2_scratch"] = native.declare(LIBRARY, "orca_gpt2_step_scratch", [gpt2, i64, i64, ctypes.c_int], i64)
     for suffix in SUFFIX.values():
-        # model, batch, tokens, x_in, x, residual, work, scratch, num_threads
+        # model, batches, tokens, positions, x_in, x, residual, work, scratch, num_threads
+        kernels[suffix] = native.declare(LIBRARY, f"orca_decoder_step_{suffix}",
+                                         [model, batches, i64, p, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
+        # GPT-2: no positions
         kernels[f"gpt2_{suffix}"] = native.declare(LIBRARY, f"orca_gpt2_step_{suffix}",
-                                                   [gpt2, ctypes.POINTER(_Batch), i64, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
+                                                   [gpt2, batches, i64, p, p, p, p, p, ctypes.c_int], i64)  # fmt: skip
     return kernels
 
 
@@ -175,10 +174,11 @@ class _Step:
 
     def _prepare(self, x: torch.Tensor, metas: Sequence[AttentionMetadata],
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:  # fmt: skip
-        """Checks a step's input and layouts, binds the pools; the layouts as the C step reads them."""
+        """Checks a step's input (made contiguous by the caller) and layouts as the per-op wrappers
+        would, binds the pools; the layouts as the C step reads them."""
         tokens = x.shape[0]
-        if x.dtype != self.dtype or x.shape != (tokens, self.hidden) or not x.is_contiguous():
-            raise ValueError(f"{type(self).__name__} takes contiguous x [tokens, {self.hidden}] of {self.dtype}, got "
+        if x.dtype != self.dtype or x.shape != (tokens, self.hidden):
+            raise ValueError(f"{type(self).__name__} takes x [tokens, {self.hidden}] of {self.dtype}, got "
                              f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
         if not self.runs(tokens, metas):
             raise ValueError(f"{type(self).__name__}: a step it does not run (see `runs`)")
@@ -186,13 +186,9 @@ class _Step:
         self._model.max_short = cpu_attention.SHORT_QUERIES
         batches = (_Batch * len(metas))()
         for batch, meta in zip(batches, metas, strict=True):
+            cpu_attention.check_layout(type(self).__name__, meta)
+            cpu_attention.check_slots(type(self).__name__, meta.slot_mapping, tokens)
             tables = meta.block_tables
-            if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (meta.query_start, meta.context_lens, tables)) \
-                    or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous() \
-                    or meta.slot_mapping.numel() != tokens or tables.dim() != 2 or meta.block_size < 1 \
-                    or tables.shape[0] < meta.num_requests or tables.shape[1] * meta.block_size < meta.max_context_len:  # fmt: skip
-                raise ValueError(f"{type(self).__name__} needs contiguous int32 query_start, context_lens and block "
-                                 "tables [requests, >= ceil(max_context_len / block_size)] and an int64 slot per token")  # fmt: skip
             batch.query_start, batch.context_lens = meta.query_start.data_ptr(), meta.context_lens.data_ptr()
             batch.block_tables, batch.slot_mapping = tables.data_ptr(), meta.slot_mapping.data_ptr()
             batch.block_table_stride, batch.block_size = tables.stride(0), meta.block_size

@@ -388,25 +388,19 @@ class Decoder(StageModel):
         `max_tokens` tokens without prompts (`DecoderStep.runs`), LoRA or EAGLE-3 taps."""
         cfg, w, hooks = self.config, self.weights, self.hooks
         dtype = w.layers[0].input_norm_w.dtype
-        specs = [[c_linear(x) for x in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)] if layer.gate_up_w is not None
-                 else [None] for layer in w.layers]  # fmt: skip
         reason = (
-            "not the CPU kernel set" if self.ops.name != "cpu"
-            else "tensor or pipeline parallel" if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage)
-            else "q/k norms, sandwich norms or an activation other than SwiGLU" if cfg.qk_norm or hooks.post_attn_norm or hooks.activation != "silu_and_mul"
-            else "mixture-of-experts layers" if any(layer.router_w is not None for layer in w.layers)
-            else "FP8 K/V pools" if any(s is not None for s in self.kv_scales)
-            else "linear layers the C GEMM does not multiply" if any(s is None for layer in specs for s in layer)
-            else unsupported(dtype)
+            "q/k norms, sandwich norms or an activation other than SwiGLU" if cfg.qk_norm or hooks.post_attn_norm or hooks.activation != "silu_and_mul"
+            else "mixture-of-experts layers" if any(layer.gate_up_w is None for layer in w.layers)
+            else self.c_step_obstacle([x for layer in w.layers for x in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)])
+            or unsupported(dtype)
         )  # fmt: skip
         if reason:
             logger.info("decode steps on CPU run op by op (%s)", reason)
             return None
         layers = [
-            StepLayer(layer.input_norm_w, layer.pre_mlp_norm_w, qkv, layer.qkv_b, o, layer.o_b, gate_up, down, cos_sin,
-                      window, group)
-            for layer, (qkv, o, gate_up, down), (window, cos_sin), group in zip(w.layers, specs, self.layer_attention,
-                                                                                self.kv_groups, strict=True)
+            StepLayer(layer.input_norm_w, layer.pre_mlp_norm_w, c_linear(layer.qkv_w), layer.qkv_b, c_linear(layer.o_w),
+                      layer.o_b, c_linear(layer.gate_up_w), c_linear(layer.down_w), cos_sin, window, group)
+            for layer, (window, cos_sin), group in zip(w.layers, self.layer_attention, self.kv_groups, strict=True)
         ]  # fmt: skip
         step = DecoderStep(layers, dtype=dtype, hidden=cfg.hidden_size, q_heads=self.num_heads, kv_heads=self.num_kv_heads,
                            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,

@@ -135,19 +135,14 @@ class GPT2(StageModel):
         (`Gpt2Step.runs`) or LoRA."""
         cfg, w = self.config, self.weights
         dtype = w.layers[0].ln1_w.dtype
-        specs = [[c_linear(x) for x in (layer.qkv_w, layer.attn_out_w, layer.fc_w, layer.proj_w)] for layer in w.layers]
-        reason = (
-            "not the CPU kernel set" if self.ops.name != "cpu"
-            else "tensor or pipeline parallel" if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage)
-            else "FP8 K/V pools" if any(s is not None for s in self.kv_scales)
-            else "linear layers the C GEMM does not multiply" if any(s is None for layer in specs for s in layer)
-            else unsupported(dtype, "gpt2")
-        )  # fmt: skip
+        linears = [x for layer in w.layers for x in (layer.qkv_w, layer.attn_out_w, layer.fc_w, layer.proj_w)]
+        reason = self.c_step_obstacle(linears) or unsupported(dtype, "gpt2")
         if reason:
             logger.info("decode steps on CPU run op by op (%s)", reason)
             return None
-        layers = [Gpt2Layer(x.ln1_w, x.ln1_b, qkv, x.qkv_b, o, x.attn_out_b, x.ln2_w, x.ln2_b, fc, x.fc_b, proj, x.proj_b)
-                  for x, (qkv, o, fc, proj) in zip(w.layers, specs, strict=True)]  # fmt: skip
+        layers = [Gpt2Layer(x.ln1_w, x.ln1_b, c_linear(x.qkv_w), x.qkv_b, c_linear(x.attn_out_w), x.attn_out_b, x.ln2_w,
+                            x.ln2_b, c_linear(x.fc_w), x.fc_b, c_linear(x.proj_w), x.proj_b)
+                  for x in w.layers]  # fmt: skip
         step = Gpt2Step(layers, dtype=dtype, hidden=cfg.n_embd, heads=self.num_heads, head_dim=cfg.head_dim, inner=cfg.n_inner,
                         eps=cfg.layer_norm_epsilon, scale=self.scale)  # fmt: skip
         logger.info("decode steps of up to %d tokens on CPU run as one C call (csrc/decoder_step.c)", step.max_tokens)

@@ -11,6 +11,7 @@ from orca_backend.distributed.comm import TensorParallelGroup
 from orca_backend.distributed.layout import ParallelLayout
 from orca_kernels import KernelOps
 from orca_kernels.attention import KVScales
+from orca_kernels.cpu_gemm import c_linear
 from orca_kernels.lora import LoRAMetadata
 
 if TYPE_CHECKING:
@@ -67,6 +68,21 @@ class StageModel:
         self.kv_scales: list[KVScales | None] = [None] * len(weights.layers)
         # Each of this stage's layers' K/V group, as the model runner lays out the pool (all 0: one).
         self.kv_groups: list[int] = [0] * len(weights.layers)
+
+    def c_step_obstacle(self, linears: list[object]) -> str | None:
+        """Why no family's C decode step (kernels/orca_kernels/cpu_decoder_step.py) can run this
+        stage, as far as what every family shares decides it (None: nothing here stands in the way):
+        the CPU kernel set in one process, K/V pools of the model's dtype, and `linears` (the
+        stage's linear weights) each one the C GEMM multiplies."""
+        if self.ops.name != "cpu":
+            return "not the CPU kernel set"
+        if self.tp.size > 1 or not (self.layout.is_first_stage and self.layout.is_last_stage):
+            return "tensor or pipeline parallel"
+        if any(s is not None for s in self.kv_scales):
+            return "FP8 K/V pools"
+        if any(c_linear(w) is None for w in linears):
+            return "linear layers the C GEMM does not multiply"
+        return None
 
     def kv_scale_names(self, layer: int) -> list[tuple[str, str]]:
         """The checkpoint names a layer's FP8 K/V scales may have, as (k, v) pairs in the order tried
