@@ -73,6 +73,26 @@ def test_many_decodes_any_thread_count(threads: int, block_size: int) -> None:
     torch.testing.assert_close(out, attention_torch(q, k_cache, v_cache, meta, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_score_does_not_depend_on_the_block_size(dtype: torch.dtype) -> None:
+    """The same contexts paged in blocks of 3, 8, 16 and 32 slots: each key sits at another place in
+    the kernel's tiles, and every output is the same bits."""
+    contexts, q_heads, kv_heads, head_dim = [37, 64, 100, 150, 9], 6, 2, 64
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(sum(contexts), kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(contexts), q_heads, head_dim, generator=g).to(dtype)
+    outs = []
+    for block_size in (3, 8, 16, 32):
+        meta = make_meta("cpu", [(1, ctx) for ctx in contexts], block_size=block_size)
+        slots = [int(meta.block_tables[r, j // block_size]) * block_size + j % block_size
+                 for r, ctx in enumerate(contexts) for j in range(ctx)]  # fmt: skip
+        k_cache, v_cache = (torch.randn(pool_slots(meta), kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+        k_cache[slots], v_cache[slots] = keys, values
+        outs.append(attention_cpu(q, k_cache, v_cache, meta, 0.125))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("requests", [[(1, 300)], [(1, 40), (1, 1), (3, 90)]])
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(12, 12), (8, 2), (3, 1)])

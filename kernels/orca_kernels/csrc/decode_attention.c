@@ -80,6 +80,19 @@ typedef float lanes_u __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef uint16_t halves_u __attribute__((vector_size(LANES * 2), aligned(2)));
 typedef uint32_t words_t __attribute__((vector_size(LANES * 4)));
 
+/* acc + a * b in each lane with one rounding, whatever the code around it: left to the compiler, the
+ * scores' `acc += q * (key or zero)` became a multiply-add for some keys of a tile and a multiply and
+ * an add for others, so a score depended on where its key sat in the tile (on the block size). */
+static inline lanes_t fma_lanes(lanes_t a, lanes_t b, lanes_t acc) {
+#if defined(__AVX512F__)
+    return (lanes_t)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+    return (lanes_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b; /* no multiply-add instruction: two roundings, for every key alike */
+#endif
+}
+
 /* Elements [0, n) of a K/V row (n <= LANES) as float32 lanes, the lanes past n zero: a float32
  * pool's own; a bfloat16 one's widened (exact: a bfloat16 is a float32's upper half); an FP8 one's
  * read back through its head's table: lut[code] is what the byte `code` stands for under that
@@ -284,7 +297,7 @@ DEFINE_WEIGH_VALUES(weigh_values_fp8, uint8_t, fp8_lanes)
                             const lanes_t qc = f32_lanes(q + h * q_head_stride + c, w, NULL);                \
                             /* constant bounds (keys past n add zeros), so acc stays in registers */        \
                             _Pragma("GCC unroll 16") for (int64_t j = 0; j < LANES; j++)                     \
-                                acc[j] += qc * (j < n ? LOAD(kt + j * kv_row + c, w, lut) : (lanes_t){0});   \
+                                acc[j] = fma_lanes(qc, j < n ? LOAD(kt + j * kv_row + c, w, lut) : (lanes_t){0}, acc[j]); \
                         }                                                                                    \
                         float s[LANES];                                                                      \
                         *(lanes_u *)s = scale * sum_each(acc);                                               \
