@@ -6,11 +6,14 @@ another day (this machine is shared: its speed moves by tens of percent between 
     python benchmarks/ab.py --baseline 6c6a658 --suite throughput --model llama-150m --dtype bfloat16 --rounds 2
     python benchmarks/ab.py --baseline 6c6a658 --suite prefill --dtype bfloat16 --rounds 3
     python benchmarks/ab.py --baseline f759017 --suite gemm --dtype float32 --rounds 2
+    python benchmarks/ab.py --baseline HEAD --baseline-env THP_MEM_ALLOC_ENABLE=0 --suite roofline  # a setting
 
 The baseline is `git archive`d into a temporary directory and its `orca_backend` and kernels are put
 first on the path of the runs made for it; both sides run this tree's suite code (offline.py), so
-they time the same scenarios. Each round runs the baseline, then this tree; the report gives each
-measure's range over the rounds and the ratio of the medians (tree / baseline).
+they time the same scenarios. --baseline-env gives the baseline's runs variables of their own (with
+--baseline HEAD: a setting against its default, on one tree). Each round runs the baseline, then
+this tree; the report gives each measure's range over the rounds and the ratio of the medians (tree
+/ baseline).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--model", help="offline.py's --model (its default if not given)")
     ap.add_argument("--dtype", help="offline.py's --dtype")
     ap.add_argument("--repeat", help="offline.py's --repeat (within each run)")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a variable the baseline's runs get (repeatable)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -85,12 +90,13 @@ def main() -> None:
     suite_args = [arg for name in ("model", "dtype", "repeat") if getattr(args, name) for arg in (f"--{name}", getattr(args, name))]
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "tree": []}
     with tempfile.TemporaryDirectory(prefix="orca-baseline-") as tmp:
-        env = baseline_tree(args.baseline, Path(tmp))
+        env = baseline_tree(args.baseline, Path(tmp)) | dict(kv.split("=", 1) for kv in args.baseline_env)
         for round_ in range(args.rounds):
             for side, side_env in (("baseline", env), ("tree", None)):
                 runs[side].append(run_suite(args.suite, suite_args, side_env, Path(tmp) / f"{side}-{round_}.json"))
                 print(f"round {round_ + 1}/{args.rounds}: {side} done", flush=True)
-    report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "tree": machine.code_revision(ROOT),
+    report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "baseline_env": args.baseline_env,
+                    "tree": machine.code_revision(ROOT),
                     "machine": machine.describe(), "suite": args.suite, "rounds": args.rounds, "measures": {}}  # fmt: skip
     print(f"machine: {machine.summary(report['machine'])}; {args.suite}: baseline {args.baseline} vs tree "
           f"{report['tree']}, {args.rounds} alternating rounds")  # fmt: skip

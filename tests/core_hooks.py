@@ -97,6 +97,20 @@ class CrashSwitch:
         self._thrown.set()
 
 
+class RequireEnv:
+    """Fails the core's start (LLMEngine.launch raises it) unless the process runs with name=value."""
+
+    def __init__(self, name: str, value: str) -> None:
+        self.name, self.value = name, value
+
+    def __call__(self, core: Any) -> None:  # in the core process
+        import os
+
+        found = os.environ.get(self.name)
+        if found != self.value:
+            raise AssertionError(f"the core process runs with {self.name}={found!r}, not {self.value!r}")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process runs (a zombie awaiting its parent's wait() does not count)."""
     try:

@@ -32,6 +32,7 @@ from orca_backend.config import EngineConfig
 from orca_backend.core.engine_core import EngineCore
 from orca_backend.core.frontends import OWNER, Frontends
 from orca_backend.messages import STOPPED_MESSAGE, CoreAddress, CoreOutputs, EngineDeadError, dumps, loads
+from orca_backend.processes import huge_pages_description
 
 # Called with the built core before it serves, inside the core process (must be picklable): the seam
 # tests use to hold or break iterations, and where instrumentation can attach.
@@ -50,6 +51,7 @@ def run_core_process(config: EngineConfig, conn: Connection, hook: CoreHook | No
     `listen`: where more frontends may attach once the model is loaded.
     """
     logging.basicConfig(level=logging.INFO, format="orca-engine-core %(levelname)s %(name)s: %(message)s")
+    logger.info("%s", huge_pages_description())
     try:
         core = EngineCore(config, config.model_config())
         if hook is not None:

@@ -50,7 +50,7 @@ from orca_backend.messages import (
     loads,
     read_frame,
 )
-from orca_backend.processes import exit_description
+from orca_backend.processes import child_environment, exit_description
 
 if TYPE_CHECKING:
     from orca_backend.core.core_process import CoreHook
@@ -261,7 +261,8 @@ class EngineCoreProcess(_CoreLink):
         # Not a daemon: a daemonic process may not start the tp x pp worker processes.
         self.process = ctx.Process(target=_core_process_main, args=(config, child_end, hook, listen),
                                    name="orca-engine-core", daemon=False)  # fmt: skip
-        self.process.start()
+        with child_environment():  # its workers inherit it from the core
+            self.process.start()
         child_end.close()  # the process holds the only other end: its exit reads as EOF here
         atexit.register(self.shutdown)  # a process left running would hang interpreter exit
         try:

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from orca_backend.config import EngineConfig
 from orca_backend.executor.base import BatchFailed, WorkerFailure
 from orca_backend.families import AnyModelConfig, model_config_to_json
-from orca_backend.processes import exit_description
+from orca_backend.processes import child_environment, exit_description
 from orca_backend.scheduler_output import (
     PooledChunk,
     PromptLogprobsChunk,
@@ -121,7 +121,8 @@ class WorkerPoolExecutor:
             proc = ctx.Process(target=worker_main,
                                args=(rank, config_json, model_json, init_method, child_end, socket_env),
                                name=f"orca-worker-{rank}", daemon=True)  # fmt: skip
-            proc.start()
+            with child_environment():  # a core in the user's process (offline) starts them too
+                proc.start()
             child_end.close()
             self.conns.append(parent_end)
             self.processes.append(proc)

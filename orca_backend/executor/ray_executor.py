@@ -47,6 +47,7 @@ from orca_backend.executor.control_plane import ControlServer, connect_control
 from orca_backend.executor.multiproc import LOOPBACK_SOCKET_ENV, WorkerPoolExecutor, worker_socket_env
 from orca_backend.families import AnyModelConfig, model_config_to_json
 from orca_backend.net import is_loopback, listen
+from orca_backend.processes import child_env_vars
 from orca_backend.worker.worker_proc import worker_main
 
 logger = logging.getLogger("orca.workers")
@@ -173,7 +174,7 @@ class RayExecutor(WorkerPoolExecutor):
             raise RuntimeError(f"the Ray cluster could not place {self.world_size} bundles of {bundle} "
                                f"({config.ray_placement_strategy}) within {timeout_s:.0f} s")  # fmt: skip
         actor_class = _actor_class(ray, config)
-        env = {key: os.environ[key] for key in LOOPBACK_SOCKET_ENV if os.environ.get(key)}
+        env = {key: os.environ[key] for key in LOOPBACK_SOCKET_ENV if os.environ.get(key)} | child_env_vars()
         self._actors = [
             actor_class.options(
                 name=f"orca-{self.engine_id}-rank{rank}", namespace=RAY_NAMESPACE,
