@@ -12,10 +12,10 @@ from pathlib import Path
 # torch's CPU allocator (c10's alloc_cpu) asks the kernel for transparent huge pages, madvise
 # MADV_HUGEPAGE, for every buffer of 2 MB and more when this is 1: the weights and the K/V pool then
 # sit on 2 MB pages, and a decode step's streaming reads cross a page (a TLB miss, and where the
-# hardware prefetcher stops) 512 times less often. llama-150m's batch-1 bfloat16 step took 0.93x the
-# time, the offline throughput 0.97x (docs/cpu-gemm.md). torch reads it once, at its first
-# allocation, so it is set for the processes the engine spawns, before they import torch; a value the
-# user set is kept (0 turns it off), and a kernel whose THP mode is "never" ignores the advice.
+# hardware prefetcher stops) 512 times less often: 1.04x the offline throughput of llama-150m in
+# bfloat16 (docs/cpu-gemm.md, "Huge pages"). torch reads it once, at its first allocation, so it is
+# set for the processes the engine spawns, before they import torch; a value the user set is kept
+# (0 turns it off), and a kernel whose THP mode is "never" ignores the advice.
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
