@@ -528,6 +528,10 @@ DEFINE_ROWS(fp8_rows, uint8_t, fp8_row)
         float *rows = s + keys * TILE;                                                                       \
         int64_t pos[TILE];                                                                                   \
         for (int l = 0; l < TILE; l++) pos[l] = pos0 + (l < nq ? l : nq - 1);                                \
+        /* the rows' loads all in flight at once: a row's load waited behind the previous row's       \
+         * transposed stores, and each cold row (the qkv output of a whole prompt step) took a trip to   \
+         * memory of its own */                                                                          \
+        for (int64_t l = 0; l < nq; l++) prefetch(q + l * q_row_stride, head_dim * (int64_t)sizeof(Q_T));  \
         for (int l = 0; l < TILE; l++) { /* each query's row read in order, written transposed */           \
             const Q_T *row = q + (l < nq ? l : nq - 1) * q_row_stride;                                       \
             for (int64_t d = 0; d < head_dim; d++) qt[d * TILE + l] = TO_F32(row[d]);                        \
