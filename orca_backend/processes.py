@@ -20,23 +20,22 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def child_env_vars() -> dict[str, str]:
+    """The variables the engine's children start with: HUGE_PAGES_ENV=1 unless the user set it."""
+    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
+
+
 @contextlib.contextmanager
 def child_environment() -> Iterator[None]:
-    """os.environ as the engine's children start with it (a spawned process copies its parent's
-    environment when it starts): with HUGE_PAGES_ENV=1 unless the user set it. Restored on exit."""
-    added = HUGE_PAGES_ENV not in os.environ
-    if added:
-        os.environ[HUGE_PAGES_ENV] = "1"
+    """os.environ with `child_env_vars` added, for the processes spawned inside (a spawned process
+    copies its parent's environment when it starts); what it added is removed on exit."""
+    added = {key: value for key, value in child_env_vars().items() if key not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        if added:
-            os.environ.pop(HUGE_PAGES_ENV, None)
-
-
-def child_env_vars() -> dict[str, str]:
-    """The variables `child_environment` sets, for children started elsewhere (Ray actors)."""
-    return {HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")}
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def huge_pages_description() -> str:
