@@ -52,10 +52,13 @@ from dataclasses import replace
 from pathlib import Path
 
 # The suites that run the engine in this process (roofline, prefill, gemm, ...) run it as its own
-# processes run (orca_backend/processes.py): torch's big CPU buffers on huge pages, set before torch
-# loads. vLLM runs as its users run it, without, unless the user set it for both.
-USER_HUGE_PAGES = os.environ.get("THP_MEM_ALLOC_ENABLE")
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# processes run: torch's big CPU buffers on huge pages, set before torch loads. The variable is named
+# here, not taken from orca_backend/processes.py: ab.py runs this file over baseline trees that may
+# predate it, and both sides must run with the same setting. vLLM runs as its users run it, without,
+# unless the user set it for both.
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+USER_HUGE_PAGES = os.environ.get(HUGE_PAGES_ENV)
+os.environ.setdefault(HUGE_PAGES_ENV, "1")
 
 import torch  # noqa: E402
 
@@ -65,7 +68,6 @@ from orca_backend.config import PRESETS  # noqa: E402
 from orca_backend.engine.llm_engine import LLMEngine  # noqa: E402
 from orca_backend.families.gemma import GemmaConfig  # noqa: E402
 from orca_backend.families.llama import LlamaConfig, hf_moe_fields  # noqa: E402
-from orca_backend.processes import huge_pages_description  # noqa: E402
 from orca_client import machine  # noqa: E402
 from orca_client.workload import TraceRequest, synthetic_trace  # noqa: E402
 
@@ -97,6 +99,20 @@ def write_checkpoint(path: Path, model: str) -> Path:
         torch.manual_seed(0)
         hf_model(PRESETS[model]).save_pretrained(path)
     return path
+
+
+def huge_pages() -> str:
+    """The huge-page setting as the engine logs it."""
+    try:
+        from orca_backend.processes import huge_pages_description
+    except ImportError:  # a baseline tree of ab.py from before the engine described it
+        return f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]} (this tree does not describe it)"
+    return huge_pages_description()
+
+
+def query_heads(config) -> int:  # noqa: ANN001
+    """A preset's query heads: Llama's name, or GPT-2's."""
+    return getattr(config, "num_attention_heads", None) or config.n_head
 
 
 def hf_model(config) -> torch.nn.Module:  # noqa: ANN001
@@ -141,7 +157,7 @@ def workload_floor(config, trace: list[TraceRequest], dtype: torch.dtype, peak_g
     tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = model.get_output_embeddings().weight
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in tables and p is not head)
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    heads = query_heads(config)
     layers, kv_heads, head_dim, size = config.num_layers, config.num_kv_heads, config.head_dim, dtype.itemsize
     attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per (query, key): q.k and p.v
     kv_row = 2 * layers * kv_heads * head_dim * size  # bytes of K and V per context token
@@ -443,7 +459,7 @@ def suite_attention(args, model: str) -> dict:
     from orca_kernels.attention import AttentionMetadata
 
     config = LLMEngine(EngineConfig(model=model, max_num_seqs=1, kv_capacity_tokens=64)).model_config
-    heads = getattr(config, "num_attention_heads", None) or config.n_head  # Llama's name, or GPT-2's
+    heads = query_heads(config)
     kv_heads, head_dim = config.num_kv_heads, config.head_dim
     dtype, gen = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
     bandwidth, peak = measure_read_bandwidth(), measure_flops_peak(dtype)
@@ -594,7 +610,7 @@ def ensure_vllm_venv(venv: Path) -> Path:
 def run_vllm(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
     python = ensure_vllm_venv(Path(args.vllm_venv))
     iomp = next((Path(args.vllm_venv) / "lib").glob("libiomp5.so"), None)
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE" or USER_HUGE_PAGES is not None} | {
+    env = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_ENV or USER_HUGE_PAGES is not None} | {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
         "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB; 64 requests of <= 520 tokens need under 3 (GPT-2-small)
         "LD_PRELOAD": ":".join(str(p) for p in (TCMALLOC, iomp) if p),
@@ -660,7 +676,7 @@ def main() -> None:
                             vocab_size=PRESETS[args.model].vocab_size, seed=0)
     results: dict = {"torch_threads": torch.get_num_threads(), "command": " ".join(sys.argv), "machine": machine.describe(),
                      "commit": machine.code_revision(ROOT), "orca_backend": str(Path(orca_backend.__file__).parent),
-                     "huge_pages": huge_pages_description()}  # fmt: skip
+                     "huge_pages": huge_pages()}  # fmt: skip
     print(f"machine: {machine.summary(results['machine'])}; {results['huge_pages']}", flush=True)
     for suite in args.suites.split(","):
         print(f"== {suite}", flush=True)
