@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,10 +198,19 @@ def engine_processes(root_pid: int, model: str = "orca") -> tuple[int, int, list
 
 # Runs the engine for one slice per line read (the line: its seconds): a process of its own, because
 # the test's own process can wait hundreds of milliseconds for its GIL (the gRPC stream's threads hold
-# it) between the two signals, while the engine makes hundreds of tokens.
+# it) between the two signals, while the engine makes hundreds of tokens. It asks for real-time
+# scheduling first (its first line says whether it got it): on a loaded 2-core machine the kernel has
+# been seen to leave a woken process waiting seconds for a CPU (6.18, EEVDF: a sleeping probe waited
+# up to 6 s beside two busy loops and a serving tritonserver), and the engine runs on all that time.
 _SLICER = """
 import os, signal, sys, time
 pid = int(sys.argv[1])
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    sys.stdout.write("fifo\\n")
+except (AttributeError, OSError) as exc:
+    sys.stdout.write(f"fair ({exc})\\n")
+sys.stdout.flush()
 for line in iter(sys.stdin.readline, ""):
     os.kill(pid, signal.SIGCONT)
     time.sleep(float(line))
@@ -224,6 +234,9 @@ def run_in_slices(pid: int, progress: Callable[[], float], until: Callable[[], b
     slicer = subprocess.Popen([sys.executable, "-c", _SLICER, str(pid)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
+        policy = slicer.stdout.readline().strip()
+        if policy != "fifo":  # the slices may then run long on a loaded machine: said, not hidden
+            warnings.warn(f"the engine's slicer runs without real-time scheduling: {policy or 'it ended'}", stacklevel=2)
         deadline, length = time.monotonic() + timeout_s, slice_s
         while not until():
             if time.monotonic() > deadline:
@@ -240,6 +253,38 @@ def run_in_slices(pid: int, progress: Callable[[], float], until: Callable[[], b
         slicer.stdin.close()
         slicer.wait()
         os.kill(pid, signal.SIGSTOP)  # stopped whatever happened to the slicer
+
+
+def iteration_lines(log: Path, offset: int = 0) -> list[dict]:
+    """The iteration log's (EngineConfig.iteration_log) iteration lines written whole after byte `offset`."""
+    if not log.exists():
+        return []
+    with log.open() as f:
+        f.seek(offset)
+        text = f.read()
+    return [line for line in map(json.loads, text[: text.rfind("\n") + 1].splitlines()) if "iteration" in line]
+
+
+def log_size(log: Path) -> int:
+    return log.stat().st_size if log.exists() else 0
+
+
+def run_until_decoding(core: int, log: Path, offset: int, count: int, stop: Callable[[], bool],
+                       min_iterations: int = 2) -> bool:
+    """Lets a stopped engine core run in slices (run_in_slices) until one of its iterations decodes
+    `count` requests, at least `min_iterations` after byte `offset` of its iteration log (every one of
+    them has its prompt's K/V and tokens to go), or until `stop()` (say, one ran to max_tokens); the
+    core is left stopped. True in the first case.
+
+    Progress is the core's own iteration log, which its writer thread flushes within the slice: the
+    exported metrics pass through the instances, which a loaded machine can leave seconds behind the
+    core, and the core would run on (slice after slice, each making tokens) while they catch up."""
+    def decoding() -> bool:
+        lines = iteration_lines(log, offset)
+        return len(lines) >= min_iterations and lines[-1]["decode_tokens"] == count
+
+    assert run_in_slices(core, progress=lambda: len(iteration_lines(log, offset)), until=lambda: decoding() or stop())
+    return decoding()
 
 
 def finished_counts(server: TritonServer, model: str = "orca") -> dict[str, float]:

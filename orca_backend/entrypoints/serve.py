@@ -387,7 +387,10 @@ class TritonServer:
             if self.is_ready():
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s\n{self.log_tail()}")
+        # What answered: 200 ready, an error status not (yet) ready, 0 no answer at all (down, or too busy).
+        readiness = {name: self.model_ready_status(name) for name in self.options.models}
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s (live: {self.is_live()}, each model's "
+                           f"readiness status: {readiness})\n{self.log_tail()}")
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGINT (Triton drains in-flight requests up to --exit-timeout-secs), then SIGKILL the group."""

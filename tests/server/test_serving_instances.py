@@ -6,7 +6,6 @@ the core's death fails every instance's requests and unloads the model.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import signal
@@ -24,10 +23,12 @@ from serving_utils import (  # noqa: E402
     StreamSession,
     all_cancelled,
     finished_counts,
+    log_size,
     metric,
     model_processes,
+    model_statistics,
     ran_to_length,
-    run_in_slices,
+    run_until_decoding,
     start_server,
     wait_until,
 )
@@ -37,8 +38,14 @@ from orca_client.served_path import process_tree  # noqa: E402
 pytestmark = pytest.mark.integration
 
 INSTANCES = 3
-SERVER_MODEL = GPT2Config(vocab_size=384, n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
+# The requests a test holds running: long enough that none makes all its tokens before the last joins,
+# however unevenly a loaded machine passes them on (this tiny model makes 1,000 tokens in well under a
+# second). They are not streamed: a stream's thousands of responses would keep the instances, which
+# pass the requests on, busy on a loaded machine.
+LONG = 8000
+SERVER_MODEL = GPT2Config(vocab_size=384, n_positions=LONG + 8, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)
 ADMIN_KEY = "instances-test"
+ITERATION_LOG = "orca-iterations.jsonl"
 GREEDY = {"temperature": 0}
 
 
@@ -49,8 +56,10 @@ def checkpoint(make_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("instances"), checkpoint[0], models=("orca",), instances=INSTANCES,
-                          admin_key=ADMIN_KEY, parameters={"kv_capacity_tokens": "32768"})  # fmt: skip
+    run_dir = tmp_path_factory.mktemp("instances")
+    server = start_server(run_dir, checkpoint[0], models=("orca",), instances=INSTANCES, admin_key=ADMIN_KEY,
+                          parameters={"kv_capacity_tokens": str(12 * LONG)},
+                          model_parameters={"orca": {"iteration_log": str(run_dir / ITERATION_LOG)}})  # fmt: skip
     try:
         yield server
     finally:
@@ -98,29 +107,29 @@ def test_one_core_serves_every_instances_requests_with_the_offline_tokens(server
 
 
 def test_a_cancel_on_any_instance_frees_its_kv(server, reference):
-    """Streams spread over every instance, cancelled while they run: each instance aborts its own.
+    """Requests spread over every instance, cancelled while they run: each instance aborts its own.
 
-    As in test_serving's cancel test: the engine runs the streams in slices for a few iterations and
-    is held still until every instance has sent its aborts; a try in which a stream still ran to
-    max_tokens first (it ends "length") is tried again."""
+    As in test_serving's cancel test: once Triton has handed every request to an instance, the engine
+    runs in slices until an iteration decodes them all (run_until_decoding), and is held still until
+    every instance has sent its aborts; a try in which one still ran to max_tokens first (it ends
+    "length") is tried again."""
     (core,) = stubs_and_cores(server)[1]
     count = 3 * INSTANCES
-    iterations = functools.partial(metric, server, "orca_iterations_total", "orca")
-    running = functools.partial(metric, server, "orca_requests_running", "orca")
+    log = server.run_dir / ITERATION_LOG
     for attempt in range(3):
         finished_before = finished_counts(server)
-        started = iterations()
+        received, offset = model_statistics(server, "orca")[0], log_size(log)
         session = StreamSession(server.grpc_url)
         os.kill(core, signal.SIGSTOP)
         try:
             for i in range(count):
-                session.send("orca", f"doomed{attempt}.{i}", input_ids=[9, 8, i + 1], max_tokens=1000, sampling=GREEDY,
-                             stream=True)
-            all_run = lambda: iterations() >= started + 2 and running() == count  # noqa: B023, E731
-            assert run_in_slices(core, progress=iterations,  # noqa: B023
-                                 until=lambda: all_run() or ran_to_length(server, finished_before))  # noqa: B023
+                session.send("orca", f"doomed{attempt}.{i}", input_ids=[9, 8, i + 1], max_tokens=LONG, sampling=GREEDY,
+                             stream=False)
+            assert wait_until(lambda: model_statistics(server, "orca")[0] >= received + count, timeout_s=60)  # noqa: B023
+            all_run = run_until_decoding(core, log, offset, count,
+                                         stop=lambda: ran_to_length(server, finished_before) > 0)  # noqa: B023
             # When one ran to max_tokens before the last reached the engine, the try ends below.
-            held_kv = all_run() and wait_until(lambda: metric(server, "orca_kv_used_tokens", "orca") > 0, timeout_s=10)
+            held_kv = all_run and wait_until(lambda: metric(server, "orca_kv_used_tokens", "orca") > 0, timeout_s=10)
             session.close(cancel=True)
             pattern = rf"orca: doomed{attempt}\.\d+#\S+: cancelled by the client"
             wait_until(lambda: len(re.findall(pattern, server.log_tail(400_000)))  # noqa: B023
@@ -133,7 +142,7 @@ def test_a_cancel_on_any_instance_frees_its_kv(server, reference):
         assert held_kv
         break
     else:
-        pytest.fail("in three tries some stream always ran to max_tokens before its cancel reached the engine")
+        pytest.fail("in three tries some request always ran to max_tokens before its cancel reached the engine")
     cancelled_on = re.findall(rf"orca: doomed{attempt}\.\d+#(orca_\d+_\d+)/\d+: cancelled by the client",
                               server.log_tail(400_000))  # fmt: skip
     assert len(cancelled_on) == count and set(cancelled_on) == {f"orca_0_{i}" for i in range(INSTANCES)}
@@ -146,9 +155,10 @@ def test_unloading_leaves_no_process_and_a_reload_serves_again(server, reference
     try:
         before = {p.pid: p.cmdline for p in process_tree(server.process.pid)}
         client.unload_model("orca", headers=headers)
-        assert wait_until(lambda: not stubs_and_cores(server)[0] and not stubs_and_cores(server)[1], timeout_s=60)
-        left = [before[p.pid] for p in process_tree(server.process.pid) if p.pid in before and p.pid != server.process.pid]
-        assert not left, f"processes left after unloading: {left}"
+        # An exiting process is still in the tree a moment after its command line is gone.
+        left = lambda: [before[p.pid] for p in process_tree(server.process.pid)  # noqa: E731
+                        if p.pid in before and p.pid != server.process.pid]  # fmt: skip
+        assert wait_until(lambda: not left(), timeout_s=60), f"processes left after unloading: {left()}"
         client.load_model("orca", headers=headers)
         assert wait_until(lambda: server.model_ready_status("orca") == 200, timeout_s=120)
     finally:
@@ -165,19 +175,18 @@ def test_unloading_leaves_no_process_and_a_reload_serves_again(server, reference
 
 def test_the_cores_death_fails_every_instances_requests_and_unloads_the_model(server):
     (core,) = stubs_and_cores(server)[1]
-    running = functools.partial(metric, server, "orca_requests_running", "orca")
-    iterations = functools.partial(metric, server, "orca_iterations_total", "orca")
-    started, finished_before = iterations(), finished_counts(server)
+    log = server.run_dir / ITERATION_LOG
+    finished_before, offset = finished_counts(server), log_size(log)
+    received = model_statistics(server, "orca")[0]
     session = StreamSession(server.grpc_url)
     try:
         # Run in slices until every request runs (as the cancel test); if a loaded machine passed one
         # on so late that another had made all its tokens, the ones still running are the orphans.
         os.kill(core, signal.SIGSTOP)
-        results = [session.send("orca", f"orphan{i}", input_ids=[3, i + 1], max_tokens=1000, sampling=GREEDY,
-                                stream=True) for i in range(2 * INSTANCES)]  # fmt: skip
-        assert run_in_slices(core, progress=iterations,
-                             until=lambda: (iterations() >= started + 2 and running() == len(results))
-                             or ran_to_length(server, finished_before))  # fmt: skip
+        results = [session.send("orca", f"orphan{i}", input_ids=[3, i + 1], max_tokens=LONG, sampling=GREEDY,
+                                stream=False) for i in range(2 * INSTANCES)]  # fmt: skip
+        assert wait_until(lambda: model_statistics(server, "orca")[0] >= received + len(results), timeout_s=60)
+        run_until_decoding(core, log, offset, len(results), stop=lambda: ran_to_length(server, finished_before) > 0)
         orphans = len(results) - ran_to_length(server, finished_before)
         os.kill(core, signal.SIGKILL)
         # Triton's stream errors name no request: each of them ends with one.
