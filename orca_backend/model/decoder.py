@@ -113,8 +113,8 @@ class DecoderWeights:
     """A stage's weights. A family subclasses it to supply `hooks`; the model runs with its weights'."""
 
     layers: list[DecoderLayerWeights]
-    embed: torch.Tensor | None  # [vocab shard, hidden], first stage (and last, when tied)
-    lm_head: gemm.Weight | None  # [vocab shard, hidden], last stage; the embedding itself when tied
+    embed: torch.Tensor | None  # [vocab shard, hidden], first stage (and last, when tied and left unpacked)
+    lm_head: gemm.Weight | None  # [vocab shard, hidden], last stage; a tied one unpacked is the embedding itself
     norm_w: torch.Tensor | None  # last stage
 
     @staticmethod
@@ -123,7 +123,7 @@ class DecoderWeights:
         raise NotImplementedError
 
     def num_bytes(self) -> int:
-        """The bytes of every tensor held, each once (a tied LM head is the embedding; experts kept one
+        """The bytes of every tensor held, each once (a tied LM head left unpacked is the embedding; experts kept one
         weight per expert count each)."""
         tensors = {id(t): t for t in (self.embed, self.lm_head, self.norm_w) if t is not None}
         for layer in self.layers:
@@ -191,10 +191,8 @@ class DecoderWeights:
                 )
             )
         embed, lm_head = _load_vocab(src, config, layout, get)
-        if lm_head is not None and lm_head is not embed:
-            # An LM head of its own is packed as the layers are (CPU: 1.2-2.0x faster at 8-64 sampled rows,
-            # docs/cpu-gemm.md); a tied one stays the embedding, whose rows the lookup reads.
-            lm_head = gemm.pack(lm_head)
+        if lm_head is not None:
+            lm_head, embed = gemm.pack_lm_head(lm_head, embed, layout.is_first_stage)
         return cls(layers, embed, lm_head, norm("model.norm.weight") if layout.is_last_stage else None)
 
     @classmethod

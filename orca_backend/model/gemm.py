@@ -75,6 +75,18 @@ def pack(weight: torch.Tensor | Fp8Weight | IntWeight | CpuIntWeight | W8A8Weigh
     return pack_weight(weight) if _PACKS_FOR_ONEDNN.get() else weight.contiguous()
 
 
+def pack_lm_head(lm_head: torch.Tensor, embed: torch.Tensor | None,
+                 first_stage: bool) -> tuple[Weight, torch.Tensor | None]:
+    """(LM head, embedding) of the last stage: the head `pack`ed as the layers are (CPU: 1.2-2.0x
+    faster at 8-64 sampled rows, docs/cpu-gemm.md), a tied one too, as vLLM's CPU backend does. A
+    tied head's embedding then stays only where the lookup reads it, the first stage: there the
+    vocabulary table is held twice (GPT-2 small in bfloat16: 77 MB more)."""
+    packed = pack(lm_head)
+    if lm_head is embed and packed is not embed and not first_stage:
+        embed = None
+    return packed, embed
+
+
 def linear(
     x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -59,15 +59,17 @@ class LayerWeights:
 @dataclass
 class GPT2Weights:
     layers: list[LayerWeights]
-    wte: torch.Tensor | None  # [vocab shard, hidden]: embedding on the first stage, tied LM head on the last
+    wte: torch.Tensor | None  # [vocab shard, hidden]: the embedding (first stage; on the last, the LM head unpacked)
+    lm_head: gemm.Weight | None  # last stage only: wte, tied, packed as the layers are (gemm.pack_lm_head)
     wpe: torch.Tensor | None  # first stage only
     lnf_w: torch.Tensor | None  # last stage only
     lnf_b: torch.Tensor | None
 
     def num_bytes(self) -> int:
-        tensors = [self.wte, self.wpe, self.lnf_w, self.lnf_b]
+        """The bytes of every tensor held, each once (an LM head left unpacked is wte)."""
+        tensors = [self.wte, self.lm_head, self.wpe, self.lnf_w, self.lnf_b]
         tensors += [t for layer in self.layers for t in vars(layer).values()]
-        return sum(t.nbytes for t in tensors if t is not None)
+        return sum(t.nbytes for t in {id(t): t for t in tensors if t is not None}.values())
 
     @classmethod
     def load(
@@ -104,16 +106,20 @@ class GPT2Weights:
             for name in ("qkv_w", "attn_out_w", "fc_w", "proj_w"):
                 setattr(layer, name, gemm.pack(getattr(layer, name)))
         v_lo, v_hi = layout.vocab_shard(config.vocab_size)
-        needs_wte = layout.is_first_stage or layout.is_last_stage
+        wte = get("transformer.wte.weight", 0, v_lo, v_hi) if layout.is_first_stage or layout.is_last_stage else None
+        if wte is not None and tuple(wte.shape) != (v_hi - v_lo, e):
+            raise ValueError(f"wte shard has shape {tuple(wte.shape)}, config says {(v_hi - v_lo, e)}")
+        lm_head = None
+        if layout.is_last_stage:
+            lm_head, wte = gemm.pack_lm_head(wte, wte, layout.is_first_stage)
         weights = cls(
             layers,
-            wte=get("transformer.wte.weight", 0, v_lo, v_hi) if needs_wte else None,
+            wte=wte,
+            lm_head=lm_head,
             wpe=get("transformer.wpe.weight") if layout.is_first_stage else None,
             lnf_w=get("transformer.ln_f.weight") if layout.is_last_stage else None,
             lnf_b=get("transformer.ln_f.bias") if layout.is_last_stage else None,
         )
-        if weights.wte is not None and tuple(weights.wte.shape) != (v_hi - v_lo, e):
-            raise ValueError(f"wte shard has shape {tuple(weights.wte.shape)}, config says {(v_hi - v_lo, e)}")
         return weights
 
 
@@ -149,8 +155,8 @@ class GPT2(StageModel):
         return step
 
     def vocab_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.weights.wte is not None, "a single-process model"
-        return self.weights.wte, self.weights.wte  # the LM head is tied; positions are not the token's
+        assert self.weights.wte is not None and self.weights.lm_head is not None, "a single-process model"
+        return self.weights.wte, self.weights.lm_head  # the LM head is tied; positions are not the token's
 
     @torch.inference_mode()
     def forward(
@@ -209,7 +215,7 @@ class GPT2(StageModel):
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
         h, _ = self.ops.add_layernorm(x, residual, w.lnf_w, w.lnf_b, cfg.layer_norm_epsilon)
-        logits = self.tp.gather_vocab(gemm.linear(h, w.wte).float(), cfg.vocab_size)
+        logits = self.tp.gather_vocab(gemm.linear(h, w.lm_head).float(), cfg.vocab_size)
         return logits if pooled is None else (logits, pooled)
 
     def _final_hidden(self, x: torch.Tensor, pending: torch.Tensor | None, residual: torch.Tensor,
@@ -251,7 +257,7 @@ class GPT2(StageModel):
         pooled = self._final_hidden(x, pending, residual, pool_indices)
         # Only the last token of each request needs the final LayerNorm and the LM head.
         x, residual = x[logits_indices], residual[logits_indices]
-        logits, _ = ops.norm_linear(x, pending, residual, w.lnf_w, w.lnf_b, eps, w.wte, None)
+        logits, _ = ops.norm_linear(x, pending, residual, w.lnf_w, w.lnf_b, eps, w.lm_head, None)
         logits = self.tp.gather_vocab(logits.float(), cfg.vocab_size)
         return logits if pooled is None else (logits, pooled)
 
