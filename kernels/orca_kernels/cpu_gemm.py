@@ -6,13 +6,13 @@ CPU, so the multiply is picked by the CPU and the number of tokens (`ORCA_CPU_GE
 - AVX2 machines ("native"): plain weights; up to 32 tokens (a decode iteration of a small batch)
   the C kernel `csrc/decode_gemm.c`, which reads each weight once at streaming bandwidth; then
   oneDNN, and in float32 past 512 tokens MKL's sgemm (the faster there).
-- AVX-512 machines ("packed"): the layers' weights (and an untied LM head) are reordered once, at
+- AVX-512 machines ("packed"): the layers' weights (and the LM head, tied or not) are reordered once, at
   load (`pack_weight`), into oneDNN's blocked layout. Up to 64 tokens the C kernel's panel tiles read
   that layout in place (`packed_native_linear`: 1.02-1.97x oneDNN on the same buffer, which at a few
   tokens reads it at 0.6-0.75x the bandwidth); beyond, oneDNN multiplies it, on prefills up to 2.2x faster than MKL
   (which runs its AVX2 code on AMD CPUs). `pack_weight` checks the layout on every weight it packs:
   one oneDNN lays out otherwise (another version, another kind of CPU) goes to oneDNN at every
-  size, with a warning. A weight left plain (a tied embedding that is also the LM head) takes the C
+  size, with a warning. A weight left plain (a mixture-of-experts layer's experts) takes the C
   kernel up to 12 tokens, oneDNN beyond.
 docs/cpu-gemm.md has the measurements behind these choices.
 
@@ -119,7 +119,7 @@ def cpu_gemm_choice() -> str:
                     NATIVE_MAX_TOKENS[isa], f"oneDNN up to {onednn_max} and MKL beyond" if onednn_max else "oneDNN")  # fmt: skip
     elif choice == "packed":
         logger.info("CPU linear layers: weights in oneDNN's blocked layout, oneDNN at every size; plain weights "
-                    "(a tied LM head) the C kernel (%s) up to %d tokens, then oneDNN", isa, NATIVE_MAX_TOKENS[isa])  # fmt: skip
+                    "(MoE experts) the C kernel (%s) up to %d tokens, then oneDNN", isa, NATIVE_MAX_TOKENS[isa])  # fmt: skip
     else:
         logger.info("CPU linear layers: %s", "oneDNN" if choice == "onednn" else "torch F.linear (MKL)")
     return choice

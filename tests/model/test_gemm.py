@@ -154,7 +154,7 @@ def test_auto_packs_on_avx512_and_takes_the_c_kernel_for_plain_weights(choice, i
     """The path really taken, in float32 and bfloat16: on AVX2 the layers' weights stay plain and the
     C kernel multiplies up to native_max_tokens() tokens, not beyond; on AVX-512 they are packed,
     the C kernel's panel tiles multiply them up to PACKED_NATIVE_MAX_TOKENS and oneDNN beyond, and
-    a weight left plain (a tied LM head) takes the C kernel up to its own threshold."""
+    a weight left plain (a MoE layer's experts) takes the C kernel up to its own threshold."""
     choice("auto")
     isa_env(isa)
     assert cpu_gemm.cpu_gemm_choice() == ("native" if isa == "avx2" else "packed")
