@@ -36,6 +36,8 @@ from serving_utils import (  # noqa: E402 - after the skip above
     engine_processes,
     finished_counts,
     http_generate,
+    iteration_lines,
+    log_size,
     metric,
     model_statistics,
     one_request,
@@ -339,7 +341,7 @@ def test_orca_short_requests_overtake_a_long_one_token_by_token(server, referenc
     tries: list[dict] = []
     for attempt in range(3):
         started = _settled(iterations)  # what earlier tests left has ended, and the export caught up
-        log_offset = log.stat().st_size if log.exists() else 0
+        log_offset = log_size(log)
         received, _ = model_statistics(server, "orca")
         with StreamSession(server.grpc_url) as session:
             os.kill(core, signal.SIGSTOP)
@@ -364,7 +366,7 @@ def test_orca_short_requests_overtake_a_long_one_token_by_token(server, referenc
         # then makes one token an iteration, so it ends long_tokens - 1 iterations later.
         lines: list[dict] = []
         ended = wait_until(lambda: _long_has_ended(lines, log, log_offset, long_tokens), timeout_s=30)  # noqa: B023
-        assert ended, _iterations(log, log_offset)[:3]
+        assert ended, iteration_lines(log, log_offset)[:3]
         first, *later = lines
         long_ends = first["iteration"] + long_tokens - 1
         joins = [line["iteration"] for line in later if line["prompt_tokens"] > 0]
@@ -385,20 +387,10 @@ def test_orca_short_requests_overtake_a_long_one_token_by_token(server, referenc
     pytest.fail(f"in three tries the short requests never joined the long one while it had tokens to go: {tries}")
 
 
-def _iterations(log: Path, offset: int) -> list[dict]:
-    """The iteration log's iteration lines written whole after byte `offset`."""
-    if not log.exists():
-        return []
-    with log.open() as f:
-        f.seek(offset)
-        text = f.read()
-    return [line for line in map(json.loads, text[: text.rfind("\n") + 1].splitlines()) if "iteration" in line]
-
-
 def _long_has_ended(lines: list[dict], log: Path, offset: int, long_tokens: int) -> bool:
     """Fills `lines` with the iteration log's lines from the long request's prefill (the first to run
     prompt tokens after `offset`) to its last iteration; False until the log holds them all."""
-    read = _iterations(log, offset)
+    read = iteration_lines(log, offset)
     start = next((i for i, line in enumerate(read) if line["prompt_tokens"] > 0), None)
     if start is None:
         return False
