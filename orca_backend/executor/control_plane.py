@@ -221,7 +221,8 @@ def _read_hello(data: bytes, world_size: int) -> int:
 def _handshake_failure(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return str(exc)
-    if isinstance(exc, EOFError):
+    if isinstance(exc, EOFError | ConnectionResetError):
+        # A peer that closes with our challenge still unread is reset by its kernel, not closed.
         return "it closed the connection during the handshake"
     if isinstance(exc, AuthenticationError | AssertionError):  # AssertionError: not a challenge at all
         return f"it failed authentication ({exc or 'not a challenge'})"
