@@ -82,14 +82,16 @@ def greedy(r: TraceRequest, lora_name: str | None = None) -> SamplingParams:
 
 def timed_generate(llm: LLM, trace: list[TraceRequest], repeat: int) -> dict:
     llm.generate([r.prompt_ids for r in trace[:2]], [greedy(r) for r in trace[:2]])  # warm-up
-    runs = []
+    runs, first_iterations = [], []
     for _ in range(repeat):
+        first_iterations.append(llm.engine.core.num_iterations)  # where each run starts in the iteration log
         start = time.perf_counter()
         outs = llm.generate([r.prompt_ids for r in trace], [greedy(r) for r in trace])
         runs.append(time.perf_counter() - start)
     tokens = sum(len(o.output_ids) for o in outs)
     assert tokens == sum(r.max_tokens for r in trace), "a request stopped early"
-    return {"seconds": min(runs), "output_tokens": tokens, "tokens_per_s": tokens / min(runs), "runs_s": runs}
+    return {"seconds": min(runs), "output_tokens": tokens, "tokens_per_s": tokens / min(runs), "runs_s": runs,
+            "iterations_before_each_run": first_iterations}  # fmt: skip
 
 
 def write_checkpoint(path: Path, model: str) -> Path:
@@ -174,12 +176,41 @@ def workload_floor(config, trace: list[TraceRequest], dtype: torch.dtype, peak_g
 
 
 # ----------------------------------------------------------------------------------------- suites
+def step_breakdown(iteration_log: Path, first_iteration: int) -> dict:
+    """The engine's seconds by kind of iteration after `first_iteration` (its iteration log): those
+    with prompt tokens (new prompts, with the decodes that ran beside them), and decode-only ones by
+    how many requests they decoded."""
+    bands = ((1, 8), (8, 16), (16, 32), (32, 48), (48, 65))
+    kinds: dict[str, dict] = {}
+    for line in iteration_log.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("iteration", 0) <= first_iteration:
+            continue
+        if row["prompt_tokens"]:
+            kind = "with prompts"
+        else:
+            kind = next((f"decode {lo}-{hi - 1}" for lo, hi in bands if lo <= row["decode_tokens"] < hi), "decode 65+")
+        entry = kinds.setdefault(kind, {"iterations": 0, "seconds": 0.0, "tokens": 0})
+        entry["iterations"] += 1
+        entry["seconds"] += row["seconds"]
+        entry["tokens"] += row["prompt_tokens"] + row["decode_tokens"]
+    return kinds
+
+
 def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
-    llm = LLM(str(ckpt), dtype=args.dtype, max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520)
+    iteration_log = Path(tempfile.mkdtemp(prefix="orca-iterations-")) / "iterations.jsonl"
+    llm = LLM(str(ckpt), dtype=args.dtype, max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520,
+              iteration_log=str(iteration_log))  # fmt: skip
     result = {"orca": timed_generate(llm, trace, args.repeat)}
     print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
           f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
+    llm.shutdown()  # writes out the iteration log
     del llm
+    kinds = step_breakdown(iteration_log, result["orca"]["iterations_before_each_run"][-1])
+    shutil.rmtree(iteration_log.parent, ignore_errors=True)
+    result["orca"]["last_run_by_iteration_kind"] = kinds
+    print("  its last run by kind of iteration: "
+          + "; ".join(f"{kind} {e['iterations']} x {e['seconds']:.2f} s" for kind, e in kinds.items()))  # fmt: skip
     dtype = getattr(torch, args.dtype)
     floor = workload_floor(PRESETS[args.model], trace, dtype, measure_flops_peak(dtype), measure_read_bandwidth())
     if floor is not None:
@@ -333,10 +364,11 @@ def suite_roofline(args, model: str, dtype: str | None = None) -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype or args.dtype, max_num_seqs=1, kv_capacity_tokens=2048))
     weights = engine.core.executor.runner.model.weights
     # A decode step reads every weight once, except the tables it reads one row of: GPT-2's position
-    # table, and an embedding that is not also the LM head (Llama's untied one).
+    # table, and an embedding the LM head does not read (an untied one, or a tied one packed apart).
     tables = [getattr(weights, "wpe", None)]
-    if getattr(weights, "embed", None) is not None and weights.embed is not weights.lm_head:
-        tables.append(weights.embed)
+    embed = getattr(weights, "embed", getattr(weights, "wte", None))
+    if embed is not None and embed is not weights.lm_head:
+        tables.append(embed)
     # A MoE layer's batch-1 step reads its token's k experts of the layer's E.
     config, unread = engine.model_config, 0.0
     if getattr(config, "num_experts", 0):

@@ -43,7 +43,8 @@ def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orc
     """
     parameters = {"model": str(model_dir), **options.pop("parameters", {})}
     run_dir.mkdir(parents=True, exist_ok=True)
-    for attempt in range(3):
+    attempt = 1
+    while True:
         server = TritonServer(ServerOptions(models=models, parameters=parameters, run_dir=run_dir,
                                             log_file=run_dir / "tritonserver.log", **options))
         server.start()
@@ -54,12 +55,12 @@ def start_server(run_dir: Path, model_dir: Path, models: tuple[str, ...] = ("orc
             server.stop()
             # The ports were free when picked (net.free_ports), but another process (the other
             # worker's clients) may bind one before tritonserver does: it exits, and new ports are tried.
-            if "already in use" not in str(exc) or attempt == 2:
+            if "already in use" not in str(exc) or attempt == 3:
                 raise
+            attempt += 1
         except BaseException:
             server.stop()
             raise
-    raise AssertionError("unreachable")
 
 
 @dataclass
