@@ -10,7 +10,9 @@
 Suites:
   throughput  output tokens/s of LLM.generate on 64 requests (prompts uniform 16-256, long-tailed
               outputs with median 32 up to 256, ignore_eos), best of --repeat; with --peer vllm the
-              same for vLLM and the ratio; --floor adds transformers one request at a time.
+              same for vLLM and the ratio; --floor adds transformers one request at a time. Also the
+              workload's floor on this machine, and this engine's last run by kind of iteration
+              (the one with the prompts, decodes by batch size; from its iteration log).
   modes       iteration-level (ORCA) vs request-level scheduling with max batch 16 < 64 requests,
               so freed slots are refilled (or not): the gain of iteration-level scheduling alone.
   roofline    batch-1 decode step vs the memory roofline: each step against reads of the weight bytes it reads
