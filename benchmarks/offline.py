@@ -71,6 +71,7 @@ from orca_backend.engine.llm_engine import LLMEngine  # noqa: E402
 from orca_backend.families.gemma import GemmaConfig  # noqa: E402
 from orca_backend.families.llama import LlamaConfig, hf_moe_fields  # noqa: E402
 from orca_client import machine  # noqa: E402
+from orca_client.report import read_iteration_logs  # noqa: E402
 from orca_client.workload import TraceRequest, synthetic_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,15 +179,14 @@ def workload_floor(config, trace: list[TraceRequest], dtype: torch.dtype, peak_g
 
 
 # ----------------------------------------------------------------------------------------- suites
-def step_breakdown(iteration_log: Path, first_iteration: int) -> dict:
-    """The engine's seconds by kind of iteration after `first_iteration` (its iteration log): those
-    with prompt tokens (new prompts, with the decodes that ran beside them), and decode-only ones by
-    how many requests they decoded."""
+def step_breakdown(iteration_lines: list[dict], first_iteration: int) -> dict:
+    """The engine's seconds by kind of iteration after `first_iteration` (lines of its iteration log):
+    those with prompt tokens (new prompts, with the decodes that ran beside them), and decode-only
+    ones by how many requests they decoded."""
     bands = ((1, 8), (8, 16), (16, 32), (32, 48), (48, 65))
     kinds: dict[str, dict] = {}
-    for line in iteration_log.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("iteration", 0) <= first_iteration:
+    for row in iteration_lines:
+        if row["iteration"] <= first_iteration:
             continue
         if row["prompt_tokens"]:
             kind = "with prompts"
@@ -200,16 +200,16 @@ def step_breakdown(iteration_log: Path, first_iteration: int) -> dict:
 
 
 def suite_throughput(args, ckpt: Path, trace: list[TraceRequest]) -> dict:
-    iteration_log = Path(tempfile.mkdtemp(prefix="orca-iterations-")) / "iterations.jsonl"
+    log_dir = Path(tempfile.mkdtemp(prefix="orca-iterations-"))
     llm = LLM(str(ckpt), dtype=args.dtype, max_num_seqs=len(trace), kv_capacity_tokens=len(trace) * 520,
-              iteration_log=str(iteration_log))  # fmt: skip
+              iteration_log=str(log_dir / "orca.jsonl"))  # fmt: skip
     result = {"orca": timed_generate(llm, trace, args.repeat)}
     print(f"orca engine: {result['orca']['tokens_per_s']:.1f} output tok/s ({result['orca']['output_tokens']} tokens "
           f"in {result['orca']['seconds']:.2f} s, best of {args.repeat})")  # fmt: skip
     llm.shutdown()  # writes out the iteration log
     del llm
-    kinds = step_breakdown(iteration_log, result["orca"]["iterations_before_each_run"][-1])
-    shutil.rmtree(iteration_log.parent, ignore_errors=True)
+    kinds = step_breakdown(read_iteration_logs(log_dir)["orca"], result["orca"]["iterations_before_each_run"][-1])
+    shutil.rmtree(log_dir, ignore_errors=True)
     result["orca"]["last_run_by_iteration_kind"] = kinds
     print("  its last run by kind of iteration: "
           + "; ".join(f"{kind} {e['iterations']} x {e['seconds']:.2f} s" for kind, e in kinds.items()))  # fmt: skip
